@@ -1,0 +1,36 @@
+# Development entry points. torch is installed first and pinned, so that
+# installing the project does not pull another torch build.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION := 2.13.0
+INSTALLED := $(VENV)/.installed
+
+.PHONY: venv demo test lint proto clean
+
+venv: $(INSTALLED)
+
+$(INSTALLED): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install torch==$(TORCH_VERSION)
+	$(BIN)/pip install -e '.[dev]'
+	touch $@
+
+demo: venv
+	test -f models/tiny/model_index.json || \
+		$(BIN)/python -m stagediff.cli init-model --family wan-t2v --preset tiny --out models/tiny
+	bash scripts/demo.sh
+
+test: venv
+	$(BIN)/python -m ruff check . && $(BIN)/python -m pytest -q
+
+lint: venv
+	$(BIN)/python -m ruff check .
+
+proto: venv
+	$(BIN)/python -m stagediff._protogen
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache out
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,1 @@
+"""The denoising stage: embeddings and a seed in, latents out."""

@@ -1,0 +1,121 @@
+"""The Wan denoising loop, step for step as WanPipeline runs it.
+
+The initial noise, the scheduler (the checkpoint's own, fresh per request since
+multistep schedulers keep state), classifier-free guidance with the negative
+prompt and the per-step dtype casts all follow WanPipeline, so that the latents
+equal what the in-process pipeline computes for the same arguments.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import diffusers
+import torch
+from diffusers import WanTransformer3DModel
+from diffusers.utils.torch_utils import randn_tensor
+
+from services.stage import Cancelled
+
+
+@dataclass(frozen=True)
+class DenoiseSpec:
+    """One request's denoising arguments, already validated."""
+
+    height: int
+    width: int
+    num_frames: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+
+    @property
+    def do_classifier_free_guidance(self) -> bool:
+        return self.guidance_scale > 1.0
+
+
+class WanDenoiser:
+    def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> None:
+        model_dir = Path(model_dir)
+        index = json.loads((model_dir / "model_index.json").read_text())
+        self.device = device
+        self.transformer = WanTransformer3DModel.from_pretrained(model_dir / "transformer", torch_dtype=dtype)
+        self.transformer.to(device).eval()
+        scheduler_class = getattr(diffusers, index["scheduler"][1])
+        self.scheduler_config = scheduler_class.load_config(model_dir / "scheduler")
+        self.scheduler_class = scheduler_class
+        self.expand_timesteps = bool(index.get("expand_timesteps", False))
+        vae_config = json.loads((model_dir / "vae" / "config.json").read_text())
+        self.vae_scale_spatial = vae_config.get("scale_factor_spatial", 8)
+        self.vae_scale_temporal = vae_config.get("scale_factor_temporal", 4)
+
+    @property
+    def text_dim(self) -> int:
+        return self.transformer.config.text_dim
+
+    def latent_shape(self, spec: DenoiseSpec) -> tuple[int, int, int, int, int]:
+        return (
+            1,
+            self.transformer.config.in_channels,
+            (spec.num_frames - 1) // self.vae_scale_temporal + 1,
+            spec.height // self.vae_scale_spatial,
+            spec.width // self.vae_scale_spatial,
+        )
+
+    def initial_noise(self, spec: DenoiseSpec) -> torch.Tensor:
+        """The seed's noise, drawn as WanPipeline draws it with generator=torch.Generator('cpu').manual_seed(seed)."""
+        generator = torch.Generator("cpu").manual_seed(spec.seed)
+        return randn_tensor(self.latent_shape(spec), generator=generator, device=self.device, dtype=torch.float32)
+
+    @torch.no_grad()
+    def denoise(
+        self,
+        spec: DenoiseSpec,
+        prompt_embeds: torch.Tensor,
+        negative_prompt_embeds: torch.Tensor | None,
+        on_step: Callable[[int, int], None],
+        cancelled: Callable[[], bool],
+    ) -> torch.Tensor:
+        """Runs every step and returns float32 latents [1, C, T, h, w]; on_step(step, total) after each."""
+        transformer_dtype = self.transformer.dtype
+        prompt_embeds = prompt_embeds.to(self.device, transformer_dtype)
+        if spec.do_classifier_free_guidance:
+            if negative_prompt_embeds is None:
+                raise ValueError("negative_prompt_embeds are required when guidance_scale > 1")
+            negative_prompt_embeds = negative_prompt_embeds.to(self.device, transformer_dtype)
+
+        scheduler = self.scheduler_class.from_config(self.scheduler_config)
+        scheduler.set_timesteps(spec.num_inference_steps, device=self.device)
+        scheduler.set_begin_index(0)
+        timesteps = scheduler.timesteps
+        latents = self.initial_noise(spec)
+        mask = torch.ones(latents.shape, dtype=torch.float32, device=self.device)
+
+        for i, t in enumerate(timesteps):
+            if cancelled():
+                raise Cancelled()
+            latent_model_input = latents.to(transformer_dtype)
+            if self.expand_timesteps:
+                timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(latents.shape[0], -1)
+            else:
+                timestep = t.expand(latents.shape[0])
+            noise_pred = self.transformer(
+                hidden_states=latent_model_input,
+                timestep=timestep,
+                encoder_hidden_states=prompt_embeds,
+                return_dict=False,
+            )[0]
+            if spec.do_classifier_free_guidance:
+                noise_uncond = self.transformer(
+                    hidden_states=latent_model_input,
+                    timestep=timestep,
+                    encoder_hidden_states=negative_prompt_embeds,
+                    return_dict=False,
+                )[0]
+                noise_pred = noise_uncond + spec.guidance_scale * (noise_pred - noise_uncond)
+            latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+            on_step(i + 1, len(timesteps))
+        return latents

@@ -1,0 +1,137 @@
+"""gRPC servicer of the denoising stage."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import torch
+
+from dit_svc.denoise import DenoiseSpec, WanDenoiser
+from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
+from services.stage_main import add_stage_arguments, run_stage
+from services.tensor_codec import TensorAssembler, WireError, WireTensor, encode_tensor, expect_tensor
+from services.validation import validate_sampling, validate_seed, validate_size
+from stagediff.v1 import stages_pb2, stages_pb2_grpc
+
+EMBEDDING_DATATYPES = ("FP32", "BF16", "FP16")
+
+
+class DenoiserServicer(stages_pb2_grpc.DenoiserServicer):
+    service_name = stages_pb2.DESCRIPTOR.services_by_name["Denoiser"].full_name
+
+    def __init__(self, args: argparse.Namespace, runtime: StageRuntime) -> None:
+        self.runtime = runtime
+        self.denoiser: WanDenoiser | None = None
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        stages_pb2_grpc.add_DenoiserServicer_to_server(self, server)
+
+    def load(self) -> None:
+        self.denoiser = WanDenoiser(self.runtime.spec.path, self.runtime.device, self.runtime.dtype)
+        self.runtime.parameter_bytes = {"transformer": parameter_bytes(self.denoiser.transformer)}
+
+    def _spec_from(self, params: stages_pb2.DenoiseParams) -> DenoiseSpec:
+        self.runtime.check_model(params.model)
+        limits = self.runtime.spec.limits()
+        validate_size(limits, params.height, params.width, params.num_frames)
+        validate_sampling(limits, params.num_inference_steps, params.guidance_scale)
+        validate_seed(params.seed)
+        return DenoiseSpec(
+            height=params.height,
+            width=params.width,
+            num_frames=params.num_frames,
+            num_inference_steps=params.num_inference_steps,
+            guidance_scale=params.guidance_scale,
+            seed=params.seed,
+        )
+
+    def _check_embeds(self, tensor: WireTensor, max_length: int) -> None:
+        expect_tensor(tensor, name=tensor.name, datatypes=EMBEDDING_DATATYPES, ndim=3)
+        batch, length, dim = tensor.shape
+        if batch != 1 or not 1 <= length <= max_length or dim != self.denoiser.text_dim:
+            raise WireError(
+                f"tensor '{tensor.name}': shape {list(tensor.shape)} is not allowed; "
+                f"expected [1, L, {self.denoiser.text_dim}] with 1 <= L <= {max_length}"
+            )
+
+    async def _receive(
+        self, requests: AsyncIterator[stages_pb2.DenoiseRequest]
+    ) -> tuple[DenoiseSpec, torch.Tensor, torch.Tensor | None]:
+        spec: DenoiseSpec | None = None
+        assembler = TensorAssembler()
+        embeds: dict[str, torch.Tensor] = {}
+        max_length = 4 * self.runtime.spec.max_sequence_length
+        async for request in requests:
+            if request.HasField("params"):
+                if spec is not None:
+                    raise RequestError("params: sent twice; send params once, first")
+                spec = self._spec_from(request.params)
+            elif request.HasField("tensor"):
+                if spec is None:
+                    raise RequestError("params: must be the first message, before any tensor")
+                tensor = assembler.feed(request.tensor)
+                if tensor is None:
+                    continue
+                if tensor.name not in ("prompt_embeds", "negative_prompt_embeds") or tensor.name in embeds:
+                    raise WireError(
+                        f"tensor '{tensor.name}': expected 'prompt_embeds' and, with guidance_scale > 1, "
+                        "'negative_prompt_embeds', each once"
+                    )
+                self._check_embeds(tensor, max_length)
+                embeds[tensor.name] = tensor.to_torch()
+            else:
+                raise RequestError("part: each message must set params or tensor")
+        assembler.finish()
+        if spec is None:
+            raise RequestError("params: missing; the first message must carry DenoiseParams")
+        if "prompt_embeds" not in embeds:
+            raise RequestError("prompt_embeds: missing; send the prompt's embeddings after params")
+        negative = embeds.get("negative_prompt_embeds")
+        if spec.do_classifier_free_guidance and negative is None:
+            raise RequestError("negative_prompt_embeds: required when guidance_scale > 1 (CFG)")
+        return spec, embeds["prompt_embeds"], negative
+
+    async def Denoise(self, request_iterator, context):
+        if self.denoiser is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "dit: still loading its model")
+        try:
+            spec, prompt_embeds, negative_embeds = await self._receive(request_iterator)
+        except Exception as error:
+            await abort_for(error, context, self.runtime.stage)
+
+        denoiser = self.denoiser
+
+        def work(emit: Callable[[object], None], cancel: threading.Event) -> None:
+            latents = denoiser.denoise(
+                spec,
+                prompt_embeds,
+                negative_embeds,
+                on_step=lambda step, total: emit(stages_pb2.DenoiseProgress(step=step, total=total)),
+                cancelled=cancel.is_set,
+            )
+            emit(latents)
+
+        try:
+            async for item in self.runtime.stream(work):
+                if isinstance(item, stages_pb2.DenoiseProgress):
+                    yield stages_pb2.DenoiseResponse(progress=item)
+                    continue
+                # One tensor per latent frame, so the VAE can decode frame t while t+1 travels.
+                for t in range(item.shape[2]):
+                    for chunk in encode_tensor("latents", item[:, :, t : t + 1], index=t):
+                        yield stages_pb2.DenoiseResponse(tensor=chunk)
+        except Exception as error:
+            await abort_for(error, context, self.runtime.stage)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="stagediff serve dit", description=__doc__)
+    add_stage_arguments(parser, default_port=50062)
+    run_stage("dit", parser.parse_args(argv), DenoiserServicer)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The frame-interpolation stage: optical-flow interpolation between decoded frames."""

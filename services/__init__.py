@@ -1,0 +1,1 @@
+"""What every StageDiff server shares: bootstrap, wire codec, checkpoints, process groups."""

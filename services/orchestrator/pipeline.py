@@ -1,0 +1,293 @@
+"""One job's trip through the stages: text encoder, DiT, VAE, interpolator.
+
+The DiT, VAE and interpolator calls run at the same time, joined by queues:
+each latent-frame chunk the DiT sends is forwarded to the VAE as it arrives,
+each frame chunk the VAE sends goes on to the interpolator (or straight to the
+client), and nothing waits for the whole video.
+
+Finished stages leave their output in `job.intermediates` (the embeddings, the
+latent chunks), so when a later stage fails with UNAVAILABLE the job is retried
+from there, without recomputing earlier stages. Frames already sent to the
+client are not sent again on a retry: stages are deterministic, so the frame
+index says which ones a retry may skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import grpc
+
+from services.orchestrator.jobs import Job, JobState
+from services.orchestrator.stage_clients import StageError, StagePool
+from services.tensor_codec import TensorAssembler, WireError, encode_tensor
+from stagediff.v1 import generation_pb2, stages_pb2, tensor_pb2
+
+logger = logging.getLogger(__name__)
+
+_END = None  # closes a relay queue
+
+
+def _first_stage_error(group: BaseExceptionGroup) -> BaseException:
+    """Picks the error to report from a TaskGroup failure: a stage's error over anything else."""
+    leaves: list[BaseException] = []
+
+    def collect(error: BaseException) -> None:
+        if isinstance(error, BaseExceptionGroup):
+            for inner in error.exceptions:
+                collect(inner)
+        else:
+            leaves.append(error)
+
+    collect(group)
+    return next((e for e in leaves if isinstance(e, StageError)), leaves[0])
+
+
+class ResultPublisher:
+    """Sends the final stage's frame chunks to the job's watchers, skipping frames a retry repeats."""
+
+    def __init__(self, job: Job, fps: float) -> None:
+        self.job = job
+        self.fps = fps
+        self.skipping = False
+        self.pending_end = 0
+
+    async def publish(self, chunk: tensor_pb2.TensorChunk) -> None:
+        intermediates = self.job.intermediates
+        if chunk.HasField("header"):
+            count = chunk.header.shape[0] if chunk.header.shape else 0
+            self.pending_end = chunk.header.index + count
+            self.skipping = self.pending_end <= intermediates.get("frames_published", 0)
+        if self.skipping:
+            return
+        await self.job.publish(
+            generation_pb2.GenerateEvent(result=generation_pb2.ResultChunk(tensor=chunk, fps=self.fps))
+        )
+        if chunk.last:
+            intermediates["frames_published"] = self.pending_end
+
+
+class Pipeline:
+    def __init__(self, stages: StagePool, stage_retries: int = 1, retry_backoff_s: float = 0.5) -> None:
+        self.stages = stages
+        self.stage_retries = stage_retries
+        self.retry_backoff_s = retry_backoff_s
+
+    async def run(self, job: Job) -> None:
+        """Runs a job to its end and records the outcome on it (never raises, except when cancelled)."""
+        started = time.perf_counter()
+        try:
+            deadline = asyncio.timeout_at(job.deadline) if job.deadline is not None else contextlib.nullcontext()
+            async with deadline:
+                await self._run_with_retries(job)
+        except TimeoutError:
+            stage = job.current_stage or "the queue"
+            await job.finish(
+                JobState.JOB_STATE_FAILED, grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded in {stage}"
+            )
+            return
+        except StageError as error:
+            logger.warning("job %s failed: %s", job.job_id, error)
+            await job.finish(JobState.JOB_STATE_FAILED, error.code, str(error))
+            return
+        except WireError as error:
+            await job.finish(JobState.JOB_STATE_FAILED, grpc.StatusCode.INTERNAL, f"a stage sent bad data: {error}")
+            return
+        job.timings["total"] = time.perf_counter() - started
+        job.num_frames_out = int(job.intermediates.get("frames_published", 0))
+        await job.publish(
+            generation_pb2.GenerateEvent(
+                completed=generation_pb2.JobCompleted(
+                    timings=job.timings, num_frames=job.num_frames_out, fps=job.fps_out
+                )
+            )
+        )
+        await job.finish(JobState.JOB_STATE_SUCCEEDED)
+
+    async def _run_with_retries(self, job: Job) -> None:
+        attempt = 0
+        while True:
+            try:
+                await self._run_once(job)
+                return
+            except BaseExceptionGroup as group:
+                error = _first_stage_error(group)
+            except StageError as stage_error:
+                error = stage_error
+            if not isinstance(error, StageError) or error.code != grpc.StatusCode.UNAVAILABLE:
+                raise error
+            if attempt >= self.stage_retries:
+                raise error
+            attempt += 1
+            logger.info("job %s: %s; retry %d from the last finished stage", job.job_id, error, attempt)
+            await asyncio.sleep(self.retry_backoff_s * attempt)
+
+    def _remaining(self, job: Job) -> float | None:
+        if job.deadline is None:
+            return None
+        return max(0.0, job.deadline - asyncio.get_running_loop().time())
+
+    async def _run_once(self, job: Job) -> None:
+        request = job.request
+        interpolate = request.interpolation.enable and request.interpolation.exp > 0
+        job.fps_out = request.fps * (2**request.interpolation.exp if interpolate else 1)
+        if "embeds" not in job.intermediates:
+            await self._encode(job)
+        latents: asyncio.Queue = asyncio.Queue()
+        frames: asyncio.Queue | None = asyncio.Queue() if interpolate else None
+        publisher = ResultPublisher(job, job.fps_out)
+        async with asyncio.TaskGroup() as group:
+            if job.intermediates.get("latents_complete"):
+                for chunk in job.intermediates["latent_chunks"]:
+                    latents.put_nowait(chunk)
+                latents.put_nowait(_END)
+            else:
+                group.create_task(self._denoise(job, latents))
+            group.create_task(self._decode(job, latents, frames, publisher))
+            if frames is not None:
+                group.create_task(self._interpolate(job, frames, publisher))
+
+    async def _encode(self, job: Job) -> None:
+        request = job.request
+        client = self.stages["text-encoder"]
+        texts = [request.prompt]
+        if request.guidance_scale > 1.0:
+            texts.append(request.negative_prompt)
+        job.current_stage = "text-encoder"
+        started = time.perf_counter()
+        assembler = TensorAssembler()
+        embeds = None
+        try:
+            call = client.text_encoder.Encode(
+                stages_pb2.EncodeRequest(model=request.model, texts=texts), timeout=self._remaining(job)
+            )
+            async for response in call:
+                embeds = assembler.feed(response.tensor) or embeds
+        except grpc.aio.AioRpcError as error:
+            raise client.error(error) from None
+        assembler.finish()
+        if embeds is None:
+            raise StageError("text-encoder", client.endpoint, grpc.StatusCode.INTERNAL, "sent no embeddings")
+        job.intermediates["embeds"] = embeds.to_torch()
+        job.timings["text-encoder"] = time.perf_counter() - started
+        await job.publish(
+            generation_pb2.GenerateEvent(progress=generation_pb2.StageProgress(stage="text-encoder", step=1, total=1))
+        )
+
+    async def _denoise(self, job: Job, latents: asyncio.Queue) -> None:
+        request = job.request
+        client = self.stages["dit"]
+        embeds = job.intermediates["embeds"]
+
+        async def requests():
+            yield stages_pb2.DenoiseRequest(
+                params=stages_pb2.DenoiseParams(
+                    model=request.model,
+                    height=request.height,
+                    width=request.width,
+                    num_frames=request.num_frames,
+                    num_inference_steps=request.num_inference_steps,
+                    guidance_scale=request.guidance_scale,
+                    seed=request.seed,
+                )
+            )
+            names = ["prompt_embeds", "negative_prompt_embeds"][: embeds.shape[0]]
+            for i, name in enumerate(names):
+                for chunk in encode_tensor(name, embeds[i : i + 1]):
+                    yield stages_pb2.DenoiseRequest(tensor=chunk)
+
+        job.current_stage = "dit"
+        started = time.perf_counter()
+        received: list[tensor_pb2.TensorChunk] = []
+        try:
+            async for response in client.denoiser.Denoise(requests(), timeout=self._remaining(job)):
+                if response.HasField("progress"):
+                    progress = response.progress
+                    await job.publish(
+                        generation_pb2.GenerateEvent(
+                            progress=generation_pb2.StageProgress(stage="dit", step=progress.step, total=progress.total)
+                        )
+                    )
+                else:
+                    received.append(response.tensor)
+                    latents.put_nowait(response.tensor)
+        except grpc.aio.AioRpcError as error:
+            raise client.error(error) from None
+        job.intermediates["latent_chunks"] = received
+        job.intermediates["latents_complete"] = True
+        job.timings["dit"] = time.perf_counter() - started
+        latents.put_nowait(_END)
+
+    async def _decode(
+        self, job: Job, latents: asyncio.Queue, frames: asyncio.Queue | None, publisher: ResultPublisher
+    ) -> None:
+        request = job.request
+        client = self.stages["vae"]
+        temporal = client.info.limits.temporal_factor if client.info else 4
+        num_latent_frames = (request.num_frames - 1) // temporal + 1
+
+        async def requests():
+            yield stages_pb2.DecodeRequest(
+                params=stages_pb2.DecodeParams(model=request.model, num_latent_frames=num_latent_frames)
+            )
+            while (chunk := await latents.get()) is not _END:
+                yield stages_pb2.DecodeRequest(tensor=chunk)
+
+        started = None
+        decoded = 0
+        try:
+            async for response in client.vae.Decode(requests(), timeout=self._remaining(job)):
+                if started is None:
+                    started = time.perf_counter()
+                    job.current_stage = "vae"
+                if frames is not None:
+                    frames.put_nowait(response.tensor)
+                else:
+                    await publisher.publish(response.tensor)
+                if response.tensor.last:
+                    decoded += 1
+                    await job.publish(
+                        generation_pb2.GenerateEvent(
+                            progress=generation_pb2.StageProgress(stage="vae", step=decoded, total=num_latent_frames)
+                        )
+                    )
+        except grpc.aio.AioRpcError as error:
+            raise client.error(error) from None
+        job.timings["vae"] = time.perf_counter() - (started or time.perf_counter())
+        if frames is not None:
+            frames.put_nowait(_END)
+
+    async def _interpolate(self, job: Job, frames: asyncio.Queue, publisher: ResultPublisher) -> None:
+        request = job.request
+        client = self.stages["interp"]
+        total = (request.num_frames - 1) * 2**request.interpolation.exp + 1
+
+        async def requests():
+            yield stages_pb2.InterpolateRequest(
+                params=stages_pb2.InterpolateParams(exp=request.interpolation.exp, scale=request.interpolation.scale)
+            )
+            while (chunk := await frames.get()) is not _END:
+                yield stages_pb2.InterpolateRequest(tensor=chunk)
+
+        started = None
+        sent = 0
+        try:
+            async for response in client.interpolator.Interpolate(requests(), timeout=self._remaining(job)):
+                if started is None:
+                    started = time.perf_counter()
+                    job.current_stage = "interp"
+                await publisher.publish(response.tensor)
+                if response.tensor.HasField("header"):
+                    sent = response.tensor.header.index + response.tensor.header.shape[0]
+                if response.tensor.last:
+                    await job.publish(
+                        generation_pb2.GenerateEvent(
+                            progress=generation_pb2.StageProgress(stage="interp", step=sent, total=total)
+                        )
+                    )
+        except grpc.aio.AioRpcError as error:
+            raise client.error(error) from None
+        job.timings["interp"] = time.perf_counter() - (started or time.perf_counter())

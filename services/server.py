@@ -1,0 +1,208 @@
+"""Server bootstrap shared by every StageDiff service.
+
+Follows grpc's Python aio examples: one `grpc.aio.server` with explicit message
+size limits, grpc.health.v1 (NOT_SERVING while the model loads and while the
+server drains), server reflection, and graceful shutdown on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from services.errors import RequestError
+
+logger = logging.getLogger(__name__)
+
+# Tensors travel in chunks of 1 MiB, so 64 MiB leaves room for any message we
+# send while still refusing a runaway peer.
+MAX_MESSAGE_BYTES = 64 << 20
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+DEFAULT_GRACE_SECONDS = 10.0
+
+Register = Callable[[grpc.aio.Server], list[str]]
+
+
+class _Undecodable:
+    """Stands in for a request message whose bytes did not parse."""
+
+    def __init__(self, method: str, error: Exception) -> None:
+        self.message = f"request: the bytes sent to {method} are not a valid message ({error})"
+
+
+def _tolerant(deserializer: Callable[[bytes], object] | None, method: str) -> Callable[[bytes], object]:
+    def parse(data: bytes) -> object:
+        try:
+            return deserializer(data) if deserializer is not None else data
+        except Exception as error:  # protobuf raises DecodeError, but a custom deserializer may raise anything
+            return _Undecodable(method, error)
+
+    return parse
+
+
+async def _checked_stream(requests, method: str):
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            raise RequestError(request.message)
+        yield request
+
+
+class RequestDecodingInterceptor(grpc.aio.ServerInterceptor):
+    """Answers INVALID_ARGUMENT to bytes that are not a valid request message.
+
+    Left alone, grpc answers UNKNOWN or INTERNAL when a request fails to parse,
+    which tells a client the server is at fault. Parsing is made tolerant here,
+    and an unparsable message is refused like any other invalid argument: at
+    once for unary requests, and through RequestError (which every servicer maps
+    to INVALID_ARGUMENT) for request streams.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        logger.debug("call %s", method)
+        parse = _tolerant(handler.request_deserializer, method)
+        serialize = handler.response_serializer
+        if not handler.request_streaming:
+            inner = handler.unary_unary or handler.unary_stream
+            if handler.unary_unary:
+
+                async def unary_unary(request, context):
+                    if isinstance(request, _Undecodable):
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                    return await inner(request, context)
+
+                return grpc.unary_unary_rpc_method_handler(unary_unary, parse, serialize)
+
+            async def unary_stream(request, context):
+                if isinstance(request, _Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                async for response in inner(request, context):
+                    yield response
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, parse, serialize)
+        if handler.stream_unary:
+            inner_su = handler.stream_unary
+
+            async def stream_unary(requests, context):
+                return await inner_su(_checked_stream(requests, method), context)
+
+            return grpc.stream_unary_rpc_method_handler(stream_unary, parse, serialize)
+        inner_ss = handler.stream_stream
+
+        async def stream_stream(requests, context):
+            async for response in inner_ss(_checked_stream(requests, method), context):
+                yield response
+
+        return grpc.stream_stream_rpc_method_handler(stream_stream, parse, serialize)
+
+
+@dataclass
+class ServerState:
+    """What a running server exposes to its servicers."""
+
+    health: health_aio.HealthServicer
+    service_names: list[str] = field(default_factory=list)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+
+async def serve(
+    *,
+    name: str,
+    host: str,
+    port: int,
+    register: Register,
+    load: Callable[[], Awaitable[None]] | None = None,
+    on_shutdown: Callable[[], Awaitable[None]] | None = None,
+    grace: float = DEFAULT_GRACE_SECONDS,
+    state_holder: list[ServerState] | None = None,
+) -> None:
+    """Runs a gRPC server until SIGTERM or SIGINT.
+
+    `register` adds the servicers and returns their full service names. `load`
+    runs after the port is bound, while health says NOT_SERVING, so that
+    orchestrators and `stagediff up` can tell "loading" from "down".
+    """
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[RequestDecodingInterceptor()])
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    state = ServerState(health=health)
+    if state_holder is not None:
+        state_holder.append(state)
+    state.service_names = register(server)
+    reflection.enable_server_reflection(
+        [*state.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    address = f"{host}:{port}"
+    bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise RuntimeError(f"{name}: could not bind {address}")
+    await state.set_serving(False)
+    await server.start()
+    logger.info("%s listening on %s:%d", name, host, bound)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    if load is not None:
+        started = time.perf_counter()
+        load_task = asyncio.create_task(load())
+        stop_task = asyncio.create_task(stop.wait())
+        await asyncio.wait({load_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        if not load_task.done():
+            load_task.cancel()
+        else:
+            stop_task.cancel()
+            load_task.result()  # a failed load ends the process with its error
+            logger.info("%s loaded in %.1f s", name, time.perf_counter() - started)
+
+    if not stop.is_set():
+        await state.set_serving(True)
+        state.ready.set()
+        logger.info("%s serving", name)
+        await stop.wait()
+
+    logger.info("%s draining (grace %.0f s)", name, grace)
+    await health.enter_graceful_shutdown()
+    await server.stop(grace)
+    if on_shutdown is not None:
+        await on_shutdown()
+    logger.info("%s stopped", name)
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+async def abort_invalid(context: grpc.aio.ServicerContext, message: str) -> None:
+    """Ends the call with INVALID_ARGUMENT; the message names the field and what is allowed."""
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)

@@ -1,0 +1,154 @@
+"""What the four stage services share: device choice, the compute thread, stage info, errors.
+
+A stage runs its torch compute on one dedicated thread, so the asyncio event
+loop keeps answering health checks, info calls and cancellations while a
+request computes. Work that produces a stream (denoising steps, decoded frame
+chunks) reports each item through `emit`, and the async handler forwards it as
+soon as it is produced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from services.checkpoint import CheckpointSpec
+from services.errors import RequestError
+from services.tensor_codec import WireError
+from stagediff import __version__
+from stagediff.v1 import stages_pb2, stages_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Cancelled(Exception):
+    """Raised inside compute when the caller has gone away or cancelled."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' picks the first CUDA device when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is bfloat16 on accelerators and float32 on the CPU."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if name not in DTYPES:
+        raise ValueError(f"--dtype {name}: allowed: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def parameter_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+@dataclass
+class _Failure:
+    error: BaseException
+
+
+_DONE = object()
+
+
+class StageRuntime:
+    """The stage's identity, its compute thread, and its info for GetStageInfo."""
+
+    def __init__(self, stage: str, spec: CheckpointSpec, device: torch.device, dtype: torch.dtype) -> None:
+        self.stage = stage
+        self.spec = spec
+        self.device = device
+        self.dtype = dtype
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage}-compute")
+        self.parameter_bytes: dict[str, int] = {}
+        self.parallel_config: dict[str, str] = {}
+
+    def info(self) -> stages_pb2.StageInfo:
+        return stages_pb2.StageInfo(
+            stage=self.stage,
+            model=self.spec.model_id,
+            family=self.spec.family,
+            device=str(self.device),
+            parallel_config=self.parallel_config,
+            parameter_bytes=self.parameter_bytes,
+            limits=self.spec.limits(),
+            version=__version__,
+        )
+
+    def check_model(self, requested: str) -> None:
+        if requested and requested != self.spec.model_id:
+            raise RequestError(f"model: '{requested}' is not served by this stage; it serves '{self.spec.model_id}'")
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs blocking compute on the stage's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def stream(self, work: Callable[[Callable[[Any], None], threading.Event], None]) -> AsyncIterator[Any]:
+        """Runs `work(emit, cancel)` on the compute thread and yields what it emits, as it emits it.
+
+        When the consumer stops early (the call was cancelled or failed), `cancel`
+        is set; the work checks it between steps and raises Cancelled.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(item: Any) -> None:
+            if cancel.is_set():
+                raise Cancelled()
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def run() -> None:
+            try:
+                work(emit, cancel)
+            except Cancelled:
+                logger.info("%s: request cancelled; compute stopped", self.stage)
+            except BaseException as error:  # forwarded to the handler, which maps it to a status
+                loop.call_soon_threadsafe(queue.put_nowait, _Failure(error))
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, _DONE)
+
+        loop.run_in_executor(self.executor, run)
+        try:
+            while True:
+                item = await queue.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, _Failure):
+                    raise item.error
+                yield item
+        finally:
+            cancel.set()
+
+
+class StageControlServicer(stages_pb2_grpc.StageControlServicer):
+    def __init__(self, runtime: StageRuntime) -> None:
+        self.runtime = runtime
+
+    async def GetStageInfo(self, request, context):
+        return self.runtime.info()
+
+
+async def abort_for(error: BaseException, context: grpc.aio.ServicerContext, stage: str) -> None:
+    """Maps an exception raised while serving a call to the status the client should see."""
+    if isinstance(error, grpc.aio.AbortError):
+        raise error
+    if isinstance(error, (RequestError, WireError)):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    logger.exception("%s: request failed", stage)
+    await context.abort(grpc.StatusCode.INTERNAL, f"{stage}: {type(error).__name__}: {error}")

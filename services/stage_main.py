@@ -1,0 +1,67 @@
+"""Command-line options and startup shared by the four stage services."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+import grpc
+import torch
+
+from services.checkpoint import read_checkpoint
+from services.server import configure_logging, serve
+from services.stage import StageControlServicer, StageRuntime, resolve_device, resolve_dtype
+from stagediff.v1 import stages_pb2, stages_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def add_stage_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
+    parser.add_argument("--model", required=True, help="diffusers checkpoint directory")
+    parser.add_argument("--model-name", default=None, help="model id to serve under (default: directory name)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=default_port)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--log-level", default="INFO")
+
+
+class StageServicer(Protocol):
+    """What each stage module provides: a servicer that is added to the server at
+    once (answering UNAVAILABLE until loaded) and loads its model on the compute thread."""
+
+    service_name: str
+
+    def add_to_server(self, server: grpc.aio.Server) -> None: ...
+
+    def load(self) -> None: ...
+
+
+def run_stage(
+    stage: str, args: argparse.Namespace, make_servicer: Callable[[argparse.Namespace, StageRuntime], StageServicer]
+) -> None:
+    """Starts a stage: bind the port, answer NOT_SERVING while loading, then serve until SIGTERM."""
+    configure_logging(args.log_level)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    spec = read_checkpoint(args.model, args.model_name)
+    device = resolve_device(args.device)
+    runtime = StageRuntime(stage, spec, device, resolve_dtype(args.dtype, device))
+    servicer = make_servicer(args, runtime)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        stages_pb2_grpc.add_StageControlServicer_to_server(StageControlServicer(runtime), server)
+        servicer.add_to_server(server)
+        return [stages_pb2.DESCRIPTOR.services_by_name["StageControl"].full_name, servicer.service_name]
+
+    async def load() -> None:
+        await runtime.run(servicer.load)
+
+    async def shutdown() -> None:
+        runtime.executor.shutdown(wait=False, cancel_futures=True)
+
+    asyncio.run(serve(name=stage, host=args.host, port=args.port, register=register, load=load, on_shutdown=shutdown))

@@ -1,0 +1,366 @@
+"""The Python SDK: `AsyncClient` and its blocking twin `Client`.
+
+    from stagediff import Client
+    with Client("localhost:50051") as client:
+        result = client.generate("a red fox in the snow", height=64, width=64, num_frames=9, seed=7)
+        result.save("fox.mp4")
+
+`generate` streams the job's events and assembles the frames as they arrive;
+progress comes through `on_progress` or, one event at a time, from `stream`.
+Every generate call carries a request id, so a call retried after UNAVAILABLE
+(the orchestrator restarting, a dropped connection) attaches to the same job
+instead of starting another. A job that failed is not retried: its error is
+raised as `StageDiffError` with the status code the server gave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.tensor_codec import TensorAssembler
+from stagediff.protocol import JOB_FAILED_METADATA_KEY
+from stagediff.v1 import generation_pb2, generation_pb2_grpc
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
+
+
+class StageDiffError(Exception):
+    """A call failed; `code` is the gRPC status, `message` the server's explanation."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Queued:
+    job_id: str
+    position: int
+
+
+@dataclass
+class Progress:
+    job_id: str
+    stage: str
+    step: int
+    total: int
+
+
+@dataclass
+class FramesReceived:
+    job_id: str
+    first_frame: int
+    count: int
+
+
+@dataclass
+class GenerationResult:
+    job_id: str
+    frames: np.ndarray  # uint8 [F, H, W, 3]
+    fps: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def save(self, path: str | Path) -> Path:
+        """Writes .mp4 (H.264), .png (one frame) or .npz (lossless `frames` and `fps`)."""
+        from stagediff.media import save_frames
+
+        return save_frames(path, self.frames, self.fps)
+
+
+Event = Queued | Progress | FramesReceived | GenerationResult
+
+
+@dataclass
+class RetryPolicy:
+    """Exponential backoff for UNAVAILABLE: initial, initial*multiplier, ... capped at maximum."""
+
+    max_attempts: int = 4
+    initial_backoff_s: float = 0.5
+    multiplier: float = 2.0
+    max_backoff_s: float = 8.0
+
+    def delays(self) -> Iterator[float]:
+        delay = self.initial_backoff_s
+        for _ in range(self.max_attempts - 1):
+            yield delay
+            delay = min(delay * self.multiplier, self.max_backoff_s)
+
+
+def build_request(
+    prompt: str,
+    *,
+    model: str = "",
+    negative_prompt: str = "",
+    height: int | None = None,
+    width: int | None = None,
+    num_frames: int | None = None,
+    num_inference_steps: int | None = None,
+    guidance_scale: float | None = None,
+    seed: int | None = None,
+    fps: float | None = None,
+    interp_exp: int = 0,
+    interp_scale: float = 0.0,
+    request_id: str | None = None,
+) -> generation_pb2.GenerateRequest:
+    """A GenerateRequest; arguments left None take the model's defaults on the server."""
+    request = generation_pb2.GenerateRequest(
+        model=model, prompt=prompt, negative_prompt=negative_prompt, request_id=request_id or uuid.uuid4().hex
+    )
+    for name, value in (
+        ("height", height),
+        ("width", width),
+        ("num_frames", num_frames),
+        ("num_inference_steps", num_inference_steps),
+        ("guidance_scale", guidance_scale),
+        ("seed", seed),
+        ("fps", fps),
+    ):
+        if value is not None:
+            setattr(request, name, value)
+    if interp_exp:
+        request.interpolation.enable = True
+        request.interpolation.exp = interp_exp
+        request.interpolation.scale = interp_scale
+    return request
+
+
+class _ResultBuilder:
+    """Turns a job's event stream into typed events and, at the end, a GenerationResult."""
+
+    def __init__(self) -> None:
+        self.assembler = TensorAssembler()
+        self.pieces: dict[int, np.ndarray] = {}
+        self.fps = 0.0
+
+    def consume(self, event: generation_pb2.GenerateEvent) -> Event | None:
+        kind = event.WhichOneof("event")
+        if kind == "queued":
+            return Queued(event.job_id, event.queued.position)
+        if kind == "progress":
+            return Progress(event.job_id, event.progress.stage, event.progress.step, event.progress.total)
+        if kind == "result":
+            self.fps = event.result.fps
+            tensor = self.assembler.feed(event.result.tensor)
+            if tensor is None:
+                return None
+            self.pieces[tensor.index] = tensor.array
+            return FramesReceived(event.job_id, tensor.index, tensor.shape[0])
+        if kind == "completed":
+            self.assembler.finish()
+            frames = [self.pieces[index] for index in sorted(self.pieces)]
+            video = np.concatenate(frames) if frames else np.zeros((0, 0, 0, 3), np.uint8)
+            if video.shape[0] != event.completed.num_frames:
+                raise StageDiffError(
+                    grpc.StatusCode.DATA_LOSS,
+                    f"received {video.shape[0]} frames, the server reported {event.completed.num_frames}",
+                )
+            return GenerationResult(event.job_id, video, event.completed.fps, dict(event.completed.timings))
+        return None
+
+
+def _is_job_outcome(error: grpc.aio.AioRpcError) -> bool:
+    metadata = error.trailing_metadata() or ()
+    return any(key == JOB_FAILED_METADATA_KEY for key, _ in metadata)
+
+
+class AsyncClient:
+    """asyncio client of a StageDiff cluster's Generation API."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        metadata: list[tuple[str, str]] | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self.metadata = metadata or []
+        self._channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _unary(self, method: Callable[..., Any], request: Any, timeout: float | None = None) -> Any:
+        """Calls a unary method, retrying UNAVAILABLE with backoff."""
+        delays = self.retry.delays()
+        while True:
+            try:
+                return await method(request, timeout=timeout or self.timeout, metadata=self.metadata)
+            except grpc.aio.AioRpcError as error:
+                delay = next(delays, None) if error.code() == grpc.StatusCode.UNAVAILABLE else None
+                if delay is None:
+                    raise StageDiffError(error.code(), error.details() or "") from None
+                await asyncio.sleep(delay)
+
+    async def stream(
+        self, prompt: str, *, timeout: float | None = None, **arguments: Any
+    ) -> AsyncIterator[Event]:
+        """Generates and yields Queued, Progress and FramesReceived events, then the GenerationResult."""
+        request = build_request(prompt, **arguments)
+        delays = self.retry.delays()
+        while True:
+            builder = _ResultBuilder()
+            try:
+                call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self.metadata)
+                async for event in call:
+                    typed = builder.consume(event)
+                    if typed is not None:
+                        yield typed
+                return
+            except grpc.aio.AioRpcError as error:
+                retryable = error.code() == grpc.StatusCode.UNAVAILABLE and not _is_job_outcome(error)
+                delay = next(delays, None) if retryable else None
+                if delay is None:
+                    raise StageDiffError(error.code(), error.details() or "") from None
+                await asyncio.sleep(delay)
+
+    async def generate(
+        self,
+        prompt: str,
+        *,
+        on_progress: Callable[[Event], None] | None = None,
+        timeout: float | None = None,
+        **arguments: Any,
+    ) -> GenerationResult:
+        """Generates a video (or image) and returns it once every frame has arrived."""
+        async for event in self.stream(prompt, timeout=timeout, **arguments):
+            if isinstance(event, GenerationResult):
+                return event
+            if on_progress is not None:
+                on_progress(event)
+        raise StageDiffError(grpc.StatusCode.DATA_LOSS, "the stream ended without a result")
+
+    async def submit(self, prompt: str, **arguments: Any) -> generation_pb2.Job:
+        """Queues a job and returns at once; the request id makes a retried submit return the same job."""
+        return await self._unary(self._stub.Submit, build_request(prompt, **arguments))
+
+    async def wait(
+        self, job_id: str, *, on_progress: Callable[[Event], None] | None = None, timeout: float | None = None
+    ) -> GenerationResult:
+        """Follows a submitted job to its end and returns its result."""
+        builder = _ResultBuilder()
+        try:
+            call = self._stub.WatchJob(
+                generation_pb2.WatchJobRequest(job_id=job_id), timeout=timeout or self.timeout, metadata=self.metadata
+            )
+            async for event in call:
+                typed = builder.consume(event)
+                if isinstance(typed, GenerationResult):
+                    return typed
+                if typed is not None and on_progress is not None:
+                    on_progress(typed)
+        except grpc.aio.AioRpcError as error:
+            raise StageDiffError(error.code(), error.details() or "") from None
+        raise StageDiffError(grpc.StatusCode.DATA_LOSS, "the stream ended without a result")
+
+    async def get_job(self, job_id: str) -> generation_pb2.Job:
+        return await self._unary(self._stub.GetJob, generation_pb2.GetJobRequest(job_id=job_id))
+
+    async def cancel(self, job_id: str) -> generation_pb2.Job:
+        return await self._unary(self._stub.CancelJob, generation_pb2.CancelJobRequest(job_id=job_id))
+
+    async def list_jobs(self, state: int = 0, limit: int = 0) -> list[generation_pb2.Job]:
+        response = await self._unary(self._stub.ListJobs, generation_pb2.ListJobsRequest(state=state, limit=limit))
+        return list(response.jobs)
+
+    async def list_models(self) -> list[generation_pb2.ModelDescription]:
+        response = await self._unary(self._stub.ListModels, generation_pb2.ListModelsRequest())
+        return list(response.models)
+
+    async def cluster_info(self) -> generation_pb2.ClusterInfo:
+        return await self._unary(self._stub.GetClusterInfo, generation_pb2.GetClusterInfoRequest())
+
+    async def health(self, service: str = "") -> str:
+        """The orchestrator's grpc.health.v1 status name, e.g. SERVING."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        response = await self._unary(stub.Check, health_pb2.HealthCheckRequest(service=service), timeout=5.0)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+class Client:
+    """Blocking client: runs an AsyncClient on a private event-loop thread."""
+
+    def __init__(self, endpoint: str, **options: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="stagediff-client", daemon=True)
+        self._thread.start()
+        self._async = self._call(self._make(endpoint, options))
+
+    @staticmethod
+    async def _make(endpoint: str, options: dict[str, Any]) -> AsyncClient:
+        return AsyncClient(endpoint, **options)
+
+    def _call(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._call(self._async.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def generate(self, prompt: str, **arguments: Any) -> GenerationResult:
+        return self._call(self._async.generate(prompt, **arguments))
+
+    def stream(self, prompt: str, **arguments: Any) -> Iterator[Event]:
+        """Yields events as they arrive (the progress iterator), the GenerationResult last."""
+        agen = self._async.stream(prompt, **arguments)
+        while True:
+            try:
+                yield self._call(agen.__anext__())
+            except StopAsyncIteration:
+                return
+
+    def submit(self, prompt: str, **arguments: Any) -> generation_pb2.Job:
+        return self._call(self._async.submit(prompt, **arguments))
+
+    def wait(self, job_id: str, **options: Any) -> GenerationResult:
+        return self._call(self._async.wait(job_id, **options))
+
+    def get_job(self, job_id: str) -> generation_pb2.Job:
+        return self._call(self._async.get_job(job_id))
+
+    def cancel(self, job_id: str) -> generation_pb2.Job:
+        return self._call(self._async.cancel(job_id))
+
+    def list_jobs(self, state: int = 0, limit: int = 0) -> list[generation_pb2.Job]:
+        return self._call(self._async.list_jobs(state, limit))
+
+    def list_models(self) -> list[generation_pb2.ModelDescription]:
+        return self._call(self._async.list_models())
+
+    def cluster_info(self) -> generation_pb2.ClusterInfo:
+        return self._call(self._async.cluster_info())
+
+    def health(self, service: str = "") -> str:
+        return self._call(self._async.health(service))

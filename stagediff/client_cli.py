@@ -1,0 +1,117 @@
+"""Client commands of the CLI: generate, health, info."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from google.protobuf.json_format import MessageToDict
+
+from stagediff.client import Client, FramesReceived, Progress, Queued, RetryPolicy, StageDiffError
+
+OUTPUT_SUFFIXES = (".mp4", ".png", ".npz")
+
+
+def _print_event(event: object) -> None:
+    if isinstance(event, Queued):
+        print(f"queued job {event.job_id} at position {event.position}", file=sys.stderr)
+    elif isinstance(event, Progress):
+        print(f"{event.stage}: {event.step}/{event.total}", file=sys.stderr)
+    elif isinstance(event, FramesReceived):
+        print(f"received frames {event.first_frame}..{event.first_frame + event.count - 1}", file=sys.stderr)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.suffix not in OUTPUT_SUFFIXES:
+        print(f"error: --out {out}: use one of {', '.join(OUTPUT_SUFFIXES)}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    try:
+        with Client(args.endpoint, retry=RetryPolicy(max_attempts=args.retries + 1)) as client:
+            result = client.generate(
+                args.prompt,
+                model=args.model,
+                negative_prompt=args.negative_prompt,
+                height=args.height,
+                width=args.width,
+                num_frames=args.frames,
+                num_inference_steps=args.steps,
+                guidance_scale=args.guidance,
+                seed=args.seed,
+                fps=args.fps,
+                interp_exp=args.interp_exp,
+                timeout=args.timeout,
+                on_progress=None if args.quiet else _print_event,
+            )
+    except StageDiffError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    path = result.save(out)
+    summary = {
+        "job_id": result.job_id,
+        "out": str(path),
+        "frames": int(result.frames.shape[0]),
+        "height": int(result.frames.shape[1]),
+        "width": int(result.frames.shape[2]),
+        "fps": result.fps,
+        "timings": result.timings,
+        "wall_seconds": round(time.perf_counter() - started, 3),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    try:
+        with Client(args.endpoint, retry=RetryPolicy(max_attempts=1)) as client:
+            status = client.health(args.service)
+    except StageDiffError as error:
+        print(f"UNREACHABLE {error}")
+        return 1
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def _info(args: argparse.Namespace) -> int:
+    try:
+        with Client(args.endpoint, retry=RetryPolicy(max_attempts=1)) as client:
+            info = client.cluster_info()
+    except StageDiffError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(MessageToDict(info, preserving_proto_field_name=True), indent=2))
+    return 0
+
+
+def add_parsers(commands: argparse._SubParsersAction) -> None:
+    generate = commands.add_parser("generate", help="generate a video or image through a cluster")
+    generate.add_argument("--endpoint", default="localhost:50051")
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--negative-prompt", default="")
+    generate.add_argument("--model", default="", help="model id (default: the cluster's only model)")
+    generate.add_argument("--height", type=int)
+    generate.add_argument("--width", type=int)
+    generate.add_argument("--frames", type=int, help="number of frames (4k+1 for Wan)")
+    generate.add_argument("--steps", type=int, help="denoising steps")
+    generate.add_argument("--guidance", type=float, help="CFG scale; above 1 uses the negative prompt")
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--fps", type=float)
+    generate.add_argument("--interp-exp", type=int, default=0, help="frame interpolation: 2**k x the frames' rate")
+    generate.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    generate.add_argument("--retries", type=int, default=3, help="retries when the cluster is unavailable")
+    generate.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    generate.add_argument("--out", required=True, help="output file: .mp4, .png or .npz")
+    generate.set_defaults(func=_generate)
+
+    health = commands.add_parser("health", help="grpc.health.v1 status of any StageDiff service")
+    health.add_argument("--endpoint", default="localhost:50051")
+    health.add_argument("--service", default="", help="service name (default: the whole server)")
+    health.set_defaults(func=_health)
+
+    info = commands.add_parser("info", help="JSON description of every stage of a cluster")
+    info.add_argument("--endpoint", default="localhost:50051")
+    info.set_defaults(func=_info)

@@ -1,0 +1,671 @@
+"""Runs the docker-compose topology as local processes: `stagediff up`.
+
+deploy/docker-compose.yml is the one description of the cluster. Instead of a
+second, hand-kept list of services for development and tests, this module reads
+that file and starts each service's `command` as `python -m stagediff.cli ...`,
+rewritten for one machine: every service gets a free local port, SERVICE:PORT
+references point at those ports, container paths point at host paths, and GPU
+reservations are dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+MODEL_MOUNT = "/models/model"
+ENTRY_COMMAND = ["serve", "orchestrator"]
+HEALTH_POLL_SECONDS = 0.25
+LOG_TAIL_LINES = 40
+
+
+def _default_compose_file() -> Path:
+    """The repository's compose file: next to the package source, else under the current directory."""
+    beside_package = PACKAGE_ROOT / "deploy" / "docker-compose.yml"
+    return beside_package if beside_package.is_file() else Path.cwd() / "deploy" / "docker-compose.yml"
+
+
+DEFAULT_COMPOSE_FILE = _default_compose_file()
+
+
+# ---------------------------------------------------------------------------
+# Reading the compose file
+# ---------------------------------------------------------------------------
+
+_VARIABLE = re.compile(
+    r"\$(?:(?P<dollar>\$)"  # $$
+    r"|\{(?P<braced>[A-Za-z_]\w*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}"  # ${VAR}, ${VAR:-default}, ${VAR:?error}
+    r"|(?P<bare>[A-Za-z_]\w*))"  # $VAR
+)
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Expands `$VAR`, `${VAR}`, `${VAR:-default}`, `${VAR-default}`, `${VAR:?error}` and `$$` as compose does."""
+
+    def substitute(match: re.Match[str]) -> str:
+        if match["dollar"]:
+            return "$"
+        name = match["braced"] or match["bare"]
+        value = env.get(name)
+        op, arg = match["op"], match["arg"] or ""
+        if op is None:
+            return value or ""
+        unset = value is None or (op.startswith(":") and value == "")
+        if not unset:
+            return value or ""
+        if op.endswith("?"):
+            raise ValueError(f"${{{name}}} is required: {arg or 'not set'}")
+        return arg
+
+    return _VARIABLE.sub(substitute, text)
+
+
+def _interpolate_tree(node: Any, env: dict[str, str]) -> Any:
+    if isinstance(node, str):
+        return interpolate(node, env)
+    if isinstance(node, list):
+        return [_interpolate_tree(item, env) for item in node]
+    if isinstance(node, dict):
+        return {key: _interpolate_tree(value, env) for key, value in node.items()}
+    return node
+
+
+@dataclass(frozen=True)
+class ComposeService:
+    """What the compose file says about one service, after variable expansion."""
+
+    name: str
+    command: list[str]
+    depends_on: dict[str, str]  # service -> condition
+    environment: dict[str, str]
+    volumes: list[tuple[str, str]]  # (host path, container path), bind mounts only
+    gpu_device_ids: list[str]
+    container_port: int
+
+    @property
+    def is_entry(self) -> bool:
+        """The orchestrator is the cluster's front door; the others are stages."""
+        return self.command[:2] == ENTRY_COMMAND
+
+
+def load_compose(compose_file: str | os.PathLike[str], env: dict[str, str] | None = None) -> dict[str, ComposeService]:
+    """Reads the services of a compose file, in file order."""
+    path = Path(compose_file).resolve()
+    env = dict(os.environ if env is None else env)
+    document = _interpolate_tree(yaml.safe_load(path.read_text()), env)
+    services: dict[str, ComposeService] = {}
+    for name, body in (document.get("services") or {}).items():
+        command = body.get("command")
+        if isinstance(command, str):
+            command = shlex.split(command)
+        if not command:
+            raise ValueError(f"{path}: service {name} has no command")
+        command = [str(arg) for arg in command]
+        services[name] = ComposeService(
+            name=name,
+            command=command,
+            depends_on=_depends_on(body.get("depends_on")),
+            environment=_environment(body.get("environment"), env),
+            volumes=[volume for spec in body.get("volumes") or [] if (volume := _bind_mount(spec, path.parent))],
+            gpu_device_ids=_gpu_device_ids(body),
+            container_port=_port_of(name, command),
+        )
+    if sum(service.is_entry for service in services.values()) != 1:
+        raise ValueError(f"{path}: expected exactly one service running `{' '.join(ENTRY_COMMAND)}`")
+    for service in services.values():
+        unknown = set(service.depends_on) - set(services)
+        if unknown:
+            raise ValueError(f"{path}: {service.name} depends on unknown services {sorted(unknown)}")
+    return services
+
+
+def _depends_on(value: Any) -> dict[str, str]:
+    if isinstance(value, list):
+        return {name: "service_started" for name in value}
+    return {name: (spec or {}).get("condition", "service_started") for name, spec in (value or {}).items()}
+
+
+def _environment(value: Any, env: dict[str, str]) -> dict[str, str]:
+    """Compose's mapping and `K=V` list forms; a key without a value takes it from `env`, as compose does."""
+    if isinstance(value, dict):
+        items = list(value.items())
+    else:
+        items = [(key, item if equals else None) for key, equals, item in (str(v).partition("=") for v in value or [])]
+    environment = {}
+    for key, item in items:
+        if item is None and key in env:
+            environment[str(key)] = env[key]
+        elif item is not None:
+            environment[str(key)] = str(item)
+    return environment
+
+
+def _bind_mount(spec: Any, base: Path) -> tuple[str, str] | None:
+    """(host, container) of a bind mount; named and anonymous volumes have no host path and are skipped."""
+    if isinstance(spec, dict):
+        if spec.get("type", "volume") != "bind":
+            return None
+        source, target = str(spec["source"]), str(spec["target"])
+    else:
+        parts = str(spec).split(":")
+        if len(parts) < 2:
+            return None
+        source, target = parts[0], parts[1]
+        if not source.startswith((".", "/", "~")):
+            return None
+    host = Path(source).expanduser()
+    return str((base / host).resolve() if not host.is_absolute() else host), target.rstrip("/") or "/"
+
+
+def _gpu_device_ids(body: dict[str, Any]) -> list[str]:
+    reservations = (((body.get("deploy") or {}).get("resources") or {}).get("reservations")) or {}
+    return [
+        str(device_id)
+        for device in reservations.get("devices") or []
+        if "gpu" in (device.get("capabilities") or [])
+        for device_id in device.get("device_ids") or []
+    ]
+
+
+def _port_of(name: str, command: list[str]) -> int:
+    for index, arg in enumerate(command):
+        if arg == "--port" and index + 1 < len(command):
+            return int(command[index + 1])
+        if arg.startswith("--port="):
+            return int(arg.split("=", 1)[1])
+    raise ValueError(f"service {name}: its command has no --port, so it cannot be reached")
+
+
+def start_order(services: dict[str, ComposeService]) -> list[str]:
+    """Services after everything they depend on; file order otherwise."""
+    order: list[str] = []
+    visiting: set[str] = set()
+
+    def visit(name: str) -> None:
+        if name in order:
+            return
+        if name in visiting:
+            raise ValueError(f"depends_on has a cycle through {name}")
+        visiting.add(name)
+        for dependency in services[name].depends_on:
+            visit(dependency)
+        visiting.discard(name)
+        order.append(name)
+
+    for name in services:
+        visit(name)
+    return order
+
+
+# ---------------------------------------------------------------------------
+# Rewriting a container command for this machine
+# ---------------------------------------------------------------------------
+
+
+def connect_host(host: str) -> str:
+    """Where to connect to a server bound on `host` (a wildcard address is reached through loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
+def format_endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def rewrite_command(
+    service: ComposeService,
+    *,
+    host: str,
+    local_ports: dict[str, int],
+    services: dict[str, ComposeService],
+    path_map: list[tuple[str, str]],
+) -> list[str]:
+    """The service's command with local ports, hosts, endpoints of other services and host paths."""
+    references = {f"{name}:{other.container_port}": name for name, other in services.items()}
+    mounts = sorted(path_map, key=lambda pair: len(pair[1]), reverse=True)
+
+    def value(text: str) -> str:
+        if text in references:
+            return format_endpoint(connect_host(host), local_ports[references[text]])
+        name, _, port = text.rpartition(":")
+        if name in services and port.isdigit():
+            raise ValueError(f"{service.name}: {text} is not {name}'s --port ({services[name].container_port})")
+        for host_path, container_path in mounts:
+            if text == container_path or text.startswith(container_path + "/"):
+                return host_path + text[len(container_path) :]
+        return text
+
+    rewritten: list[str] = []
+    args = iter(service.command)
+    for arg in args:
+        option, equals, inline = arg.partition("=")
+        if arg in ("--port", "--host"):
+            rewritten += [arg, str(local_ports[service.name]) if arg == "--port" else host]
+            next(args, None)
+        elif equals and option in ("--port", "--host"):
+            rewritten.append(f"{option}={local_ports[service.name] if option == '--port' else host}")
+        elif equals and option.startswith("--"):
+            rewritten.append(f"{option}={value(inline)}")
+        else:
+            rewritten.append(value(arg))
+    return rewritten
+
+
+def gpu_environment(service: ComposeService) -> dict[str, str]:
+    """Environment that gives a service its GPUs. Reservations are dropped for now: every
+    process sees every device. Mapping `service.gpu_device_ids` to CUDA_VISIBLE_DEVICES goes here."""
+    return {}
+
+
+def free_ports(count: int, host: str, exclude: Iterable[int] = ()) -> list[int]:
+    """Ports the kernel hands out now; all sockets stay open until the end so no port repeats."""
+    excluded = set(exclude)
+    sockets: list[socket.socket] = []
+    ports: list[int] = []
+    family = socket.AF_INET6 if ":" in connect_host(host) else socket.AF_INET
+    try:
+        while len(ports) < count:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((connect_host(host), 0))
+            port = sock.getsockname()[1]
+            if port not in excluded:
+                ports.append(port)
+    finally:
+        for sock in sockets:
+            sock.close()
+    return ports
+
+
+# ---------------------------------------------------------------------------
+# Health
+# ---------------------------------------------------------------------------
+
+
+def is_serving(endpoint: str, timeout: float = 1.0) -> bool:
+    """One grpc.health.v1 check of the whole server (service name "")."""
+    try:
+        with grpc.insecure_channel(endpoint) as channel:
+            request = health_pb2.HealthCheckRequest(service="")
+            response = health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout)
+    except grpc.RpcError:
+        return False
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def wait_for_serving(endpoint: str, timeout: float) -> None:
+    """Waits until `endpoint` answers SERVING on grpc.health.v1; TimeoutError otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"{endpoint} was not SERVING within {timeout:.0f}s")
+        if is_serving(endpoint, timeout=min(1.0, remaining)):
+            return
+        time.sleep(min(HEALTH_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+
+
+# ---------------------------------------------------------------------------
+# The cluster
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How one service is started on this machine."""
+
+    name: str
+    args: list[str]  # stagediff arguments, after `python -m stagediff.cli`
+    environment: dict[str, str]
+    port: int
+    endpoint: str
+    waits_for: list[str]  # services that must be SERVING first (depends_on: service_healthy)
+
+
+@dataclass
+class ServiceProcess:
+    """A started service."""
+
+    name: str
+    args: list[str]
+    port: int
+    endpoint: str
+    log_path: Path
+    process: subprocess.Popen[bytes]
+    _log_file: IO[bytes] | None = field(default=None, repr=False)
+    _echo_thread: threading.Thread | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class LocalCluster:
+    """The compose topology as local processes, started in depends_on order and stopped in reverse.
+
+    Usable as a context manager: `with LocalCluster(model_dir) as cluster: Client(cluster.endpoint)`.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        compose_file: str | os.PathLike[str] = DEFAULT_COMPOSE_FILE,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        extra_args: dict[str, list[str]] | None = None,
+        threads_per_stage: int | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
+        env: dict[str, str] | None = None,
+        echo_logs: bool = False,
+    ) -> None:
+        self.model_dir = Path(model_dir).resolve()
+        self.compose_file = Path(compose_file).resolve()
+        self.port = port
+        self.host = host
+        self.extra_args = {name: list(args) for name, args in (extra_args or {}).items()}
+        self.threads_per_stage = threads_per_stage
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.env = dict(env or {})
+        self.echo_logs = echo_logs
+        self.compose = load_compose(self.compose_file, {**os.environ, **self.env})
+        unknown = set(self.extra_args) - set(self.compose)
+        if unknown:
+            raise ValueError(f"extra_args names services that are not in {self.compose_file}: {sorted(unknown)}")
+        self._services: dict[str, ServiceProcess] = {}
+        self._lock = threading.Lock()
+
+    # -- planning -------------------------------------------------------
+
+    def plan(self, local_ports: dict[str, int] | None = None) -> dict[str, LaunchSpec]:
+        """Every service's local command, in start order; free ports are picked unless given."""
+        order = start_order(self.compose)
+        entry = next(name for name, service in self.compose.items() if service.is_entry)
+        ports = dict(local_ports or {})
+        if entry not in ports and self.port:
+            ports[entry] = self.port
+        missing = [name for name in order if name not in ports]
+        ports.update(zip(missing, free_ports(len(missing), self.host, exclude=ports.values()), strict=True))
+
+        plans: dict[str, LaunchSpec] = {}
+        for name in order:
+            service = self.compose[name]
+            path_map = [
+                (str(self.model_dir) if target == MODEL_MOUNT else source, target) for source, target in service.volumes
+            ]
+            args = rewrite_command(service, host=self.host, local_ports=ports, services=self.compose, path_map=path_map)
+            if self.threads_per_stage and not service.is_entry:
+                args += ["--threads", str(self.threads_per_stage)]
+            args += self.extra_args.get(name, [])
+            plans[name] = LaunchSpec(
+                name=name,
+                args=args,
+                environment={**service.environment, **gpu_environment(service)},
+                port=ports[name],
+                endpoint=format_endpoint(connect_host(self.host), ports[name]),
+                waits_for=[dep for dep, condition in service.depends_on.items() if condition == "service_healthy"],
+            )
+        return plans
+
+    # -- lifecycle ------------------------------------------------------
+
+    @property
+    def services(self) -> dict[str, ServiceProcess]:
+        return dict(self._services)
+
+    @property
+    def endpoint(self) -> str:
+        """host:port of the orchestrator."""
+        for name, service in self._services.items():
+            if self.compose[name].is_entry:
+                return service.endpoint
+        raise RuntimeError("the cluster is not started")
+
+    def start(self, timeout: float = 600.0, on_started: Callable[[ServiceProcess], None] | None = None) -> LocalCluster:
+        """Starts every service and returns once each answers SERVING; on failure stops them all."""
+        if self._services:
+            raise RuntimeError("the cluster is already started")
+        deadline = time.monotonic() + timeout
+        if self.log_dir is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix="stagediff-cluster-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)
+        try:
+            plans = self.plan()
+            for plan in plans.values():
+                self._wait_healthy(plan.waits_for, deadline, timeout)
+                started = self._spawn(plan)
+                if on_started is not None:
+                    on_started(started)
+            self._wait_healthy(list(plans), deadline, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, plan: LaunchSpec) -> ServiceProcess:
+        assert self.log_dir is not None
+        log_path = self.log_dir / f"{plan.name}.log"
+        environment = {**os.environ, **plan.environment, **self.env}
+        # Children import stagediff from the same tree as this process, whatever their cwd.
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), environment.get("PYTHONPATH")]))
+        log_file = log_path.open("wb")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "stagediff.cli", *plan.args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if self.echo_logs else log_file,
+            stderr=subprocess.STDOUT,
+            env=environment,
+            start_new_session=True,
+        )
+        service = ServiceProcess(plan.name, plan.args, plan.port, plan.endpoint, log_path, process, log_file)
+        if self.echo_logs:
+            service._echo_thread = threading.Thread(
+                target=_echo, args=(process.stdout, log_file, f"[{plan.name}] "), name=f"log-{plan.name}", daemon=True
+            )
+            service._echo_thread.start()
+        with self._lock:
+            self._services[plan.name] = service
+        return service
+
+    def _wait_healthy(self, names: list[str], deadline: float, timeout: float) -> None:
+        pending = list(names)
+        while pending:
+            for name in list(pending):
+                service = self._services[name]
+                code = service.process.poll()
+                if code is not None:
+                    raise RuntimeError(
+                        f"{name} exited with code {code} before it was SERVING; "
+                        f"last lines of {service.log_path}:\n{service.log_tail()}"
+                    )
+                remaining = deadline - time.monotonic()
+                if remaining > 0 and is_serving(service.endpoint, timeout=min(1.0, remaining)):
+                    pending.remove(name)
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                service = self._services[pending[0]]
+                raise RuntimeError(
+                    f"{service.name} was not SERVING within {timeout:.0f}s (also waiting for: {pending[1:]}); "
+                    f"last lines of {service.log_path}:\n{service.log_tail()}"
+                )
+            time.sleep(HEALTH_POLL_SECONDS)
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM in reverse start order, a service only after everything that depends on it has
+        exited (so a draining orchestrator can still finish its jobs), and SIGKILL whatever is
+        still running `grace` seconds after its SIGTERM. Idempotent."""
+        with self._lock:
+            remaining = list(reversed(self._services.values()))
+        while remaining:
+            names = {service.name for service in remaining}
+            needed = {dep for service in remaining for dep in self.compose[service.name].depends_on} & names
+            wave = [service for service in remaining if service.name not in needed]
+            for service in wave:
+                if service.process.poll() is None:
+                    _signal(service.process, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            for service in wave:
+                try:
+                    service.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    # The whole session, so that ranks a stage spawned go too.
+                    _signal(service.process, signal.SIGKILL, group=True)
+                    service.process.wait()
+            remaining = [service for service in remaining if service not in wave]
+        for service in self._services.values():
+            if service._echo_thread is not None:
+                service._echo_thread.join(timeout=5.0)
+            if service._log_file is not None and not service._log_file.closed:
+                service._log_file.close()
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> LocalCluster:
+        return self if self._services else self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _signal(process: subprocess.Popen[bytes], signum: int, group: bool = False) -> None:
+    try:
+        if group:
+            os.killpg(process.pid, signum)
+        else:
+            process.send_signal(signum)
+    except ProcessLookupError:
+        pass
+
+
+def _echo(stream: IO[bytes], log_file: IO[bytes], prefix: str) -> None:
+    """Copies a child's output into its log file and, prefixed, onto our stderr."""
+    for line in iter(stream.readline, b""):
+        log_file.write(line)
+        log_file.flush()
+        sys.stderr.write(prefix + line.decode(errors="replace"))
+        sys.stderr.flush()
+    stream.close()
+
+
+# ---------------------------------------------------------------------------
+# `stagediff up`
+# ---------------------------------------------------------------------------
+
+# Stage options of `stagediff up`, and the stage each one is passed to. Parallel,
+# offload and quantization flags join this list with the stages that implement them.
+STAGE_FLAGS: list[tuple[list[str], str, dict[str, Any]]] = [
+    (["--embedding-cache-size"], "text-encoder", {"type": int}),
+]
+
+
+def stage_flags(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The stage options given to `stagediff up`, grouped by the service they go to."""
+    extra: dict[str, list[str]] = {}
+    for names, service, _ in STAGE_FLAGS:
+        value = getattr(args, names[0].lstrip("-").replace("-", "_"), None)
+        if value is None or value is False:
+            continue
+        extra.setdefault(service, []).extend([names[0]] if value is True else [names[0], str(value)])
+    return extra
+
+
+class _Shutdown(Exception):
+    """SIGINT or SIGTERM reached `stagediff up`."""
+
+
+def _raise_shutdown(signum: int, frame: object) -> None:
+    raise _Shutdown(signum)
+
+
+def _up(args: argparse.Namespace) -> int:
+    try:
+        cluster = LocalCluster(
+            args.model,
+            compose_file=args.file,
+            port=args.port,
+            host=args.host,
+            extra_args=stage_flags(args),
+            threads_per_stage=args.threads_per_stage,
+            log_dir=args.log_dir,
+            echo_logs=args.echo_logs,
+        )
+    except (OSError, ValueError, yaml.YAMLError) as error:
+        print(f"stagediff up: {error}", file=sys.stderr, flush=True)
+        return 2
+
+    def started(service: ServiceProcess) -> None:
+        print(f"started {service.name} pid={service.pid} endpoint={service.endpoint}", flush=True)
+
+    previous = {sig: signal.signal(sig, _raise_shutdown) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            cluster.start(timeout=args.startup_timeout, on_started=started)
+        except RuntimeError as error:
+            print(f"stagediff up: {error}", file=sys.stderr, flush=True)
+            return 1
+        print(f"logs in {cluster.log_dir}", file=sys.stderr, flush=True)
+        print(f"ready {cluster.endpoint}", flush=True)
+        exited: set[str] = set()
+        while True:
+            for name, service in cluster.services.items():
+                code = service.process.poll()
+                if code is not None and name not in exited:
+                    exited.add(name)
+                    print(f"exited {name} code={code}", flush=True)
+            time.sleep(0.5)
+    except _Shutdown:
+        return 0
+    finally:
+        # A second signal must not interrupt the stop itself; stop is bounded by its grace period.
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)
+        cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Adds `stagediff up` to the CLI."""
+    up = commands.add_parser(
+        "up",
+        help="run the docker-compose topology as local processes",
+        description="Starts every service of the compose file as a local process and prints "
+        "'ready HOST:PORT' once all are SERVING; SIGINT or SIGTERM stops them.",
+    )
+    up.add_argument("--model", required=True, help="diffusers checkpoint directory (mounted at /models/model)")
+    up.add_argument("--port", type=int, default=50051, help="orchestrator port (0: a free port)")
+    up.add_argument("-f", "--file", default=str(DEFAULT_COMPOSE_FILE), help="compose file (default: %(default)s)")
+    up.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    up.add_argument("--threads-per-stage", type=int, default=None, help="torch intra-op threads of each stage")
+    up.add_argument("--log-dir", default=None, help="where SERVICE.log files go (default: a new temporary directory)")
+    up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds until every service is SERVING")
+    up.add_argument("--echo-logs", action="store_true", help="also copy every service's log to stderr")
+    stage_options = up.add_argument_group("stage options", "passed to the stage they concern")
+    for names, service, options in STAGE_FLAGS:
+        stage_options.add_argument(*names, default=None, help=f"passed to {service}", **options)
+    up.set_defaults(func=_up)

@@ -1,0 +1,238 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from stagediff.v1 import stages_pb2 as _stages_pb2
+from stagediff.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_STATE_QUEUED: _ClassVar[JobState]
+    JOB_STATE_RUNNING: _ClassVar[JobState]
+    JOB_STATE_SUCCEEDED: _ClassVar[JobState]
+    JOB_STATE_FAILED: _ClassVar[JobState]
+    JOB_STATE_CANCELLED: _ClassVar[JobState]
+JOB_STATE_UNSPECIFIED: JobState
+JOB_STATE_QUEUED: JobState
+JOB_STATE_RUNNING: JobState
+JOB_STATE_SUCCEEDED: JobState
+JOB_STATE_FAILED: JobState
+JOB_STATE_CANCELLED: JobState
+
+class InterpolationParams(_message.Message):
+    __slots__ = ("enable", "exp", "scale")
+    ENABLE_FIELD_NUMBER: _ClassVar[int]
+    EXP_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    enable: bool
+    exp: int
+    scale: float
+    def __init__(self, enable: _Optional[bool] = ..., exp: _Optional[int] = ..., scale: _Optional[float] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("model", "prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps", "interpolation", "request_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    INTERPOLATION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompt: str
+    negative_prompt: str
+    height: int
+    width: int
+    num_frames: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    fps: float
+    interpolation: InterpolationParams
+    request_id: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., fps: _Optional[float] = ..., interpolation: _Optional[_Union[InterpolationParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class JobError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Job(_message.Message):
+    __slots__ = ("job_id", "state", "request", "created_at", "finished_at", "queue_position", "current_stage", "error", "timings", "num_frames_out", "fps_out")
+    class TimingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_STAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_OUT_FIELD_NUMBER: _ClassVar[int]
+    FPS_OUT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: JobState
+    request: GenerateRequest
+    created_at: _timestamp_pb2.Timestamp
+    finished_at: _timestamp_pb2.Timestamp
+    queue_position: int
+    current_stage: str
+    error: JobError
+    timings: _containers.ScalarMap[str, float]
+    num_frames_out: int
+    fps_out: float
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., queue_position: _Optional[int] = ..., current_stage: _Optional[str] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., timings: _Optional[_Mapping[str, float]] = ..., num_frames_out: _Optional[int] = ..., fps_out: _Optional[float] = ...) -> None: ...
+
+class JobQueued(_message.Message):
+    __slots__ = ("position",)
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    def __init__(self, position: _Optional[int] = ...) -> None: ...
+
+class StageProgress(_message.Message):
+    __slots__ = ("stage", "step", "total")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    step: int
+    total: int
+    def __init__(self, stage: _Optional[str] = ..., step: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+
+class ResultChunk(_message.Message):
+    __slots__ = ("tensor", "fps")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    tensor: _tensor_pb2.TensorChunk
+    fps: float
+    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., fps: _Optional[float] = ...) -> None: ...
+
+class JobCompleted(_message.Message):
+    __slots__ = ("timings", "num_frames", "fps")
+    class TimingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    timings: _containers.ScalarMap[str, float]
+    num_frames: int
+    fps: float
+    def __init__(self, timings: _Optional[_Mapping[str, float]] = ..., num_frames: _Optional[int] = ..., fps: _Optional[float] = ...) -> None: ...
+
+class GenerateEvent(_message.Message):
+    __slots__ = ("job_id", "queued", "progress", "result", "completed")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    queued: JobQueued
+    progress: StageProgress
+    result: ResultChunk
+    completed: JobCompleted
+    def __init__(self, job_id: _Optional[str] = ..., queued: _Optional[_Union[JobQueued, _Mapping]] = ..., progress: _Optional[_Union[StageProgress, _Mapping]] = ..., result: _Optional[_Union[ResultChunk, _Mapping]] = ..., completed: _Optional[_Union[JobCompleted, _Mapping]] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class WatchJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class CancelJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ("state", "limit")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    state: JobState
+    limit: int
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[Job]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
+
+class ModelDescription(_message.Message):
+    __slots__ = ("id", "family", "limits")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    family: str
+    limits: _stages_pb2.ModelLimits
+    def __init__(self, id: _Optional[str] = ..., family: _Optional[str] = ..., limits: _Optional[_Union[_stages_pb2.ModelLimits, _Mapping]] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelDescription]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelDescription, _Mapping]]] = ...) -> None: ...
+
+class StageStatus(_message.Message):
+    __slots__ = ("info", "endpoint", "health", "detail")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    info: _stages_pb2.StageInfo
+    endpoint: str
+    health: str
+    detail: str
+    def __init__(self, info: _Optional[_Union[_stages_pb2.StageInfo, _Mapping]] = ..., endpoint: _Optional[str] = ..., health: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class GetClusterInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClusterInfo(_message.Message):
+    __slots__ = ("stages", "version")
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    stages: _containers.RepeatedCompositeFieldContainer[StageStatus]
+    version: str
+    def __init__(self, stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., version: _Optional[str] = ...) -> None: ...

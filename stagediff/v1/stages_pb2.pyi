@@ -1,0 +1,184 @@
+from stagediff.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StageInfo(_message.Message):
+    __slots__ = ("stage", "model", "family", "device", "parallel_config", "parameter_bytes", "limits", "version")
+    class ParallelConfigEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class ParameterBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    model: str
+    family: str
+    device: str
+    parallel_config: _containers.ScalarMap[str, str]
+    parameter_bytes: _containers.ScalarMap[str, int]
+    limits: ModelLimits
+    version: str
+    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., device: _Optional[str] = ..., parallel_config: _Optional[_Mapping[str, str]] = ..., parameter_bytes: _Optional[_Mapping[str, int]] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., version: _Optional[str] = ...) -> None: ...
+
+class ModelLimits(_message.Message):
+    __slots__ = ("height_multiple", "width_multiple", "temporal_factor", "max_height", "max_width", "max_frames", "max_inference_steps", "max_sequence_length", "max_prompt_chars", "default_height", "default_width", "default_num_frames", "default_inference_steps", "default_guidance_scale", "default_fps")
+    HEIGHT_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
+    TEMPORAL_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    MAX_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_FPS_FIELD_NUMBER: _ClassVar[int]
+    height_multiple: int
+    width_multiple: int
+    temporal_factor: int
+    max_height: int
+    max_width: int
+    max_frames: int
+    max_inference_steps: int
+    max_sequence_length: int
+    max_prompt_chars: int
+    default_height: int
+    default_width: int
+    default_num_frames: int
+    default_inference_steps: int
+    default_guidance_scale: float
+    default_fps: float
+    def __init__(self, height_multiple: _Optional[int] = ..., width_multiple: _Optional[int] = ..., temporal_factor: _Optional[int] = ..., max_height: _Optional[int] = ..., max_width: _Optional[int] = ..., max_frames: _Optional[int] = ..., max_inference_steps: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., default_height: _Optional[int] = ..., default_width: _Optional[int] = ..., default_num_frames: _Optional[int] = ..., default_inference_steps: _Optional[int] = ..., default_guidance_scale: _Optional[float] = ..., default_fps: _Optional[float] = ...) -> None: ...
+
+class GetStageInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("model", "texts", "max_sequence_length")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    max_sequence_length: int
+    def __init__(self, model: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., max_sequence_length: _Optional[int] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("tensor", "cache_hit")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    tensor: _tensor_pb2.TensorChunk
+    cache_hit: bool
+    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
+
+class DenoiseParams(_message.Message):
+    __slots__ = ("model", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    height: int
+    width: int
+    num_frames: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    def __init__(self, model: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class DenoiseRequest(_message.Message):
+    __slots__ = ("params", "tensor")
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    params: DenoiseParams
+    tensor: _tensor_pb2.TensorChunk
+    def __init__(self, params: _Optional[_Union[DenoiseParams, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class DenoiseProgress(_message.Message):
+    __slots__ = ("step", "total")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    total: int
+    def __init__(self, step: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+
+class DenoiseResponse(_message.Message):
+    __slots__ = ("progress", "tensor")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    progress: DenoiseProgress
+    tensor: _tensor_pb2.TensorChunk
+    def __init__(self, progress: _Optional[_Union[DenoiseProgress, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class DecodeParams(_message.Message):
+    __slots__ = ("model", "num_latent_frames")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_LATENT_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    num_latent_frames: int
+    def __init__(self, model: _Optional[str] = ..., num_latent_frames: _Optional[int] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("params", "tensor")
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    params: DecodeParams
+    tensor: _tensor_pb2.TensorChunk
+    def __init__(self, params: _Optional[_Union[DecodeParams, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("tensor",)
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    tensor: _tensor_pb2.TensorChunk
+    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class InterpolateParams(_message.Message):
+    __slots__ = ("exp", "scale")
+    EXP_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    exp: int
+    scale: float
+    def __init__(self, exp: _Optional[int] = ..., scale: _Optional[float] = ...) -> None: ...
+
+class InterpolateRequest(_message.Message):
+    __slots__ = ("params", "tensor")
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    params: InterpolateParams
+    tensor: _tensor_pb2.TensorChunk
+    def __init__(self, params: _Optional[_Union[InterpolateParams, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class InterpolateResponse(_message.Message):
+    __slots__ = ("tensor",)
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    tensor: _tensor_pb2.TensorChunk
+    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,66 @@
+"""Shared fixtures: a tiny checkpoint and a local cluster started from deploy/docker-compose.yml."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from stagediff.init_model import init_model
+
+# One thread per stage process: the machine has few cores and five processes share them.
+THREADS_PER_STAGE = 1
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model("wan-t2v", "tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """The local cluster every end-to-end test shares (tests that kill stages start their own)."""
+    from stagediff.local_cluster import LocalCluster
+
+    local = LocalCluster(
+        tiny_model, threads_per_stage=THREADS_PER_STAGE, log_dir=tmp_path_factory.mktemp("cluster-logs")
+    )
+    local.start(timeout=300)
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+@pytest.fixture(scope="session")
+def reference_pipeline(tiny_model: Path):
+    from diffusers import WanPipeline
+
+    return WanPipeline.from_pretrained(tiny_model)
+
+
+def reference_frames(pipeline, *, prompt, negative_prompt, height, width, num_frames, steps, guidance, seed):
+    """WanPipeline's frames for the arguments, converted to uint8 [F, H, W, 3]."""
+    output = pipeline(
+        prompt=prompt,
+        negative_prompt=negative_prompt,
+        height=height,
+        width=width,
+        num_frames=num_frames,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        generator=torch.Generator("cpu").manual_seed(seed),
+        output_type="np",
+    ).frames[0]
+    return (np.clip(output, 0, 1) * 255).round().astype(np.uint8)
+
+
+def assert_status(error: grpc.RpcError, code: grpc.StatusCode, *words: str) -> None:
+    """The call failed with `code` and a message that names each word."""
+    assert error.code() == code, f"expected {code}, got {error.code()}: {error.details()}"
+    for word in words:
+        assert word in (error.details() or ""), f"'{word}' not named in: {error.details()}"

@@ -1,0 +1,1 @@
+"""The text-encoding stage: prompts in, embeddings out."""

@@ -1,0 +1,71 @@
+"""gRPC servicer of the text-encoding stage."""
+
+from __future__ import annotations
+
+import argparse
+
+import grpc
+
+from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
+from services.stage_main import add_stage_arguments, run_stage
+from services.tensor_codec import encode_tensor
+from stagediff.v1 import stages_pb2, stages_pb2_grpc
+from text_encoder_svc.encoder import PromptEncoder
+
+MAX_TEXTS = 8
+
+
+class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer):
+    service_name = stages_pb2.DESCRIPTOR.services_by_name["TextEncoder"].full_name
+
+    def __init__(self, args: argparse.Namespace, runtime: StageRuntime) -> None:
+        self.args = args
+        self.runtime = runtime
+        self.encoder: PromptEncoder | None = None
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        stages_pb2_grpc.add_TextEncoderServicer_to_server(self, server)
+
+    def load(self) -> None:
+        spec = self.runtime.spec
+        self.encoder = PromptEncoder(
+            spec.path, spec.model_id, self.runtime.device, self.runtime.dtype, cache_size=self.args.embedding_cache_size
+        )
+        self.runtime.parameter_bytes = {"text_encoder": parameter_bytes(self.encoder.text_encoder)}
+
+    def _validate(self, request: stages_pb2.EncodeRequest) -> int:
+        spec = self.runtime.spec
+        self.runtime.check_model(request.model)
+        if not 1 <= len(request.texts) <= MAX_TEXTS:
+            raise RequestError(f"texts: {len(request.texts)} given; send between 1 and {MAX_TEXTS}")
+        for i, text in enumerate(request.texts):
+            if len(text) > spec.max_prompt_chars:
+                raise RequestError(f"texts[{i}]: {len(text)} characters; at most {spec.max_prompt_chars} are allowed")
+        length = request.max_sequence_length or spec.max_sequence_length
+        if not 1 <= length <= 4 * spec.max_sequence_length:
+            raise RequestError(
+                f"max_sequence_length: {length} is out of range; allowed 1..{4 * spec.max_sequence_length}"
+            )
+        return length
+
+    async def Encode(self, request, context):
+        if self.encoder is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "text-encoder: still loading its model")
+        try:
+            length = self._validate(request)
+            embeds, cache_hit = await self.runtime.run(self.encoder.encode, list(request.texts), length)
+        except Exception as error:
+            await abort_for(error, context, self.runtime.stage)
+        for i, chunk in enumerate(encode_tensor("embeds", embeds)):
+            yield stages_pb2.EncodeResponse(tensor=chunk, cache_hit=cache_hit and i == 0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="stagediff serve text-encoder", description=__doc__)
+    add_stage_arguments(parser, default_port=50061)
+    parser.add_argument("--embedding-cache-size", type=int, default=1024, help="texts kept in the LRU cache")
+    run_stage("text-encoder", parser.parse_args(argv), TextEncoderServicer)
+
+
+if __name__ == "__main__":
+    main()
