@@ -1,0 +1,143 @@
+"""The SDK against an in-process fake Generation service: retries, typed events, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from services.tensor_codec import encode_tensor
+from stagediff import Client, StageDiffError
+from stagediff.client import AsyncClient, FramesReceived, GenerationResult, Progress, Queued, RetryPolicy
+from stagediff.protocol import JOB_FAILED_METADATA_KEY
+from stagediff.v1 import generation_pb2, generation_pb2_grpc
+
+FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.05)
+FRAMES = np.arange(3 * 4 * 5 * 3, dtype=np.uint8).reshape(3, 4, 5, 3)
+
+
+class FakeGeneration(generation_pb2_grpc.GenerationServicer):
+    """Fails the first `failures` Generate calls with `code`, then streams a fixed result."""
+
+    def __init__(self, failures: int, code: grpc.StatusCode, job_failed: bool = False) -> None:
+        self.failures = failures
+        self.code = code
+        self.job_failed = job_failed
+        self.request_ids: list[str] = []
+
+    async def Generate(self, request, context):
+        self.request_ids.append(request.request_id)
+        if len(self.request_ids) <= self.failures:
+            if self.job_failed:
+                context.set_trailing_metadata(((JOB_FAILED_METADATA_KEY, "1"),))
+            await context.abort(self.code, "stage 'vae' at x:1 is unavailable: test")
+        yield generation_pb2.GenerateEvent(job_id="j", queued=generation_pb2.JobQueued(position=0))
+        yield generation_pb2.GenerateEvent(
+            job_id="j", progress=generation_pb2.StageProgress(stage="dit", step=1, total=1)
+        )
+        for index, piece in ((0, FRAMES[:1]), (1, FRAMES[1:])):
+            for chunk in encode_tensor("frames", piece, index=index, chunk_bytes=16):
+                yield generation_pb2.GenerateEvent(job_id="j", result=generation_pb2.ResultChunk(tensor=chunk, fps=8))
+        yield generation_pb2.GenerateEvent(
+            job_id="j", completed=generation_pb2.JobCompleted(timings={"total": 1.0}, num_frames=3, fps=8)
+        )
+
+
+class FakeServer:
+    """Runs an aio server with a servicer on its own thread and event loop."""
+
+    def __init__(self, servicer: FakeGeneration) -> None:
+        self.servicer = servicer
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result()
+
+    async def _start(self) -> int:
+        self.server = grpc.aio.server()
+        generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        return port
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(None), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+
+@pytest.fixture
+def fake():
+    servers: list[FakeServer] = []
+
+    def make(failures: int, code=grpc.StatusCode.UNAVAILABLE, job_failed=False) -> FakeServer:
+        servers.append(FakeServer(FakeGeneration(failures, code, job_failed)))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+def test_unavailable_is_retried_with_the_same_request_id(fake) -> None:
+    server = fake(failures=2)
+    with Client(f"127.0.0.1:{server.port}", retry=FAST_RETRY) as client:
+        result = client.generate("a fox")
+    assert np.array_equal(result.frames, FRAMES) and result.fps == 8
+    ids = server.servicer.request_ids
+    assert len(ids) == 3 and len(set(ids)) == 1, "every retry carries the request id of the first call"
+
+
+def test_retries_give_up_after_max_attempts(fake) -> None:
+    server = fake(failures=10)
+    with Client(f"127.0.0.1:{server.port}", retry=FAST_RETRY) as client, pytest.raises(StageDiffError) as raised:
+        client.generate("a fox")
+    assert raised.value.code == grpc.StatusCode.UNAVAILABLE and "'vae'" in raised.value.message
+    assert len(server.servicer.request_ids) == FAST_RETRY.max_attempts
+
+
+def test_a_failed_job_is_not_retried(fake) -> None:
+    server = fake(failures=1, job_failed=True)
+    with Client(f"127.0.0.1:{server.port}", retry=FAST_RETRY) as client, pytest.raises(StageDiffError):
+        client.generate("a fox")
+    assert len(server.servicer.request_ids) == 1
+
+
+def test_invalid_argument_is_not_retried(fake) -> None:
+    server = fake(failures=1, code=grpc.StatusCode.INVALID_ARGUMENT)
+    with Client(f"127.0.0.1:{server.port}", retry=FAST_RETRY) as client, pytest.raises(StageDiffError) as raised:
+        client.generate("a fox")
+    assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(server.servicer.request_ids) == 1
+
+
+def test_stream_yields_typed_events_and_callbacks_see_progress(fake) -> None:
+    server = fake(failures=0)
+    seen: list[object] = []
+    with Client(f"127.0.0.1:{server.port}") as client:
+        events = list(client.stream("a fox"))
+        client.generate("a fox", on_progress=seen.append)
+    assert [type(e) for e in events] == [Queued, Progress, FramesReceived, FramesReceived, GenerationResult]
+    assert [(e.first_frame, e.count) for e in events if isinstance(e, FramesReceived)] == [(0, 1), (1, 2)]
+    assert [type(e) for e in seen] == [Queued, Progress, FramesReceived, FramesReceived]
+
+
+def test_async_client(fake) -> None:
+    server = fake(failures=1)
+
+    async def run() -> GenerationResult:
+        async with AsyncClient(f"127.0.0.1:{server.port}", retry=FAST_RETRY) as client:
+            return await client.generate("a fox", seed=3, height=64)
+
+    result = asyncio.run(run())
+    assert np.array_equal(result.frames, FRAMES) and result.timings == {"total": 1.0}
+
+
+def test_nothing_listening_is_unavailable() -> None:
+    retry = RetryPolicy(max_attempts=2, initial_backoff_s=0.01)
+    with Client("127.0.0.1:1", retry=retry) as client, pytest.raises(StageDiffError) as raised:
+        client.generate("a fox", timeout=5)
+    assert raised.value.code == grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,80 @@
+"""A stage that fails with UNAVAILABLE is retried from the last finished stage, sending no frame twice."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from services.orchestrator.jobs import JobManager, JobState
+from services.orchestrator.pipeline import Pipeline
+from services.orchestrator.stage_clients import StagePool
+from services.tensor_codec import TensorAssembler
+from stagediff import Client
+from stagediff.v1 import generation_pb2, stages_pb2, stages_pb2_grpc
+
+pytestmark = pytest.mark.e2e
+
+
+class FlakyVae(stages_pb2_grpc.VaeDecoderServicer):
+    """Relays to the real VAE, but drops the first call with UNAVAILABLE after its first frame chunk."""
+
+    def __init__(self, real_endpoint: str) -> None:
+        self.channel = grpc.aio.insecure_channel(real_endpoint)
+        self.real = stages_pb2_grpc.VaeDecoderStub(self.channel)
+        self.calls = 0
+
+    async def Decode(self, request_iterator, context):
+        self.calls += 1
+        call = self.real.Decode(request_iterator)
+        async for response in call:
+            yield response
+            if self.calls == 1 and response.tensor.last:
+                call.cancel()
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "replica went away")
+
+
+async def _run(cluster) -> tuple[list[generation_pb2.GenerateEvent], int, FlakyVae, object]:
+    flaky = FlakyVae(cluster.services["vae"].endpoint)
+    server = grpc.aio.server()
+    stages_pb2_grpc.add_VaeDecoderServicer_to_server(flaky, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    endpoints = {name: cluster.services[name].endpoint for name in ("text-encoder", "dit", "interp")}
+    stages = StagePool({**endpoints, "vae": f"127.0.0.1:{port}"})
+    stages["vae"].info = stages_pb2.StageInfo(limits=stages_pb2.ModelLimits(temporal_factor=4))
+    pipeline = Pipeline(stages, stage_retries=1, retry_backoff_s=0.01)
+    jobs = JobManager(pipeline.run)
+    request = generation_pb2.GenerateRequest(
+        model="tiny", prompt="a fox", negative_prompt="blurry", height=64, width=64, num_frames=9,
+        num_inference_steps=2, guidance_scale=5.0, seed=0, fps=16,
+    )
+    job, _ = jobs.submit(request)
+    events = [event async for event in job.follow()]
+    await stages.close()
+    await flaky.channel.close()
+    await server.stop(None)
+    return events, job.state, flaky, job
+
+
+def test_vae_failure_is_retried_without_recomputing_the_dit(cluster) -> None:
+    events, state, flaky, job = asyncio.run(_run(cluster))
+    assert state == JobState.JOB_STATE_SUCCEEDED, job.error_message
+    assert flaky.calls == 2
+    dit_steps = [e.progress.step for e in events if e.HasField("progress") and e.progress.stage == "dit"]
+    assert dit_steps == [1, 2], "the DiT ran once; the retry started from its latents"
+    assembler = TensorAssembler()
+    indexes, frames = [], []
+    for event in events:
+        if event.HasField("result"):
+            tensor = assembler.feed(event.result.tensor)
+            if tensor is not None:
+                indexes.append(tensor.index)
+                frames.append(tensor.array)
+    assert indexes == [0, 1, 5], "no frame was sent twice"
+    with Client(cluster.endpoint) as client:
+        expected = client.generate("a fox", negative_prompt="blurry", height=64, width=64, num_frames=9,
+                                   num_inference_steps=2, guidance_scale=5.0, seed=0).frames
+    assert np.array_equal(np.concatenate(frames), expected)
