@@ -138,3 +138,14 @@ def test_first_frames_reach_the_client_before_the_vae_has_decoded_the_last_chunk
     consumer.join(timeout=120)
     assert 0 < frames_while_stopped < num_frames
     assert isinstance(events[-1], GenerationResult) and events[-1].frames.shape[0] == num_frames
+
+
+def test_unset_fields_take_the_checkpoint_defaults(cluster) -> None:
+    with Client(cluster.endpoint) as client:
+        job = client.submit("defaults")
+        result = client.wait(job.job_id)
+        filled = client.get_job(job.job_id).request
+    # tiny's stagediff.json: 64x64, 9 frames, 2 steps, guidance 5, 16 fps; a random seed is recorded.
+    assert (filled.height, filled.width, filled.num_frames, filled.num_inference_steps) == (64, 64, 9, 2)
+    assert filled.guidance_scale == 5.0 and filled.fps == 16.0 and filled.HasField("seed")
+    assert result.frames.shape == (9, 64, 64, 3) and result.fps == 16.0
