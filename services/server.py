@@ -12,7 +12,6 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -115,18 +114,10 @@ class RequestDecodingInterceptor(grpc.aio.ServerInterceptor):
         return grpc.stream_stream_rpc_method_handler(stream_stream, parse, serialize)
 
 
-@dataclass
-class ServerState:
-    """What a running server exposes to its servicers."""
-
-    health: health_aio.HealthServicer
-    service_names: list[str] = field(default_factory=list)
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ["", *self.service_names]:
-            await self.health.set(name, status)
+async def _set_serving(health: health_aio.HealthServicer, service_names: list[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        await health.set(name, status)
 
 
 async def serve(
@@ -138,7 +129,6 @@ async def serve(
     load: Callable[[], Awaitable[None]] | None = None,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
     grace: float = DEFAULT_GRACE_SECONDS,
-    state_holder: list[ServerState] | None = None,
 ) -> None:
     """Runs a gRPC server until SIGTERM or SIGINT.
 
@@ -149,19 +139,16 @@ async def serve(
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[RequestDecodingInterceptor()])
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    state = ServerState(health=health)
-    if state_holder is not None:
-        state_holder.append(state)
-    state.service_names = register(server)
+    service_names = register(server)
     reflection.enable_server_reflection(
-        [*state.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
     address = f"{host}:{port}"
     bound = server.add_insecure_port(address)
     if bound == 0:
         raise RuntimeError(f"{name}: could not bind {address}")
-    await state.set_serving(False)
+    await _set_serving(health, service_names, False)
     await server.start()
     logger.info("%s listening on %s:%d", name, host, bound)
 
@@ -183,8 +170,7 @@ async def serve(
             logger.info("%s loaded in %.1f s", name, time.perf_counter() - started)
 
     if not stop.is_set():
-        await state.set_serving(True)
-        state.ready.set()
+        await _set_serving(health, service_names, True)
         logger.info("%s serving", name)
         await stop.wait()
 
@@ -201,8 +187,3 @@ def configure_logging(level: str = "INFO") -> None:
         level=getattr(logging, level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-
-
-async def abort_invalid(context: grpc.aio.ServicerContext, message: str) -> None:
-    """Ends the call with INVALID_ARGUMENT; the message names the field and what is allowed."""
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)

@@ -48,9 +48,13 @@ def run_stage(
     configure_logging(args.log_level)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    spec = read_checkpoint(args.model, args.model_name)
-    device = resolve_device(args.device)
-    runtime = StageRuntime(stage, spec, device, resolve_dtype(args.dtype, device))
+    try:
+        spec = read_checkpoint(args.model, args.model_name)
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+    except ValueError as error:  # CheckpointError included: say what is wrong, without a traceback
+        raise SystemExit(f"stagediff serve {stage}: {error}") from None
+    runtime = StageRuntime(stage, spec, device, dtype)
     servicer = make_servicer(args, runtime)
 
     def register(server: grpc.aio.Server) -> list[str]:
