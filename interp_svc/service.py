@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 import grpc
-from interp_svc.interpolate import StreamingInterpolator
 
+from interp_svc.interpolate import StreamingInterpolator
 from services.stage import RequestError, StageRuntime, abort_for
 from services.stage_main import add_stage_arguments, run_stage
 from services.tensor_codec import TensorAssembler, WireError, encode_tensor, expect_tensor
