@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import diffusers
@@ -18,6 +19,9 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.utils.torch_utils import randn_tensor
 
+from dit_svc.parallel import ParallelConfig, build_mesh, parallelize_transformer
+from dit_svc.parallel.cfg import agree_to_continue, cfg_parallel_predictions
+from dit_svc.parallel.mesh import device_type_for
 from services.stage import Cancelled
 
 
@@ -38,7 +42,15 @@ class DenoiseSpec:
 
 
 class WanDenoiser:
-    def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> None:
+    """The denoising loop on one rank; with a parallel layout, every rank of the group runs it in step."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        parallel: ParallelConfig | None = None,
+    ) -> None:
         model_dir = Path(model_dir)
         index = json.loads((model_dir / "model_index.json").read_text())
         self.device = device
@@ -51,6 +63,13 @@ class WanDenoiser:
         vae_config = json.loads((model_dir / "vae" / "config.json").read_text())
         self.vae_scale_spatial = vae_config.get("scale_factor_spatial", 8)
         self.vae_scale_temporal = vae_config.get("scale_factor_temporal", 4)
+        self.parallel = parallel if parallel is not None and parallel.total_ranks > 1 else None
+        self.cfg_group = None
+        if self.parallel is not None:
+            mesh = build_mesh(self.parallel, device_type_for(device))
+            parallelize_transformer(self.transformer, self.parallel, mesh, device)
+            if self.parallel.cfg_degree > 1:
+                self.cfg_group = mesh["cfg"].get_group()
 
     @property
     def text_dim(self) -> int:
@@ -69,6 +88,11 @@ class WanDenoiser:
         """The seed's noise, drawn as WanPipeline draws it with generator=torch.Generator('cpu').manual_seed(seed)."""
         generator = torch.Generator("cpu").manual_seed(spec.seed)
         return randn_tensor(self.latent_shape(spec), generator=generator, device=self.device, dtype=torch.float32)
+
+    def _predict(self, latents: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        return self.transformer(
+            hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, return_dict=False
+        )[0]
 
     @torch.no_grad()
     def denoise(
@@ -95,26 +119,27 @@ class WanDenoiser:
         mask = torch.ones(latents.shape, dtype=torch.float32, device=self.device)
 
         for i, t in enumerate(timesteps):
-            if cancelled():
+            keep_going = not cancelled()
+            if self.parallel is not None:
+                keep_going = agree_to_continue(keep_going, self.device)
+            if not keep_going:
                 raise Cancelled()
             latent_model_input = latents.to(transformer_dtype)
             if self.expand_timesteps:
                 timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(latents.shape[0], -1)
             else:
                 timestep = t.expand(latents.shape[0])
-            noise_pred = self.transformer(
-                hidden_states=latent_model_input,
-                timestep=timestep,
-                encoder_hidden_states=prompt_embeds,
-                return_dict=False,
-            )[0]
-            if spec.do_classifier_free_guidance:
-                noise_uncond = self.transformer(
-                    hidden_states=latent_model_input,
-                    timestep=timestep,
-                    encoder_hidden_states=negative_prompt_embeds,
-                    return_dict=False,
-                )[0]
+            predict = partial(self._predict, latent_model_input, timestep)
+            if not spec.do_classifier_free_guidance:
+                noise_pred = predict(prompt_embeds)
+            else:
+                if self.cfg_group is not None:
+                    noise_pred, noise_uncond = cfg_parallel_predictions(
+                        predict, prompt_embeds, negative_prompt_embeds, self.cfg_group
+                    )
+                else:
+                    noise_pred = predict(prompt_embeds)
+                    noise_uncond = predict(negative_prompt_embeds)
                 noise_pred = noise_uncond + spec.guidance_scale * (noise_pred - noise_uncond)
             latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
             on_step(i + 1, len(timesteps))

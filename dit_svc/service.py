@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import json
 import threading
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import grpc
 import torch
 
 from dit_svc.denoise import DenoiseSpec, WanDenoiser
-from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
-from services.stage_main import add_stage_arguments, run_stage
+from dit_svc.group import DenoiserGroup, GroupFailure, GroupSettings, free_port, local_parameter_bytes
+from dit_svc.parallel import ParallelConfig, ParallelConfigError
+from services.stage import RequestError, StageRuntime, abort_for
+from services.stage_main import StageServicer, add_stage_arguments, run_stage
 from services.tensor_codec import TensorAssembler, WireError, WireTensor, encode_tensor, expect_tensor
 from services.validation import validate_sampling, validate_seed, validate_size
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
@@ -19,19 +23,49 @@ from stagediff.v1 import stages_pb2, stages_pb2_grpc
 EMBEDDING_DATATYPES = ("FP32", "BF16", "FP16")
 
 
-class DenoiserServicer(stages_pb2_grpc.DenoiserServicer):
+class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
     service_name = stages_pb2.DESCRIPTOR.services_by_name["Denoiser"].full_name
 
     def __init__(self, args: argparse.Namespace, runtime: StageRuntime) -> None:
         self.runtime = runtime
-        self.denoiser: WanDenoiser | None = None
+        self.threads = args.threads
+        self.parallel = parallel_config_from(args)
+        self.denoiser: WanDenoiser | DenoiserGroup | None = None
+        if self.parallel.total_ranks > 1:
+            runtime.parallel_config = self.parallel.describe()
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         stages_pb2_grpc.add_DenoiserServicer_to_server(self, server)
 
     def load(self) -> None:
-        self.denoiser = WanDenoiser(self.runtime.spec.path, self.runtime.device, self.runtime.dtype)
-        self.runtime.parameter_bytes = {"transformer": parameter_bytes(self.denoiser.transformer)}
+        runtime = self.runtime
+        if self.parallel.total_ranks == 1:
+            self.denoiser = WanDenoiser(runtime.spec.path, runtime.device, runtime.dtype)
+        else:
+            settings = GroupSettings(
+                model_dir=str(runtime.spec.path),
+                device=runtime.device.type,
+                dtype=runtime.dtype,
+                threads=self.threads,
+                config=self.parallel,
+                master_port=free_port(),
+            )
+            self.denoiser = DenoiserGroup(settings)
+            runtime.parallel_config = {
+                **self.parallel.describe(),
+                "devices": ", ".join(f"{runtime.device.type}:{rank}" for rank in range(self.parallel.total_ranks))
+                if runtime.device.type == "cuda"
+                else f"cpu x {self.parallel.total_ranks} processes",
+            }
+        # With TP or HSDP a rank holds a shard: report what rank 0 holds.
+        runtime.parameter_bytes = {"transformer": local_parameter_bytes(self.denoiser.transformer)}
+
+    def failure(self) -> str | None:
+        return self.denoiser.failure() if isinstance(self.denoiser, DenoiserGroup) else None
+
+    def close(self) -> None:
+        if isinstance(self.denoiser, DenoiserGroup):
+            self.denoiser.close()
 
     def _spec_from(self, params: stages_pb2.DenoiseParams) -> DenoiseSpec:
         self.runtime.check_model(params.model)
@@ -123,14 +157,60 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer):
                 for t in range(item.shape[2]):
                     for chunk in encode_tensor("latents", item[:, :, t : t + 1], index=t):
                         yield stages_pb2.DenoiseResponse(tensor=chunk)
+        except GroupFailure as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"dit: {error}")
         except Exception as error:
             await abort_for(error, context, self.runtime.stage)
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("parallelism", "the world size is cfg x ring x ulysses x tp")
+    group.add_argument("--ulysses-degree", "--usp", type=int, default=1, help="Ulysses sequence parallel degree")
+    group.add_argument("--ring-degree", "--ring", type=int, default=1, help="Ring attention degree")
+    group.add_argument("--cfg-parallel-size", type=int, default=1, choices=[1, 2], help="one rank group per branch")
+    group.add_argument("--tensor-parallel-size", type=int, default=1, help="attention heads and MLP sharded")
+    group.add_argument("--use-hsdp", action="store_true", help="shard each block's weights with FSDP2")
+    group.add_argument("--hsdp-shard-size", type=int, default=None, help="ranks a weight is sharded over")
+    group.add_argument("--hsdp-replicate-size", type=int, default=1, help="replicas of the sharded weights")
+
+
+def parallel_config_from(args: argparse.Namespace) -> ParallelConfig:
+    world = args.ulysses_degree * args.ring_degree * args.cfg_parallel_size * args.tensor_parallel_size
+    shard = args.hsdp_shard_size
+    if shard is None:
+        shard = max(1, world // args.hsdp_replicate_size) if args.use_hsdp else 1
+    return ParallelConfig(
+        ulysses_degree=args.ulysses_degree,
+        ring_degree=args.ring_degree,
+        cfg_degree=args.cfg_parallel_size,
+        tp_degree=args.tensor_parallel_size,
+        use_hsdp=args.use_hsdp,
+        hsdp_shard_size=shard,
+        hsdp_replicate_size=args.hsdp_replicate_size if args.use_hsdp else 1,
+    )
+
+
+def check_parallel_layout(args: argparse.Namespace) -> None:
+    """Refuses an impossible layout before anything loads, naming the valid degrees."""
+    config = parallel_config_from(args)
+    transformer_config = json.loads((Path(args.model) / "transformer" / "config.json").read_text())
+    devices = torch.cuda.device_count() if args.device.startswith("cuda") or (
+        args.device == "auto" and torch.cuda.is_available()
+    ) else None
+    try:
+        config.validate(transformer_config["num_attention_heads"], available_devices=devices)
+    except ParallelConfigError as error:
+        raise SystemExit(f"stagediff serve dit: {error}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="stagediff serve dit", description=__doc__)
     add_stage_arguments(parser, default_port=50062)
-    run_stage("dit", parser.parse_args(argv), DenoiserServicer)
+    add_parallel_arguments(parser)
+    args = parser.parse_args(argv)
+    if Path(args.model, "transformer", "config.json").is_file():
+        check_parallel_layout(args)
+    run_stage("dit", args, DenoiserServicer)
 
 
 if __name__ == "__main__":

@@ -8,14 +8,14 @@ import grpc
 
 from interp_svc.interpolate import StreamingInterpolator
 from services.stage import RequestError, StageRuntime, abort_for
-from services.stage_main import add_stage_arguments, run_stage
+from services.stage_main import StageServicer, add_stage_arguments, run_stage
 from services.tensor_codec import TensorAssembler, WireError, encode_tensor, expect_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 
 MAX_EXP = 4
 
 
-class InterpolatorServicer(stages_pb2_grpc.InterpolatorServicer):
+class InterpolatorServicer(stages_pb2_grpc.InterpolatorServicer, StageServicer):
     service_name = stages_pb2.DESCRIPTOR.services_by_name["Interpolator"].full_name
 
     def __init__(self, args: argparse.Namespace, runtime: StageRuntime) -> None:

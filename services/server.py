@@ -8,6 +8,7 @@ server drains), server reflection, and graceful shutdown on SIGTERM/SIGINT.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -34,6 +35,7 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 DEFAULT_GRACE_SECONDS = 10.0
+WATCHDOG_POLL_S = 0.5
 
 Register = Callable[[grpc.aio.Server], list[str]]
 
@@ -120,6 +122,23 @@ async def _set_serving(health: health_aio.HealthServicer, service_names: list[st
         await health.set(name, status)
 
 
+async def _watch(
+    name: str,
+    watchdog: Callable[[], str | None],
+    stop: asyncio.Event,
+    health: health_aio.HealthServicer,
+    service_names: list[str],
+) -> None:
+    while not stop.is_set():
+        reason = watchdog()
+        if reason is not None:
+            logger.error("%s cannot serve any more: %s; health is NOT_SERVING until restarted", name, reason)
+            await _set_serving(health, service_names, False)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=WATCHDOG_POLL_S)
+
+
 async def serve(
     *,
     name: str,
@@ -129,12 +148,15 @@ async def serve(
     load: Callable[[], Awaitable[None]] | None = None,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
     grace: float = DEFAULT_GRACE_SECONDS,
+    watchdog: Callable[[], str | None] | None = None,
 ) -> None:
     """Runs a gRPC server until SIGTERM or SIGINT.
 
     `register` adds the servicers and returns their full service names. `load`
     runs after the port is bound, while health says NOT_SERVING, so that
-    orchestrators and `stagediff up` can tell "loading" from "down".
+    orchestrators and `stagediff up` can tell "loading" from "down". `watchdog`,
+    polled while serving, returns a reason once the server can no longer do its
+    work (a rank of its process group died): health turns NOT_SERVING for good.
     """
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[RequestDecodingInterceptor()])
     health = health_aio.HealthServicer()
@@ -172,6 +194,8 @@ async def serve(
     if not stop.is_set():
         await _set_serving(health, service_names, True)
         logger.info("%s serving", name)
+        if watchdog is not None:
+            await _watch(name, watchdog, stop, health, service_names)
         await stop.wait()
 
     logger.info("%s draining (grace %.0f s)", name, grace)

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Protocol
 
 import grpc
 import torch
@@ -30,15 +29,27 @@ def add_stage_arguments(parser: argparse.ArgumentParser, default_port: int) -> N
     parser.add_argument("--log-level", default="INFO")
 
 
-class StageServicer(Protocol):
-    """What each stage module provides: a servicer that is added to the server at
-    once (answering UNAVAILABLE until loaded) and loads its model on the compute thread."""
+class StageServicer:
+    """What each stage's servicer provides besides its RPCs.
+
+    The servicer is added to the server at once (answering UNAVAILABLE until
+    loaded), then `load` runs on the compute thread while health says NOT_SERVING.
+    """
 
     service_name: str
 
-    def add_to_server(self, server: grpc.aio.Server) -> None: ...
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        raise NotImplementedError
 
-    def load(self) -> None: ...
+    def load(self) -> None:
+        raise NotImplementedError
+
+    def failure(self) -> str | None:
+        """Why the stage can no longer serve (a rank of its group died), or None."""
+        return None
+
+    def close(self) -> None:
+        """Releases what load() started (worker ranks); called once the server has drained."""
 
 
 def run_stage(
@@ -67,5 +78,16 @@ def run_stage(
 
     async def shutdown() -> None:
         runtime.executor.shutdown(wait=False, cancel_futures=True)
+        servicer.close()
 
-    asyncio.run(serve(name=stage, host=args.host, port=args.port, register=register, load=load, on_shutdown=shutdown))
+    asyncio.run(
+        serve(
+            name=stage,
+            host=args.host,
+            port=args.port,
+            register=register,
+            load=load,
+            on_shutdown=shutdown,
+            watchdog=servicer.failure,
+        )
+    )

@@ -580,6 +580,13 @@ def _echo(stream: IO[bytes], log_file: IO[bytes], prefix: str) -> None:
 # offload and quantization flags join this list with the stages that implement them.
 STAGE_FLAGS: list[tuple[list[str], str, dict[str, Any]]] = [
     (["--embedding-cache-size"], "text-encoder", {"type": int}),
+    (["--ulysses-degree", "--usp"], "dit", {"type": int}),
+    (["--ring-degree", "--ring"], "dit", {"type": int}),
+    (["--cfg-parallel-size"], "dit", {"type": int, "choices": [1, 2]}),
+    (["--tensor-parallel-size"], "dit", {"type": int}),
+    (["--use-hsdp"], "dit", {"action": "store_true"}),
+    (["--hsdp-shard-size"], "dit", {"type": int}),
+    (["--hsdp-replicate-size"], "dit", {"type": int}),
 ]
 
 

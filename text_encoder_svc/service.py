@@ -7,7 +7,7 @@ import argparse
 import grpc
 
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
-from services.stage_main import add_stage_arguments, run_stage
+from services.stage_main import StageServicer, add_stage_arguments, run_stage
 from services.tensor_codec import encode_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 from text_encoder_svc.encoder import PromptEncoder
@@ -15,7 +15,7 @@ from text_encoder_svc.encoder import PromptEncoder
 MAX_TEXTS = 8
 
 
-class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer):
+class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
     service_name = stages_pb2.DESCRIPTOR.services_by_name["TextEncoder"].full_name
 
     def __init__(self, args: argparse.Namespace, runtime: StageRuntime) -> None:

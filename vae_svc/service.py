@@ -7,7 +7,7 @@ import argparse
 import grpc
 
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
-from services.stage_main import add_stage_arguments, run_stage
+from services.stage_main import StageServicer, add_stage_arguments, run_stage
 from services.tensor_codec import TensorAssembler, WireError, WireTensor, encode_tensor, expect_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 from vae_svc.decode import DecodeSession, WanStreamingDecoder
@@ -15,7 +15,7 @@ from vae_svc.decode import DecodeSession, WanStreamingDecoder
 LATENT_DATATYPES = ("FP32", "BF16", "FP16")
 
 
-class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer):
+class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
     service_name = stages_pb2.DESCRIPTOR.services_by_name["VaeDecoder"].full_name
 
     def __init__(self, args: argparse.Namespace, runtime: StageRuntime) -> None:
