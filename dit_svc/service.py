@@ -12,8 +12,10 @@ import grpc
 import torch
 
 from dit_svc.denoise import DenoiseSpec, WanDenoiser
-from dit_svc.group import DenoiserGroup, GroupFailure, GroupSettings, free_port, local_parameter_bytes
+from dit_svc.group import DenoiserGroup
 from dit_svc.parallel import ParallelConfig, ParallelConfigError
+from dit_svc.parallel.hsdp import local_parameter_bytes
+from services.rank_group import GroupFailure
 from services.stage import RequestError, StageRuntime, abort_for
 from services.stage_main import StageServicer, add_stage_arguments, run_stage
 from services.tensor_codec import TensorAssembler, WireError, WireTensor, encode_tensor, expect_tensor
@@ -42,15 +44,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         if self.parallel.total_ranks == 1:
             self.denoiser = WanDenoiser(runtime.spec.path, runtime.device, runtime.dtype)
         else:
-            settings = GroupSettings(
-                model_dir=str(runtime.spec.path),
-                device=runtime.device.type,
-                dtype=runtime.dtype,
-                threads=self.threads,
-                config=self.parallel,
-                master_port=free_port(),
-            )
-            self.denoiser = DenoiserGroup(settings)
+            self.denoiser = DenoiserGroup(runtime.spec.path, runtime.device, runtime.dtype, self.threads, self.parallel)
             runtime.parallel_config = {
                 **self.parallel.describe(),
                 "devices": ", ".join(f"{runtime.device.type}:{rank}" for rank in range(self.parallel.total_ranks))

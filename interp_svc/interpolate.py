@@ -11,6 +11,8 @@ which is what lets `StreamingInterpolator` reproduce `interpolate_sequence` exac
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import cv2
 import numpy as np
 
@@ -36,6 +38,9 @@ few pixels wide on small ones. Refining to full resolution costs about 3-4 times
 # reverse flow back returns near the start, |w + w_back|^2 <= RELATIVE * (|w|^2 + |w_back|^2) + ABSOLUTE.
 _CONSISTENCY_RELATIVE = 0.01
 _CONSISTENCY_ABSOLUTE = 0.5
+
+MidpointFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
+"""(frames_a, frames_b) -> midpoints, all uint8 [N, H, W, 3]: `interpolate_midpoints` or a learned model's."""
 
 
 def output_frame_count(num_frames: int, exp: int) -> int:
@@ -74,26 +79,28 @@ def interpolate_midpoints(frames_a: np.ndarray, frames_b: np.ndarray) -> np.ndar
     return midpoints
 
 
-def interpolate_sequence(frames: np.ndarray, exp: int) -> np.ndarray:
+def interpolate_sequence(frames: np.ndarray, exp: int, midpoint_fn: MidpointFn | None = None) -> np.ndarray:
     """Multiply the frame rate by 2**exp: (F - 1) * 2**exp + 1 frames, the originals at every 2**exp-th index.
 
-    Each round inserts the midpoint between every pair of neighbours (one batched `interpolate_midpoints` call),
+    Each round inserts the midpoint between every pair of neighbours (one batched `midpoint_fn` call),
     so a frame between two originals depends on those two originals only.
 
     Args:
         frames: uint8 RGB frames [F, H, W, 3] with F >= 1.
         exp: number of bisection rounds, 0 to MAX_EXP; 0 returns the frames unchanged.
+        midpoint_fn: what computes the midpoints of a batch of pairs; `interpolate_midpoints` by default.
     """
     _check_exp(exp)
     _check_frames(frames, "frames")
     if len(frames) < 1:
         raise ValueError("frames: holds no frame; pass at least one frame [F >= 1, H, W, 3]")
 
+    midpoint_fn = interpolate_midpoints if midpoint_fn is None else midpoint_fn
     sequence = frames.copy()
     for _ in range(exp):
         if len(sequence) < 2:
             break
-        midpoints = interpolate_midpoints(sequence[:-1], sequence[1:])
+        midpoints = midpoint_fn(sequence[:-1], sequence[1:])
         denser = np.empty((2 * len(sequence) - 1, *sequence.shape[1:]), dtype=np.uint8)
         denser[0::2] = sequence
         denser[1::2] = midpoints
@@ -107,12 +114,14 @@ class StreamingInterpolator:
     The first push emits frame 0, then, for every further frame, the frames inserted before it and the frame
     itself. The last frame seen stays as the left neighbour of the next chunk's first frame. Because a frame between
     two originals depends on those two only, the concatenation of all pushes equals `interpolate_sequence` of the
-    whole video.
+    whole video (exactly so for the default, deterministic midpoints; a learned `midpoint_fn` on a GPU may differ
+    in the last bit with the batch size).
     """
 
-    def __init__(self, exp: int) -> None:
+    def __init__(self, exp: int, midpoint_fn: MidpointFn | None = None) -> None:
         _check_exp(exp)
         self.exp = int(exp)
+        self.midpoint_fn = midpoint_fn
         self._last: np.ndarray | None = None
         self._frames_out = 0
 
@@ -133,9 +142,9 @@ class StreamingInterpolator:
             return np.empty((0, *frames.shape[1:]), dtype=np.uint8)
 
         if self._last is None:
-            emitted = interpolate_sequence(frames, self.exp)
+            emitted = interpolate_sequence(frames, self.exp, self.midpoint_fn)
         else:
-            emitted = interpolate_sequence(np.concatenate([self._last[None], frames]), self.exp)[1:]
+            emitted = interpolate_sequence(np.concatenate([self._last[None], frames]), self.exp, self.midpoint_fn)[1:]
         self._last = frames[-1].copy()
         self._frames_out += len(emitted)
         return emitted

@@ -81,6 +81,7 @@ class CheckpointSpec:
             default_inference_steps=d.num_inference_steps,
             default_guidance_scale=d.guidance_scale,
             default_fps=d.fps,
+            min_height=self.height_multiple,
         )
 
 

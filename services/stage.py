@@ -77,8 +77,12 @@ class StageRuntime:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage}-compute")
         self.parameter_bytes: dict[str, int] = {}
         self.parallel_config: dict[str, str] = {}
+        # Raised by a stage that cannot take the smallest sizes (a patch-parallel VAE needs rows for every rank).
+        self.min_height = 0
 
     def info(self) -> stages_pb2.StageInfo:
+        limits = self.spec.limits()
+        limits.min_height = max(limits.min_height, self.min_height)
         return stages_pb2.StageInfo(
             stage=self.stage,
             model=self.spec.model_id,
@@ -86,7 +90,7 @@ class StageRuntime:
             device=str(self.device),
             parallel_config=self.parallel_config,
             parameter_bytes=self.parameter_bytes,
-            limits=self.spec.limits(),
+            limits=limits,
             version=__version__,
         )
 

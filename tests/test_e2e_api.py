@@ -106,7 +106,8 @@ def test_list_models_and_cluster_info(cluster) -> None:
     assert stages["text-encoder"].info.parameter_bytes["text_encoder"] > 0
 
 
-def test_first_frames_reach_the_client_before_the_vae_has_decoded_the_last_chunk(cluster) -> None:
+@pytest.mark.parametrize("interp_exp", [0, 1], ids=["decoded", "interpolated"])
+def test_first_frames_reach_the_client_before_the_vae_has_decoded_the_last_chunk(cluster, interp_exp) -> None:
     """Stop the VAE process the moment the first frames arrive: the rest must still be missing.
 
     If anything between the VAE and the client buffered the whole video, every
@@ -115,13 +116,14 @@ def test_first_frames_reach_the_client_before_the_vae_has_decoded_the_last_chunk
     """
     vae_pid = cluster.services["vae"].pid
     num_frames = 33  # 9 latent frames: 9 decode steps in the VAE
+    frames_out = (num_frames - 1) * 2**interp_exp + 1
     events: list[object] = []
     first_frames = threading.Event()
 
     def consume() -> None:
         with Client(cluster.endpoint) as client:
             for event in client.stream("streaming", seed=4, height=256, width=256, num_frames=num_frames,
-                                       num_inference_steps=1, guidance_scale=1.0):
+                                       num_inference_steps=1, guidance_scale=1.0, interp_exp=interp_exp):
                 if isinstance(event, FramesReceived) and not first_frames.is_set():
                     os.kill(vae_pid, signal.SIGSTOP)
                     first_frames.set()
@@ -136,8 +138,8 @@ def test_first_frames_reach_the_client_before_the_vae_has_decoded_the_last_chunk
     finally:
         os.kill(vae_pid, signal.SIGCONT)
     consumer.join(timeout=120)
-    assert 0 < frames_while_stopped < num_frames
-    assert isinstance(events[-1], GenerationResult) and events[-1].frames.shape[0] == num_frames
+    assert 0 < frames_while_stopped < frames_out
+    assert isinstance(events[-1], GenerationResult) and events[-1].frames.shape[0] == frames_out
 
 
 def test_unset_fields_take_the_checkpoint_defaults(cluster) -> None:

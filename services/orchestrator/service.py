@@ -63,7 +63,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         model = request.model or next(iter(models))
         if model not in models:
             raise ModelNotFound(f"model '{model}' is not served here; available: {', '.join(models)}")
-        limits = models[model].limits
+        limits = stages_pb2.ModelLimits()
+        limits.CopyFrom(models[model].limits)
+        # A patch-parallel VAE needs enough rows for its ranks: the larger minimum wins.
+        vae = self.stages["vae"].info
+        if vae is not None and vae.limits.min_height > limits.min_height:
+            limits.min_height = vae.limits.min_height
         full = generation_pb2.GenerateRequest()
         full.CopyFrom(request)
         full.model = model

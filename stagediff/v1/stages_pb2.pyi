@@ -42,7 +42,7 @@ class StageInfo(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., device: _Optional[str] = ..., parallel_config: _Optional[_Mapping[str, str]] = ..., parameter_bytes: _Optional[_Mapping[str, int]] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., version: _Optional[str] = ...) -> None: ...
 
 class ModelLimits(_message.Message):
-    __slots__ = ("height_multiple", "width_multiple", "temporal_factor", "max_height", "max_width", "max_frames", "max_inference_steps", "max_sequence_length", "max_prompt_chars", "default_height", "default_width", "default_num_frames", "default_inference_steps", "default_guidance_scale", "default_fps")
+    __slots__ = ("height_multiple", "width_multiple", "temporal_factor", "max_height", "max_width", "max_frames", "max_inference_steps", "max_sequence_length", "max_prompt_chars", "default_height", "default_width", "default_num_frames", "default_inference_steps", "default_guidance_scale", "default_fps", "min_height")
     HEIGHT_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
     WIDTH_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
     TEMPORAL_FACTOR_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class ModelLimits(_message.Message):
     DEFAULT_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_FPS_FIELD_NUMBER: _ClassVar[int]
+    MIN_HEIGHT_FIELD_NUMBER: _ClassVar[int]
     height_multiple: int
     width_multiple: int
     temporal_factor: int
@@ -73,7 +74,8 @@ class ModelLimits(_message.Message):
     default_inference_steps: int
     default_guidance_scale: float
     default_fps: float
-    def __init__(self, height_multiple: _Optional[int] = ..., width_multiple: _Optional[int] = ..., temporal_factor: _Optional[int] = ..., max_height: _Optional[int] = ..., max_width: _Optional[int] = ..., max_frames: _Optional[int] = ..., max_inference_steps: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., default_height: _Optional[int] = ..., default_width: _Optional[int] = ..., default_num_frames: _Optional[int] = ..., default_inference_steps: _Optional[int] = ..., default_guidance_scale: _Optional[float] = ..., default_fps: _Optional[float] = ...) -> None: ...
+    min_height: int
+    def __init__(self, height_multiple: _Optional[int] = ..., width_multiple: _Optional[int] = ..., temporal_factor: _Optional[int] = ..., max_height: _Optional[int] = ..., max_width: _Optional[int] = ..., max_frames: _Optional[int] = ..., max_inference_steps: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., default_height: _Optional[int] = ..., default_width: _Optional[int] = ..., default_num_frames: _Optional[int] = ..., default_inference_steps: _Optional[int] = ..., default_guidance_scale: _Optional[float] = ..., default_fps: _Optional[float] = ..., min_height: _Optional[int] = ...) -> None: ...
 
 class GetStageInfoRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,392 @@
+"""Patch-parallel Wan VAE decode: each rank decodes a band of rows, exactly.
+
+Tiled decode (vae_svc/tiled.py) cuts the latent into overlapping tiles that are decoded
+independently and blended: cheap, but the seams differ from the untiled decode. Here the ranks of
+a process group instead split every frame into horizontal bands (split along height) and keep the
+decoder's arithmetic whole:
+
+- Every spatial convolution (`WanCausalConv3d` with kernel height > 1, and the `nn.Conv2d` after the
+  nearest upsampling in `WanResample`) first receives from its neighbours the `kernel // 2` rows it
+  needs above and below its band (the halo), and zeros only at the true image edges (top of the
+  first rank, bottom of the last), then runs without height padding. Width and causal time padding
+  are unchanged.
+- The causal feature cache holds each conv's band input without halo, as the library stores it.
+  The halo exchange runs after the cached frames are concatenated in time, so it also fetches the
+  neighbours' cached rows: the conv sees exactly the rows the full-frame decode would.
+- `WanAttentionBlock` (the mid block's attention over all H*W pixels of a frame) computes queries for
+  its own rows and all-gathers keys and values of the whole frame.
+- Everything else in the decoder is row-local: `WanRMS_norm` normalises each pixel over channels,
+  activations are pointwise, 1x1 convs mix channels only, nearest-exact 2x upsampling and Wan2.2's
+  `DupUp3D` shortcut turn each input row into two output rows.
+
+So the output equals the single-device decode up to float rounding of the convolution kernels.
+
+Bands: latent rows are divided as evenly as possible, earlier ranks taking the remainder (7 rows on
+3 ranks: 3, 2, 2). Every rank needs at least one latent row; the decoder's convs need one halo row
+and the band only doubles from there. Per-rank activation memory and cache are ~1/N of the full
+decode plus two halo rows per conv input; attention holds keys and values of the whole (latent
+resolution) frame but only its own query rows of the attention matrix.
+
+The halo-exchanging forwards are installed on the decoder's modules once (`enable_patch_parallel`)
+and act only while `row_bands(bands)` is active in the calling thread or task; outside of it the
+modules run their library forward, so single-device sessions on the same model are untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from diffusers.models.autoencoders.autoencoder_kl_wan import (
+    DupUp3D,
+    WanAttentionBlock,
+    WanCausalConv3d,
+    WanRMS_norm,
+    WanUpsample,
+    unpatchify,
+)
+from torch import nn
+
+from vae_svc.decode import WanStreamingDecoder, to_uint8_frames
+
+# Module types that only mix channels or act on each row on its own (checked when enabling, so a
+# future decoder with a new whole-frame op fails loudly instead of decoding wrong seams).
+_ROW_LOCAL_TYPES: tuple[type[nn.Module], ...] = (
+    WanRMS_norm,
+    WanUpsample,
+    DupUp3D,
+    nn.SiLU,
+    nn.Dropout,
+    nn.Identity,
+)
+
+_ACTIVE_BANDS: contextvars.ContextVar[RowBands | None] = contextvars.ContextVar("vae_row_bands", default=None)
+
+
+def band_rows(height: int, world_size: int) -> list[int]:
+    """Latent rows per rank: as even as possible, earlier ranks taking the remainder."""
+    if world_size < 1:
+        raise ValueError(f"patch-parallel world size must be at least 1, got {world_size}")
+    if height < world_size:
+        raise ValueError(
+            f"latent height {height} is smaller than the patch-parallel world size {world_size}: "
+            f"each rank needs at least 1 latent row (use at most {height} ranks or a taller video)"
+        )
+    base, remainder = divmod(height, world_size)
+    return [base + (1 if rank < remainder else 0) for rank in range(world_size)]
+
+
+@dataclass(frozen=True)
+class RowBands:
+    """Which latent rows each rank of `group` holds, and how to reach its neighbours."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+    latent_rows: tuple[int, ...]
+
+    @property
+    def latent_start(self) -> int:
+        return sum(self.latent_rows[: self.rank])
+
+    @property
+    def latent_stop(self) -> int:
+        return self.latent_start + self.latent_rows[self.rank]
+
+    def rows_per_rank(self, local_rows: int) -> list[int]:
+        """Every rank's band height at the resolution where this rank's band has `local_rows` rows."""
+        scale, leftover = divmod(local_rows, self.latent_rows[self.rank])
+        if leftover or scale < 1:
+            raise RuntimeError(
+                f"band of {local_rows} rows is not a whole multiple of this rank's {self.latent_rows[self.rank]} "
+                "latent rows"
+            )
+        return [rows * scale for rows in self.latent_rows]
+
+    def global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+
+@contextlib.contextmanager
+def row_bands(bands: RowBands) -> Iterator[None]:
+    """Makes patched decoder modules compute on `bands` in this thread/task for the duration."""
+    token = _ACTIVE_BANDS.set(bands)
+    try:
+        yield
+    finally:
+        _ACTIVE_BANDS.reset(token)
+
+
+# --- communication ----------------------------------------------------------------------------------
+
+
+def exchange_halos(x: torch.Tensor, halo: int, bands: RowBands) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The `halo` rows (dim -2) just above and below this rank's band; None at the true image edges."""
+    rows = x.shape[-2]
+    if rows < halo:
+        raise ValueError(f"band of {rows} rows is thinner than the convolution halo of {halo} rows")
+    has_above = bands.rank > 0
+    has_below = bands.rank < bands.world_size - 1
+    above = torch.empty_like(x[..., :halo, :]) if has_above else None
+    below = torch.empty_like(x[..., :halo, :]) if has_below else None
+    ops = []
+    if has_above:
+        peer = bands.global_rank(bands.rank - 1)
+        ops.append(dist.P2POp(dist.isend, x[..., :halo, :].contiguous(), peer, bands.group))
+        ops.append(dist.P2POp(dist.irecv, above, peer, bands.group))
+    if has_below:
+        peer = bands.global_rank(bands.rank + 1)
+        ops.append(dist.P2POp(dist.isend, x[..., rows - halo :, :].contiguous(), peer, bands.group))
+        ops.append(dist.P2POp(dist.irecv, below, peer, bands.group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return above, below
+
+
+def gather_rows(x: torch.Tensor, bands: RowBands, dst: int | None = None) -> torch.Tensor | None:
+    """Concatenates every rank's band (dim -2) into the full frame, on all ranks or on group rank `dst` only.
+
+    Bands may differ in height by one latent row's worth, so they are padded to the tallest for the
+    collective and trimmed after. Returns None on ranks other than `dst`.
+    """
+    if bands.world_size == 1:
+        return x
+    rows = bands.rows_per_rank(x.shape[-2])
+    tallest = max(rows)
+    padded = F.pad(x, (0, 0, 0, tallest - x.shape[-2])).contiguous()
+    if dst is None:
+        parts = [torch.empty_like(padded) for _ in rows]
+        dist.all_gather(parts, padded, group=bands.group)
+    else:
+        parts = [torch.empty_like(padded) for _ in rows] if bands.rank == dst else None
+        dist.gather(padded, parts, dst=bands.global_rank(dst), group=bands.group)
+        if parts is None:
+            return None
+    return torch.cat([part[..., :height, :] for part, height in zip(parts, rows, strict=True)], dim=-2)
+
+
+def _place_halos(
+    padded: torch.Tensor, above: torch.Tensor | None, below: torch.Tensor | None, halo: int, time_front: int, width: int
+) -> None:
+    """Writes received halo rows into a tensor already zero-padded in time (front), height and width."""
+    columns = slice(width, padded.shape[-1] - width)
+    frames = (slice(time_front, None),) if padded.dim() == 5 else ()
+    if above is not None:
+        padded[(slice(None), slice(None), *frames, slice(0, halo), columns)] = above
+    if below is not None:
+        padded[(slice(None), slice(None), *frames, slice(padded.shape[-2] - halo, None), columns)] = below
+
+
+# --- patched forwards -------------------------------------------------------------------------------
+
+
+def _causal_conv3d_forward(self: WanCausalConv3d, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+    """WanCausalConv3d.forward with the height padding replaced by neighbour rows (zeros at the image edges)."""
+    bands = _ACTIVE_BANDS.get()
+    if bands is None or bands.world_size == 1:
+        return WanCausalConv3d.forward(self, x, cache_x)
+    width, _, halo, _, time_front, _ = self._padding
+    if cache_x is not None and time_front > 0:
+        # As the library does: prepend the cached frames (band rows only), pad the rest of the time window.
+        x = torch.cat([cache_x.to(x.device), x], dim=2)
+        time_front -= cache_x.shape[2]
+    above, below = exchange_halos(x, halo, bands)
+    padded = F.pad(x, (width, width, halo, halo, time_front, 0))
+    _place_halos(padded, above, below, halo, time_front, width)
+    return nn.Conv3d.forward(self, padded)
+
+
+def _conv2d_forward(self: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """nn.Conv2d.forward ('same' zero padding) with the height padding replaced by neighbour rows."""
+    bands = _ACTIVE_BANDS.get()
+    if bands is None or bands.world_size == 1:
+        return nn.Conv2d.forward(self, x)
+    halo, width = self.padding
+    above, below = exchange_halos(x, halo, bands)
+    padded = F.pad(x, (width, width, halo, halo))
+    _place_halos(padded, above, below, halo, 0, width)
+    return F.conv2d(padded, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+
+def _attention_forward(self: WanAttentionBlock, x: torch.Tensor) -> torch.Tensor:
+    """WanAttentionBlock.forward with local query rows against the whole frame's keys and values."""
+    bands = _ACTIVE_BANDS.get()
+    if bands is None or bands.world_size == 1:
+        return WanAttentionBlock.forward(self, x)
+    identity = x
+    batch_size, channels, time, height, width = x.size()
+    x = x.permute(0, 2, 1, 3, 4).reshape(batch_size * time, channels, height, width)
+    x = self.norm(x)
+    q, k, v = self.to_qkv(x).chunk(3, dim=1)
+    k = gather_rows(k, bands)
+    v = gather_rows(v, bands)
+
+    def tokens(t: torch.Tensor) -> torch.Tensor:  # [b*t, c, h, w] -> [b*t, 1, h*w, c], one head
+        return t.flatten(2).transpose(1, 2).unsqueeze(1)
+
+    x = F.scaled_dot_product_attention(tokens(q), tokens(k), tokens(v))
+    x = x.squeeze(1).permute(0, 2, 1).reshape(batch_size * time, channels, height, width)
+    x = self.proj(x)
+    x = x.view(batch_size, time, channels, height, width).permute(0, 2, 1, 3, 4)
+    return x + identity
+
+
+# --- installing -------------------------------------------------------------------------------------
+
+
+def _spatial_modules(decoder: nn.Module) -> Iterator[tuple[nn.Module, types.FunctionType]]:
+    """(module, band forward) for every decoder module that needs rows beyond its band."""
+    covered: set[int] = set()
+    for name, module in decoder.named_modules():
+        if id(module) in covered:
+            continue
+        if isinstance(module, WanAttentionBlock):
+            covered.update(id(m) for m in module.modules())
+            yield module, _attention_forward
+        elif isinstance(module, WanCausalConv3d):
+            if module.stride[1] != 1 or module.dilation[1] != 1:
+                raise NotImplementedError(f"patch-parallel decode needs height stride and dilation 1 ({name})")
+            if module.kernel_size[1] > 1:
+                if module._padding[2] != module.kernel_size[1] // 2:
+                    raise NotImplementedError(f"patch-parallel decode needs 'same' height padding ({name})")
+                yield module, _causal_conv3d_forward
+        elif isinstance(module, nn.Conv2d):
+            if module.stride[0] != 1 or module.dilation[0] != 1 or module.padding_mode != "zeros":
+                raise NotImplementedError(f"patch-parallel decode needs height stride 1 and zero padding ({name})")
+            if module.kernel_size[0] > 1:
+                if module.padding[0] != module.kernel_size[0] // 2:
+                    raise NotImplementedError(f"patch-parallel decode needs 'same' height padding ({name})")
+                yield module, _conv2d_forward
+        elif isinstance(module, WanUpsample):
+            factor = module.scale_factor[0] if isinstance(module.scale_factor, tuple) else module.scale_factor
+            if module.mode not in ("nearest", "nearest-exact") or not float(factor).is_integer():
+                raise NotImplementedError(f"patch-parallel decode needs nearest upsampling by a whole factor ({name})")
+        elif not list(module.children()) and not isinstance(module, _ROW_LOCAL_TYPES):
+            raise NotImplementedError(
+                f"patch-parallel decode does not know whether {type(module).__name__} ({name}) is row-local"
+            )
+
+
+_BAND_FORWARDS = (_causal_conv3d_forward, _conv2d_forward, _attention_forward)
+
+
+def _installed_forward(module: nn.Module) -> types.FunctionType | None:
+    """The function of the instance-level forward on `module`, if any."""
+    forward = module.__dict__.get("forward")
+    return None if forward is None else getattr(forward, "__func__", forward)
+
+
+def enable_patch_parallel(decoder: nn.Module) -> int:
+    """Installs the band forwards on `decoder`'s spatial modules (idempotent); returns how many.
+
+    The modules behave as before unless `row_bands` is active, so this is safe on a shared model.
+    Raises NotImplementedError if the decoder holds an op this module cannot split by rows, and
+    RuntimeError if a module's forward was already replaced by something else (e.g. an offload hook),
+    since the band forward would silently bypass it.
+    """
+    modules = list(_spatial_modules(decoder))
+    for module, forward in modules:
+        installed = _installed_forward(module)
+        if installed is not None and installed is not forward:
+            raise RuntimeError(f"{type(module).__name__} already has a replaced forward ({installed!r})")
+    for module, forward in modules:
+        module.forward = types.MethodType(forward, module)
+    return len(modules)
+
+
+def disable_patch_parallel(decoder: nn.Module) -> None:
+    """Restores the library forwards where `enable_patch_parallel` installed band forwards."""
+    for module in decoder.modules():
+        if _installed_forward(module) in _BAND_FORWARDS:
+            del module.forward
+
+
+# --- the session ------------------------------------------------------------------------------------
+
+
+class PatchParallelDecodeSession:
+    """One request's decode on a patch-parallel group: same interface as `DecodeSession`.
+
+    Every rank of `group` (None: the default group, or a single device when torch.distributed is not
+    initialised) calls `decode_next` with the same full latent frame, in the same order, and keeps
+    the causal cache of its own band. The full frames come back on every rank, or only on group rank
+    `output_rank` if given (the others get None, and skip holding full frames). Collectives must be
+    issued in the same order on every rank, so sessions sharing a group decode one at a time.
+    """
+
+    def __init__(
+        self,
+        decoder: WanStreamingDecoder,
+        group: dist.ProcessGroup | None = None,
+        output_rank: int | None = None,
+    ) -> None:
+        self.decoder = decoder
+        self.group = group
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+        elif group is None:
+            self.rank, self.world_size = 0, 1
+        else:
+            raise RuntimeError("a process group was given but torch.distributed is not initialised")
+        if self.rank < 0:
+            raise ValueError("this process is not a member of the patch-parallel group")
+        if output_rank is not None and not 0 <= output_rank < self.world_size:
+            raise ValueError(f"output_rank must be in [0, {self.world_size}), got {output_rank}")
+        self.output_rank = output_rank
+        enable_patch_parallel(decoder.vae.decoder)
+        self.feature_cache: list = [None] * decoder.num_cached_convs
+        self.bands: RowBands | None = None
+        self.latent_width: int | None = None
+        self.frames_decoded = 0
+        self.latent_frames_seen = 0
+
+    def _bands_for(self, latent_frame: torch.Tensor) -> RowBands:
+        height, width = latent_frame.shape[-2:]
+        if self.bands is None:
+            rows = band_rows(height, self.world_size)
+            self.bands = RowBands(self.group, self.rank, self.world_size, tuple(rows))
+            self.latent_width = width
+        elif (height, width) != (sum(self.bands.latent_rows), self.latent_width):
+            raise ValueError(
+                f"latent frame is {height}x{width} but this request started at "
+                f"{sum(self.bands.latent_rows)}x{self.latent_width}"
+            )
+        return self.bands
+
+    @torch.no_grad()
+    def decode_next_float(self, latent_frame: torch.Tensor) -> torch.Tensor | None:
+        """Decodes latent frame [1, C, 1, h, w] (normalised) to the clamped decoder output [1, 3, n, H, W]."""
+        owner = self.decoder
+        vae = owner.vae
+        bands = self._bands_for(latent_frame)
+        latents = latent_frame[..., bands.latent_start : bands.latent_stop, :].to(owner.device, vae.dtype)
+        mean = owner.latents_mean.to(latents.device, latents.dtype)
+        std = owner.latents_std.to(latents.device, latents.dtype)
+        latents = latents / std + mean
+        x = vae.post_quant_conv(latents)  # 1x1x1: row-local
+        first = self.latent_frames_seen == 0
+        with row_bands(bands):
+            band = vae.decoder(x, feat_cache=self.feature_cache, feat_idx=[0], first_chunk=first)
+        self.latent_frames_seen += 1
+        self.frames_decoded += band.shape[2]
+        out = gather_rows(band, bands, dst=self.output_rank)
+        if out is None:
+            return None
+        if vae.config.patch_size is not None:
+            out = unpatchify(out, patch_size=vae.config.patch_size)
+        return torch.clamp(out, min=-1.0, max=1.0)
+
+    def decode_next(self, latent_frame: torch.Tensor) -> torch.Tensor | None:
+        """Decodes latent frame [1, C, 1, h, w] (float32, normalised) to uint8 frames [n, H, W, 3]."""
+        out = self.decode_next_float(latent_frame)
+        return None if out is None else to_uint8_frames(out)
