@@ -7,7 +7,8 @@ import argparse
 import grpc
 
 from interp_svc.interpolate import StreamingInterpolator
-from services.stage import RequestError, StageRuntime, abort_for
+from interp_svc.rife import SUPPORTED_SCALES, IFNet, StreamingRifeInterpolator, load_rife
+from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
 from services.stage_main import StageServicer, add_stage_arguments, run_stage
 from services.tensor_codec import TensorAssembler, WireError, encode_tensor, expect_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
@@ -20,21 +21,41 @@ class InterpolatorServicer(stages_pb2_grpc.InterpolatorServicer, StageServicer):
 
     def __init__(self, args: argparse.Namespace, runtime: StageRuntime) -> None:
         self.runtime = runtime
+        self.model_path = args.interp_model_path
+        self.rife: IFNet | None = None
         self.loaded = False
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         stages_pb2_grpc.add_InterpolatorServicer_to_server(self, server)
 
     def load(self) -> None:
-        # The optical-flow interpolator has no weights to load.
-        self.runtime.parallel_config = {"method": "optical-flow (OpenCV DIS), occlusion-aware blend"}
+        if self.model_path:
+            self.rife = load_rife(self.model_path, self.runtime.device, dtype=self.runtime.dtype)
+            self.runtime.parameter_bytes = {"rife": parameter_bytes(self.rife)}
+            self.runtime.parallel_config = {"method": f"RIFE IFNet ({self.model_path})"}
+        else:
+            # The optical-flow interpolator has no weights to load.
+            self.runtime.parallel_config = {"method": "optical flow both ways (OpenCV DIS), occlusion-aware blend"}
         self.loaded = True
+
+    def _interpolator(self, params: stages_pb2.InterpolateParams) -> StreamingInterpolator:
+        if self.rife is None:
+            return StreamingInterpolator(params.exp)
+        return StreamingRifeInterpolator(params.exp, self.rife, params.scale or 1.0)
 
     def _check_params(self, params: stages_pb2.InterpolateParams) -> None:
         if not 0 <= params.exp <= MAX_EXP:
             raise RequestError(f"exp: {params.exp} is not allowed; use 0 (pass through) to {MAX_EXP}")
-        if not 0.0 <= params.scale <= 1.0:
-            raise RequestError(f"scale: {params.scale} is not allowed; use a value in (0, 1], or 0 for 1.0")
+        if params.scale and params.scale not in SUPPORTED_SCALES:
+            raise RequestError(
+                f"scale: {params.scale} is not allowed; use one of {list(SUPPORTED_SCALES)}, or 0 for 1"
+            )
+        if params.model_path and params.model_path != (self.model_path or ""):
+            served = f"'{self.model_path}'" if self.model_path else "no learned model (optical flow)"
+            raise RequestError(
+                f"model_path: '{params.model_path}' is not served here; this interpolator serves {served} "
+                "(set with --interp-model-path)"
+            )
 
     async def Interpolate(self, request_iterator, context):
         if not self.loaded:
@@ -49,7 +70,7 @@ class InterpolatorServicer(stages_pb2_grpc.InterpolatorServicer, StageServicer):
                     if interpolator is not None:
                         raise RequestError("params: sent twice; send params once, first")
                     self._check_params(request.params)
-                    interpolator = StreamingInterpolator(request.params.exp)
+                    interpolator = self._interpolator(request.params)
                     continue
                 if not request.HasField("tensor"):
                     raise RequestError("part: each message must set params or tensor")
@@ -85,6 +106,9 @@ class InterpolatorServicer(stages_pb2_grpc.InterpolatorServicer, StageServicer):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="stagediff serve interp", description=__doc__)
     add_stage_arguments(parser, default_port=50064)
+    parser.add_argument(
+        "--interp-model-path", default="", help="RIFE 4.22.lite or 4.25 flownet.pkl (default: optical flow, no weights)"
+    )
     run_stage("interp", parser.parse_args(argv), InterpolatorServicer)
 
 

@@ -114,6 +114,7 @@ def build_request(
     fps: float | None = None,
     interp_exp: int = 0,
     interp_scale: float = 0.0,
+    interp_model_path: str = "",
     request_id: str | None = None,
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest; arguments left None take the model's defaults on the server."""
@@ -135,6 +136,7 @@ def build_request(
         request.interpolation.enable = True
         request.interpolation.exp = interp_exp
         request.interpolation.scale = interp_scale
+        request.interpolation.model_path = interp_model_path
     return request
 
 

@@ -44,6 +44,8 @@ def _generate(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 fps=args.fps,
                 interp_exp=args.interp_exp,
+                interp_scale=args.interp_scale,
+                interp_model_path=args.interp_model_path,
                 timeout=args.timeout,
                 on_progress=None if args.quiet else _print_event,
             )
@@ -101,6 +103,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     generate.add_argument("--seed", type=int)
     generate.add_argument("--fps", type=float)
     generate.add_argument("--interp-exp", type=int, default=0, help="frame interpolation: 2**k x the frames' rate")
+    generate.add_argument("--interp-scale", type=float, default=0.0, help="RIFE flow scale: 0.25 .. 4 (0: 1)")
+    generate.add_argument("--interp-model-path", default="", help="RIFE weights the cluster must be serving")
     generate.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     generate.add_argument("--retries", type=int, default=3, help="retries when the cluster is unavailable")
     generate.add_argument("--quiet", action="store_true", help="no progress on stderr")

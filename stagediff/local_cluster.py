@@ -587,6 +587,13 @@ STAGE_FLAGS: list[tuple[list[str], str, dict[str, Any]]] = [
     (["--use-hsdp"], "dit", {"action": "store_true"}),
     (["--hsdp-shard-size"], "dit", {"type": int}),
     (["--hsdp-replicate-size"], "dit", {"type": int}),
+    (["--vae-patch-parallel-size"], "vae", {"type": int}),
+    (["--vae-use-tiling"], "vae", {"action": "store_true"}),
+    (["--vae-tile-sample-min-height"], "vae", {"type": int}),
+    (["--vae-tile-sample-min-width"], "vae", {"type": int}),
+    (["--vae-tile-sample-stride-height"], "vae", {"type": int}),
+    (["--vae-tile-sample-stride-width"], "vae", {"type": int}),
+    (["--interp-model-path"], "interp", {}),
 ]
 
 

@@ -52,6 +52,7 @@ def assert_everything_serving(channels) -> None:
         (dict(seed=-1), grpc.StatusCode.INVALID_ARGUMENT, ["seed"]),
         (dict(fps=0.0), grpc.StatusCode.INVALID_ARGUMENT, ["fps"]),
         (dict(interp_exp=9), grpc.StatusCode.INVALID_ARGUMENT, ["interpolation.exp", "0 (off) to 4"]),
+        (dict(interp_exp=1, interp_scale=0.3), grpc.StatusCode.INVALID_ARGUMENT, ["interpolation.scale", "0.25"]),
         (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, ["prompt", "empty"]),
         (dict(prompt="   \n"), grpc.StatusCode.INVALID_ARGUMENT, ["prompt", "empty"]),
         (dict(prompt="x" * 10_001), grpc.StatusCode.INVALID_ARGUMENT, ["prompt", "10001", "at most 10000"]),
@@ -186,7 +187,9 @@ def _frames(shape=(2, 8, 8, 3), dtype=np.uint8):
     [
         (lambda: _frames(), ["params", "first message"]),
         (lambda: [_interp_params(exp=9)], ["exp", "0 (pass through) to 4"]),
-        (lambda: [_interp_params(scale=3.0)], ["scale", "(0, 1]"]),
+        (lambda: [_interp_params(scale=3.0)], ["scale", "[0.25, 0.5, 1.0, 2.0, 4.0]"]),
+        (lambda: [stages_pb2.InterpolateRequest(params=stages_pb2.InterpolateParams(exp=1, model_path="/etc/passwd"))],
+         ["model_path", "/etc/passwd", "not served", "optical flow"]),
         (lambda: [_interp_params(), *_frames(dtype=np.float32)], ["frames", "FP32", "UINT8"]),
         (lambda: [_interp_params(), *_frames(shape=(2, 8, 8, 4))], ["frames", "[n >= 1, H, W, 3]"]),
         (lambda: [_interp_params(), *_frames(), *_frames(shape=(1, 8, 6, 3))], ["frames of [8, 6, 3]"]),

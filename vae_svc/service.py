@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 
 import grpc
+import torch
 
+from services.rank_group import GroupFailure
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
 from services.stage_main import StageServicer, add_stage_arguments, run_stage
 from services.tensor_codec import TensorAssembler, WireError, WireTensor, encode_tensor, expect_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 from vae_svc.decode import DecodeSession, WanStreamingDecoder
+from vae_svc.group import GroupDecodeSession, PatchParallelDecoder
+from vae_svc.tiled import TiledDecodeSession
 
 LATENT_DATATYPES = ("FP32", "BF16", "FP16")
 
@@ -20,14 +24,64 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
 
     def __init__(self, args: argparse.Namespace, runtime: StageRuntime) -> None:
         self.runtime = runtime
-        self.decoder: WanStreamingDecoder | None = None
+        self.args = args
+        self.patch_parallel_size = args.vae_patch_parallel_size
+        self.decoder: WanStreamingDecoder | PatchParallelDecoder | None = None
+        # Each rank needs at least one latent row: the smallest height that splits over every rank.
+        multiple = runtime.spec.height_multiple
+        rows = self.patch_parallel_size * runtime.spec.vae_scale_spatial
+        runtime.min_height = -(-rows // multiple) * multiple
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         stages_pb2_grpc.add_VaeDecoderServicer_to_server(self, server)
 
     def load(self) -> None:
-        self.decoder = WanStreamingDecoder(self.runtime.spec.path, self.runtime.device, self.runtime.dtype)
-        self.runtime.parameter_bytes = {"vae": parameter_bytes(self.decoder.vae)}
+        runtime, args = self.runtime, self.args
+        if self.patch_parallel_size > 1:
+            self.decoder = PatchParallelDecoder(
+                runtime.spec.path, runtime.device, runtime.dtype, args.threads, self.patch_parallel_size
+            )
+            devices = (
+                ", ".join(f"cuda:{rank}" for rank in range(self.patch_parallel_size))
+                if runtime.device.type == "cuda"
+                else f"cpu x {self.patch_parallel_size} processes"
+            )
+            runtime.parallel_config = {
+                "world_size": str(self.patch_parallel_size),
+                "vae_patch_parallel_size": str(self.patch_parallel_size),
+                "split": "rows (height), halo exchange before each spatial convolution",
+                "devices": devices,
+            }
+        else:
+            self.decoder = WanStreamingDecoder(runtime.spec.path, runtime.device, runtime.dtype)
+            if args.vae_use_tiling:
+                runtime.parallel_config = {
+                    "tiling": "approximate: tiles decoded separately and blended",
+                    "tile": f"{args.vae_tile_sample_min_height}x{args.vae_tile_sample_min_width}",
+                    "stride": f"{args.vae_tile_sample_stride_height}x{args.vae_tile_sample_stride_width}",
+                }
+        runtime.parameter_bytes = {"vae": parameter_bytes(self.decoder.vae)}
+
+    def _open_session(self):
+        if isinstance(self.decoder, PatchParallelDecoder):
+            return self.decoder.session()
+        if self.args.vae_use_tiling:
+            args = self.args
+            return TiledDecodeSession(
+                self.decoder,
+                args.vae_tile_sample_min_height,
+                args.vae_tile_sample_min_width,
+                args.vae_tile_sample_stride_height,
+                args.vae_tile_sample_stride_width,
+            )
+        return self.decoder.session()
+
+    def failure(self) -> str | None:
+        return self.decoder.failure() if isinstance(self.decoder, PatchParallelDecoder) else None
+
+    def close(self) -> None:
+        if isinstance(self.decoder, PatchParallelDecoder):
+            self.decoder.close()
 
     def _check_latent(self, tensor: WireTensor, expected_index: int, first: WireTensor | None) -> None:
         spec = self.runtime.spec
@@ -41,6 +95,11 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
         max_h, max_w = spec.max_height // spec.vae_scale_spatial, spec.max_width // spec.vae_scale_spatial
         if not (1 <= height <= max_h and 1 <= width <= max_w):
             raise WireError(f"tensor 'latents': h={height}, w={width} out of range; allowed 1..{max_h}, 1..{max_w}")
+        if height < self.patch_parallel_size:
+            raise WireError(
+                f"tensor 'latents': h={height} rows cannot be split over {self.patch_parallel_size} patch-parallel "
+                f"ranks; each needs a row, so h >= {self.patch_parallel_size} (height >= {self.runtime.min_height})"
+            )
         if first is not None and tensor.shape != first.shape:
             raise WireError(
                 f"tensor 'latents': frame {tensor.index} has shape {list(tensor.shape)}, "
@@ -56,7 +115,7 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
         try:
             params: stages_pb2.DecodeParams | None = None
             assembler = TensorAssembler()
-            session: DecodeSession | None = None
+            session: DecodeSession | TiledDecodeSession | GroupDecodeSession | None = None
             first: WireTensor | None = None
             received = 0
             async for request in request_iterator:
@@ -70,7 +129,7 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
                             f"num_latent_frames: {params.num_latent_frames} is not allowed; "
                             f"use 1 to {max_latent_frames}"
                         )
-                    session = self.decoder.session()
+                    session = self._open_session()
                     continue
                 if not request.HasField("tensor"):
                     raise RequestError("part: each message must set params or tensor")
@@ -93,14 +152,61 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
                 raise RequestError("params: missing; the first message must carry DecodeParams")
             if received != params.num_latent_frames:
                 raise WireError(f"tensor 'latents': {received} of the {params.num_latent_frames} announced frames came")
+        except GroupFailure as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"vae: {error}")
         except Exception as error:
             await abort_for(error, context, self.runtime.stage)
+        finally:
+            # A group session holds state on every rank until it is closed.
+            if isinstance(session, GroupDecodeSession) and self.failure() is None:
+                await self.runtime.run(session.close)
+
+
+def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("decoding")
+    group.add_argument(
+        "--vae-patch-parallel-size", type=int, default=1, help="ranks the rows of each frame are split over (exact)"
+    )
+    group.add_argument(
+        "--vae-use-tiling", action="store_true", help="decode in overlapping tiles on one device (approximate)"
+    )
+    group.add_argument("--vae-tile-sample-min-height", type=int, default=256, help="tile height in pixels")
+    group.add_argument("--vae-tile-sample-min-width", type=int, default=256, help="tile width in pixels")
+    group.add_argument("--vae-tile-sample-stride-height", type=int, default=192, help="vertical tile stride")
+    group.add_argument("--vae-tile-sample-stride-width", type=int, default=192, help="horizontal tile stride")
+
+
+def check_decode_arguments(args: argparse.Namespace) -> None:
+    """Refuses impossible decode settings at startup, naming what is allowed."""
+    if args.vae_patch_parallel_size < 1:
+        raise SystemExit(f"stagediff serve vae: --vae-patch-parallel-size {args.vae_patch_parallel_size}: must be >= 1")
+    if args.vae_use_tiling and args.vae_patch_parallel_size > 1:
+        raise SystemExit(
+            "stagediff serve vae: --vae-use-tiling and --vae-patch-parallel-size > 1 are exclusive: "
+            "patch parallel is exact and spreads memory over ranks; tiling is approximate, for one device"
+        )
+    for name in ("height", "width"):
+        size = getattr(args, f"vae_tile_sample_min_{name}")
+        stride = getattr(args, f"vae_tile_sample_stride_{name}")
+        if args.vae_use_tiling and not 0 < stride <= size:
+            raise SystemExit(
+                f"stagediff serve vae: --vae-tile-sample-stride-{name} {stride} must be in 1..{size} "
+                f"(the tile {name}), so that tiles overlap or touch"
+            )
+    if args.device.startswith("cuda") and args.vae_patch_parallel_size > torch.cuda.device_count():
+        raise SystemExit(
+            f"stagediff serve vae: --vae-patch-parallel-size {args.vae_patch_parallel_size} needs that many GPUs; "
+            f"{torch.cuda.device_count()} are visible"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="stagediff serve vae", description=__doc__)
     add_stage_arguments(parser, default_port=50063)
-    run_stage("vae", parser.parse_args(argv), VaeDecoderServicer)
+    add_decode_arguments(parser)
+    args = parser.parse_args(argv)
+    check_decode_arguments(args)
+    run_stage("vae", args, VaeDecoderServicer)
 
 
 if __name__ == "__main__":

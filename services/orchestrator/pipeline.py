@@ -267,7 +267,11 @@ class Pipeline:
 
         async def requests():
             yield stages_pb2.InterpolateRequest(
-                params=stages_pb2.InterpolateParams(exp=request.interpolation.exp, scale=request.interpolation.scale)
+                params=stages_pb2.InterpolateParams(
+                    exp=request.interpolation.exp,
+                    scale=request.interpolation.scale,
+                    model_path=request.interpolation.model_path,
+                )
             )
             while (chunk := await frames.get()) is not _END:
                 yield stages_pb2.InterpolateRequest(tensor=chunk)

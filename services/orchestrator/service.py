@@ -23,6 +23,7 @@ from stagediff.v1 import generation_pb2, generation_pb2_grpc, stages_pb2
 logger = logging.getLogger(__name__)
 
 MAX_INTERP_EXP = 4
+ALLOWED_INTERP_SCALES = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
 MAX_FPS = 240.0
 MAX_REQUEST_ID_CHARS = 128
 
@@ -99,8 +100,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise RequestError(
                 f"interpolation.exp: {interpolation.exp} is not allowed; use 0 (off) to {MAX_INTERP_EXP} (2**exp x fps)"
             )
-        if not 0.0 <= interpolation.scale <= 1.0:
-            raise RequestError(f"interpolation.scale: {interpolation.scale} is not allowed; use (0, 1], or 0 for 1")
+        if interpolation.scale not in ALLOWED_INTERP_SCALES:
+            raise RequestError(
+                f"interpolation.scale: {interpolation.scale} is not allowed; use one of "
+                f"{list(ALLOWED_INTERP_SCALES[1:])}, or 0 for 1"
+            )
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise RequestError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters")
         return full

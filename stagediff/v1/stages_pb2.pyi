@@ -164,12 +164,14 @@ class DecodeResponse(_message.Message):
     def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class InterpolateParams(_message.Message):
-    __slots__ = ("exp", "scale")
+    __slots__ = ("exp", "scale", "model_path")
     EXP_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     exp: int
     scale: float
-    def __init__(self, exp: _Optional[int] = ..., scale: _Optional[float] = ...) -> None: ...
+    model_path: str
+    def __init__(self, exp: _Optional[int] = ..., scale: _Optional[float] = ..., model_path: _Optional[str] = ...) -> None: ...
 
 class InterpolateRequest(_message.Message):
     __slots__ = ("params", "tensor")
