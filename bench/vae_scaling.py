@@ -1,9 +1,10 @@
 """VAE decode time and peak memory per rank: 1 rank against 2 patch-parallel ranks, in one run.
 
 Each configuration runs in fresh spawned processes with one intra-op thread per
-rank. A rank's peak memory is its peak resident set during the decode minus its
-resident set just before (model loaded, latents made): the activations and
-causal caches the decode needs, which is what patch parallelism spreads.
+rank. A rank's peak memory is its peak resident set during the decodes (sampled
+every millisecond) minus its resident set just before (model loaded, latents
+made): the activations and causal caches the decode needs, which is what patch
+parallelism spreads.
 
     python bench/vae_scaling.py
 """
@@ -14,9 +15,9 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -33,19 +34,42 @@ def _rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+class PeakRss:
+    """Samples this process's resident set every millisecond while active; the lifetime peak
+    (ru_maxrss) would include model loading and imports."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss_bytes())
+            time.sleep(0.001)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def _decode(rank: int, world_size: int, model: str, shape: tuple[int, ...], repeats: int) -> dict:
     decoder = WanStreamingDecoder(model, torch.device("cpu"), torch.float32)
     latents = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     seconds = []
     before = _rss_bytes()
-    for _ in range(repeats + 1):  # the first decode is a warm-up
-        session = decoder.session() if world_size == 1 else PatchParallelDecodeSession(decoder, output_rank=0)
-        started = time.perf_counter()
-        for t in range(shape[2]):
-            session.decode_next(latents[:, :, t : t + 1])
-        seconds.append(time.perf_counter() - started)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    return {"seconds": seconds[1:], "peak_bytes": max(peak, 0)}
+    with PeakRss() as rss:
+        for _ in range(repeats + 1):  # the first decode is a warm-up
+            session = decoder.session() if world_size == 1 else PatchParallelDecodeSession(decoder, output_rank=0)
+            started = time.perf_counter()
+            for t in range(shape[2]):
+                session.decode_next(latents[:, :, t : t + 1])
+            seconds.append(time.perf_counter() - started)
+    return {"seconds": seconds[1:], "peak_bytes": max(rss.peak - before, 0)}
 
 
 def main() -> None:
