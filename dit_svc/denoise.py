@@ -56,6 +56,12 @@ class WanDenoiser:
         self.device = device
         self.transformer = WanTransformer3DModel.from_pretrained(model_dir / "transformer", torch_dtype=dtype)
         self.transformer.to(device).eval()
+        # Wan2.2 A14B: a second expert takes the low-noise steps, below boundary_ratio * num_train_timesteps.
+        self.transformer_2: WanTransformer3DModel | None = None
+        if index.get("transformer_2", [None, None])[1] is not None and (model_dir / "transformer_2").is_dir():
+            self.transformer_2 = WanTransformer3DModel.from_pretrained(model_dir / "transformer_2", torch_dtype=dtype)
+            self.transformer_2.to(device).eval()
+        self.boundary_ratio: float | None = index.get("boundary_ratio")
         scheduler_class = getattr(diffusers, index["scheduler"][1])
         self.scheduler_config = scheduler_class.load_config(model_dir / "scheduler")
         self.scheduler_class = scheduler_class
@@ -67,9 +73,20 @@ class WanDenoiser:
         self.cfg_group = None
         if self.parallel is not None:
             mesh = build_mesh(self.parallel, device_type_for(device))
-            parallelize_transformer(self.transformer, self.parallel, mesh, device)
+            for expert in self.experts:
+                parallelize_transformer(expert, self.parallel, mesh, device)
             if self.parallel.cfg_degree > 1:
                 self.cfg_group = mesh["cfg"].get_group()
+
+    @property
+    def experts(self) -> list[WanTransformer3DModel]:
+        return [self.transformer] if self.transformer_2 is None else [self.transformer, self.transformer_2]
+
+    def expert_for(self, t: torch.Tensor, boundary_timestep: float | None) -> WanTransformer3DModel:
+        """WanPipeline's switch: the first expert at and above the boundary, the second below it."""
+        if boundary_timestep is None or self.transformer_2 is None or t >= boundary_timestep:
+            return self.transformer
+        return self.transformer_2
 
     @property
     def text_dim(self) -> int:
@@ -89,10 +106,11 @@ class WanDenoiser:
         generator = torch.Generator("cpu").manual_seed(spec.seed)
         return randn_tensor(self.latent_shape(spec), generator=generator, device=self.device, dtype=torch.float32)
 
-    def _predict(self, latents: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
-        return self.transformer(
-            hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, return_dict=False
-        )[0]
+    @staticmethod
+    def _predict(
+        model: WanTransformer3DModel, latents: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor
+    ) -> torch.Tensor:
+        return model(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, return_dict=False)[0]
 
     @torch.no_grad()
     def denoise(
@@ -117,6 +135,9 @@ class WanDenoiser:
         timesteps = scheduler.timesteps
         latents = self.initial_noise(spec)
         mask = torch.ones(latents.shape, dtype=torch.float32, device=self.device)
+        boundary_timestep = None
+        if self.boundary_ratio is not None:
+            boundary_timestep = self.boundary_ratio * scheduler.config.num_train_timesteps
 
         for i, t in enumerate(timesteps):
             keep_going = not cancelled()
@@ -129,7 +150,8 @@ class WanDenoiser:
                 timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(latents.shape[0], -1)
             else:
                 timestep = t.expand(latents.shape[0])
-            predict = partial(self._predict, latent_model_input, timestep)
+            # guidance_scale_2 of WanPipeline is not exposed: both experts use the request's guidance scale.
+            predict = partial(self._predict, self.expert_for(t, boundary_timestep), latent_model_input, timestep)
             if not spec.do_classifier_free_guidance:
                 noise_pred = predict(prompt_embeds)
             else:

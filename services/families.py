@@ -1,0 +1,122 @@
+"""The model registry: each family, and which serving features it supports.
+
+This table is the one place that says what works with what. The stages read it
+to refuse unsupported flags at startup with the reason, `docs/features.md` is
+generated from it (`python -m services.families > docs/features.md`), and a test
+checks that the committed page matches and that every supported cell names a
+test that exists.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+FEATURES = {
+    "ulysses": "Ulysses SP (`--ulysses-degree`)",
+    "ring": "Ring SP (`--ring-degree`)",
+    "cfg_parallel": "CFG-parallel (`--cfg-parallel-size 2`)",
+    "tensor_parallel": "Tensor parallel (`--tensor-parallel-size`)",
+    "hsdp": "HSDP (`--use-hsdp`)",
+    "vae_patch_parallel": "VAE patch parallel (`--vae-patch-parallel-size`)",
+    "cpu_offload": "Module-wise CPU offload (`--enable-cpu-offload`)",
+    "layerwise_offload": "Layerwise offload (`--enable-layerwise-offload`)",
+    "fp8": "FP8 weights (`--quantization fp8`)",
+    "int8": "INT8 weights (`--quantization int8`)",
+    "multithread_loading": "Multi-thread loading (`--num-weight-load-threads`)",
+    "interpolation": "Frame interpolation (`--interp-exp`)",
+}
+
+
+@dataclass(frozen=True)
+class Support:
+    """A supported cell names the tests behind it (`path::test_name`); an unsupported one says why."""
+
+    tests: tuple[str, ...] = ()
+    reason: str = ""
+
+    @property
+    def supported(self) -> bool:
+        return bool(self.tests)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    pipeline: str  # the diffusers pipeline class that is the reference for correctness
+    description: str
+    features: dict[str, Support] = field(default_factory=dict)
+
+    def support(self, feature: str) -> Support:
+        return self.features.get(feature, Support(reason="not implemented for this family yet"))
+
+    def refuse_unsupported(self, feature: str) -> None:
+        """Raises ValueError with the reason when the family cannot serve a feature."""
+        support = self.support(feature)
+        if not support.supported:
+            raise ValueError(f"{FEATURES[feature]} is not supported for {self.name}: {support.reason}")
+
+
+_WAN_TESTS = {
+    "ulysses": ("tests/test_dit_parallel.py::test_parallel_latents_equal_one_rank",
+                "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline"),
+    "ring": ("tests/test_dit_parallel.py::test_parallel_latents_equal_one_rank",
+             "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline"),
+    "cfg_parallel": ("tests/test_dit_parallel.py::test_parallel_latents_equal_one_rank",
+                     "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline"),
+    "tensor_parallel": ("tests/test_tensor_parallel_hsdp.py::test_tensor_parallel_2_matches_single_rank",
+                        "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline"),
+    "hsdp": ("tests/test_tensor_parallel_hsdp.py::test_hsdp_shard_2_matches_single_rank_and_halves_parameters",
+             "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline"),
+    "vae_patch_parallel": ("tests/test_vae_patch_parallel.py::test_patch_parallel_equals_untiled_decode",
+                           "tests/test_e2e_vae_interp.py::test_patch_parallel_vae_frames_equal_wan_pipeline"),
+    "interpolation": ("tests/test_e2e_parity.py::test_interpolation_keeps_originals_in_place",
+                      "tests/test_e2e_vae_interp.py::test_learned_interpolator_through_the_cluster"),
+}
+
+FAMILIES: dict[str, Family] = {
+    family.name: family
+    for family in (
+        Family(
+            name="wan-t2v",
+            pipeline="WanPipeline",
+            description="Wan2.1 text-to-video (UMT5 text encoder, WanTransformer3DModel, AutoencoderKLWan)",
+            features={name: Support(tests=tests) for name, tests in _WAN_TESTS.items()},
+        ),
+    )
+}
+
+
+def render_markdown() -> str:
+    """The feature compatibility table as docs/features.md shows it."""
+    lines = [
+        "# Feature compatibility",
+        "",
+        "Generated from the model registry (`services/families.py`) by `python -m services.families`;",
+        "a test fails when this page and the registry disagree, and when a supported cell has no test behind it.",
+        "",
+        "| feature | " + " | ".join(FAMILIES) + " |",
+        "| --- | " + " | ".join("---" for _ in FAMILIES) + " |",
+    ]
+    for key, title in FEATURES.items():
+        cells = []
+        for family in FAMILIES.values():
+            support = family.support(key)
+            cells.append("yes" if support.supported else f"no: {support.reason}")
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    lines += ["", "## Tests behind each supported cell", ""]
+    for family in FAMILIES.values():
+        lines.append(f"### {family.name} ({family.pipeline})")
+        lines.append("")
+        lines.append(family.description)
+        lines.append("")
+        for key in FEATURES:
+            support = family.support(key)
+            if support.supported:
+                lines.append(f"- {FEATURES[key]}: " + ", ".join(f"`{test}`" for test in support.tests))
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render_markdown())

@@ -1,0 +1,35 @@
+"""docs/features.md is the registry's table, and every supported cell has a test that exists."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from services.families import FAMILIES, FEATURES, render_markdown
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_committed_table_matches_the_registry() -> None:
+    committed = (REPO / "docs" / "features.md").read_text()
+    assert committed == render_markdown(), "docs/features.md is stale: `python -m services.families > docs/features.md`"
+
+
+def _test_names(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name.startswith("test")}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_supported_cell_names_existing_tests(family: str) -> None:
+    for feature in FEATURES:
+        support = FAMILIES[family].support(feature)
+        if not support.supported:
+            assert support.reason, f"{family} / {feature}: an unsupported cell must say why"
+            continue
+        for reference in support.tests:
+            path, name = reference.split("::")
+            assert (REPO / path).is_file(), f"{family} / {feature}: {path} does not exist"
+            assert name in _test_names(REPO / path), f"{family} / {feature}: no test {name} in {path}"
