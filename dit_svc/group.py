@@ -1,6 +1,6 @@
 """The DiT stage as a process group (see services/rank_group.py for how the group runs).
 
-Every rank holds a WanDenoiser with the same parallel layout; for each request
+Every rank holds the family's denoiser (dit_svc/families.py) with the same parallel layout; for each request
 rank 0 hands the embeddings to the followers and all ranks run the denoising
 loop in step. At the start of each step rank 0 tells the group whether to go on
 (dit_svc/parallel/cfg.py), so a cancelled request stops every rank within a step.
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from dit_svc.denoise import DenoiseSpec, WanDenoiser
+from dit_svc.denoise import DenoiseSpec
+from dit_svc.families import Denoiser, make_denoiser
 from dit_svc.parallel import ParallelConfig
 from services.rank_group import GroupSettings, RankGroup, free_port
 
@@ -27,7 +28,7 @@ class DitPayload:
 
 
 class DitWorker:
-    def __init__(self, denoiser: WanDenoiser) -> None:
+    def __init__(self, denoiser: Denoiser) -> None:
         self.denoiser = denoiser
 
     def handle(self, message: tuple[DenoiseSpec, torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
@@ -38,18 +39,18 @@ class DitWorker:
 
 
 def make_dit_worker(rank: int, device: torch.device, payload: DitPayload) -> DitWorker:
-    return DitWorker(WanDenoiser(payload.model_dir, device, payload.dtype, parallel=payload.config))
+    return DitWorker(make_denoiser(payload.model_dir, device, payload.dtype, parallel=payload.config))
 
 
 class DenoiserGroup:
-    """Rank 0's denoiser: same interface as WanDenoiser, with every rank of the group in step."""
+    """Rank 0's denoiser: same interface as the family's denoiser, with every rank of the group in step."""
 
     def __init__(
         self, model_dir: str | Path, device: torch.device, dtype: torch.dtype, threads: int, config: ParallelConfig
     ) -> None:
         settings = GroupSettings("dit", config.total_ranks, device.type, threads, free_port())
         self.group = RankGroup(settings, make_dit_worker, DitPayload(str(model_dir), dtype, config))
-        self.denoiser: WanDenoiser = self.group.worker.denoiser
+        self.denoiser: Denoiser = self.group.worker.denoiser
 
     @property
     def transformer(self) -> torch.nn.Module:

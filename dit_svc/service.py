@@ -1,4 +1,10 @@
-"""gRPC servicer of the denoising stage."""
+"""gRPC servicer of the denoising stage.
+
+The checkpoint's family picks the denoiser (dit_svc/families.py). Wan takes "prompt_embeds" and, with
+CFG, "negative_prompt_embeds", each [1, L, dim]. Qwen-Image takes the same plus, optionally, a mask for
+each ("prompt_embeds_mask", "negative_prompt_embeds_mask": [1, L], 1 for a token, 0 for padding), as
+the text encoder sends them; its `guidance_scale` is QwenImagePipeline's `true_cfg_scale`.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +17,13 @@ from pathlib import Path
 import grpc
 import torch
 
-from dit_svc.denoise import DenoiseSpec, WanDenoiser
+from dit_svc.denoise import DenoiseSpec
+from dit_svc.families import Denoiser, make_denoiser
 from dit_svc.group import DenoiserGroup
 from dit_svc.parallel import ParallelConfig, ParallelConfigError
 from dit_svc.parallel.hsdp import local_parameter_bytes
+from dit_svc.qwen_denoise import QwenTextEmbeds, check_qwen_parallel
+from services.checkpoint import CheckpointError, read_checkpoint
 from services.rank_group import GroupFailure
 from services.stage import RequestError, StageRuntime, abort_for
 from services.stage_main import StageServicer, add_stage_arguments, run_stage
@@ -23,6 +32,9 @@ from services.validation import validate_sampling, validate_seed, validate_size
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 
 EMBEDDING_DATATYPES = ("FP32", "BF16", "FP16")
+MASK_DATATYPES = ("INT64", "INT32", "BOOL")
+EMBEDDING_NAMES = ("prompt_embeds", "negative_prompt_embeds")
+MASK_NAMES = ("prompt_embeds_mask", "negative_prompt_embeds_mask")
 
 
 class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
@@ -32,7 +44,8 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         self.runtime = runtime
         self.threads = args.threads
         self.parallel = parallel_config_from(args)
-        self.denoiser: WanDenoiser | DenoiserGroup | None = None
+        self.denoiser: Denoiser | DenoiserGroup | None = None
+        self.takes_masks = runtime.spec.family == "qwen-image"
         if self.parallel.total_ranks > 1:
             runtime.parallel_config = self.parallel.describe()
 
@@ -42,7 +55,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
     def load(self) -> None:
         runtime = self.runtime
         if self.parallel.total_ranks == 1:
-            self.denoiser = WanDenoiser(runtime.spec.path, runtime.device, runtime.dtype)
+            self.denoiser = make_denoiser(runtime.spec.path, runtime.device, runtime.dtype)
         else:
             self.denoiser = DenoiserGroup(runtime.spec.path, runtime.device, runtime.dtype, self.threads, self.parallel)
             runtime.parallel_config = {
@@ -85,13 +98,23 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
                 f"expected [1, L, {self.denoiser.text_dim}] with 1 <= L <= {max_length}"
             )
 
+    def _check_mask(self, tensor: WireTensor, max_length: int) -> None:
+        expect_tensor(tensor, name=tensor.name, datatypes=MASK_DATATYPES, ndim=2)
+        batch, length = tensor.shape
+        if batch != 1 or not 1 <= length <= max_length:
+            raise WireError(
+                f"tensor '{tensor.name}': shape {list(tensor.shape)} is not allowed; expected [1, L] with "
+                f"1 <= L <= {max_length}, L as in its embeddings"
+            )
+
     async def _receive(
         self, requests: AsyncIterator[stages_pb2.DenoiseRequest]
-    ) -> tuple[DenoiseSpec, torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[DenoiseSpec, torch.Tensor | QwenTextEmbeds, torch.Tensor | QwenTextEmbeds | None]:
         spec: DenoiseSpec | None = None
         assembler = TensorAssembler()
         embeds: dict[str, torch.Tensor] = {}
-        max_length = 4 * self.runtime.spec.max_sequence_length
+        max_length = self.runtime.spec.sequence_length_limit
+        names = EMBEDDING_NAMES + MASK_NAMES if self.takes_masks else EMBEDDING_NAMES
         async for request in requests:
             if request.HasField("params"):
                 if spec is not None:
@@ -103,12 +126,16 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
                 tensor = assembler.feed(request.tensor)
                 if tensor is None:
                     continue
-                if tensor.name not in ("prompt_embeds", "negative_prompt_embeds") or tensor.name in embeds:
+                if tensor.name not in names or tensor.name in embeds:
+                    masks = ", each optionally with its '<name>_mask'" if self.takes_masks else ""
                     raise WireError(
                         f"tensor '{tensor.name}': expected 'prompt_embeds' and, with guidance_scale > 1, "
-                        "'negative_prompt_embeds', each once"
+                        f"'negative_prompt_embeds', each once{masks}"
                     )
-                self._check_embeds(tensor, max_length)
+                if tensor.name in MASK_NAMES:
+                    self._check_mask(tensor, max_length)
+                else:
+                    self._check_embeds(tensor, max_length)
                 embeds[tensor.name] = tensor.to_torch()
             else:
                 raise RequestError("part: each message must set params or tensor")
@@ -120,7 +147,26 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         negative = embeds.get("negative_prompt_embeds")
         if spec.do_classifier_free_guidance and negative is None:
             raise RequestError("negative_prompt_embeds: required when guidance_scale > 1 (CFG)")
-        return spec, embeds["prompt_embeds"], negative
+        if not self.takes_masks:
+            return spec, embeds["prompt_embeds"], negative
+        return spec, *(self._text_embeds(name, embeds) for name in EMBEDDING_NAMES)
+
+    @staticmethod
+    def _text_embeds(name: str, received: dict[str, torch.Tensor]) -> QwenTextEmbeds | None:
+        """One text's embeddings with its mask, padding dropped; None when the text was not sent."""
+        embeds, mask = received.get(name), received.get(f"{name}_mask")
+        if embeds is None:
+            if mask is not None:
+                raise RequestError(f"{name}_mask: sent without {name}")
+            return None
+        if mask is not None and mask.shape[1] != embeds.shape[1]:
+            raise WireError(
+                f"tensor '{name}_mask': length {mask.shape[1]} differs from the {embeds.shape[1]} of '{name}'"
+            )
+        try:
+            return QwenTextEmbeds.from_wire(embeds, mask)
+        except ValueError as error:
+            raise WireError(f"tensor '{name}_mask': {error}") from None
 
     async def Denoise(self, request_iterator, context):
         if self.denoiser is None:
@@ -185,14 +231,20 @@ def parallel_config_from(args: argparse.Namespace) -> ParallelConfig:
 
 
 def check_parallel_layout(args: argparse.Namespace) -> None:
-    """Refuses an impossible layout before anything loads, naming the valid degrees."""
+    """Refuses an impossible layout, or one the checkpoint's family does not run, before anything loads."""
     config = parallel_config_from(args)
     transformer_config = json.loads((Path(args.model) / "transformer" / "config.json").read_text())
     devices = torch.cuda.device_count() if args.device.startswith("cuda") or (
         args.device == "auto" and torch.cuda.is_available()
     ) else None
     try:
+        family = read_checkpoint(args.model).family
+    except CheckpointError:
+        family = None  # the stage itself reports what is wrong with the checkpoint
+    try:
         config.validate(transformer_config["num_attention_heads"], available_devices=devices)
+        if family == "qwen-image":
+            check_qwen_parallel(config)
     except ParallelConfigError as error:
         raise SystemExit(f"stagediff serve dit: {error}") from None
 

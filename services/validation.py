@@ -25,6 +25,8 @@ def validate_size(limits: stages_pb2.ModelLimits, height: int, width: int, num_f
             raise RequestError(
                 f"{field}: {value} is not allowed; use a positive multiple of {multiple} up to {largest}"
             )
+    if limits.max_frames == 1 and num_frames != 1:
+        raise RequestError(f"num_frames: {num_frames} is not allowed; this model makes single images, use 1")
     factor = limits.temporal_factor
     if num_frames < 1 or (num_frames - 1) % factor != 0 or num_frames > limits.max_frames:
         raise RequestError(

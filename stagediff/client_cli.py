@@ -97,9 +97,13 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     generate.add_argument("--model", default="", help="model id (default: the cluster's only model)")
     generate.add_argument("--height", type=int)
     generate.add_argument("--width", type=int)
-    generate.add_argument("--frames", type=int, help="number of frames (4k+1 for Wan)")
+    generate.add_argument(
+        "--frames", type=int, help="number of frames (4k+1 for Wan; 1 for an image model such as qwen-image)"
+    )
     generate.add_argument("--steps", type=int, help="denoising steps")
-    generate.add_argument("--guidance", type=float, help="CFG scale; above 1 uses the negative prompt")
+    generate.add_argument(
+        "--guidance", type=float, help="CFG scale (true_cfg_scale for qwen-image); above 1 uses the negative prompt"
+    )
     generate.add_argument("--seed", type=int)
     generate.add_argument("--fps", type=float)
     generate.add_argument("--interp-exp", type=int, default=0, help="frame interpolation: 2**k x the frames' rate")

@@ -4,8 +4,16 @@ No model hub is reachable where StageDiff is built and tested, so tests and benc
 checkpoints made here: the real classes (diffusers for transformer, VAE and scheduler, transformers
 for the text encoder and tokenizer) with their real config keys, random weights saved as
 safetensors, and a tokenizer trained locally with the `tokenizers` library. A directory written by
-`init_model` loads unchanged with `diffusers.WanPipeline.from_pretrained(out_dir)`, exactly as a
-downloaded Wan2.1 checkpoint does, so every stage can be checked against in-process diffusers.
+`init_model` loads unchanged with the family's pipeline (`diffusers.WanPipeline.from_pretrained(out_dir)`
+or `diffusers.QwenImagePipeline.from_pretrained(out_dir)`), exactly as a downloaded checkpoint does, so
+every stage can be checked against in-process diffusers.
+
+Families:
+  wan-t2v       Wan2.1 text-to-video: one WanTransformer3DModel
+  wan2.2-a14b   Wan2.2-T2V-A14B: two WanTransformer3DModel experts (`transformer` for high noise,
+                `transformer_2` for low noise) and the pipeline config entry `boundary_ratio`
+  qwen-image    Qwen-Image text-to-image: QwenImageTransformer2DModel, AutoencoderKLQwenImage,
+                Qwen2.5-VL text encoder and a byte-level BPE (Qwen2) tokenizer
 
 diffusers, transformers and tokenizers are imported where they are used, so importing this module
 (as the CLI does) stays cheap.
@@ -28,7 +36,7 @@ from services.checkpoint import DEFAULTS_FILE
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = ("wan-t2v",)
+FAMILIES = ("wan-t2v", "wan2.2-a14b", "qwen-image")
 PRESETS = ("tiny", "small")
 
 # WanTransformer3DModel (the DiT). Keys are the model's own config keys.
@@ -190,6 +198,139 @@ _COMPONENT_CLASSES: dict[str, tuple[str, str]] = {
 }
 
 
+# Wan2.2-T2V-A14B: `transformer` denoises while t >= boundary_ratio * num_train_timesteps, `transformer_2`
+# after that (0.875 as in the published checkpoint). The second expert's weights are drawn from seed + this.
+A14B_BOUNDARY_RATIO = 0.875
+SECOND_EXPERT_SEED_OFFSET = 1
+
+# ---------------------------------------------------------------------------------------------
+# Qwen-Image
+
+# QwenImageTransformer2DModel (the MMDiT). Keys are the model's own config keys.
+#   patch_size           2x2 latent patches, packed into the sequence (as in the real model)
+#   in_channels          4 * the VAE's z_dim: the packed 2x2 patch of latent channels
+#   out_channels         the VAE's z_dim
+#   num_layers           double-stream blocks (60 in the real model)
+#   num_attention_heads  heads; divisible by 2 so CFG-parallel and later head splits stay possible
+#   attention_head_dim   width of one head; equals sum(axes_dims_rope)
+#   joint_attention_dim  width of the text embeddings, equal to the text encoder's hidden_size
+#   axes_dims_rope       RoPE widths for (frame, row, column); each even
+QWEN_TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        patch_size=2,
+        in_channels=64,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        guidance_embeds=False,
+        axes_dims_rope=(4, 6, 6),
+    ),
+    "small": dict(
+        patch_size=2,
+        in_channels=64,
+        out_channels=16,
+        num_layers=6,
+        attention_head_dim=32,
+        num_attention_heads=8,
+        joint_attention_dim=128,
+        guidance_embeds=False,
+        axes_dims_rope=(8, 12, 12),
+    ),
+}
+
+# AutoencoderKLQwenImage; the same keys as AutoencoderKLWan's (see VAE_CONFIGS). Latent statistics are
+# drawn from the seed, as for Wan.
+QWEN_VAE_CONFIGS: dict[str, dict[str, Any]] = {
+    "tiny": dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, attn_scales=[],
+                 temperal_downsample=[False, True, True], dropout=0.0),
+    "small": dict(base_dim=24, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
+                  temperal_downsample=[False, True, True], dropout=0.0),
+}
+
+# Qwen2_5_VLForConditionalGeneration (the text encoder). QwenImagePipeline uses only the language model's
+# last hidden state; the vision tower must exist (the class builds it) and is kept minimal.
+#   text: hidden_size (= the transformer's joint_attention_dim), layers, heads, key/value heads,
+#         feed-forward width, and mrope_section, which splits head_dim / 2 rotary pairs over (t, h, w)
+#   vision: the ViT's depth/width/heads; out_hidden_size is the text hidden_size
+QWEN_TEXT_ENCODER_CONFIGS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        text=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=64, mrope_section=[2, 1, 1]),
+        vision=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, fullatt_block_indexes=[0]),
+    ),
+    "small": dict(
+        text=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=256, mrope_section=[4, 6, 6]),
+        vision=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, fullatt_block_indexes=[0]),
+    ),
+}
+
+# The locally trained byte-level BPE (Qwen2 tokenizer). Same keys as TOKENIZER_CONFIGS.
+QWEN_TOKENIZER_CONFIGS: dict[str, dict[str, int]] = {
+    "tiny": dict(vocab_size=2000, corpus_sentences=6000, corpus_names=2000),
+    "small": dict(vocab_size=8000, corpus_sentences=12000, corpus_names=12000),
+}
+
+# Qwen2.5's special tokens: the chat template's markers (which QwenImagePipeline's prompt template uses) and
+# the vision markers the text encoder's config names. <|endoftext|> is the pad and end-of-text token.
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# QwenImagePipeline's prompt template and the number of its leading tokens it drops (its
+# prompt_template_encode_start_idx): the template prefix must tokenize to exactly that many tokens, as it
+# does with the real tokenizer, so that the pipeline drops the template and keeps the prompt.
+QWEN_PROMPT_TEMPLATE_PREFIX = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n"
+)
+QWEN_PROMPT_DROP_TOKENS = 34
+
+# FlowMatchEulerDiscreteScheduler configured as in the published Qwen-Image checkpoint: the shift `mu` is
+# computed per request from the image's sequence length (dynamic shifting, exponential time shift) and
+# the sigmas are stretched to end at shift_terminal.
+QWEN_SCHEDULER_CONFIG: dict[str, Any] = dict(
+    base_image_seq_len=256,
+    base_shift=0.5,
+    invert_sigmas=False,
+    max_image_seq_len=8192,
+    max_shift=0.9,
+    num_train_timesteps=1000,
+    shift=1.0,
+    shift_terminal=0.02,
+    stochastic_sampling=False,
+    time_shift_type="exponential",
+    use_beta_sigmas=False,
+    use_dynamic_shifting=True,
+    use_exponential_sigmas=False,
+    use_karras_sigmas=False,
+)
+
+# The request each Qwen-Image preset is sized for (QwenImagePipeline keyword arguments; guidance_scale is
+# its true_cfg_scale). One image: num_frames is always 1.
+QWEN_DEFAULT_REQUESTS: dict[str, dict[str, Any]] = {
+    "tiny": dict(height=64, width=64, num_frames=1, num_inference_steps=2, guidance_scale=4.0),
+    "small": dict(height=256, width=256, num_frames=1, num_inference_steps=8, guidance_scale=4.0),
+}
+
+# model_index.json entries as in the published Qwen-Image checkpoint.
+_QWEN_COMPONENT_CLASSES: dict[str, tuple[str, str]] = {
+    "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+    "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration"),
+    "tokenizer": ("transformers", "Qwen2Tokenizer"),
+    "transformer": ("diffusers", "QwenImageTransformer2DModel"),
+    "vae": ("diffusers", "AutoencoderKLQwenImage"),
+}
+
+
 def init_model(
     family: str,
     preset: str,
@@ -214,34 +355,83 @@ def init_model(
 
     # Seeding stays local to this call; weights are created (and so saved) in float32.
     with torch.random.fork_rng(devices=[]), _default_dtype(torch.float32):
-        tokenizer = build_tokenizer(**TOKENIZER_CONFIGS[preset])
-        tokenizer.save_pretrained(out / "tokenizer")
-        logger.info("tokenizer: %d tokens", len(tokenizer))
+        if family == "qwen-image":
+            _write_qwen_image_components(out, preset, seed, save_kwargs)
+        else:
+            _write_wan_components(out, preset, seed, save_kwargs, two_experts=family == "wan2.2-a14b")
 
-        torch.manual_seed(seed)
-        text_encoder = build_text_encoder(preset, vocab_size=len(tokenizer))
-        text_encoder.save_pretrained(out / "text_encoder", **save_kwargs)
-        logger.info("text_encoder: %.2fM parameters", _millions(text_encoder))
-        del text_encoder
-
-        torch.manual_seed(seed)
-        transformer = build_transformer(preset)
-        transformer.save_pretrained(out / "transformer", **save_kwargs)
-        logger.info("transformer: %.2fM parameters", _millions(transformer))
-        del transformer
-
-        torch.manual_seed(seed)
-        vae = build_vae(preset, seed)
-        vae.save_pretrained(out / "vae", **save_kwargs)
-        logger.info("vae: %.2fM parameters", _millions(vae))
-        del vae
-
-        build_scheduler().save_pretrained(out / "scheduler")
-
-    _write_model_index(out)
-    _write_default_request(out, preset)
+    if family == "qwen-image":
+        _write_qwen_image_model_index(out)
+    else:
+        _write_model_index(out, two_experts=family == "wan2.2-a14b")
+    _write_default_request(out, family, preset)
     logger.info("checkpoint written to %s", out)
     return out
+
+
+def _write_wan_components(
+    out: Path, preset: str, seed: int, save_kwargs: dict[str, Any], two_experts: bool
+) -> None:
+    """Tokenizer, UMT5 text encoder, transformer(s), VAE and scheduler of a Wan checkpoint."""
+    tokenizer = build_tokenizer(**TOKENIZER_CONFIGS[preset])
+    tokenizer.save_pretrained(out / "tokenizer")
+    logger.info("tokenizer: %d tokens", len(tokenizer))
+
+    torch.manual_seed(seed)
+    text_encoder = build_text_encoder(preset, vocab_size=len(tokenizer))
+    text_encoder.save_pretrained(out / "text_encoder", **save_kwargs)
+    logger.info("text_encoder: %.2fM parameters", _millions(text_encoder))
+    del text_encoder
+
+    torch.manual_seed(seed)
+    transformer = build_transformer(preset)
+    transformer.save_pretrained(out / "transformer", **save_kwargs)
+    logger.info("transformer: %.2fM parameters", _millions(transformer))
+    del transformer
+
+    if two_experts:
+        # The low-noise expert gets its own seed, so the two experts differ and a switch at the wrong
+        # step shows in the output.
+        torch.manual_seed(seed + SECOND_EXPERT_SEED_OFFSET)
+        transformer_2 = build_transformer(preset)
+        transformer_2.save_pretrained(out / "transformer_2", **save_kwargs)
+        logger.info("transformer_2: %.2fM parameters", _millions(transformer_2))
+        del transformer_2
+
+    torch.manual_seed(seed)
+    vae = build_vae(preset, seed)
+    vae.save_pretrained(out / "vae", **save_kwargs)
+    logger.info("vae: %.2fM parameters", _millions(vae))
+    del vae
+
+    build_scheduler().save_pretrained(out / "scheduler")
+
+
+def _write_qwen_image_components(out: Path, preset: str, seed: int, save_kwargs: dict[str, Any]) -> None:
+    """Tokenizer, Qwen2.5-VL text encoder, transformer, VAE and scheduler of a Qwen-Image checkpoint."""
+    tokenizer = build_qwen_tokenizer(**QWEN_TOKENIZER_CONFIGS[preset])
+    tokenizer.save_pretrained(out / "tokenizer")
+    logger.info("tokenizer: %d tokens", len(tokenizer))
+
+    torch.manual_seed(seed)
+    text_encoder = build_qwen_text_encoder(preset, tokenizer)
+    text_encoder.save_pretrained(out / "text_encoder", **save_kwargs)
+    logger.info("text_encoder: %.2fM parameters", _millions(text_encoder))
+    del text_encoder
+
+    torch.manual_seed(seed)
+    transformer = build_qwen_transformer(preset)
+    transformer.save_pretrained(out / "transformer", **save_kwargs)
+    logger.info("transformer: %.2fM parameters", _millions(transformer))
+    del transformer
+
+    torch.manual_seed(seed)
+    vae = build_qwen_vae(preset, seed)
+    vae.save_pretrained(out / "vae", **save_kwargs)
+    logger.info("vae: %.2fM parameters", _millions(vae))
+    del vae
+
+    build_qwen_scheduler().save_pretrained(out / "scheduler")
 
 
 def build_transformer(preset: str) -> torch.nn.Module:
@@ -256,12 +446,8 @@ def build_vae(preset: str, seed: int) -> torch.nn.Module:
     from diffusers import AutoencoderKLWan
 
     config = dict(VAE_CONFIGS[preset])
-    z_dim = config["z_dim"]
-    stats = torch.Generator().manual_seed(seed)
-    mean = torch.randn(z_dim, generator=stats, device="cpu") * 0.5
-    std = 1.0 + 2.0 * torch.rand(z_dim, generator=stats, device="cpu")  # in [1, 3), like the real model's
-    config["latents_mean"] = [round(v, 4) for v in mean.tolist()]
-    config["latents_std"] = [round(v, 4) for v in std.tolist()]
+    mean, std = _latent_statistics(config["z_dim"], seed)
+    config["latents_mean"], config["latents_std"] = mean, std
     return AutoencoderKLWan(**config).eval()
 
 
@@ -317,6 +503,121 @@ def build_tokenizer(vocab_size: int, corpus_sentences: int, corpus_names: int) -
     )
 
 
+
+def build_qwen_transformer(preset: str) -> torch.nn.Module:
+    """The preset's QwenImageTransformer2DModel with freshly initialised weights."""
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel(**QWEN_TRANSFORMER_CONFIGS[preset]).eval()
+
+
+def build_qwen_vae(preset: str, seed: int) -> torch.nn.Module:
+    """The preset's AutoencoderKLQwenImage, with latent statistics drawn from `seed`."""
+    from diffusers import AutoencoderKLQwenImage
+
+    config = dict(QWEN_VAE_CONFIGS[preset])
+    mean, std = _latent_statistics(config["z_dim"], seed)
+    config["latents_mean"], config["latents_std"] = mean, std
+    return AutoencoderKLQwenImage(**config).eval()
+
+
+def build_qwen_text_encoder(preset: str, tokenizer: Any) -> torch.nn.Module:
+    """The preset's Qwen2_5_VLForConditionalGeneration, its token ids matching `tokenizer`."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    sizes = QWEN_TEXT_ENCODER_CONFIGS[preset]
+    text = dict(sizes["text"])
+    mrope_section = text.pop("mrope_section")
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_SPECIAL_TOKENS}
+    text_config = dict(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": mrope_section},
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        **text,
+    )
+    vision_config = dict(out_hidden_size=text["hidden_size"], **sizes["vision"])
+    config = Qwen2_5_VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def build_qwen_scheduler() -> Any:
+    """The dynamically shifted flow-matching Euler scheduler Qwen-Image ships with."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER_CONFIG)
+
+
+def build_qwen_tokenizer(vocab_size: int, corpus_sentences: int, corpus_names: int) -> Any:
+    """A Qwen2-style byte-level BPE tokenizer trained on the built-in corpus, saved as Qwen2Tokenizer.
+
+    The normaliser (NFC), pre-tokeniser (Qwen2's split regex, then byte-level) and decoder are exactly
+    what `Qwen2Tokenizer` builds around a vocabulary and merges, so the class reloads it unchanged. The
+    corpus includes QwenImagePipeline's prompt template, so the template prefix tokenizes to the
+    QWEN_PROMPT_DROP_TOKENS tokens the pipeline drops (checked here).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    trained = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    trained.normalizer = normalizers.NFC()
+    trained.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trained.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(QWEN_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = training_corpus(corpus_sentences, corpus_names)
+    # The template as the pipeline fills it, repeated so its words become single tokens.
+    template = QWEN_PROMPT_TEMPLATE_PREFIX + "{}<|im_end|>\n<|im_start|>assistant\n"
+    corpus += [template.format(line) for line in corpus[:200]] * 5
+    trained.train_from_iterator(corpus, trainer=trainer)
+    model = json.loads(trained.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    tokenizer = Qwen2Tokenizer(
+        vocab=model["vocab"],
+        merges=merges,
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]),
+        model_max_length=131072,
+    )
+    prefix_ids = tokenizer(QWEN_PROMPT_TEMPLATE_PREFIX)["input_ids"]
+    if len(prefix_ids) != QWEN_PROMPT_DROP_TOKENS:
+        pieces = tokenizer.convert_ids_to_tokens(prefix_ids)
+        raise RuntimeError(
+            f"the prompt template prefix tokenized to {len(prefix_ids)} tokens, not {QWEN_PROMPT_DROP_TOKENS}: "
+            f"{pieces}"
+        )
+    return tokenizer
+
+
+def _latent_statistics(z_dim: int, seed: int) -> tuple[list[float], list[float]]:
+    """Per-channel latent mean and std (positive, in [1, 3) like the real models') drawn from `seed`."""
+    stats = torch.Generator().manual_seed(seed)
+    mean = torch.randn(z_dim, generator=stats, device="cpu") * 0.5
+    std = 1.0 + 2.0 * torch.rand(z_dim, generator=stats, device="cpu")
+    return [round(v, 4) for v in mean.tolist()], [round(v, 4) for v in std.tolist()]
+
 def _with_t5_pipeline(tokenizer: Any) -> Any:
     """Attach T5's normaliser, pre-tokeniser, decoder and "$A </s>" post-processor to `tokenizer`."""
     from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
@@ -361,21 +662,41 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _write_default_request(out: Path, preset: str) -> None:
+def _write_default_request(out: Path, family: str, preset: str) -> None:
     """Records the request the preset is sized for; servers use it for fields a request leaves unset.
 
-    Real checkpoints have no such file and get Wan2.1's defaults (480x832, 81 frames, 50 steps).
+    Real checkpoints have no such file and get their family's reference defaults (services/checkpoint.py).
     """
-    default_request = {**DEFAULT_REQUESTS[preset], "fps": DEFAULT_FPS}
+    if family == "qwen-image":
+        default_request = {**QWEN_DEFAULT_REQUESTS[preset], "fps": DEFAULT_FPS}
+    else:
+        default_request = {**DEFAULT_REQUESTS[preset], "fps": DEFAULT_FPS}
     (out / DEFAULTS_FILE).write_text(json.dumps({"default_request": default_request}, indent=2) + "\n")
 
 
-def _write_model_index(out: Path) -> None:
-    """model_index.json as in the published Wan2.1 diffusers checkpoints."""
+def _write_model_index(out: Path, two_experts: bool = False) -> None:
+    """model_index.json as in the published Wan2.1 (or, with two experts, Wan2.2-T2V-A14B) diffusers checkpoints.
+
+    WanPipeline registers `boundary_ratio` and `expand_timesteps` as pipeline config entries, so they sit
+    next to the components in model_index.json; the A14B checkpoint adds the `transformer_2` component.
+    """
     import diffusers
 
     index: dict[str, Any] = {"_class_name": "WanPipeline", "_diffusers_version": diffusers.__version__}
     index.update({name: list(cls) for name, cls in _COMPONENT_CLASSES.items()})
+    if two_experts:
+        index["transformer_2"] = list(_COMPONENT_CLASSES["transformer"])
+        index["boundary_ratio"] = A14B_BOUNDARY_RATIO
+        index["expand_timesteps"] = False
+    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _write_qwen_image_model_index(out: Path) -> None:
+    """model_index.json as in the published Qwen-Image diffusers checkpoint."""
+    import diffusers
+
+    index: dict[str, Any] = {"_class_name": "QwenImagePipeline", "_diffusers_version": diffusers.__version__}
+    index.update({name: list(cls) for name, cls in _QWEN_COMPONENT_CLASSES.items()})
     (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 

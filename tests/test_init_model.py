@@ -116,7 +116,7 @@ def test_unknown_family_or_preset_is_rejected(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_configs_build_and_fit_together(preset: str) -> None:
-    assert FAMILIES == ("wan-t2v",)
+    assert FAMILIES == ("wan-t2v", "wan2.2-a14b", "qwen-image")
     transformer, vae, text = TRANSFORMER_CONFIGS[preset], VAE_CONFIGS[preset], TEXT_ENCODER_CONFIGS[preset]
     assert transformer["in_channels"] == transformer["out_channels"] == vae["z_dim"]
     assert transformer["text_dim"] == text["d_model"]

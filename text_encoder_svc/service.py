@@ -1,4 +1,10 @@
-"""gRPC servicer of the text-encoding stage."""
+"""gRPC servicer of the text-encoding stage.
+
+The family read from the checkpoint picks the compute. Wan's UMT5 embeddings answer as one tensor
+"embeds" [N, 512, dim] (zero past each text, as WanPipeline makes them). Qwen-Image's have each text's
+own length: they answer as "embeds" [N, L, dim], zero-padded to the longest text, then "embeds_mask"
+[N, L] (INT64, 1 for a token, 0 for padding), which the DiT needs as `encoder_hidden_states_mask`.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from services.stage_main import StageServicer, add_stage_arguments, run_stage
 from services.tensor_codec import encode_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 from text_encoder_svc.encoder import PromptEncoder
+from text_encoder_svc.qwen_encoder import QwenPromptEncoder
 
 MAX_TEXTS = 8
 
@@ -21,14 +28,15 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
     def __init__(self, args: argparse.Namespace, runtime: StageRuntime) -> None:
         self.args = args
         self.runtime = runtime
-        self.encoder: PromptEncoder | None = None
+        self.encoder: PromptEncoder | QwenPromptEncoder | None = None
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         stages_pb2_grpc.add_TextEncoderServicer_to_server(self, server)
 
     def load(self) -> None:
         spec = self.runtime.spec
-        self.encoder = PromptEncoder(
+        encoder_class = QwenPromptEncoder if spec.family == "qwen-image" else PromptEncoder
+        self.encoder = encoder_class(
             spec.path, spec.model_id, self.runtime.device, self.runtime.dtype, cache_size=self.args.embedding_cache_size
         )
         self.runtime.parameter_bytes = {"text_encoder": parameter_bytes(self.encoder.text_encoder)}
@@ -42,9 +50,9 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
             if len(text) > spec.max_prompt_chars:
                 raise RequestError(f"texts[{i}]: {len(text)} characters; at most {spec.max_prompt_chars} are allowed")
         length = request.max_sequence_length or spec.max_sequence_length
-        if not 1 <= length <= 4 * spec.max_sequence_length:
+        if not 1 <= length <= spec.sequence_length_limit:
             raise RequestError(
-                f"max_sequence_length: {length} is out of range; allowed 1..{4 * spec.max_sequence_length}"
+                f"max_sequence_length: {length} is out of range; allowed 1..{spec.sequence_length_limit}"
             )
         return length
 
@@ -53,11 +61,18 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "text-encoder: still loading its model")
         try:
             length = self._validate(request)
-            embeds, cache_hit = await self.runtime.run(self.encoder.encode, list(request.texts), length)
+            mask = None
+            if isinstance(self.encoder, QwenPromptEncoder):
+                embeds, mask, cache_hit = await self.runtime.run(self.encoder.encode, list(request.texts), length)
+            else:
+                embeds, cache_hit = await self.runtime.run(self.encoder.encode, list(request.texts), length)
         except Exception as error:
             await abort_for(error, context, self.runtime.stage)
         for i, chunk in enumerate(encode_tensor("embeds", embeds)):
             yield stages_pb2.EncodeResponse(tensor=chunk, cache_hit=cache_hit and i == 0)
+        if mask is not None:
+            for chunk in encode_tensor("embeds_mask", mask):
+                yield stages_pb2.EncodeResponse(tensor=chunk)
 
 
 def main(argv: list[str] | None = None) -> None:

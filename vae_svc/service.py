@@ -1,4 +1,8 @@
-"""gRPC servicer of the decoding stage."""
+"""gRPC servicer of the decoding stage.
+
+The checkpoint's family picks the decoder: the streaming causal Wan VAE (with patch parallelism or
+tiling) for the Wan families, AutoencoderKLQwenImage for qwen-image (one latent frame, one image).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import argparse
 import grpc
 import torch
 
+from services.checkpoint import CheckpointError, read_checkpoint
 from services.rank_group import GroupFailure
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
 from services.stage_main import StageServicer, add_stage_arguments, run_stage
@@ -14,6 +19,7 @@ from services.tensor_codec import TensorAssembler, WireError, WireTensor, encode
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 from vae_svc.decode import DecodeSession, WanStreamingDecoder
 from vae_svc.group import GroupDecodeSession, PatchParallelDecoder
+from vae_svc.qwen_decode import QwenDecodeSession, QwenImageDecoder
 from vae_svc.tiled import TiledDecodeSession
 
 LATENT_DATATYPES = ("FP32", "BF16", "FP16")
@@ -26,7 +32,7 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
         self.runtime = runtime
         self.args = args
         self.patch_parallel_size = args.vae_patch_parallel_size
-        self.decoder: WanStreamingDecoder | PatchParallelDecoder | None = None
+        self.decoder: WanStreamingDecoder | PatchParallelDecoder | QwenImageDecoder | None = None
         # Each rank needs at least one latent row: the smallest height that splits over every rank.
         multiple = runtime.spec.height_multiple
         rows = self.patch_parallel_size * runtime.spec.vae_scale_spatial
@@ -37,7 +43,9 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
 
     def load(self) -> None:
         runtime, args = self.runtime, self.args
-        if self.patch_parallel_size > 1:
+        if runtime.spec.family == "qwen-image":
+            self.decoder = QwenImageDecoder(runtime.spec.path, runtime.device, runtime.dtype)
+        elif self.patch_parallel_size > 1:
             self.decoder = PatchParallelDecoder(
                 runtime.spec.path, runtime.device, runtime.dtype, args.threads, self.patch_parallel_size
             )
@@ -63,7 +71,7 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
         runtime.parameter_bytes = {"vae": parameter_bytes(self.decoder.vae)}
 
     def _open_session(self):
-        if isinstance(self.decoder, PatchParallelDecoder):
+        if isinstance(self.decoder, (PatchParallelDecoder, QwenImageDecoder)):
             return self.decoder.session()
         if self.args.vae_use_tiling:
             args = self.args
@@ -115,7 +123,7 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
         try:
             params: stages_pb2.DecodeParams | None = None
             assembler = TensorAssembler()
-            session: DecodeSession | TiledDecodeSession | GroupDecodeSession | None = None
+            session: DecodeSession | TiledDecodeSession | GroupDecodeSession | QwenDecodeSession | None = None
             first: WireTensor | None = None
             received = 0
             async for request in request_iterator:
@@ -193,11 +201,26 @@ def check_decode_arguments(args: argparse.Namespace) -> None:
                 f"stagediff serve vae: --vae-tile-sample-stride-{name} {stride} must be in 1..{size} "
                 f"(the tile {name}), so that tiles overlap or touch"
             )
+    if args.vae_patch_parallel_size > 1 or args.vae_use_tiling:
+        family = _family_of(args.model)
+        if family == "qwen-image":
+            flag = "--vae-patch-parallel-size" if args.vae_patch_parallel_size > 1 else "--vae-use-tiling"
+            raise SystemExit(
+                f"stagediff serve vae: the qwen-image family does not support {flag} yet; its images decode whole "
+                "on one device (patch parallelism and tiling are implemented for the Wan VAE only)"
+            )
     if args.device.startswith("cuda") and args.vae_patch_parallel_size > torch.cuda.device_count():
         raise SystemExit(
             f"stagediff serve vae: --vae-patch-parallel-size {args.vae_patch_parallel_size} needs that many GPUs; "
             f"{torch.cuda.device_count()} are visible"
         )
+
+
+def _family_of(model: str) -> str | None:
+    try:
+        return read_checkpoint(model).family
+    except CheckpointError:
+        return None  # the stage itself reports what is wrong with the checkpoint
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,6 +20,7 @@ import logging
 import time
 
 import grpc
+import torch
 
 from services.orchestrator.jobs import Job, JobState
 from services.orchestrator.stage_clients import StageError, StagePool
@@ -159,19 +160,24 @@ class Pipeline:
         job.current_stage = "text-encoder"
         started = time.perf_counter()
         assembler = TensorAssembler()
-        embeds = None
+        tensors: dict[str, torch.Tensor] = {}
         try:
             call = client.text_encoder.Encode(
                 stages_pb2.EncodeRequest(model=request.model, texts=texts), timeout=self._remaining(job)
             )
             async for response in call:
-                embeds = assembler.feed(response.tensor) or embeds
+                tensor = assembler.feed(response.tensor)
+                if tensor is not None:
+                    tensors[tensor.name] = tensor.to_torch()
         except grpc.aio.AioRpcError as error:
             raise client.error(error) from None
         assembler.finish()
-        if embeds is None:
+        if "embeds" not in tensors:
             raise StageError("text-encoder", client.endpoint, grpc.StatusCode.INTERNAL, "sent no embeddings")
-        job.intermediates["embeds"] = embeds.to_torch()
+        # Families with variable-length embeddings (Qwen-Image) also send their padding mask.
+        if "embeds_mask" in tensors:
+            job.intermediates["embeds_mask"] = tensors["embeds_mask"]
+        job.intermediates["embeds"] = tensors["embeds"]
         job.timings["text-encoder"] = time.perf_counter() - started
         await job.publish(
             generation_pb2.GenerateEvent(progress=generation_pb2.StageProgress(stage="text-encoder", step=1, total=1))
@@ -181,6 +187,7 @@ class Pipeline:
         request = job.request
         client = self.stages["dit"]
         embeds = job.intermediates["embeds"]
+        mask = job.intermediates.get("embeds_mask")
 
         async def requests():
             yield stages_pb2.DenoiseRequest(
@@ -198,6 +205,9 @@ class Pipeline:
             for i, name in enumerate(names):
                 for chunk in encode_tensor(name, embeds[i : i + 1]):
                     yield stages_pb2.DenoiseRequest(tensor=chunk)
+                if mask is not None:
+                    for chunk in encode_tensor(f"{name}_mask", mask[i : i + 1]):
+                        yield stages_pb2.DenoiseRequest(tensor=chunk)
 
         job.current_stage = "dit"
         started = time.perf_counter()

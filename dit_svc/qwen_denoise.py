@@ -1,0 +1,214 @@
+"""The Qwen-Image denoising loop, step for step as QwenImagePipeline runs it.
+
+Latents are packed into 2x2 patches (a [1, h/2 * w/2, 4C] sequence), the scheduler's sigmas are the
+pipeline's linspace with the shift `mu` computed from that sequence length (dynamic shifting), the
+transformer gets `timestep / 1000`, the image shapes and the text mask, and true CFG combines the two
+branches with the pipeline's norm-preserving rescale. The noise is drawn from the seed exactly as the
+pipeline draws it, so the latents equal what the in-process pipeline computes for the same arguments.
+
+The request's `guidance_scale` is the pipeline's `true_cfg_scale`: above 1 (with the negative prompt's
+embeddings, which the orchestrator always sends then) both branches run; Qwen-Image is not
+guidance-distilled, so the pipeline's own `guidance_scale` input plays no part.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+from diffusers.utils.torch_utils import randn_tensor
+
+from dit_svc.denoise import DenoiseSpec
+from dit_svc.parallel import ParallelConfig, ParallelConfigError, build_mesh
+from dit_svc.parallel.cfg import agree_to_continue, cfg_parallel_predictions
+from dit_svc.parallel.mesh import device_type_for
+from services.stage import Cancelled
+
+
+@dataclass(frozen=True)
+class QwenTextEmbeds:
+    """One text's conditioning: embeddings [1, L, dim] and their mask [1, L], None when every position is real."""
+
+    embeds: torch.Tensor
+    mask: torch.Tensor | None
+
+    @classmethod
+    def from_wire(cls, embeds: torch.Tensor, mask: torch.Tensor | None) -> QwenTextEmbeds:
+        """Drops trailing padding and, as QwenImagePipeline.encode_prompt does, a mask that is all ones.
+
+        The text encoder pads each text to the longest one of its request; the pipeline encodes each
+        text alone, unpadded, so the transformer must see the unpadded sequence to match it.
+        """
+        if mask is None:
+            return cls(embeds, None)
+        mask = mask.to(torch.long)
+        positions = mask[0].nonzero()
+        if positions.numel() == 0:
+            raise ValueError("the embeddings' mask marks no token")
+        length = int(positions.max()) + 1
+        embeds, mask = embeds[:, :length], mask[:, :length]
+        return cls(embeds, None if bool(mask.all()) else mask)
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> QwenTextEmbeds:
+        mask = self.mask.to(device) if self.mask is not None else None
+        return QwenTextEmbeds(self.embeds.to(device, dtype), mask)
+
+
+# Layouts the Qwen-Image DiT runs; the others are refused at startup, before anything loads.
+SUPPORTED_PARALLEL = "--cfg-parallel-size 2"
+
+
+def check_qwen_parallel(config: ParallelConfig) -> None:
+    """Refuses parallel methods this family does not run yet, naming what it does run.
+
+    CFG-parallel needs nothing from the model. Sequence parallelism would have to execute
+    QwenImageTransformer2DModel's own `_cp_plan` (joint text + image attention, split text and RoPE
+    tables) with our attention, and tensor parallelism and HSDP its `_tp_plan` and block layout; the
+    Wan implementations in dit_svc/parallel/ take only WanTransformer3DModel.
+    """
+    refused = [
+        flag
+        for flag, used in (
+            ("--ulysses-degree", config.ulysses_degree > 1),
+            ("--ring-degree", config.ring_degree > 1),
+            ("--tensor-parallel-size", config.tp_degree > 1),
+            ("--use-hsdp", config.use_hsdp),
+        )
+        if used
+    ]
+    if refused:
+        raise ParallelConfigError(
+            f"the qwen-image family does not support {', '.join(refused)} yet; it runs {SUPPORTED_PARALLEL} "
+            "(sequence, tensor and HSDP parallelism are implemented for the Wan families only)"
+        )
+
+
+class QwenImageDenoiser:
+    """The denoising loop on one rank; with CFG-parallel, both ranks run it in step, one branch each."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        parallel: ParallelConfig | None = None,
+    ) -> None:
+        model_dir = Path(model_dir)
+        self.device = device
+        self.transformer = QwenImageTransformer2DModel.from_pretrained(model_dir / "transformer", torch_dtype=dtype)
+        self.transformer.to(device).eval()
+        self.scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model_dir / "scheduler")
+        vae_config = json.loads((model_dir / "vae" / "config.json").read_text())
+        # QwenImagePipeline: 2 ** len(temperal_downsample), and 2x2 packing on top.
+        self.vae_scale_factor = 2 ** len(vae_config.get("temperal_downsample", [False, True, True]))
+        self.parallel = parallel if parallel is not None and parallel.total_ranks > 1 else None
+        self.cfg_group = None
+        if self.parallel is not None:
+            check_qwen_parallel(self.parallel)
+            mesh = build_mesh(self.parallel, device_type_for(device))
+            if self.parallel.cfg_degree > 1:
+                self.cfg_group = mesh["cfg"].get_group()
+
+    @property
+    def text_dim(self) -> int:
+        return self.transformer.config.joint_attention_dim
+
+    @property
+    def latent_channels(self) -> int:
+        return self.transformer.config.in_channels // 4
+
+    def latent_size(self, spec: DenoiseSpec) -> tuple[int, int]:
+        """Latent rows and columns, as QwenImagePipeline.prepare_latents computes them."""
+        return 2 * (spec.height // (self.vae_scale_factor * 2)), 2 * (spec.width // (self.vae_scale_factor * 2))
+
+    def initial_noise(self, spec: DenoiseSpec, dtype: torch.dtype) -> torch.Tensor:
+        """The seed's packed noise [1, h/2 * w/2, 4C], drawn as QwenImagePipeline draws it with
+        generator=torch.Generator('cpu').manual_seed(seed)."""
+        height, width = self.latent_size(spec)
+        generator = torch.Generator("cpu").manual_seed(spec.seed)
+        shape = (1, 1, self.latent_channels, height, width)
+        latents = randn_tensor(shape, generator=generator, device=self.device, dtype=dtype)
+        return QwenImagePipeline._pack_latents(latents, 1, self.latent_channels, height, width)
+
+    def _predict(
+        self, latents: torch.Tensor, timestep: torch.Tensor, img_shapes: list, text: QwenTextEmbeds
+    ) -> torch.Tensor:
+        return self.transformer(
+            hidden_states=latents,
+            timestep=timestep / 1000,
+            guidance=None,
+            encoder_hidden_states_mask=text.mask,
+            encoder_hidden_states=text.embeds,
+            img_shapes=img_shapes,
+            attention_kwargs={},
+            return_dict=False,
+        )[0]
+
+    @torch.no_grad()
+    def denoise(
+        self,
+        spec: DenoiseSpec,
+        prompt_embeds: QwenTextEmbeds,
+        negative_prompt_embeds: QwenTextEmbeds | None,
+        on_step: Callable[[int, int], None],
+        cancelled: Callable[[], bool],
+    ) -> torch.Tensor:
+        """Runs every step and returns the latents unpacked to [1, C, 1, h, w]; on_step(step, total) after each."""
+        dtype = self.transformer.dtype
+        prompt = prompt_embeds.to(self.device, dtype)
+        do_true_cfg = spec.do_classifier_free_guidance
+        negative = None
+        if do_true_cfg:
+            if negative_prompt_embeds is None:
+                raise ValueError("negative_prompt_embeds are required when guidance_scale (true_cfg_scale) > 1")
+            negative = negative_prompt_embeds.to(self.device, dtype)
+
+        latents = self.initial_noise(spec, dtype)
+        img_shapes = [[(1, spec.height // self.vae_scale_factor // 2, spec.width // self.vae_scale_factor // 2)]]
+
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+        steps = spec.num_inference_steps
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        mu = calculate_shift(
+            latents.shape[1],
+            scheduler.config.get("base_image_seq_len", 256),
+            scheduler.config.get("max_image_seq_len", 4096),
+            scheduler.config.get("base_shift", 0.5),
+            scheduler.config.get("max_shift", 1.15),
+        )
+        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+
+        for i, t in enumerate(timesteps):
+            keep_going = not cancelled()
+            if self.parallel is not None:
+                keep_going = agree_to_continue(keep_going, self.device)
+            if not keep_going:
+                raise Cancelled()
+            timestep = t.expand(latents.shape[0]).to(latents.dtype)
+            predict = partial(self._predict, latents, timestep, img_shapes)
+            if not do_true_cfg:
+                with self.transformer.cache_context("cond"):
+                    noise_pred = predict(prompt)
+            else:
+                if self.cfg_group is not None:
+                    noise_pred, neg_noise_pred = cfg_parallel_predictions(predict, prompt, negative, self.cfg_group)
+                else:
+                    with self.transformer.cache_context("cond"):
+                        noise_pred = predict(prompt)
+                    with self.transformer.cache_context("uncond"):
+                        neg_noise_pred = predict(negative)
+                comb_pred = neg_noise_pred + spec.guidance_scale * (noise_pred - neg_noise_pred)
+                cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
+                noise_norm = torch.norm(comb_pred, dim=-1, keepdim=True)
+                noise_pred = comb_pred * (cond_norm / noise_norm)
+            latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+            on_step(i + 1, len(timesteps))
+        return QwenImagePipeline._unpack_latents(latents, spec.height, spec.width, self.vae_scale_factor)

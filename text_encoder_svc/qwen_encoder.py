@@ -1,0 +1,91 @@
+"""Prompt encoding exactly as QwenImagePipeline.encode_prompt does it.
+
+Qwen-Image conditions on the last hidden state of Qwen2.5-VL's language model run over the prompt filled
+into a chat template; the template's first `drop_idx` tokens (the system message) are dropped. Unlike
+Wan's UMT5 embeddings, which are zero-padded to a fixed 512 tokens, these have the prompt's own length,
+and the DiT must know which positions are real: the result is the embeddings zero-padded to the longest
+text plus their attention mask (1 for a token, 0 for padding), the pipeline's `prompt_embeds_mask`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+from text_encoder_svc.encoder import EmbeddingCache
+
+# QwenImagePipeline's prompt template and prompt_template_encode_start_idx.
+PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+DROP_IDX = 34
+# QwenImagePipeline.tokenizer_max_length: the prompt is truncated to this many tokens after the template.
+TOKENIZER_MAX_LENGTH = 1024
+
+
+class QwenPromptEncoder:
+    """Qwen2.5-VL prompt encoder with QwenImagePipeline's template, drop_idx and truncation."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        model_id: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        cache_size: int = 1024,
+    ) -> None:
+        model_dir = Path(model_dir)
+        self.model_id = model_id
+        self.device = device
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
+        self.text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir / "text_encoder", dtype=dtype)
+        self.text_encoder.to(device).eval()
+        self.cache = EmbeddingCache(cache_size)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_encoder.config.text_config.hidden_size
+
+    @torch.no_grad()
+    def encode_one(self, text: str, max_sequence_length: int) -> tuple[torch.Tensor, bool]:
+        """Returns the [L, dim] embedding of one text (L <= max_sequence_length) and whether it was cached.
+
+        One text per batch, as QwenImagePipeline encodes prompt and negative prompt in separate calls:
+        with a batch of one there is no padding, so the numbers match the pipeline's exactly.
+        """
+        key = (self.model_id, text, max_sequence_length)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached, True
+        tokens = self.tokenizer(
+            [PROMPT_TEMPLATE.format(text)],
+            max_length=TOKENIZER_MAX_LENGTH + DROP_IDX,
+            padding=True,
+            truncation=True,
+            return_tensors="pt",
+        ).to(self.device)
+        output = self.text_encoder(
+            input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, output_hidden_states=True
+        )
+        hidden = output.hidden_states[-1][0]
+        # _extract_masked_hidden for a batch of one: keep the attended positions, then drop the template.
+        hidden = hidden[tokens.attention_mask[0].bool()][DROP_IDX:]
+        embedding = hidden[:max_sequence_length].to(self.text_encoder.dtype).cpu()
+        self.cache.put(key, embedding)
+        return embedding, False
+
+    def encode(self, texts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Returns embeddings [N, L, dim] zero-padded to the longest text, their mask [N, L] (int64, 1 = token)
+        and whether every text came from the cache."""
+        results = [self.encode_one(text, max_sequence_length) for text in texts]
+        longest = max(embedding.shape[0] for embedding, _ in results)
+        embeds = torch.zeros(len(texts), longest, self.hidden_size, dtype=results[0][0].dtype)
+        mask = torch.zeros(len(texts), longest, dtype=torch.long)
+        for i, (embedding, _) in enumerate(results):
+            embeds[i, : embedding.shape[0]] = embedding
+            mask[i, : embedding.shape[0]] = 1
+        return embeds, mask, all(hit for _, hit in results)

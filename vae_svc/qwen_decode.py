@@ -1,0 +1,53 @@
+"""Qwen-Image VAE decode: the one latent frame of an image in, its frame out.
+
+The DiT sends the latents unpacked to [1, C, 1, h, w], the same per-frame layout as Wan's, so the
+stream and its checks are shared. Decoding is QwenImagePipeline's: latents cast to the VAE's dtype,
+denormalised with the VAE config's latents_mean / latents_std (dividing by 1/std, as the pipeline
+does, for identical rounding), `AutoencoderKLQwenImage.decode` (which clamps to [-1, 1]), then mapped
+to [0, 1] as its image processor does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKLQwenImage
+
+from vae_svc.decode import to_uint8_frames
+
+
+class QwenImageDecoder:
+    def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> None:
+        self.device = device
+        self.vae = AutoencoderKLQwenImage.from_pretrained(Path(model_dir) / "vae", torch_dtype=dtype)
+        self.vae.to(device).eval()
+        config = self.vae.config
+        self.latent_channels = config.z_dim
+        self.latents_mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1)
+        self.latents_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1)
+
+    def session(self) -> QwenDecodeSession:
+        return QwenDecodeSession(self)
+
+
+class QwenDecodeSession:
+    """One request's decode; an image has a single latent frame, so nothing carries between calls."""
+
+    def __init__(self, decoder: QwenImageDecoder) -> None:
+        self.decoder = decoder
+        self.frames_decoded = 0
+
+    @torch.no_grad()
+    def decode_next(self, latent_frame: torch.Tensor) -> torch.Tensor:
+        """Decodes latent frame [1, C, 1, h, w] (normalised) to uint8 frames [1, H, W, 3]."""
+        owner = self.decoder
+        vae = owner.vae
+        latents = latent_frame.to(owner.device, vae.dtype)
+        mean = owner.latents_mean.to(latents.device, latents.dtype)
+        std = owner.latents_std.to(latents.device, latents.dtype)
+        latents = latents / std + mean
+        image = vae.decode(latents, return_dict=False)[0]  # [1, 3, 1, H, W] in [-1, 1]
+        frames = to_uint8_frames(image)
+        self.frames_decoded += frames.shape[0]
+        return frames
