@@ -19,6 +19,7 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.utils.torch_utils import randn_tensor
 
+from dit_svc.model_options import ModelOptions, apply_model_options
 from dit_svc.parallel import ParallelConfig, build_mesh, parallelize_transformer
 from dit_svc.parallel.cfg import agree_to_continue, cfg_parallel_predictions
 from dit_svc.parallel.mesh import device_type_for
@@ -50,6 +51,7 @@ class WanDenoiser:
         device: torch.device,
         dtype: torch.dtype,
         parallel: ParallelConfig | None = None,
+        options: ModelOptions | None = None,
     ) -> None:
         model_dir = Path(model_dir)
         index = json.loads((model_dir / "model_index.json").read_text())
@@ -62,6 +64,8 @@ class WanDenoiser:
             self.transformer_2 = WanTransformer3DModel.from_pretrained(model_dir / "transformer_2", torch_dtype=dtype)
             self.transformer_2.to(device).eval()
         self.boundary_ratio: float | None = index.get("boundary_ratio")
+        if options is not None:
+            apply_model_options(self.experts, options, device)
         scheduler_class = getattr(diffusers, index["scheduler"][1])
         self.scheduler_config = scheduler_class.load_config(model_dir / "scheduler")
         self.scheduler_class = scheduler_class

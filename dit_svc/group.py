@@ -1,6 +1,6 @@
 """The DiT stage as a process group (see services/rank_group.py for how the group runs).
 
-Every rank holds the family's denoiser (dit_svc/families.py) with the same parallel layout; for each request
+Every rank holds the family's denoiser (dit_svc/denoisers.py) with the same parallel layout; for each request
 rank 0 hands the embeddings to the followers and all ranks run the denoising
 loop in step. At the start of each step rank 0 tells the group whether to go on
 (dit_svc/parallel/cfg.py), so a cancelled request stops every rank within a step.
@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from dit_svc.denoise import DenoiseSpec
-from dit_svc.families import Denoiser, make_denoiser
+from dit_svc.denoisers import Denoiser, make_denoiser
+from dit_svc.model_options import ModelOptions
 from dit_svc.parallel import ParallelConfig
 from services.rank_group import GroupSettings, RankGroup, free_port
 
@@ -25,6 +26,7 @@ class DitPayload:
     model_dir: str
     dtype: torch.dtype
     config: ParallelConfig
+    options: ModelOptions
 
 
 class DitWorker:
@@ -39,17 +41,25 @@ class DitWorker:
 
 
 def make_dit_worker(rank: int, device: torch.device, payload: DitPayload) -> DitWorker:
-    return DitWorker(make_denoiser(payload.model_dir, device, payload.dtype, parallel=payload.config))
+    return DitWorker(
+        make_denoiser(payload.model_dir, device, payload.dtype, parallel=payload.config, options=payload.options)
+    )
 
 
 class DenoiserGroup:
     """Rank 0's denoiser: same interface as the family's denoiser, with every rank of the group in step."""
 
     def __init__(
-        self, model_dir: str | Path, device: torch.device, dtype: torch.dtype, threads: int, config: ParallelConfig
+        self,
+        model_dir: str | Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        threads: int,
+        config: ParallelConfig,
+        options: ModelOptions,
     ) -> None:
         settings = GroupSettings("dit", config.total_ranks, device.type, threads, free_port())
-        self.group = RankGroup(settings, make_dit_worker, DitPayload(str(model_dir), dtype, config))
+        self.group = RankGroup(settings, make_dit_worker, DitPayload(str(model_dir), dtype, config, options))
         self.denoiser: Denoiser = self.group.worker.denoiser
 
     @property

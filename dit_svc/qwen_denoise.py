@@ -26,6 +26,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, re
 from diffusers.utils.torch_utils import randn_tensor
 
 from dit_svc.denoise import DenoiseSpec
+from dit_svc.model_options import ModelOptions, apply_model_options
 from dit_svc.parallel import ParallelConfig, ParallelConfigError, build_mesh
 from dit_svc.parallel.cfg import agree_to_continue, cfg_parallel_predictions
 from dit_svc.parallel.mesh import device_type_for
@@ -99,11 +100,14 @@ class QwenImageDenoiser:
         device: torch.device,
         dtype: torch.dtype,
         parallel: ParallelConfig | None = None,
+        options: ModelOptions | None = None,
     ) -> None:
         model_dir = Path(model_dir)
         self.device = device
         self.transformer = QwenImageTransformer2DModel.from_pretrained(model_dir / "transformer", torch_dtype=dtype)
         self.transformer.to(device).eval()
+        if options is not None:
+            apply_model_options([self.transformer], options, device)
         self.scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model_dir / "scheduler")
         vae_config = json.loads((model_dir / "vae" / "config.json").read_text())
         # QwenImagePipeline: 2 ** len(temperal_downsample), and 2x2 packing on top.

@@ -1,6 +1,6 @@
 """gRPC servicer of the denoising stage.
 
-The checkpoint's family picks the denoiser (dit_svc/families.py). Wan takes "prompt_embeds" and, with
+The checkpoint's family picks the denoiser (dit_svc/denoisers.py). Wan takes "prompt_embeds" and, with
 CFG, "negative_prompt_embeds", each [1, L, dim]. Qwen-Image takes the same plus, optionally, a mask for
 each ("prompt_embeds_mask", "negative_prompt_embeds_mask": [1, L], 1 for a token, 0 for padding), as
 the text encoder sends them; its `guidance_scale` is QwenImagePipeline's `true_cfg_scale`.
@@ -14,16 +14,20 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import diffusers
 import grpc
 import torch
 
 from dit_svc.denoise import DenoiseSpec
-from dit_svc.families import Denoiser, make_denoiser
+from dit_svc.denoisers import Denoiser, make_denoiser
 from dit_svc.group import DenoiserGroup
+from dit_svc.model_options import ModelOptions
 from dit_svc.parallel import ParallelConfig, ParallelConfigError
 from dit_svc.parallel.hsdp import local_parameter_bytes
+from dit_svc.quantization import linear_layer_names, parse_ignored_layers, validate_quantization_flags
 from dit_svc.qwen_denoise import QwenTextEmbeds, check_qwen_parallel
 from services.checkpoint import CheckpointError, read_checkpoint
+from services.offload import validate_offload_flags
 from services.rank_group import GroupFailure
 from services.stage import RequestError, StageRuntime, abort_for
 from services.stage_main import StageServicer, add_stage_arguments, run_stage
@@ -44,6 +48,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         self.runtime = runtime
         self.threads = args.threads
         self.parallel = parallel_config_from(args)
+        self.options = model_options_from(args) if Path(args.model, "model_index.json").is_file() else ModelOptions()
         self.denoiser: Denoiser | DenoiserGroup | None = None
         self.takes_masks = runtime.spec.family == "qwen-image"
         if self.parallel.total_ranks > 1:
@@ -55,17 +60,25 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
     def load(self) -> None:
         runtime = self.runtime
         if self.parallel.total_ranks == 1:
-            self.denoiser = make_denoiser(runtime.spec.path, runtime.device, runtime.dtype)
+            self.denoiser = make_denoiser(runtime.spec.path, runtime.device, runtime.dtype, options=self.options)
         else:
-            self.denoiser = DenoiserGroup(runtime.spec.path, runtime.device, runtime.dtype, self.threads, self.parallel)
+            self.denoiser = DenoiserGroup(
+                runtime.spec.path, runtime.device, runtime.dtype, self.threads, self.parallel, self.options
+            )
             runtime.parallel_config = {
                 **self.parallel.describe(),
                 "devices": ", ".join(f"{runtime.device.type}:{rank}" for rank in range(self.parallel.total_ranks))
                 if runtime.device.type == "cuda"
                 else f"cpu x {self.parallel.total_ranks} processes",
             }
-        # With TP or HSDP a rank holds a shard: report what rank 0 holds.
-        runtime.parameter_bytes = {"transformer": local_parameter_bytes(self.denoiser.transformer)}
+        runtime.parallel_config = {**runtime.parallel_config, **self.options.describe()}
+        # With TP or HSDP a rank holds a shard: report what rank 0 holds (quantized weights at their stored size).
+        local = self.denoiser.denoiser if isinstance(self.denoiser, DenoiserGroup) else self.denoiser
+        experts = getattr(local, "experts", [local.transformer])
+        names = ("transformer", "transformer_2")[: len(experts)]
+        runtime.parameter_bytes = {
+            name: local_parameter_bytes(expert) for name, expert in zip(names, experts, strict=True)
+        }
 
     def failure(self) -> str | None:
         return self.denoiser.failure() if isinstance(self.denoiser, DenoiserGroup) else None
@@ -234,9 +247,11 @@ def check_parallel_layout(args: argparse.Namespace) -> None:
     """Refuses an impossible layout, or one the checkpoint's family does not run, before anything loads."""
     config = parallel_config_from(args)
     transformer_config = json.loads((Path(args.model) / "transformer" / "config.json").read_text())
-    devices = torch.cuda.device_count() if args.device.startswith("cuda") or (
-        args.device == "auto" and torch.cuda.is_available()
-    ) else None
+    devices = (
+        torch.cuda.device_count()
+        if args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+        else None
+    )
     try:
         family = read_checkpoint(args.model).family
     except CheckpointError:
@@ -249,10 +264,58 @@ def check_parallel_layout(args: argparse.Namespace) -> None:
         raise SystemExit(f"stagediff serve dit: {error}") from None
 
 
+def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("memory", "quantization and CPU offload of the transformer(s)")
+    group.add_argument("--quantization", choices=["fp8", "int8"], default=None, help="weight-only, per output channel")
+    group.add_argument(
+        "--ignored-layers", default="", help="comma-separated linear layer names or patterns kept in full precision"
+    )
+    group.add_argument("--enable-cpu-offload", action="store_true", help="experts wait in CPU memory when not in use")
+    group.add_argument(
+        "--enable-layerwise-offload", action="store_true", help="blocks stream to the device one group at a time"
+    )
+    group.add_argument("--offload-blocks", type=int, default=1, help="blocks resident at once with layerwise offload")
+
+
+def model_options_from(args: argparse.Namespace) -> ModelOptions:
+    """The memory options, refusing combinations that cannot work (a SystemExit naming the valid choices)."""
+    try:
+        offload = validate_offload_flags(
+            args.enable_cpu_offload,
+            args.enable_layerwise_offload,
+            args.offload_blocks,
+            tensor_parallel_size=args.tensor_parallel_size,
+            use_hsdp=args.use_hsdp,
+        )
+        ignored = tuple(parse_ignored_layers(args.ignored_layers))
+        if ignored and not args.quantization:
+            raise ValueError("--ignored-layers needs --quantization {fp8,int8}")
+        if args.quantization and (args.tensor_parallel_size > 1 or args.use_hsdp):
+            raise ValueError(
+                f"--quantization {args.quantization} cannot be combined with --tensor-parallel-size or --use-hsdp: "
+                "both shard the weights that quantization replaces; use sequence or CFG parallelism instead"
+            )
+        if args.quantization:
+            names = linear_layer_names(_meta_transformer(args.model))
+            validate_quantization_flags(args.quantization, ignored, names)
+    except ValueError as error:
+        raise SystemExit(f"stagediff serve dit: {error}") from None
+    return ModelOptions(args.quantization, ignored, offload, args.offload_blocks)
+
+
+def _meta_transformer(model: str) -> torch.nn.Module:
+    """The transformer's module tree without its weights, to check layer names before loading."""
+    index = json.loads((Path(model) / "model_index.json").read_text())
+    model_class = getattr(diffusers, index["transformer"][1])
+    with torch.device("meta"):
+        return model_class.from_config(model_class.load_config(Path(model) / "transformer"))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="stagediff serve dit", description=__doc__)
     add_stage_arguments(parser, default_port=50062)
     add_parallel_arguments(parser)
+    add_memory_arguments(parser)
     args = parser.parse_args(argv)
     if Path(args.model, "transformer", "config.json").is_file():
         check_parallel_layout(args)

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from dit_svc.denoise import WanDenoiser
+from dit_svc.model_options import ModelOptions
 from dit_svc.parallel import ParallelConfig
 from dit_svc.qwen_denoise import QwenImageDenoiser
 from services.checkpoint import read_checkpoint
@@ -15,9 +16,13 @@ Denoiser = WanDenoiser | QwenImageDenoiser
 
 
 def make_denoiser(
-    model_dir: str | Path, device: torch.device, dtype: torch.dtype, parallel: ParallelConfig | None = None
+    model_dir: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    parallel: ParallelConfig | None = None,
+    options: ModelOptions | None = None,
 ) -> Denoiser:
     """The family's denoiser: QwenImageDenoiser for qwen-image, WanDenoiser for the Wan families."""
     if read_checkpoint(model_dir).family == "qwen-image":
-        return QwenImageDenoiser(model_dir, device, dtype, parallel=parallel)
-    return WanDenoiser(model_dir, device, dtype, parallel=parallel)
+        return QwenImageDenoiser(model_dir, device, dtype, parallel=parallel, options=options)
+    return WanDenoiser(model_dir, device, dtype, parallel=parallel, options=options)

@@ -1,0 +1,54 @@
+"""Memory options of the DiT's transformers: weight-only quantization, then CPU offload.
+
+Every rank of a DiT group applies the same options to its experts right after
+loading them and before any parallel layout: quantization must see the weights
+on the device, and offload moves whatever quantization left.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dit_svc.quantization import QuantizationReport, quantize_transformer
+from services.offload import ModuleOffloader, apply_offload
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    quantization: str | None = None  # "fp8" or "int8"
+    ignored_layers: tuple[str, ...] = ()
+    offload: str | None = None  # "module" or "layerwise"
+    offload_blocks: int = 1
+
+    def describe(self) -> dict[str, str]:
+        """What GetClusterInfo reports of these options."""
+        described = {}
+        if self.quantization:
+            described["quantization"] = self.quantization
+            if self.ignored_layers:
+                described["ignored_layers"] = ",".join(self.ignored_layers)
+        if self.offload:
+            described["offload"] = self.offload
+            if self.offload == "layerwise":
+                described["offload_blocks"] = str(self.offload_blocks)
+        return described
+
+
+def apply_model_options(experts: list[nn.Module], options: ModelOptions, device: torch.device) -> None:
+    """Quantizes then offloads each expert in place; with module-wise offload one expert is resident at a time."""
+    if options.quantization:
+        for expert in experts:
+            report: QuantizationReport = quantize_transformer(
+                expert, options.quantization, list(options.ignored_layers)
+            )
+            logger.info("%s", report.summary())
+    if options.offload:
+        offloader = ModuleOffloader(device) if options.offload == "module" else None
+        for expert in experts:
+            apply_offload(expert, options.offload, device, blocks_per_group=options.offload_blocks, offloader=offloader)

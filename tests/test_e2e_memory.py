@@ -1,0 +1,72 @@
+"""End to end with the DiT's memory options: offload leaves frames unchanged, quantization stays close."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from stagediff import Client
+from stagediff.local_cluster import LocalCluster
+from tests.conftest import THREADS_PER_STAGE, reference_frames
+
+pytestmark = pytest.mark.e2e
+
+CASE = dict(prompt="a lighthouse at dusk", negative_prompt="blurry", height=48, width=80, num_frames=5, steps=2,
+            guidance=5.0, seed=21)
+
+
+def _generate(cluster: LocalCluster) -> tuple[np.ndarray, dict]:
+    with Client(cluster.endpoint) as client:
+        frames = client.generate(
+            CASE["prompt"], negative_prompt=CASE["negative_prompt"], height=CASE["height"], width=CASE["width"],
+            num_frames=CASE["num_frames"], num_inference_steps=CASE["steps"], guidance_scale=CASE["guidance"],
+            seed=CASE["seed"],
+        ).frames
+        dit = next(s for s in client.cluster_info().stages if s.info.stage == "dit")
+    return frames, dit
+
+
+@pytest.mark.parametrize("flags", [["--enable-cpu-offload"], ["--enable-layerwise-offload", "--offload-blocks", "1"]])
+def test_offload_leaves_frames_equal_to_wan_pipeline(tiny_model, reference_pipeline, tmp_path, flags) -> None:
+    with LocalCluster(tiny_model, threads_per_stage=THREADS_PER_STAGE, log_dir=tmp_path,
+                      extra_args={"dit": flags}) as cluster:
+        frames, dit = _generate(cluster)
+    expected = reference_frames(reference_pipeline, **CASE)
+    assert np.abs(frames.astype(np.int16) - expected.astype(np.int16)).max() <= 1
+    assert dit.info.parallel_config["offload"] in ("module", "layerwise")
+
+
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+def test_quantized_dit_serves_close_frames_and_halves_weights(tiny_model, reference_pipeline, tmp_path, method):
+    with LocalCluster(tiny_model, threads_per_stage=THREADS_PER_STAGE, log_dir=tmp_path,
+                      extra_args={"dit": ["--quantization", method, "--ignored-layers", "proj_out"]}) as cluster:
+        frames, dit = _generate(cluster)
+    expected = reference_frames(reference_pipeline, **CASE).astype(np.float64)
+    mse = np.mean((frames.astype(np.float64) - expected) ** 2)
+    psnr = 10 * np.log10(255.0**2 / max(mse, 1e-12))
+    assert psnr >= 30, f"{method}: PSNR {psnr:.1f} dB against the unquantized pipeline"
+    assert dit.info.parallel_config["quantization"] == method
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--quantization", "fp4"], ["invalid choice", "fp8", "int8"]),
+        (["--quantization", "int8", "--ignored-layers", "no.such.layer"], ["no.such.layer", "matches no linear"]),
+        (["--ignored-layers", "proj_out"], ["--ignored-layers needs --quantization"]),
+        (["--enable-cpu-offload", "--enable-layerwise-offload"], ["cannot be combined", "choose one"]),
+        (["--enable-cpu-offload", "--tensor-parallel-size", "2"], ["cannot be combined", "--tensor-parallel-size"]),
+        (["--quantization", "fp8", "--use-hsdp"], ["cannot be combined", "--use-hsdp"]),
+    ],
+)
+def test_bad_memory_flags_are_refused_at_startup(tiny_model, flags, words) -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "stagediff.cli", "serve", "dit", "--model", str(tiny_model), "--port", "0", *flags],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert completed.returncode != 0
+    for word in words:
+        assert word in completed.stderr, completed.stderr
