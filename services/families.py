@@ -58,21 +58,54 @@ class Family:
 
 
 _WAN_TESTS = {
-    "ulysses": ("tests/test_dit_parallel.py::test_parallel_latents_equal_one_rank",
-                "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline"),
-    "ring": ("tests/test_dit_parallel.py::test_parallel_latents_equal_one_rank",
-             "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline"),
-    "cfg_parallel": ("tests/test_dit_parallel.py::test_parallel_latents_equal_one_rank",
-                     "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline"),
-    "tensor_parallel": ("tests/test_tensor_parallel_hsdp.py::test_tensor_parallel_2_matches_single_rank",
-                        "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline"),
-    "hsdp": ("tests/test_tensor_parallel_hsdp.py::test_hsdp_shard_2_matches_single_rank_and_halves_parameters",
-             "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline"),
-    "vae_patch_parallel": ("tests/test_vae_patch_parallel.py::test_patch_parallel_equals_untiled_decode",
-                           "tests/test_e2e_vae_interp.py::test_patch_parallel_vae_frames_equal_wan_pipeline"),
-    "interpolation": ("tests/test_e2e_parity.py::test_interpolation_keeps_originals_in_place",
-                      "tests/test_e2e_vae_interp.py::test_learned_interpolator_through_the_cluster"),
+    "ulysses": (
+        "tests/test_dit_parallel.py::test_parallel_latents_equal_one_rank",
+        "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline",
+    ),
+    "ring": (
+        "tests/test_dit_parallel.py::test_parallel_latents_equal_one_rank",
+        "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline",
+    ),
+    "cfg_parallel": (
+        "tests/test_dit_parallel.py::test_parallel_latents_equal_one_rank",
+        "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline",
+    ),
+    "tensor_parallel": (
+        "tests/test_tensor_parallel_hsdp.py::test_tensor_parallel_2_matches_single_rank",
+        "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline",
+    ),
+    "hsdp": (
+        "tests/test_tensor_parallel_hsdp.py::test_hsdp_shard_2_matches_single_rank_and_halves_parameters",
+        "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline",
+    ),
+    "vae_patch_parallel": (
+        "tests/test_vae_patch_parallel.py::test_patch_parallel_equals_untiled_decode",
+        "tests/test_e2e_vae_interp.py::test_patch_parallel_vae_frames_equal_wan_pipeline",
+    ),
+    "interpolation": (
+        "tests/test_e2e_parity.py::test_interpolation_keeps_originals_in_place",
+        "tests/test_e2e_vae_interp.py::test_learned_interpolator_through_the_cluster",
+    ),
+    "cpu_offload": (
+        "tests/test_offload.py::test_transformer_output_unchanged",
+        "tests/test_e2e_memory.py::test_offload_leaves_frames_equal_to_wan_pipeline",
+    ),
+    "layerwise_offload": (
+        "tests/test_offload.py::test_layerwise_keeps_at_most_n_blocks_resident",
+        "tests/test_e2e_memory.py::test_offload_leaves_frames_equal_to_wan_pipeline",
+    ),
+    "fp8": (
+        "tests/test_quantization.py::test_parameter_bytes_at_most_55_percent_of_bf16",
+        "tests/test_e2e_memory.py::test_quantized_dit_serves_close_frames_and_halves_weights",
+    ),
+    "int8": (
+        "tests/test_quantization.py::test_parameter_bytes_at_most_55_percent_of_bf16",
+        "tests/test_e2e_memory.py::test_quantized_dit_serves_close_frames_and_halves_weights",
+    ),
 }
+_A14B = "tests/test_families.py::test_a14b_parallel_dit_equals_wan_pipeline"
+_NOT_TESTED = "runs through the same code as wan-t2v but has no test with this family yet"
+_QWEN_SP = "the QwenImage transformer's joint text+image attention has no sequence-parallel processor yet"
 
 FAMILIES: dict[str, Family] = {
     family.name: family
@@ -82,6 +115,49 @@ FAMILIES: dict[str, Family] = {
             pipeline="WanPipeline",
             description="Wan2.1 text-to-video (UMT5 text encoder, WanTransformer3DModel, AutoencoderKLWan)",
             features={name: Support(tests=tests) for name, tests in _WAN_TESTS.items()},
+        ),
+        Family(
+            name="wan2.2-a14b",
+            pipeline="WanPipeline (transformer_2, boundary_ratio)",
+            description="Wan2.2 A14B text-to-video: two expert transformers switched at a boundary timestep",
+            features={
+                "ulysses": Support(tests=(_A14B,)),
+                "cfg_parallel": Support(tests=(_A14B,)),
+                "cpu_offload": Support(tests=("tests/test_offload.py::test_module_offload_keeps_one_expert_resident",)),
+                **{
+                    name: Support(reason=_NOT_TESTED)
+                    for name in (
+                        "ring",
+                        "tensor_parallel",
+                        "hsdp",
+                        "vae_patch_parallel",
+                        "layerwise_offload",
+                        "fp8",
+                        "int8",
+                        "interpolation",
+                    )
+                },
+            },
+        ),
+        Family(
+            name="qwen-image",
+            pipeline="QwenImagePipeline",
+            description="Qwen-Image text-to-image with true CFG (Qwen2.5-VL text encoder, QwenImageTransformer2DModel)",
+            features={
+                "cfg_parallel": Support(tests=("tests/test_families.py::test_qwen_cfg_parallel_equals_pipeline",)),
+                "ulysses": Support(reason=_QWEN_SP + "; refused at startup"),
+                "ring": Support(reason=_QWEN_SP + "; refused at startup"),
+                "tensor_parallel": Support(
+                    reason="no tensor-parallel plan for QwenImage blocks yet; refused at startup"
+                ),
+                "hsdp": Support(reason="not wired for QwenImage blocks yet; refused at startup"),
+                "vae_patch_parallel": Support(reason="AutoencoderKLQwenImage decodes whole images; refused at startup"),
+                "interpolation": Support(reason="single images: nothing to interpolate"),
+                **{
+                    name: Support(reason=_NOT_TESTED.replace("wan-t2v", "the Wan families"))
+                    for name in ("cpu_offload", "layerwise_offload", "fp8", "int8")
+                },
+            },
         ),
     )
 }
