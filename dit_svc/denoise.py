@@ -24,6 +24,7 @@ from dit_svc.parallel import ParallelConfig, build_mesh, parallelize_transformer
 from dit_svc.parallel.cfg import agree_to_continue, cfg_parallel_predictions
 from dit_svc.parallel.mesh import device_type_for
 from services.stage import Cancelled
+from services.weights import load_pretrained
 
 
 @dataclass(frozen=True)
@@ -52,17 +53,17 @@ class WanDenoiser:
         dtype: torch.dtype,
         parallel: ParallelConfig | None = None,
         options: ModelOptions | None = None,
+        load_threads: int = 4,
     ) -> None:
         model_dir = Path(model_dir)
         index = json.loads((model_dir / "model_index.json").read_text())
         self.device = device
-        self.transformer = WanTransformer3DModel.from_pretrained(model_dir / "transformer", torch_dtype=dtype)
-        self.transformer.to(device).eval()
+        load = partial(load_pretrained, device=device, dtype=dtype, num_threads=load_threads)
+        self.transformer = load(WanTransformer3DModel, model_dir / "transformer").eval()
         # Wan2.2 A14B: a second expert takes the low-noise steps, below boundary_ratio * num_train_timesteps.
         self.transformer_2: WanTransformer3DModel | None = None
         if index.get("transformer_2", [None, None])[1] is not None and (model_dir / "transformer_2").is_dir():
-            self.transformer_2 = WanTransformer3DModel.from_pretrained(model_dir / "transformer_2", torch_dtype=dtype)
-            self.transformer_2.to(device).eval()
+            self.transformer_2 = load(WanTransformer3DModel, model_dir / "transformer_2").eval()
         self.boundary_ratio: float | None = index.get("boundary_ratio")
         if options is not None:
             apply_model_options(self.experts, options, device)

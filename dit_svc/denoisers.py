@@ -21,8 +21,9 @@ def make_denoiser(
     dtype: torch.dtype,
     parallel: ParallelConfig | None = None,
     options: ModelOptions | None = None,
+    load_threads: int = 4,
 ) -> Denoiser:
     """The family's denoiser: QwenImageDenoiser for qwen-image, WanDenoiser for the Wan families."""
     if read_checkpoint(model_dir).family == "qwen-image":
         return QwenImageDenoiser(model_dir, device, dtype, parallel=parallel, options=options)
-    return WanDenoiser(model_dir, device, dtype, parallel=parallel, options=options)
+    return WanDenoiser(model_dir, device, dtype, parallel=parallel, options=options, load_threads=load_threads)

@@ -60,7 +60,13 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
     def load(self) -> None:
         runtime = self.runtime
         if self.parallel.total_ranks == 1:
-            self.denoiser = make_denoiser(runtime.spec.path, runtime.device, runtime.dtype, options=self.options)
+            self.denoiser = make_denoiser(
+                runtime.spec.path,
+                runtime.device,
+                runtime.dtype,
+                options=self.options,
+                load_threads=runtime.load_threads,
+            )
         else:
             self.denoiser = DenoiserGroup(
                 runtime.spec.path, runtime.device, runtime.dtype, self.threads, self.parallel, self.options

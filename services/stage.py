@@ -79,6 +79,8 @@ class StageRuntime:
         self.parallel_config: dict[str, str] = {}
         # Raised by a stage that cannot take the smallest sizes (a patch-parallel VAE needs rows for every rank).
         self.min_height = 0
+        # Threads that read safetensors shards while the stage loads (services/weights.py).
+        self.load_threads = 4
 
     def info(self) -> stages_pb2.StageInfo:
         limits = self.spec.limits()

@@ -27,6 +27,12 @@ def add_stage_arguments(parser: argparse.ArgumentParser, default_port: int) -> N
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--num-weight-load-threads", type=int, default=4, help="threads reading safetensors shards (default 4)"
+    )
+    parser.add_argument(
+        "--disable-multithread-weight-load", action="store_true", help="read shards one at a time, in one thread"
+    )
 
 
 class StageServicer:
@@ -66,6 +72,11 @@ def run_stage(
     except ValueError as error:  # CheckpointError included: say what is wrong, without a traceback
         raise SystemExit(f"stagediff serve {stage}: {error}") from None
     runtime = StageRuntime(stage, spec, device, dtype)
+    if args.num_weight_load_threads < 1:
+        raise SystemExit(
+            f"stagediff serve {stage}: --num-weight-load-threads {args.num_weight_load_threads}: use 1 or more"
+        )
+    runtime.load_threads = 1 if args.disable_multithread_weight_load else args.num_weight_load_threads
     servicer = make_servicer(args, runtime)
 
     def register(server: grpc.aio.Server) -> list[str]:

@@ -55,3 +55,12 @@ def test_a_missing_checkpoint_fails_at_startup_with_a_clear_error(tmp_path) -> N
     )
     assert completed.returncode != 0
     assert "does not exist" in completed.stderr and "nope" in completed.stderr
+
+
+def test_weight_load_threads_flags_are_checked(tiny_model) -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "stagediff.cli", "serve", "vae", "--model", str(tiny_model), "--port", "0",
+         "--num-weight-load-threads", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert completed.returncode != 0 and "--num-weight-load-threads 0: use 1 or more" in completed.stderr

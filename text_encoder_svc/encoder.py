@@ -16,6 +16,8 @@ import torch
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from transformers import AutoTokenizer, UMT5EncoderModel
 
+from services.weights import load_pretrained
+
 logger = logging.getLogger(__name__)
 
 
@@ -62,13 +64,15 @@ class PromptEncoder:
         device: torch.device,
         dtype: torch.dtype,
         cache_size: int = 1024,
+        load_threads: int = 4,
     ) -> None:
         model_dir = Path(model_dir)
         self.model_id = model_id
         self.device = device
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
-        self.text_encoder = UMT5EncoderModel.from_pretrained(model_dir / "text_encoder", dtype=dtype)
-        self.text_encoder.to(device).eval()
+        self.text_encoder = load_pretrained(
+            UMT5EncoderModel, model_dir / "text_encoder", device=device, dtype=dtype, num_threads=load_threads
+        ).eval()
         self.cache = EmbeddingCache(cache_size)
 
     @property

@@ -35,10 +35,20 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
 
     def load(self) -> None:
         spec = self.runtime.spec
-        encoder_class = QwenPromptEncoder if spec.family == "qwen-image" else PromptEncoder
-        self.encoder = encoder_class(
-            spec.path, spec.model_id, self.runtime.device, self.runtime.dtype, cache_size=self.args.embedding_cache_size
-        )
+        runtime = self.runtime
+        if spec.family == "qwen-image":
+            self.encoder = QwenPromptEncoder(
+                spec.path, spec.model_id, runtime.device, runtime.dtype, cache_size=self.args.embedding_cache_size
+            )
+        else:
+            self.encoder = PromptEncoder(
+                spec.path,
+                spec.model_id,
+                runtime.device,
+                runtime.dtype,
+                cache_size=self.args.embedding_cache_size,
+                load_threads=runtime.load_threads,
+            )
         self.runtime.parameter_bytes = {"text_encoder": parameter_bytes(self.encoder.text_encoder)}
 
     def _validate(self, request: stages_pb2.EncodeRequest) -> int:

@@ -19,12 +19,15 @@ import torch
 from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
 
+from services.weights import load_pretrained
+
 
 class WanStreamingDecoder:
-    def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype, load_threads: int = 4) -> None:
         self.device = device
-        self.vae = AutoencoderKLWan.from_pretrained(Path(model_dir) / "vae", torch_dtype=dtype)
-        self.vae.to(device).eval()
+        self.vae = load_pretrained(
+            AutoencoderKLWan, Path(model_dir) / "vae", device=device, dtype=dtype, num_threads=load_threads
+        ).eval()
         config = self.vae.config
         self.latent_channels = config.z_dim
         self.latents_mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1)

@@ -61,7 +61,9 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
                 "devices": devices,
             }
         else:
-            self.decoder = WanStreamingDecoder(runtime.spec.path, runtime.device, runtime.dtype)
+            self.decoder = WanStreamingDecoder(
+                runtime.spec.path, runtime.device, runtime.dtype, load_threads=runtime.load_threads
+            )
             if args.vae_use_tiling:
                 runtime.parallel_config = {
                     "tiling": "approximate: tiles decoded separately and blended",
