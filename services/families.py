@@ -102,6 +102,10 @@ _WAN_TESTS = {
         "tests/test_quantization.py::test_parameter_bytes_at_most_55_percent_of_bf16",
         "tests/test_e2e_memory.py::test_quantized_dit_serves_close_frames_and_halves_weights",
     ),
+    "multithread_loading": (
+        "tests/test_weights.py::test_matches_from_pretrained",
+        "tests/test_e2e_parity.py::test_cluster_frames_equal_wan_pipeline",
+    ),
 }
 _A14B = "tests/test_families.py::test_a14b_parallel_dit_equals_wan_pipeline"
 _NOT_TESTED = "runs through the same code as wan-t2v but has no test with this family yet"
