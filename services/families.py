@@ -128,6 +128,9 @@ FAMILIES: dict[str, Family] = {
                 "ulysses": Support(tests=(_A14B,)),
                 "cfg_parallel": Support(tests=(_A14B,)),
                 "cpu_offload": Support(tests=("tests/test_offload.py::test_module_offload_keeps_one_expert_resident",)),
+                "multithread_loading": Support(
+                    tests=("tests/test_families.py::test_a14b_cluster_equals_wan_pipeline",)
+                ),
                 **{
                     name: Support(reason=_NOT_TESTED)
                     for name in (
