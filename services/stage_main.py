@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
 import logging
@@ -35,7 +36,7 @@ def add_stage_arguments(parser: argparse.ArgumentParser, default_port: int) -> N
     )
 
 
-class StageServicer:
+class StageServicer(abc.ABC):
     """What each stage's servicer provides besides its RPCs.
 
     The servicer is added to the server at once (answering UNAVAILABLE until
@@ -44,17 +45,19 @@ class StageServicer:
 
     service_name: str
 
+    @abc.abstractmethod
     def add_to_server(self, server: grpc.aio.Server) -> None:
-        raise NotImplementedError
+        """Registers the stage's gRPC service on `server`."""
 
+    @abc.abstractmethod
     def load(self) -> None:
-        raise NotImplementedError
+        """Loads the model (blocking; runs on the compute thread)."""
 
     def failure(self) -> str | None:
         """Why the stage can no longer serve (a rank of its group died), or None."""
         return None
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: most stages start nothing to release
         """Releases what load() started (worker ranks); called once the server has drained."""
 
 

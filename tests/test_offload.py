@@ -61,8 +61,7 @@ def test_transformer_output_unchanged(tiny_model: Path, mode: str, blocks: int) 
 @pytest.mark.parametrize("mode", ["module", "layerwise"])
 def test_offload_of_a_quantized_transformer(tiny_model: Path, mode: str, backend: str) -> None:
     """Quantize first (on the device), then offload: the quantized weights move like any other."""
-    if backend == "torchao" and not torchao_available():
-        pytest.skip("torchao is not installed")
+    assert backend != "torchao" or torchao_available(), "torchao is a declared dependency; install the project"
     reference = load(tiny_model)
     quantize_transformer(reference, "int8", [], backend=backend)
     model = load(tiny_model)

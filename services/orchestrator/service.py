@@ -29,7 +29,7 @@ MAX_REQUEST_ID_CHARS = 128
 
 
 class ModelNotFound(LookupError):
-    pass
+    """The request names a model no stage serves (NOT_FOUND)."""
 
 
 class ClusterNotReady(Exception):
