@@ -27,7 +27,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from dit_svc.denoise import DenoiseSpec
 from dit_svc.model_options import ModelOptions, apply_model_options
-from dit_svc.parallel import ParallelConfig, ParallelConfigError, build_mesh
+from dit_svc.parallel import ParallelConfig, ParallelConfigError, build_mesh, parallelize_transformer
 from dit_svc.parallel.cfg import agree_to_continue, cfg_parallel_predictions
 from dit_svc.parallel.mesh import device_type_for
 from services.stage import Cancelled
@@ -63,21 +63,21 @@ class QwenTextEmbeds:
 
 
 # Layouts the Qwen-Image DiT runs; the others are refused at startup, before anything loads.
-SUPPORTED_PARALLEL = "--cfg-parallel-size 2"
+SUPPORTED_PARALLEL = "--cfg-parallel-size 2 and --ulysses-degree 2"
 
 
 def check_qwen_parallel(config: ParallelConfig) -> None:
     """Refuses parallel methods this family does not run yet, naming what it does run.
 
-    CFG-parallel needs nothing from the model. Sequence parallelism would have to execute
-    QwenImageTransformer2DModel's own `_cp_plan` (joint text + image attention, split text and RoPE
-    tables) with our attention, and tensor parallelism and HSDP its `_tp_plan` and block layout; the
-    Wan implementations in dit_svc/parallel/ take only WanTransformer3DModel.
+    CFG-parallel needs nothing from the model; Ulysses splits the image tokens and keeps the text
+    whole (dit_svc/parallel/qwen_sequence_parallel.py). Ring attention would have to merge the
+    joint text + image attention across ranks, and tensor parallelism and HSDP would need the
+    model's `_tp_plan` and block layout; the implementations in dit_svc/parallel/ for those take
+    only WanTransformer3DModel.
     """
     refused = [
         flag
         for flag, used in (
-            ("--ulysses-degree", config.ulysses_degree > 1),
             ("--ring-degree", config.ring_degree > 1),
             ("--tensor-parallel-size", config.tp_degree > 1),
             ("--use-hsdp", config.use_hsdp),
@@ -87,7 +87,7 @@ def check_qwen_parallel(config: ParallelConfig) -> None:
     if refused:
         raise ParallelConfigError(
             f"the qwen-image family does not support {', '.join(refused)} yet; it runs {SUPPORTED_PARALLEL} "
-            "(sequence, tensor and HSDP parallelism are implemented for the Wan families only)"
+            "(ring, tensor and HSDP parallelism are implemented for the Wan families only)"
         )
 
 
@@ -117,6 +117,7 @@ class QwenImageDenoiser:
         if self.parallel is not None:
             check_qwen_parallel(self.parallel)
             mesh = build_mesh(self.parallel, device_type_for(device))
+            parallelize_transformer(self.transformer, self.parallel, mesh, device)
             if self.parallel.cfg_degree > 1:
                 self.cfg_group = mesh["cfg"].get_group()
 

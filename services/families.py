@@ -109,7 +109,7 @@ _WAN_TESTS = {
 }
 _A14B = "tests/test_families.py::test_a14b_parallel_dit_equals_wan_pipeline"
 _NOT_TESTED = "runs through the same code as wan-t2v but has no test with this family yet"
-_QWEN_SP = "the QwenImage transformer's joint text+image attention has no sequence-parallel processor yet"
+_QWEN_RING = "the joint text+image attention has a Ulysses processor only (image tokens split, text whole)"
 
 FAMILIES: dict[str, Family] = {
     family.name: family
@@ -152,8 +152,13 @@ FAMILIES: dict[str, Family] = {
             description="Qwen-Image text-to-image with true CFG (Qwen2.5-VL text encoder, QwenImageTransformer2DModel)",
             features={
                 "cfg_parallel": Support(tests=("tests/test_families.py::test_qwen_cfg_parallel_equals_pipeline",)),
-                "ulysses": Support(reason=_QWEN_SP + "; refused at startup"),
-                "ring": Support(reason=_QWEN_SP + "; refused at startup"),
+                "ulysses": Support(
+                    tests=(
+                        "tests/test_families.py::test_qwen_ulysses_equals_pipeline",
+                        "tests/test_families.py::test_qwen_ulysses_transformer_equals_one_rank",
+                    )
+                ),
+                "ring": Support(reason=_QWEN_RING + "; refused at startup"),
                 "tensor_parallel": Support(
                     reason="no tensor-parallel plan for QwenImage blocks yet; refused at startup"
                 ),

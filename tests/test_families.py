@@ -283,17 +283,69 @@ def test_qwen_cfg_parallel_equals_pipeline(qwen_model, qwen_pipeline, tmp_path: 
         assert dit.info.parallel_config["cfg_parallel_size"] == "2"
 
 
+@pytest.mark.e2e
+def test_qwen_ulysses_equals_pipeline(qwen_model, qwen_pipeline, tmp_path: Path) -> None:
+    # 48x80 packs into 3x5 = 15 image tokens, which 2 does not divide (padded and masked); 80x32 runs
+    # true CFG with the prompt's embeddings masked.
+    for cluster in _cluster(qwen_model, tmp_path, ["--ulysses-degree", "2"]):
+        for case in (QWEN_CASES[1], QWEN_CASES[2]):
+            _assert_close(_generate(cluster.endpoint, case), qwen_reference(qwen_pipeline, **case))
+        with Client(cluster.endpoint) as client:
+            dit = next(s for s in client.cluster_info().stages if s.info.stage == "dit")
+        assert dit.info.parallel_config["ulysses_degree"] == "2"
+
+
+def _qwen_ulysses_ranks(rank: int, world_size: int, config: dict, cases: list) -> list[torch.Tensor]:
+    from diffusers import QwenImageTransformer2DModel
+
+    from dit_svc.parallel import ParallelConfig, build_mesh, parallelize_transformer
+
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(**config).eval()
+    parallel = ParallelConfig(ulysses_degree=world_size)
+    parallelize_transformer(model, parallel, build_mesh(parallel, "cpu"), torch.device("cpu"))
+    with torch.no_grad():
+        return [model(**inputs, return_dict=False)[0] for inputs in cases]
+
+
+@pytest.mark.parametrize("zero_cond_t", [False, True])
+def test_qwen_ulysses_transformer_equals_one_rank(zero_cond_t: bool) -> None:
+    from diffusers import QwenImageTransformer2DModel
+
+    from dit_svc.parallel.launch import run_ranks
+
+    config = dict(QWEN_TRANSFORMER_CONFIGS["tiny"], zero_cond_t=zero_cond_t)
+    generator = torch.Generator().manual_seed(1)
+    cases = []
+    # (rows, columns, text mask): 15 image tokens (padded to 16) and 16, with and without text padding
+    for rows, columns, mask in ((3, 5, [1, 1, 1, 1, 1, 0, 0]), (4, 4, None), (3, 5, None)):
+        shapes = [(1, rows, columns)] * (2 if zero_cond_t else 1)
+        cases.append(dict(
+            hidden_states=torch.randn(1, rows * columns * len(shapes), config["in_channels"], generator=generator),
+            encoder_hidden_states=torch.randn(1, 7, config["joint_attention_dim"], generator=generator),
+            encoder_hidden_states_mask=None if mask is None else torch.tensor([mask]),
+            timestep=torch.tensor([0.5]),
+            img_shapes=[shapes],
+        ))
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(**config).eval()
+    with torch.no_grad():
+        expected = [model(**inputs, return_dict=False)[0] for inputs in cases]
+    for outputs in run_ranks(_qwen_ulysses_ranks, 2, config, cases):
+        for output, reference in zip(outputs, expected, strict=True):
+            torch.testing.assert_close(output, reference, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "flags, refused",
     [
-        (["--ulysses-degree", "2"], "--ulysses-degree"),
-        (["--ulysses-degree", "2", "--cfg-parallel-size", "2"], "--ulysses-degree"),
+        (["--ring-degree", "2", "--ulysses-degree", "2"], "--ring-degree"),
         (["--ring-degree", "2"], "--ring-degree"),
         (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
         (["--use-hsdp", "--hsdp-shard-size", "2"], "--use-hsdp"),
     ],
 )
-def test_qwen_dit_layout_check_refuses_sequence_tensor_and_hsdp(qwen_model, flags, refused) -> None:
+def test_qwen_dit_layout_check_refuses_ring_tensor_and_hsdp(qwen_model, flags, refused) -> None:
     import argparse
 
     from dit_svc.service import add_parallel_arguments, check_parallel_layout
@@ -308,15 +360,28 @@ def test_qwen_dit_layout_check_refuses_sequence_tensor_and_hsdp(qwen_model, flag
     assert "qwen-image" in message and refused in message and "--cfg-parallel-size 2" in message, message
 
 
+def test_qwen_dit_layout_check_accepts_ulysses(qwen_model) -> None:
+    import argparse
+
+    from dit_svc.service import add_parallel_arguments, check_parallel_layout
+    from services.stage_main import add_stage_arguments
+
+    parser = argparse.ArgumentParser()
+    add_stage_arguments(parser, default_port=0)
+    add_parallel_arguments(parser)
+    for flags in (["--ulysses-degree", "2"], ["--ulysses-degree", "2", "--cfg-parallel-size", "2"]):
+        check_parallel_layout(parser.parse_args(["--model", str(qwen_model), "--device", "cpu", *flags]))
+
+
 @pytest.mark.e2e
-def test_qwen_dit_refuses_ulysses_at_startup(qwen_model) -> None:
+def test_qwen_dit_refuses_ring_at_startup(qwen_model) -> None:
     completed = subprocess.run(
         [sys.executable, "-m", "stagediff.cli", "serve", "dit", "--model", str(qwen_model), "--port", "0",
-         "--ulysses-degree", "2"],
+         "--ring-degree", "2"],
         capture_output=True, text=True, timeout=120,
     )
     assert completed.returncode != 0
-    assert "qwen-image does not support --ulysses-degree" in completed.stderr.replace("family ", ""), completed.stderr
+    assert "qwen-image does not support --ring-degree" in completed.stderr.replace("family ", ""), completed.stderr
 
 
 @pytest.mark.e2e

@@ -19,7 +19,8 @@ __all__ = ["ParallelConfig", "ParallelConfigError", "build_mesh", "parallelize_t
 def parallelize_transformer(
     transformer: torch.nn.Module, config: ParallelConfig, mesh: DeviceMesh, device: torch.device
 ) -> None:
-    """Applies the layout to a WanTransformer3DModel in place, innermost first.
+    """Applies the layout to a WanTransformer3DModel (or, Ulysses only, a QwenImageTransformer2DModel)
+    in place, innermost first.
 
     Tensor parallelism goes first, since it changes each attention's local head
     count and norms, which the sequence-parallel attention then builds on; HSDP
@@ -30,9 +31,16 @@ def parallelize_transformer(
 
         apply_tensor_parallel(transformer, mesh["tp"])
     if config.sequence_parallel:
-        from dit_svc.parallel.sequence_parallel import apply_sequence_parallel
+        from diffusers import QwenImageTransformer2DModel
 
-        apply_sequence_parallel(transformer, mesh)
+        if isinstance(transformer, QwenImageTransformer2DModel):
+            from dit_svc.parallel.qwen_sequence_parallel import apply_qwen_ulysses
+
+            apply_qwen_ulysses(transformer, mesh)
+        else:
+            from dit_svc.parallel.sequence_parallel import apply_sequence_parallel
+
+            apply_sequence_parallel(transformer, mesh)
     if config.use_hsdp and config.hsdp_shard_size * config.hsdp_replicate_size > 1:
         from dit_svc.parallel.hsdp import apply_hsdp
 
