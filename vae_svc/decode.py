@@ -54,9 +54,7 @@ class DecodeSession:
         owner = self.decoder
         vae = owner.vae
         latents = latent_frame.to(owner.device, vae.dtype)
-        mean = owner.latents_mean.to(latents.device, latents.dtype)
-        std = owner.latents_std.to(latents.device, latents.dtype)
-        latents = latents / std + mean
+        latents = denormalize_latents(latents, owner.latents_mean, owner.latents_std)
         x = vae.post_quant_conv(latents)
         first = self.latent_frames_seen == 0
         out = vae.decoder(x, feat_cache=self.feature_cache, feat_idx=[0], first_chunk=first)
@@ -67,6 +65,13 @@ class DecodeSession:
         frames = to_uint8_frames(out)
         self.frames_decoded += frames.shape[0]
         return frames
+
+
+def denormalize_latents(latents: torch.Tensor, latents_mean: torch.Tensor, latents_std: torch.Tensor) -> torch.Tensor:
+    """Undoes the VAE's latent normalisation as the diffusers pipelines do (`latents_std` holds 1/std)."""
+    mean = latents_mean.to(latents.device, latents.dtype)
+    std = latents_std.to(latents.device, latents.dtype)
+    return latents / std + mean
 
 
 def to_uint8_frames(video: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,7 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import (
 )
 from torch import nn
 
-from vae_svc.decode import WanStreamingDecoder, to_uint8_frames
+from vae_svc.decode import WanStreamingDecoder, denormalize_latents, to_uint8_frames
 
 # Module types that only mix channels or act on each row on its own (checked when enabling, so a
 # future decoder with a new whole-frame op fails loudly instead of decoding wrong seams).
@@ -393,9 +393,7 @@ class PatchParallelDecodeSession:
         vae = owner.vae
         bands = self._bands_for(latent_frame)
         latents = latent_frame[..., bands.latent_start : bands.latent_stop, :].to(owner.device, vae.dtype)
-        mean = owner.latents_mean.to(latents.device, latents.dtype)
-        std = owner.latents_std.to(latents.device, latents.dtype)
-        latents = latents / std + mean
+        latents = denormalize_latents(latents, owner.latents_mean, owner.latents_std)
         x = vae.post_quant_conv(latents)  # 1x1x1: row-local
         first = self.latent_frames_seen == 0
         with row_bands(bands):

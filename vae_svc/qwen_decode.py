@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKLQwenImage
 
-from vae_svc.decode import to_uint8_frames
+from vae_svc.decode import denormalize_latents, to_uint8_frames
 
 
 class QwenImageDecoder:
@@ -44,9 +44,7 @@ class QwenDecodeSession:
         owner = self.decoder
         vae = owner.vae
         latents = latent_frame.to(owner.device, vae.dtype)
-        mean = owner.latents_mean.to(latents.device, latents.dtype)
-        std = owner.latents_std.to(latents.device, latents.dtype)
-        latents = latents / std + mean
+        latents = denormalize_latents(latents, owner.latents_mean, owner.latents_std)
         image = vae.decode(latents, return_dict=False)[0]  # [1, 3, 1, H, W] in [-1, 1]
         frames = to_uint8_frames(image)
         self.frames_decoded += frames.shape[0]

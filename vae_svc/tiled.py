@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
-from vae_svc.decode import WanStreamingDecoder, to_uint8_frames
+from vae_svc.decode import WanStreamingDecoder, denormalize_latents, to_uint8_frames
 
 
 class TiledDecodeSession:
@@ -63,9 +63,7 @@ class TiledDecodeSession:
         patch_size = vae.config.patch_size
         ratio = vae.spatial_compression_ratio
         latents = latent_frame.to(owner.device, vae.dtype)
-        mean = owner.latents_mean.to(latents.device, latents.dtype)
-        std = owner.latents_std.to(latents.device, latents.dtype)
-        z = latents / std + mean
+        z = denormalize_latents(latents, owner.latents_mean, owner.latents_std)
         height, width = z.shape[-2:]
         if self.latent_size is None:
             self.latent_size = (height, width)
