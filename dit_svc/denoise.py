@@ -58,7 +58,14 @@ class WanDenoiser:
         model_dir = Path(model_dir)
         index = json.loads((model_dir / "model_index.json").read_text())
         self.device = device
+        self.parallel = parallel if parallel is not None and parallel.total_ranks > 1 else None
+        mesh = build_mesh(self.parallel, device_type_for(device)) if self.parallel is not None else None
         load = partial(load_pretrained, device=device, dtype=dtype, num_threads=load_threads)
+        if self.parallel is not None and self.parallel.shards_weights:
+            # Tensor parallelism and HSDP are applied to the empty model, so that each rank reads only its shards.
+            load = partial(
+                load, shard_model=partial(parallelize_transformer, config=self.parallel, mesh=mesh, device=device)
+            )
         self.transformer = load(WanTransformer3DModel, model_dir / "transformer").eval()
         # Wan2.2 A14B: a second expert takes the low-noise steps, below boundary_ratio * num_train_timesteps.
         self.transformer_2: WanTransformer3DModel | None = None
@@ -74,12 +81,11 @@ class WanDenoiser:
         vae_config = json.loads((model_dir / "vae" / "config.json").read_text())
         self.vae_scale_spatial = vae_config.get("scale_factor_spatial", 8)
         self.vae_scale_temporal = vae_config.get("scale_factor_temporal", 4)
-        self.parallel = parallel if parallel is not None and parallel.total_ranks > 1 else None
         self.cfg_group = None
         if self.parallel is not None:
-            mesh = build_mesh(self.parallel, device_type_for(device))
-            for expert in self.experts:
-                parallelize_transformer(expert, self.parallel, mesh, device)
+            if not self.parallel.shards_weights:
+                for expert in self.experts:
+                    parallelize_transformer(expert, self.parallel, mesh, device)
             if self.parallel.cfg_degree > 1:
                 self.cfg_group = mesh["cfg"].get_group()
 

@@ -25,8 +25,10 @@ same job with less in between:
    assigned with `load_state_dict(assign=True)`, and tied weights are re-tied. Writing to a loaded
    weight copies that page; the file is never changed.
 
-A rank that will hold only part of a model can pass `tensor_filter` to skip reading the rest; see
-`load_pretrained`.
+A rank that will hold only part of a model reads only that part. `shard_model` (tensor parallelism,
+FSDP2/HSDP) is applied to the empty model; every parameter it turns into a DTensor is then read as
+this rank's slice only, straight from the file into the local shard (see `load_pretrained`).
+`tensor_filter` instead skips whole tensors, e.g. the blocks another pipeline stage holds.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +125,7 @@ def load_pretrained(
     num_threads: int = 4,
     keep_in_fp32: Sequence[str] | None = None,
     tensor_filter: Callable[[str], bool] | None = None,
+    shard_model: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Build `model_class` from the config in `directory` and load its safetensors weights into it.
 
@@ -144,11 +148,16 @@ def load_pretrained(
     start = time.perf_counter()
     if num_threads < 1:
         raise ValueError(f"num_threads must be at least 1, got {num_threads}")
+    if shard_model is not None and tensor_filter is not None:
+        raise ValueError("shard_model and tensor_filter cannot be combined")
     directory = Path(directory)
     device = torch.device(device)
     library = _library_of(model_class)
     entries = _read_headers(_weight_files(directory))
     stats = LoadStats(threads=num_threads)
+    if shard_model is not None:
+        model = _load_sharded(model_class, directory, library, entries, device, dtype, keep_in_fp32, shard_model, stats)
+        return _finish_stats(model, model_class, directory, stats, start)
 
     with _Reader(entries, num_threads, stats) as reader:
         reading = None
@@ -177,9 +186,14 @@ def load_pretrained(
         model.load_state_dict(state, strict=False, assign=True)
     del state
     _finish(model, library, device, directory, tied, wanted)
-
-    stats.seconds = time.perf_counter() - start
     stats.tensors = len(to_read)
+    return _finish_stats(model, model_class, directory, stats, start)
+
+
+def _finish_stats(
+    model: nn.Module, model_class: type[nn.Module], directory: Path, stats: LoadStats, start: float
+) -> nn.Module:
+    stats.seconds = time.perf_counter() - start
     setattr(model, STATS_ATTR, stats)
     logger.info(
         "loaded %s from %s: %d tensors, %.3f GB in %.3f s (%.2f GB/s, %d threads)",
@@ -189,7 +203,7 @@ def load_pretrained(
         stats.total_bytes / 1e9,
         stats.seconds,
         stats.gb_per_s,
-        num_threads,
+        stats.threads,
     )
     return model
 
@@ -550,6 +564,29 @@ class _Reader:
 
         return [self.pool.submit(run, task) for task in _plan_tasks(entries, self.num_threads)]
 
+    def fill(
+        self,
+        entries: list[_TensorEntry],
+        target_dtype: Callable[[_TensorEntry], torch.dtype],
+        destinations: dict[str, tuple[torch.Tensor, tuple[slice, ...]]],
+    ) -> None:
+        """Copies the `region` of each entry into its allocated destination (cast on the destination's device)."""
+
+        def run(task: list[_TensorEntry]) -> None:
+            t0 = time.perf_counter()
+            for entry in task:
+                destination, region = destinations[entry.key]
+                if destination.dtype != target_dtype(entry):
+                    raise ValueError(f"{entry.key}: allocated as {destination.dtype}, loads as {target_dtype(entry)}")
+                if entry.nbytes:
+                    destination.copy_(_view(self.mapped[entry.file], entry)[region])
+            self._timed(task[0].file, t0)
+
+        futures = [self.pool.submit(run, task) for task in _plan_tasks(entries, self.num_threads)]
+        for future in futures:
+            future.result()
+        self._account(entries, lambda entry: destinations[entry.key][0].numel() * entry.dtype.itemsize)
+
     def collect(
         self, futures: list[Future[dict[str, torch.Tensor]]], entries: list[_TensorEntry]
     ) -> dict[str, torch.Tensor]:
@@ -559,16 +596,20 @@ class _Reader:
             state.update(future.result())
         for future in self.prefetched:
             future.result()
+        self._account(entries, lambda entry: entry.nbytes)
+        return state
+
+    def _account(self, entries: list[_TensorEntry], nbytes_read: Callable[[_TensorEntry], int]) -> None:
+        """Adds each file's bytes read and seconds to the stats and logs them."""
         per_file: dict[Path, int] = defaultdict(int)
         for entry in entries:
-            per_file[entry.file] += entry.nbytes
+            per_file[entry.file] += nbytes_read(entry)
         for path, nbytes in per_file.items():
             t0, t1 = self.file_times.get(path, (0.0, 0.0))
             shard = ShardStats(file=path.name, bytes=nbytes, seconds=t1 - t0)
             self.stats.shards.append(shard)
             self.stats.total_bytes += nbytes
             logger.info("read %s: %d bytes in %.3f s", shard.file, shard.bytes, shard.seconds)
-        return state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -606,6 +647,107 @@ def _finish(
     if library == "diffusers":
         model.register_to_config(_name_or_path=str(directory))
     model.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading only this rank's shards.
+
+
+def _local_region(tensor: torch.Tensor) -> tuple[slice, ...]:
+    """The part of the full tensor this rank holds: everything for a plain tensor, its shard for a DTensor.
+
+    Shards follow `torch.chunk` along each `Shard(dim)` placement, mesh dimension by mesh dimension (the
+    layout of ColwiseParallel, RowwiseParallel and fully_shard); the result is checked against the local
+    tensor's shape, so a layout this does not know (strided shards) fails loudly instead of loading the
+    wrong rows.
+    """
+    if not isinstance(tensor, DTensor):
+        return tuple(slice(None) for _ in tensor.shape)
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ValueError("this rank is not part of the parameter's device mesh")
+    begins = [0] * tensor.ndim
+    sizes = list(tensor.shape)
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if placement.is_replicate():
+            continue
+        if type(placement) is not Shard:
+            raise NotImplementedError(f"cannot load a parameter placed as {placement} shard by shard")
+        dim, parts, index = placement.dim, mesh.size(mesh_dim), coordinate[mesh_dim]
+        chunk = -(-sizes[dim] // parts)
+        offset = min(index * chunk, sizes[dim])
+        begins[dim] += offset
+        sizes[dim] = max(0, min(chunk, sizes[dim] - offset))
+    local_shape = tuple(tensor.to_local().shape)
+    if tuple(sizes) != local_shape:
+        raise NotImplementedError(
+            f"shard layout {tensor.placements} gives {tuple(sizes)}, the local tensor is {local_shape}"
+        )
+    return tuple(slice(begin, begin + size) for begin, size in zip(begins, sizes, strict=True))
+
+
+def _load_sharded(
+    model_class: type[nn.Module],
+    directory: Path,
+    library: str,
+    entries: list[_TensorEntry],
+    device: torch.device,
+    dtype: torch.dtype,
+    keep_in_fp32: Sequence[str] | None,
+    shard_model: Callable[[nn.Module], None],
+    stats: LoadStats,
+) -> nn.Module:
+    """`load_pretrained` with `shard_model`: build empty, shard, allocate the shards, read only them."""
+    model = _build_empty(model_class, directory, library, dtype)
+    entries = _rename(entries, model, library)
+    meta_state = model.state_dict(keep_vars=True)
+    tied = _tied_keys(model)
+    if tied:
+        raise NotImplementedError(f"{model_class.__name__} ties weights ({_names(tied)}); load it whole")
+    _check_keys(model_class, directory, meta_state, entries, set(meta_state), tied, False)
+    keep_fp32 = _fp32_matcher(model if library == "transformers" else model_class, library, dtype, keep_in_fp32)
+    target_dtype = functools.partial(_target_dtype, dtype, keep_fp32, meta_state if library == "transformers" else None)
+    by_key = {entry.key: entry for entry in entries}
+
+    # Parameters take their final dtype while still on the meta device, so that the sharding plan sees
+    # what it will hold (FSDP2 groups parameters by dtype) and allocation makes them right at once.
+    with torch.no_grad():
+        for key, value in meta_state.items():
+            if value.is_meta:
+                _set_tensor(model, key, torch.empty_like(value, dtype=target_dtype(by_key[key])))
+    real_buffers = {name: buffer for name, buffer in model.named_buffers() if not buffer.is_meta}
+
+    shard_model(model)
+    # Allocates every (local shard of a) parameter on the device, uninitialised; `to_empty` would also
+    # replace the buffers `__init__` computed (RoPE tables), so those are put back.
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in real_buffers.items():
+            path, _, attribute = name.rpartition(".")
+            model.get_submodule(path)._buffers[attribute] = buffer.to(device)
+
+    destinations: dict[str, tuple[torch.Tensor, tuple[slice, ...]]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if key in by_key:
+            local = value.to_local() if isinstance(value, DTensor) else value
+            destinations[key] = (local.data, _local_region(value))
+    to_read = [by_key[key] for key in destinations]
+    with _Reader(to_read, num_threads=stats.threads, stats=stats) as reader:
+        reader.fill(to_read, target_dtype, destinations)
+
+    stats.tensors = len(to_read)
+    if library == "diffusers":
+        model.register_to_config(_name_or_path=str(directory))
+    full_bytes = sum(entry.nbytes for entry in entries)
+    logger.info(
+        "%s from %s: this rank read %.3f of %.3f GB (its shards)",
+        model_class.__name__,
+        directory,
+        stats.total_bytes / 1e9,
+        full_bytes / 1e9,
+    )
+    return model.eval()
 
 
 def describe(model: nn.Module) -> dict[str, Any]:

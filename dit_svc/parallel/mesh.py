@@ -48,6 +48,11 @@ class ParallelConfig:
         return self.ulysses_degree * self.ring_degree > 1
 
     @property
+    def shards_weights(self) -> bool:
+        """Whether a rank holds only part of the weights (tensor parallelism or HSDP), and so reads only that part."""
+        return self.tp_degree > 1 or (self.use_hsdp and self.hsdp_shard_size > 1)
+
+    @property
     def replica_degree(self) -> int:
         if self.use_hsdp and self.world_size == 1:
             return self.hsdp_shard_size * self.hsdp_replicate_size
@@ -124,7 +129,6 @@ class ParallelConfig:
                 f"the layout needs {self.total_ranks} devices but {available_devices} are visible; "
                 "lower the degrees or make more devices visible (CUDA_VISIBLE_DEVICES)"
             )
-
 
 
 def build_mesh(config: ParallelConfig, device_type: str) -> DeviceMesh:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dit_svc.parallel.mesh import ParallelConfigError, _divisors
@@ -53,13 +54,15 @@ class HeadShardedRMSNorm(nn.Module):
 
     @classmethod
     def from_rms_norm(cls, norm: nn.RMSNorm, tp_mesh: DeviceMesh) -> HeadShardedRMSNorm:
-        """Takes this rank's contiguous slice of `norm`'s weight: the columns ColwiseParallel's Shard(0) gives it."""
+        """Shards `norm`'s weight as Shard(0): each rank keeps the columns ColwiseParallel's Shard(0) gives it.
+
+        The weight stays a DTensor (its local part is used in forward), so that a checkpoint loader sees
+        which slice of the full weight this rank holds; `norm` may be on the meta device.
+        """
         (full_dim,) = norm.normalized_shape
-        size, rank = tp_mesh.size(), tp_mesh.get_local_rank()
-        local_dim = full_dim // size
         weight = None
         if norm.weight is not None:
-            weight = norm.weight.detach()[rank * local_dim : (rank + 1) * local_dim].clone()
+            weight = distribute_tensor(norm.weight.detach(), tp_mesh, [Shard(0)])
             weight.requires_grad_(norm.weight.requires_grad)
         return cls(weight, full_dim, norm.eps, tp_mesh.get_group())
 
@@ -72,11 +75,11 @@ class HeadShardedRMSNorm(nn.Module):
         eps = torch.finfo(compute_dtype).eps if self.eps is None else self.eps
         result = upcast * torch.rsqrt(sum_of_squares / self.full_dim + eps)
         if self.weight is not None:
-            result = result * self.weight
+            result = result * self.weight.to_local()
         return result.type_as(hidden_states)
 
     def extra_repr(self) -> str:
-        local_dim = self.full_dim if self.weight is None else self.weight.shape[0]
+        local_dim = self.full_dim if self.weight is None else self.weight.to_local().shape[0]
         return f"local_dim={local_dim}, full_dim={self.full_dim}, eps={self.eps}"
 
 
