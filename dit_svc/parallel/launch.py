@@ -21,9 +21,7 @@ import torch
 import torch.distributed as dist
 
 
-def _worker(
-    rank: int, world_size: int, threads: int, init_file: str, fn: Callable, args: tuple, results
-) -> None:
+def _worker(rank: int, world_size: int, threads: int, init_file: str, fn: Callable, args: tuple, results) -> None:
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
