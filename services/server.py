@@ -3,6 +3,7 @@
 Follows grpc's Python aio examples: one `grpc.aio.server` with explicit message
 size limits, grpc.health.v1 (NOT_SERVING while the model loads and while the
 server drains), server reflection, and graceful shutdown on SIGTERM/SIGINT.
+Authentication (services.auth) plugs in as interceptors and TLS credentials.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -149,6 +150,8 @@ async def serve(
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
     grace: float = DEFAULT_GRACE_SECONDS,
     watchdog: Callable[[], str | None] | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> None:
     """Runs a gRPC server until SIGTERM or SIGINT.
 
@@ -157,8 +160,11 @@ async def serve(
     orchestrators and `stagediff up` can tell "loading" from "down". `watchdog`,
     polled while serving, returns a reason once the server can no longer do its
     work (a rank of its process group died): health turns NOT_SERVING for good.
+    `interceptors` run before the request decoding, outermost first, so that an
+    authentication interceptor refuses a call before its bytes are parsed.
+    `credentials` serve TLS on the port; without them it is plaintext.
     """
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[RequestDecodingInterceptor()])
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[*interceptors, RequestDecodingInterceptor()])
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     service_names = register(server)
@@ -167,12 +173,15 @@ async def serve(
         server,
     )
     address = f"{host}:{port}"
-    bound = server.add_insecure_port(address)
+    if credentials is not None:
+        bound = server.add_secure_port(address, credentials)
+    else:
+        bound = server.add_insecure_port(address)
     if bound == 0:
         raise RuntimeError(f"{name}: could not bind {address}")
     await _set_serving(health, service_names, False)
     await server.start()
-    logger.info("%s listening on %s:%d", name, host, bound)
+    logger.info("%s listening on %s:%d%s", name, host, bound, " (TLS)" if credentials is not None else "")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

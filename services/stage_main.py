@@ -11,6 +11,7 @@ from collections.abc import Callable
 import grpc
 import torch
 
+from services.auth import ClusterSecretError, ClusterSecretInterceptor, add_cluster_secret_argument, load_cluster_secret
 from services.checkpoint import read_checkpoint
 from services.server import configure_logging, serve
 from services.stage import StageControlServicer, StageRuntime, resolve_device, resolve_dtype
@@ -34,6 +35,7 @@ def add_stage_arguments(parser: argparse.ArgumentParser, default_port: int) -> N
     parser.add_argument(
         "--disable-multithread-weight-load", action="store_true", help="read shards one at a time, in one thread"
     )
+    add_cluster_secret_argument(parser)
 
 
 class StageServicer(abc.ABC):
@@ -80,6 +82,7 @@ def run_stage(
             f"stagediff serve {stage}: --num-weight-load-threads {args.num_weight_load_threads}: use 1 or more"
         )
     runtime.load_threads = 1 if args.disable_multithread_weight_load else args.num_weight_load_threads
+    interceptors = _secret_interceptors(stage, args)
     servicer = make_servicer(args, runtime)
 
     def register(server: grpc.aio.Server) -> list[str]:
@@ -103,5 +106,22 @@ def run_stage(
             load=load,
             on_shutdown=shutdown,
             watchdog=servicer.failure,
+            interceptors=interceptors,
         )
     )
+
+
+def _secret_interceptors(stage: str, args: argparse.Namespace) -> list[grpc.aio.ServerInterceptor]:
+    """The cluster-secret check, or nothing (with a warning) when no secret is configured."""
+    try:
+        secret = load_cluster_secret(args.cluster_secret_file)
+    except ClusterSecretError as error:
+        raise SystemExit(f"stagediff serve {stage}: {error}") from None
+    if secret is None:
+        logger.warning(
+            "%s: no cluster secret (--cluster-secret-file or $STAGEDIFF_CLUSTER_SECRET): "
+            "anyone who reaches this port can call the stage",
+            stage,
+        )
+        return []
+    return [ClusterSecretInterceptor(secret)]

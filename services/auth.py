@@ -1,0 +1,343 @@
+"""Who may call: tenants on the public port, the cluster's shared secret between services, TLS.
+
+Three independent pieces, each opt-in:
+
+* `TenantAuthInterceptor` (public port): every call but health and reflection
+  must present a tenant's API key (`authorization: Bearer <key>`); others get
+  UNAUTHENTICATED. The handler reads the caller with `current_tenant()`.
+* `ClusterSecretInterceptor` (stage ports) and `cluster_channel` or
+  `cluster_secret_interceptors` (the orchestrator's channels to them): internal calls carry the cluster's shared
+  secret in `x-stagediff-cluster-secret` metadata, so a stage answers only
+  its own cluster. Health stays open: docker and Kubernetes probes carry no
+  secret. The secret comes from `--cluster-secret-file` (docker secrets) or
+  the STAGEDIFF_CLUSTER_SECRET environment variable.
+* `server_credentials` / `channel_credentials`: TLS for the public port, with
+  client certificates required when a client CA is given.
+
+Interceptors follow grpc's aio examples: they find the real handler with
+`continuation`, then either return it wrapped or return a handler of the same
+kind that aborts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextvars
+import hmac
+import inspect
+import logging
+import os
+import re
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from services.orchestrator.tenants import AuthenticationError, Tenant, TenantRegistry
+from services.server import GRPC_OPTIONS
+
+logger = logging.getLogger(__name__)
+
+CLUSTER_SECRET_METADATA_KEY = "x-stagediff-cluster-secret"
+CLUSTER_SECRET_ENV = "STAGEDIFF_CLUSTER_SECRET"
+HEALTH_SERVICE = "grpc.health.v1.Health"
+REFLECTION_SERVICES = ("grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection")
+# Metadata values must be printable ASCII; spaces are excluded so that a secret
+# file's trailing newline or padding can never be part of the secret.
+_SECRET_CHARS = re.compile(r"^[\x21-\x7e]+$")
+
+_tenant: contextvars.ContextVar[Tenant] = contextvars.ContextVar("stagediff_tenant")
+
+
+def current_tenant() -> Tenant:
+    """The tenant of the call being handled, set by TenantAuthInterceptor.
+
+    Each call runs in its own asyncio task, so the value is the caller's for
+    the whole handler, including inside the async generators of streaming RPCs
+    and in tasks the handler creates (they copy the context). Raises
+    LookupError outside a call that went through the interceptor.
+    """
+    return _tenant.get()
+
+
+def _service_of(method: str) -> str:
+    """'/pkg.Service/Method' -> 'pkg.Service'."""
+    return method.lstrip("/").partition("/")[0]
+
+
+def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that aborts at once, without parsing the request."""
+
+    async def abort(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    serializer = handler.response_serializer
+    # No deserializer: the bytes of a refused call are never parsed.
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort, None, serializer)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(abort, None, serializer)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(abort, None, serializer)
+    return grpc.unary_unary_rpc_method_handler(abort, None, serializer)
+
+
+def _with_tenant(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMethodHandler:
+    """`handler`, with `current_tenant()` set to `tenant` while it runs."""
+    deserializer, serializer = handler.request_deserializer, handler.response_serializer
+    if not handler.response_streaming:
+        inner: Callable[..., Awaitable[Any]] = handler.stream_unary or handler.unary_unary
+
+        async def unary_response(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+            _tenant.set(tenant)
+            return await inner(request_or_iterator, context)
+
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(unary_response, deserializer, serializer)
+        return grpc.unary_unary_rpc_method_handler(unary_response, deserializer, serializer)
+
+    inner_stream = handler.stream_stream or handler.unary_stream
+
+    async def streaming_response(request_or_iterator: Any, context: grpc.aio.ServicerContext):
+        _tenant.set(tenant)
+        result = inner_stream(request_or_iterator, context)
+        if inspect.isasyncgen(result):
+            async for response in result:
+                yield response
+        else:  # a coroutine that answers with context.write()
+            await result
+
+    if handler.request_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming_response, deserializer, serializer)
+    return grpc.unary_stream_rpc_method_handler(streaming_response, deserializer, serializer)
+
+
+class TenantAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Authenticates every call on the public port with the tenant registry.
+
+    A call with no key or a wrong one ends with UNAUTHENTICATED before its
+    handler runs; otherwise the handler runs with `current_tenant()` set.
+    Health and reflection stay open (`exempt_services`), so load balancers and
+    grpcurl need no key. Put it first in the server's interceptors: a refused
+    call then runs none of the handlers the later ones wrap. Handlers must be
+    coroutines or async generators, as on every aio servicer here.
+    """
+
+    def __init__(
+        self, registry: TenantRegistry, exempt_services: Iterable[str] = (HEALTH_SERVICE, *REFLECTION_SERVICES)
+    ) -> None:
+        self.registry = registry
+        self.exempt_services = frozenset(exempt_services)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or _service_of(handler_call_details.method) in self.exempt_services:
+            return handler
+        try:
+            tenant = self.registry.authenticate(handler_call_details.invocation_metadata)
+        except AuthenticationError as error:
+            logger.info("refused %s: %s", handler_call_details.method, error.message)
+            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, error.message)
+        return _with_tenant(handler, tenant)
+
+
+# -------------------------------------------------------- cluster secret --
+
+
+class ClusterSecretError(ValueError):
+    """The cluster secret cannot be read or is not usable as metadata."""
+
+
+def load_cluster_secret(path: str | os.PathLike[str] | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The cluster secret from `path` (a docker secret file), else from STAGEDIFF_CLUSTER_SECRET, else None.
+
+    Surrounding whitespace (a file's trailing newline) is dropped. Raises
+    ClusterSecretError for an unreadable or empty file, or a secret with
+    characters metadata cannot carry.
+    """
+    if path is not None:
+        try:
+            secret = Path(path).read_text().strip()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ClusterSecretError(f"--cluster-secret-file {path}: cannot read it ({error})") from None
+        source = f"--cluster-secret-file {path}"
+    else:
+        secret = environ.get(CLUSTER_SECRET_ENV, "").strip()
+        source = CLUSTER_SECRET_ENV
+        if not secret:
+            return None
+    if not secret:
+        raise ClusterSecretError(f"{source}: the file is empty")
+    if not _SECRET_CHARS.match(secret):
+        raise ClusterSecretError(f"{source}: the secret must be printable ASCII without spaces")
+    return secret
+
+
+def add_cluster_secret_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        metavar="FILE",
+        help=f"file holding the secret shared by the cluster's services (default: ${CLUSTER_SECRET_ENV}, else none)",
+    )
+
+
+class ClusterSecretInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses, with UNAUTHENTICATED, calls that do not carry the cluster's secret.
+
+    For stage services, which only the orchestrator should call. Health stays
+    open for probes (`exempt_services`). The comparison takes the same time
+    however much of the secret a caller got right.
+    """
+
+    def __init__(self, secret: str, exempt_services: Iterable[str] = (HEALTH_SERVICE,)) -> None:
+        if not secret:
+            raise ValueError("secret: must not be empty")
+        self._secret = secret.encode()
+        self.exempt_services = frozenset(exempt_services)
+
+    def _refusal_reason(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+        values = [value for key, value in (metadata or ()) if key == CLUSTER_SECRET_METADATA_KEY]
+        if not values:
+            return (
+                f"missing cluster secret: stage services answer only calls carrying '{CLUSTER_SECRET_METADATA_KEY}' "
+                "(give the orchestrator the same --cluster-secret-file)"
+            )
+        presented = values[0].encode() if isinstance(values[0], str) else values[0]
+        if len(values) > 1 or not hmac.compare_digest(presented, self._secret):
+            return "wrong cluster secret: the caller's secret differs from this service's"
+        return None
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or _service_of(handler_call_details.method) in self.exempt_services:
+            return handler
+        reason = self._refusal_reason(handler_call_details.invocation_metadata)
+        if reason is None:
+            return handler
+        logger.warning("refused %s: %s", handler_call_details.method, reason)
+        return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, reason)
+
+
+class _SecretMetadata:
+    """Adds the cluster secret to a call's metadata."""
+
+    def __init__(self, secret: str) -> None:
+        if not secret:
+            raise ValueError("secret: must not be empty")
+        self._secret = secret
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()))
+        metadata[CLUSTER_SECRET_METADATA_KEY] = self._secret
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
+
+
+class _UnaryUnarySecret(_SecretMetadata, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details), request)
+
+
+class _UnaryStreamSecret(_SecretMetadata, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details), request)
+
+
+class _StreamUnarySecret(_SecretMetadata, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return await continuation(self._details(client_call_details), request_iterator)
+
+
+class _StreamStreamSecret(_SecretMetadata, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(self._details(client_call_details), request_iterator)
+
+
+def cluster_secret_interceptors(secret: str) -> list[grpc.aio.ClientInterceptor]:
+    """Client interceptors that add the cluster secret to every call on an aio channel.
+
+    One per kind of call: an aio channel files each interceptor under the first
+    kind it implements only. Interceptors rather than call credentials, since
+    gRPC sends call credentials only over TLS, and traffic between stages may
+    be plaintext on a private network.
+    """
+    return [kind(secret) for kind in (_UnaryUnarySecret, _UnaryStreamSecret, _StreamUnarySecret, _StreamStreamSecret)]
+
+
+def cluster_channel(
+    endpoint: str,
+    secret: str | None,
+    *,
+    options: Sequence[tuple[str, Any]] = GRPC_OPTIONS,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> grpc.aio.Channel:
+    """An aio channel to a cluster service that sends `secret` with every call (none when None)."""
+    interceptors = cluster_secret_interceptors(secret) if secret else None
+    if credentials is not None:
+        return grpc.aio.secure_channel(endpoint, credentials, options=options, interceptors=interceptors)
+    return grpc.aio.insecure_channel(endpoint, options=options, interceptors=interceptors)
+
+
+# -------------------------------------------------------------------- tls --
+
+
+class TLSConfigError(ValueError):
+    """A TLS flag names a file that cannot be read, or the flags do not go together."""
+
+
+def _read(flag: str, path: str | os.PathLike[str]) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as error:
+        raise TLSConfigError(f"{flag} {path}: cannot read it ({error.strerror})") from None
+
+
+def server_credentials(
+    cert_file: str | os.PathLike[str],
+    key_file: str | os.PathLike[str],
+    client_ca_file: str | os.PathLike[str] | None = None,
+) -> grpc.ServerCredentials:
+    """TLS credentials for a server port; with `client_ca_file`, clients must present a certificate it signed."""
+    certificate = _read("--tls-cert", cert_file)
+    private_key = _read("--tls-key", key_file)
+    client_ca = _read("--tls-client-ca", client_ca_file) if client_ca_file is not None else None
+    return grpc.ssl_server_credentials(
+        [(private_key, certificate)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+def channel_credentials(
+    ca_file: str | os.PathLike[str] | None = None,
+    cert_file: str | os.PathLike[str] | None = None,
+    key_file: str | os.PathLike[str] | None = None,
+) -> grpc.ChannelCredentials:
+    """TLS credentials for a client: trust `ca_file` (default: the system's roots); present a certificate if given."""
+    if (cert_file is None) != (key_file is None):
+        raise TLSConfigError("a client certificate needs both its certificate and its key")
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read("--tls-ca", ca_file) if ca_file is not None else None,
+        private_key=_read("--tls-key", key_file) if key_file is not None else None,
+        certificate_chain=_read("--tls-cert", cert_file) if cert_file is not None else None,
+    )
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS with this certificate chain")
+    parser.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    parser.add_argument(
+        "--tls-client-ca", default=None, metavar="PEM", help="require client certificates signed by this CA"
+    )
+
+
+def server_credentials_from_args(args: argparse.Namespace) -> grpc.ServerCredentials | None:
+    """The credentials `add_tls_arguments` asked for, or None for plaintext (no --tls-cert)."""
+    if args.tls_cert is None and args.tls_key is None:
+        if args.tls_client_ca is not None:
+            raise TLSConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise TLSConfigError("--tls-cert and --tls-key go together")
+    return server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
