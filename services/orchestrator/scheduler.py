@@ -1,0 +1,389 @@
+"""Which queued job runs next: strict priority classes, weighted fair sharing of tenants inside a class.
+
+Priority classes are strict: a job of a higher class always starts before any
+job of a lower one, as long as its tenant may start another job.
+
+Inside a class, tenants share job slots in proportion to their weights by
+start-time fair queueing (SFQ, Goyal et al. 1996) with a cost of one per job:
+
+- each class has a virtual time V, the start tag of the job it dispatched last;
+- each tenant has a finish tag F, the finish tag of its last dispatched job;
+- a tenant's next job has the start tag S = max(V, F); the scheduler starts the
+  job with the smallest S (ties: the job admitted first), then sets
+  F = S + 1 / weight and V = S.
+
+Tags are computed when a job is dispatched, not when it arrives, so a tenant
+that was idle, or that sat at its own running limit, comes back at S = V: it
+competes from now on with its fair share and never with credit saved up while
+it was not competing. While tenants stay backlogged, a tenant with weight w
+gets slots in proportion to w: after any number of dispatches the normalised
+counts n_i / w_i of two tenants differ by at most max(1/w_i, 1/w_j), and a
+waiting tenant x sees at most ceil(w_j / w_x) + 1 jobs of each other tenant j
+start before its own (no starvation). Tags are exact fractions, so ties are
+real ties and the order is deterministic.
+
+Admission control refuses a job (`AdmissionRefused`, with a retry-after
+estimate) when the whole queue or the tenant's share of it is full. A tenant
+at its limit of running jobs is skipped by `next_runnable`; others go ahead.
+
+This module is pure bookkeeping: no asyncio, no threads, no wall clock except
+the injectable `clock` used to measure job durations for retry-after estimates.
+Each call costs O(tenants in a class); `positions` costs O(queued x tenants).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import IntEnum
+from fractions import Fraction
+
+MIN_WEIGHT = 1e-6
+MAX_WEIGHT = 1e6
+
+
+class Priority(IntEnum):
+    """Priority classes; a higher value always goes first."""
+
+    LOW = 0
+    NORMAL = 1
+    HIGH = 2
+
+    @classmethod
+    def parse(cls, value: str | int) -> Priority:
+        """Accepts a Priority, its name in any case ("high", "normal", "low") or its integer rank."""
+        if isinstance(value, str):
+            try:
+                return cls[value.strip().upper()]
+            except KeyError:
+                raise ValueError(f"priority: '{value}' is not one of {', '.join(PRIORITY_NAMES)}") from None
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"priority: {value} is not one of {[int(p) for p in cls]}") from None
+
+
+# Class names from the highest class to the lowest.
+PRIORITY_NAMES = tuple(p.name.lower() for p in sorted(Priority, reverse=True))
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """Per-tenant admission limits; None means unlimited."""
+
+    max_queued: int | None = None
+    max_running: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_queued", "max_running"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: {value}; must be at least 1, or None for no limit")
+
+
+@dataclass(frozen=True)
+class TenantCounts:
+    queued: int
+    running: int
+
+
+class AdmissionRefused(Exception):
+    """A job was not admitted because a queue limit is reached.
+
+    `scope` is "global" (the whole queue is full) or "tenant" (the tenant's
+    share is full); `retry_after_s` estimates when a retry may be admitted,
+    for a RESOURCE_EXHAUSTED status with RetryInfo.
+    """
+
+    def __init__(self, message: str, *, retry_after_s: float, scope: str, tenant: str) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.scope = scope
+        self.tenant = tenant
+
+
+@dataclass
+class _Entry:
+    job_id: str
+    tenant: str
+    priority: Priority
+    seq: int  # admission order, the tie-breaker
+
+
+@dataclass
+class _Tenant:
+    weight: Fraction
+    limits: TenantLimits
+    queued: int = 0
+    running: int = 0
+
+
+@dataclass
+class _Class:
+    """One priority class: its virtual time, the tenants' finish tags and their queues."""
+
+    vtime: Fraction = Fraction(0)
+    finish: dict[str, Fraction] = field(default_factory=dict)
+    # tenant -> its queued jobs in admission order; only tenants with queued jobs appear.
+    queues: dict[str, OrderedDict[str, _Entry]] = field(default_factory=dict)
+
+
+def _as_weight(weight: float | Fraction) -> Fraction:
+    if isinstance(weight, bool) or not isinstance(weight, int | float | Fraction) or not math.isfinite(weight):
+        raise ValueError(f"weight: {weight!r} is not a finite number")
+    if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+        raise ValueError(f"weight: {weight}; must be between {MIN_WEIGHT:g} and {MAX_WEIGHT:g}")
+    # Bounded denominators keep the tag arithmetic exact and cheap.
+    return Fraction(weight).limit_denominator(1_000_000)
+
+
+def _pick(
+    vtime: Fraction,
+    finish: dict[str, Fraction],
+    heads: Iterator[tuple[str, _Entry]],
+    eligible: Callable[[str], bool],
+) -> tuple[_Entry, Fraction] | None:
+    """The head job with the smallest start tag max(V, F) among eligible tenants, and that tag."""
+    best: tuple[Fraction, int, _Entry] | None = None
+    for tenant, entry in heads:
+        if not eligible(tenant):
+            continue
+        start = max(vtime, finish.get(tenant, vtime))
+        if best is None or (start, entry.seq) < best[:2]:
+            best = (start, entry.seq, entry)
+    return None if best is None else (best[2], best[0])
+
+
+class FairScheduler:
+    """The queue of admitted jobs and the set of running ones, by job id.
+
+    Lifecycle of a job id: `admit` -> (`remove` while queued) or `next_runnable`
+    returns it -> `finished`. Limits: `max_queued` over all tenants (None: no
+    limit), `max_running` over all tenants (None: the caller limits concurrency
+    itself), and each tenant's `TenantLimits` as given with its latest `admit`.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_queued: int | None = 256,
+        max_running: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        default_job_seconds: float = 30.0,
+        duration_window: int = 32,
+        min_retry_after_s: float = 1.0,
+        max_retry_after_s: float = 3600.0,
+    ) -> None:
+        self.max_queued = max_queued
+        self.max_running = max_running
+        self.clock = clock
+        self.default_job_seconds = default_job_seconds
+        self.min_retry_after_s = min_retry_after_s
+        self.max_retry_after_s = max_retry_after_s
+        self._classes = {priority: _Class() for priority in Priority}
+        self._tenants: dict[str, _Tenant] = {}
+        self._queued: dict[str, _Entry] = {}
+        self._running: dict[str, tuple[str, float]] = {}  # job_id -> (tenant, start time)
+        self._durations: deque[float] = deque(maxlen=duration_window)
+        self._seq = 0
+
+    # ------------------------------------------------------------ changes --
+
+    def admit(
+        self,
+        job_id: str,
+        tenant: str,
+        priority: str | int = Priority.NORMAL,
+        weight: float = 1.0,
+        limits: TenantLimits | None = None,
+        *,
+        check_limits: bool = True,
+    ) -> None:
+        """Queues a job, or raises AdmissionRefused when a queue limit is reached.
+
+        `weight` and `limits` become the tenant's current ones. `check_limits=False`
+        admits regardless of the queue limits: for jobs recovered after a restart,
+        which were admitted once already.
+        """
+        if job_id in self._queued or job_id in self._running:
+            raise ValueError(f"job {job_id} is already admitted")
+        rank = Priority.parse(priority)
+        share = _as_weight(weight)
+        limits = limits or TenantLimits()
+        state = self._tenants.get(tenant)
+        if check_limits:
+            if self.max_queued is not None and len(self._queued) >= self.max_queued:
+                raise AdmissionRefused(
+                    f"the queue holds {len(self._queued)} jobs, its limit; retry later",
+                    retry_after_s=self.retry_after(),
+                    scope="global",
+                    tenant=tenant,
+                )
+            queued = state.queued if state else 0
+            if limits.max_queued is not None and queued >= limits.max_queued:
+                raise AdmissionRefused(
+                    f"tenant '{tenant}' has {queued} queued jobs, its limit; retry later",
+                    retry_after_s=self.retry_after(tenant),
+                    scope="tenant",
+                    tenant=tenant,
+                )
+        if state is None:
+            state = self._tenants[tenant] = _Tenant(share, limits)
+        state.weight, state.limits = share, limits
+        state.queued += 1
+        self._seq += 1
+        entry = _Entry(job_id, tenant, rank, self._seq)
+        self._queued[job_id] = entry
+        self._classes[rank].queues.setdefault(tenant, OrderedDict())[job_id] = entry
+
+    def next_runnable(self) -> str | None:
+        """Takes the job that should start now and counts it as running; None if none may start."""
+        if self.max_running is not None and len(self._running) >= self.max_running:
+            return None
+        for priority in sorted(Priority, reverse=True):
+            cls = self._classes[priority]
+            picked = _pick(
+                cls.vtime,
+                cls.finish,
+                ((tenant, next(iter(queue.values()))) for tenant, queue in cls.queues.items()),
+                self._may_start,
+            )
+            if picked is None:
+                continue
+            entry, start = picked
+            tenant = self._tenants[entry.tenant]
+            cls.vtime = start
+            cls.finish[entry.tenant] = start + 1 / tenant.weight
+            self._unqueue(entry)
+            tenant.running += 1
+            self._running[entry.job_id] = (entry.tenant, self.clock())
+            self._forget_stale_tags(cls)
+            return entry.job_id
+        return None
+
+    def finished(self, job_id: str) -> None:
+        """Ends a running job (any outcome) and records its duration for retry estimates."""
+        if job_id not in self._running:
+            raise KeyError(f"job {job_id} is not running")
+        tenant, started = self._running.pop(job_id)
+        self._durations.append(max(0.0, self.clock() - started))
+        self._tenants[tenant].running -= 1
+        self._forget_tenant_if_idle(tenant)
+
+    def remove(self, job_id: str) -> bool:
+        """Drops a queued job (cancelled before it started); False if it is not queued."""
+        entry = self._queued.get(job_id)
+        if entry is None:
+            return False
+        self._unqueue(entry)
+        self._forget_tenant_if_idle(entry.tenant)
+        return True
+
+    # ------------------------------------------------------------ queries --
+
+    def depth(self) -> int:
+        """Queued jobs over all tenants."""
+        return len(self._queued)
+
+    def running_count(self) -> int:
+        return len(self._running)
+
+    def is_queued(self, job_id: str) -> bool:
+        return job_id in self._queued
+
+    def is_running(self, job_id: str) -> bool:
+        return job_id in self._running
+
+    def counts(self, tenant: str) -> TenantCounts:
+        state = self._tenants.get(tenant)
+        return TenantCounts(state.queued, state.running) if state else TenantCounts(0, 0)
+
+    def tenants(self) -> dict[str, TenantCounts]:
+        """Counts of every tenant that has queued or running jobs."""
+        return {name: TenantCounts(state.queued, state.running) for name, state in self._tenants.items()}
+
+    def position(self, job_id: str) -> int | None:
+        """0-based estimated start order of a queued job (see `positions`); None if not queued."""
+        if job_id not in self._queued:
+            return None
+        return self.positions()[job_id]
+
+    def positions(self) -> dict[str, int]:
+        """Every queued job's estimated place in the start order (0 = next).
+
+        It is the order `next_runnable` would produce from the current state if no
+        job arrived or was removed and no running limit held a tenant back:
+        higher classes first, and inside a class the fair interleaving of tenants
+        by their start tags. Unlike a FIFO position, it can grow: a job that
+        arrives later for a tenant with little recent service, or in a higher
+        class, may be placed in front. A tenant held at its running limit
+        starts later than estimated, and others earlier.
+        """
+        order: dict[str, int] = {}
+        for priority in sorted(Priority, reverse=True):
+            cls = self._classes[priority]
+            vtime, finish = cls.vtime, dict(cls.finish)
+            pending = {tenant: deque(queue.values()) for tenant, queue in cls.queues.items()}
+            while pending:
+                picked = _pick(vtime, finish, ((t, q[0]) for t, q in pending.items()), lambda _: True)
+                assert picked is not None
+                entry, start = picked
+                vtime = start
+                finish[entry.tenant] = start + 1 / self._tenants[entry.tenant].weight
+                order[entry.job_id] = len(order)
+                queue = pending[entry.tenant]
+                queue.popleft()
+                if not queue:
+                    del pending[entry.tenant]
+        return order
+
+    def retry_after(self, tenant: str | None = None) -> float:
+        """Seconds until a refused admission would likely succeed, from recent job durations.
+
+        For the whole queue: a queued job starts (freeing a place) each time a
+        running job ends, about every mean duration / jobs running at once. For
+        a tenant: its first queued job must start, which takes its position + 1
+        such intervals, and at least mean duration / its running limit when that
+        limit holds it back. Clamped to [min_retry_after_s, max_retry_after_s].
+        """
+        mean = sum(self._durations) / len(self._durations) if self._durations else self.default_job_seconds
+        parallel = self.max_running or max(1, len(self._running))
+        estimate = mean / parallel
+        state = self._tenants.get(tenant) if tenant is not None else None
+        if state is not None and state.queued:
+            positions = self.positions()
+            ahead = min(positions[job_id] for job_id, entry in self._queued.items() if entry.tenant == tenant)
+            estimate = mean * (ahead + 1) / parallel
+            limit = state.limits.max_running
+            if limit is not None and state.running >= limit:
+                estimate = max(estimate, mean / limit)
+        return min(self.max_retry_after_s, max(self.min_retry_after_s, estimate))
+
+    # ----------------------------------------------------------- internals --
+
+    def _may_start(self, tenant: str) -> bool:
+        state = self._tenants[tenant]
+        return state.limits.max_running is None or state.running < state.limits.max_running
+
+    def _unqueue(self, entry: _Entry) -> None:
+        del self._queued[entry.job_id]
+        queues = self._classes[entry.priority].queues
+        queue = queues[entry.tenant]
+        del queue[entry.job_id]
+        if not queue:
+            del queues[entry.tenant]
+        self._tenants[entry.tenant].queued -= 1
+
+    def _forget_stale_tags(self, cls: _Class) -> None:
+        """Drops finish tags at or below V of tenants with nothing queued: max(V, F) = V for them anyway."""
+        stale = [t for t, tag in cls.finish.items() if tag <= cls.vtime and t not in cls.queues]
+        for tenant in stale:
+            del cls.finish[tenant]
+
+    def _forget_tenant_if_idle(self, tenant: str) -> None:
+        state = self._tenants[tenant]
+        if state.queued == 0 and state.running == 0:
+            del self._tenants[tenant]
