@@ -25,5 +25,7 @@ def make_denoiser(
 ) -> Denoiser:
     """The family's denoiser: QwenImageDenoiser for qwen-image, WanDenoiser for the Wan families."""
     if read_checkpoint(model_dir).family == "qwen-image":
-        return QwenImageDenoiser(model_dir, device, dtype, parallel=parallel, options=options)
+        return QwenImageDenoiser(
+            model_dir, device, dtype, parallel=parallel, options=options, load_threads=load_threads
+        )
     return WanDenoiser(model_dir, device, dtype, parallel=parallel, options=options, load_threads=load_threads)

@@ -27,6 +27,7 @@ class DitPayload:
     dtype: torch.dtype
     config: ParallelConfig
     options: ModelOptions
+    load_threads: int = 4
 
 
 class DitWorker:
@@ -42,7 +43,14 @@ class DitWorker:
 
 def make_dit_worker(rank: int, device: torch.device, payload: DitPayload) -> DitWorker:
     return DitWorker(
-        make_denoiser(payload.model_dir, device, payload.dtype, parallel=payload.config, options=payload.options)
+        make_denoiser(
+            payload.model_dir,
+            device,
+            payload.dtype,
+            parallel=payload.config,
+            options=payload.options,
+            load_threads=payload.load_threads,
+        )
     )
 
 
@@ -57,9 +65,11 @@ class DenoiserGroup:
         threads: int,
         config: ParallelConfig,
         options: ModelOptions,
+        load_threads: int = 4,
     ) -> None:
         settings = GroupSettings("dit", config.total_ranks, device.type, threads, free_port())
-        self.group = RankGroup(settings, make_dit_worker, DitPayload(str(model_dir), dtype, config, options))
+        payload = DitPayload(str(model_dir), dtype, config, options, load_threads)
+        self.group = RankGroup(settings, make_dit_worker, payload)
         self.denoiser: Denoiser = self.group.worker.denoiser
 
     @property

@@ -30,7 +30,9 @@ from dit_svc.model_options import ModelOptions, apply_model_options
 from dit_svc.parallel import ParallelConfig, ParallelConfigError, build_mesh, parallelize_transformer
 from dit_svc.parallel.cfg import agree_to_continue, cfg_parallel_predictions
 from dit_svc.parallel.mesh import device_type_for
+from services.families import QWEN_REASONS
 from services.stage import Cancelled
+from services.weights import load_pretrained
 
 
 @dataclass(frozen=True)
@@ -63,11 +65,17 @@ class QwenTextEmbeds:
 
 
 # Layouts the Qwen-Image DiT runs; the others are refused at startup, before anything loads.
-SUPPORTED_PARALLEL = "--cfg-parallel-size 2 and --ulysses-degree 2"
+SUPPORTED_PARALLEL = "--ulysses-degree N (N dividing the attention heads) and --cfg-parallel-size 2"
+# Flags of the parallel methods this family does not run, with their services/families.py feature.
+REFUSED_PARALLEL_FLAGS = (
+    ("--ring-degree", "ring"),
+    ("--tensor-parallel-size", "tensor_parallel"),
+    ("--use-hsdp", "hsdp"),
+)
 
 
 def check_qwen_parallel(config: ParallelConfig) -> None:
-    """Refuses parallel methods this family does not run yet, naming what it does run.
+    """Refuses parallel methods this family does not run, with the registry's reason, naming what it does run.
 
     CFG-parallel needs nothing from the model; Ulysses splits the image tokens and keeps the text
     whole (dit_svc/parallel/qwen_sequence_parallel.py). Ring attention would have to merge the
@@ -75,19 +83,13 @@ def check_qwen_parallel(config: ParallelConfig) -> None:
     model's `_tp_plan` and block layout; the implementations in dit_svc/parallel/ for those take
     only WanTransformer3DModel.
     """
-    refused = [
-        flag
-        for flag, used in (
-            ("--ring-degree", config.ring_degree > 1),
-            ("--tensor-parallel-size", config.tp_degree > 1),
-            ("--use-hsdp", config.use_hsdp),
-        )
-        if used
-    ]
+    used = {"ring": config.ring_degree > 1, "tensor_parallel": config.tp_degree > 1, "hsdp": config.use_hsdp}
+    refused = [(flag, feature) for flag, feature in REFUSED_PARALLEL_FLAGS if used[feature]]
     if refused:
+        flags = ", ".join(flag for flag, _ in refused)
+        reasons = "; ".join(f"{flag}: {QWEN_REASONS[feature]}" for flag, feature in refused)
         raise ParallelConfigError(
-            f"the qwen-image family does not support {', '.join(refused)} yet; it runs {SUPPORTED_PARALLEL} "
-            "(ring, tensor and HSDP parallelism are implemented for the Wan families only)"
+            f"the qwen-image family does not support {flags}; it runs {SUPPORTED_PARALLEL} ({reasons})"
         )
 
 
@@ -101,21 +103,24 @@ class QwenImageDenoiser:
         dtype: torch.dtype,
         parallel: ParallelConfig | None = None,
         options: ModelOptions | None = None,
+        load_threads: int = 4,
     ) -> None:
         model_dir = Path(model_dir)
         self.device = device
-        self.transformer = QwenImageTransformer2DModel.from_pretrained(model_dir / "transformer", torch_dtype=dtype)
-        self.transformer.to(device).eval()
+        self.parallel = parallel if parallel is not None and parallel.total_ranks > 1 else None
+        if self.parallel is not None:
+            check_qwen_parallel(self.parallel)  # before reading any weight
+        self.transformer = load_pretrained(
+            QwenImageTransformer2DModel, model_dir / "transformer", device=device, dtype=dtype, num_threads=load_threads
+        ).eval()
         if options is not None:
             apply_model_options([self.transformer], options, device)
         self.scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model_dir / "scheduler")
         vae_config = json.loads((model_dir / "vae" / "config.json").read_text())
         # QwenImagePipeline: 2 ** len(temperal_downsample), and 2x2 packing on top.
         self.vae_scale_factor = 2 ** len(vae_config.get("temperal_downsample", [False, True, True]))
-        self.parallel = parallel if parallel is not None and parallel.total_ranks > 1 else None
         self.cfg_group = None
         if self.parallel is not None:
-            check_qwen_parallel(self.parallel)
             mesh = build_mesh(self.parallel, device_type_for(device))
             parallelize_transformer(self.transformer, self.parallel, mesh, device)
             if self.parallel.cfg_degree > 1:

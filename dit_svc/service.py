@@ -69,7 +69,13 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
             )
         else:
             self.denoiser = DenoiserGroup(
-                runtime.spec.path, runtime.device, runtime.dtype, self.threads, self.parallel, self.options
+                runtime.spec.path,
+                runtime.device,
+                runtime.dtype,
+                self.threads,
+                self.parallel,
+                self.options,
+                load_threads=runtime.load_threads,
             )
             runtime.parallel_config = {
                 **self.parallel.describe(),

@@ -22,6 +22,35 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def a14b_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Wan2.2 A14B checkpoint: two experts, `transformer_2` below boundary_ratio."""
+    return init_model("wan2.2-a14b", "tiny", tmp_path_factory.mktemp("models") / "a14b-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwen_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model("qwen-image", "tiny", tmp_path_factory.mktemp("models") / "qwen-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def a14b_pipeline(a14b_model: Path):
+    from diffusers import WanPipeline
+
+    pipeline = WanPipeline.from_pretrained(a14b_model)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+@pytest.fixture(scope="session")
+def qwen_pipeline(qwen_model: Path):
+    from diffusers import QwenImagePipeline
+
+    pipeline = QwenImagePipeline.from_pretrained(qwen_model)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+@pytest.fixture(scope="session")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """The local cluster every end-to-end test shares (tests that kill stages start their own)."""
     from stagediff.local_cluster import LocalCluster

@@ -6,6 +6,7 @@ cluster (single DiT and parallel DiT layouts) the frames equal the in-process pi
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from services.checkpoint import read_checkpoint
+from services.families import FAMILIES, FEATURES, QWEN_REASONS
 from stagediff import Client, StageDiffError
 from stagediff.init_model import (
     A14B_BOUNDARY_RATIO,
@@ -28,40 +30,11 @@ from stagediff.init_model import (
     QWEN_TEXT_ENCODER_CONFIGS,
     QWEN_TRANSFORMER_CONFIGS,
     QWEN_VAE_CONFIGS,
-    init_model,
 )
 from stagediff.local_cluster import LocalCluster
 from tests.conftest import THREADS_PER_STAGE, reference_frames
 
 # ------------------------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def qwen_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_model("qwen-image", "tiny", tmp_path_factory.mktemp("models") / "qwen-tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
-def a14b_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_model("wan2.2-a14b", "tiny", tmp_path_factory.mktemp("models") / "a14b-tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
-def qwen_pipeline(qwen_model: Path):
-    from diffusers import QwenImagePipeline
-
-    pipeline = QwenImagePipeline.from_pretrained(qwen_model)
-    pipeline.set_progress_bar_config(disable=True)
-    return pipeline
-
-
-@pytest.fixture(scope="module")
-def a14b_pipeline(a14b_model: Path):
-    from diffusers import WanPipeline
-
-    pipeline = WanPipeline.from_pretrained(a14b_model)
-    pipeline.set_progress_bar_config(disable=True)
-    return pipeline
 
 
 def _cluster(model: Path, log_dir: Path, dit_flags: list[str] | None = None) -> Iterator[LocalCluster]:
@@ -120,6 +93,42 @@ def _assert_close(frames: np.ndarray, expected: np.ndarray) -> None:
     difference = np.abs(frames.astype(np.int16) - expected.astype(np.int16))
     assert difference.max() <= 1, f"max difference {difference.max()} levels"
     assert expected.std() > 1.0, "the reference is flat: the comparison would prove little"
+
+
+# ------------------------------------------------------------------------------------------- registry
+
+
+def _test_names(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name.startswith("test")}
+
+
+def test_every_refusal_in_the_registry_names_existing_tests() -> None:
+    """A flag refused at startup is unsupported, and the tests of its refusal exist."""
+    repo = Path(__file__).resolve().parent.parent
+    for family in FAMILIES.values():
+        for feature in FEATURES:
+            support = family.support(feature)
+            if not support.refusal_tests:
+                continue
+            assert not support.supported and support.reason, f"{family.name} / {feature}"
+            assert support.cell().endswith("; refused at startup"), support.cell()
+            for reference in support.refusal_tests:
+                path, name = reference.split("::")
+                assert (repo / path).is_file(), f"{family.name} / {feature}: {path} does not exist"
+                assert name in _test_names(repo / path), f"{family.name} / {feature}: no test {name} in {path}"
+
+
+def test_qwen_refusals_in_the_registry() -> None:
+    """qwen-image refuses ring, TP, HSDP and VAE patch parallelism with the reasons the DiT's refusal names."""
+    qwen = FAMILIES["qwen-image"]
+    refused = {feature for feature in FEATURES if qwen.support(feature).refused_at_startup}
+    assert refused == {"ring", "tensor_parallel", "hsdp", "vae_patch_parallel"} == set(QWEN_REASONS)
+    for feature, reason in QWEN_REASONS.items():
+        assert qwen.support(feature).reason == reason
+    for name in ("wan-t2v", "wan2.2-a14b"):
+        unsupported = [feature for feature in FEATURES if not FAMILIES[name].support(feature).supported]
+        assert unsupported == [], f"{name}: {unsupported}"
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
@@ -181,8 +190,9 @@ def test_qwen_checkpoint_loads_and_runs_in_qwen_image_pipeline(qwen_model: Path,
     for token in ("<|im_start|>", "<|im_end|>"):
         assert tokenizer.tokenize(token) == [token]
 
-    images = qwen_reference(qwen_pipeline, prompt="a red fox", negative_prompt="blurry", height=64, width=64,
-                            steps=2, guidance=4.0, seed=0)
+    images = qwen_reference(
+        qwen_pipeline, prompt="a red fox", negative_prompt="blurry", height=64, width=64, steps=2, guidance=4.0, seed=0
+    )
     assert images.shape == (1, 64, 64, 3) and images.std() > 1.0
 
 
@@ -217,16 +227,37 @@ def test_qwen_embeddings_drop_padding_like_the_pipeline() -> None:
 
 QWEN_CASES = [
     # square, true CFG with a negative prompt
-    dict(prompt="a red fox running through snow", negative_prompt="blurry, low quality", height=64, width=64,
-         steps=2, guidance=4.0, seed=0),
+    dict(
+        prompt="a red fox running through snow",
+        negative_prompt="blurry, low quality",
+        height=64,
+        width=64,
+        steps=2,
+        guidance=4.0,
+        seed=0,
+    ),
     # non-square, CFG off, more steps, another seed
     dict(prompt="a lighthouse at dusk", negative_prompt="", height=48, width=80, steps=3, guidance=1.0, seed=1234),
     # tall, a negative prompt longer than the prompt (the prompt's embeddings travel padded), a seed above 2**32
-    dict(prompt="waves", negative_prompt="text, watermark, jpeg artifacts, extra fingers, worst quality",
-         height=80, width=32, steps=2, guidance=2.5, seed=2**40 + 5),
+    dict(
+        prompt="waves",
+        negative_prompt="text, watermark, jpeg artifacts, extra fingers, worst quality",
+        height=80,
+        width=32,
+        steps=2,
+        guidance=2.5,
+        seed=2**40 + 5,
+    ),
     # CFG with an empty negative prompt, as the pipeline runs it when negative_prompt="" is given
-    dict(prompt="a bowl of fruit on a wooden table", negative_prompt="", height=32, width=48, steps=4,
-         guidance=6.0, seed=7),
+    dict(
+        prompt="a bowl of fruit on a wooden table",
+        negative_prompt="",
+        height=32,
+        width=48,
+        steps=4,
+        guidance=6.0,
+        seed=7,
+    ),
 ]
 
 
@@ -260,16 +291,40 @@ def test_qwen_defaults_and_cli_png(qwen_cluster, qwen_pipeline, tmp_path: Path) 
 
     out = tmp_path / "fox.png"
     completed = subprocess.run(
-        [sys.executable, "-m", "stagediff.cli", "generate", "--endpoint", qwen_cluster.endpoint,
-         "--prompt", "a red fox", "--negative-prompt", "blurry", "--seed", "3", "--out", str(out), "--quiet"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "stagediff.cli",
+            "generate",
+            "--endpoint",
+            qwen_cluster.endpoint,
+            "--prompt",
+            "a red fox",
+            "--negative-prompt",
+            "blurry",
+            "--seed",
+            "3",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert completed.returncode == 0, completed.stderr
     image = np.asarray(Image.open(out).convert("RGB"))[None]
     defaults = QWEN_DEFAULT_REQUESTS["tiny"]
-    expected = qwen_reference(qwen_pipeline, prompt="a red fox", negative_prompt="blurry", height=defaults["height"],
-                              width=defaults["width"], steps=defaults["num_inference_steps"],
-                              guidance=defaults["guidance_scale"], seed=3)
+    expected = qwen_reference(
+        qwen_pipeline,
+        prompt="a red fox",
+        negative_prompt="blurry",
+        height=defaults["height"],
+        width=defaults["width"],
+        steps=defaults["num_inference_steps"],
+        guidance=defaults["guidance_scale"],
+        seed=3,
+    )
     _assert_close(image, expected)
 
 
@@ -320,13 +375,15 @@ def test_qwen_ulysses_transformer_equals_one_rank(zero_cond_t: bool) -> None:
     # (rows, columns, text mask): 15 image tokens (padded to 16) and 16, with and without text padding
     for rows, columns, mask in ((3, 5, [1, 1, 1, 1, 1, 0, 0]), (4, 4, None), (3, 5, None)):
         shapes = [(1, rows, columns)] * (2 if zero_cond_t else 1)
-        cases.append(dict(
-            hidden_states=torch.randn(1, rows * columns * len(shapes), config["in_channels"], generator=generator),
-            encoder_hidden_states=torch.randn(1, 7, config["joint_attention_dim"], generator=generator),
-            encoder_hidden_states_mask=None if mask is None else torch.tensor([mask]),
-            timestep=torch.tensor([0.5]),
-            img_shapes=[shapes],
-        ))
+        cases.append(
+            dict(
+                hidden_states=torch.randn(1, rows * columns * len(shapes), config["in_channels"], generator=generator),
+                encoder_hidden_states=torch.randn(1, 7, config["joint_attention_dim"], generator=generator),
+                encoder_hidden_states_mask=None if mask is None else torch.tensor([mask]),
+                timestep=torch.tensor([0.5]),
+                img_shapes=[shapes],
+            )
+        )
     torch.manual_seed(0)
     model = QwenImageTransformer2DModel(**config).eval()
     with torch.no_grad():
@@ -376,9 +433,22 @@ def test_qwen_dit_layout_check_accepts_ulysses(qwen_model) -> None:
 @pytest.mark.e2e
 def test_qwen_dit_refuses_ring_at_startup(qwen_model) -> None:
     completed = subprocess.run(
-        [sys.executable, "-m", "stagediff.cli", "serve", "dit", "--model", str(qwen_model), "--port", "0",
-         "--ring-degree", "2"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "stagediff.cli",
+            "serve",
+            "dit",
+            "--model",
+            str(qwen_model),
+            "--port",
+            "0",
+            "--ring-degree",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert completed.returncode != 0
     assert "qwen-image does not support --ring-degree" in completed.stderr.replace("family ", ""), completed.stderr
@@ -387,9 +457,22 @@ def test_qwen_dit_refuses_ring_at_startup(qwen_model) -> None:
 @pytest.mark.e2e
 def test_qwen_vae_refuses_patch_parallel_at_startup(qwen_model) -> None:
     completed = subprocess.run(
-        [sys.executable, "-m", "stagediff.cli", "serve", "vae", "--model", str(qwen_model), "--port", "0",
-         "--vae-patch-parallel-size", "2"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "stagediff.cli",
+            "serve",
+            "vae",
+            "--model",
+            str(qwen_model),
+            "--port",
+            "0",
+            "--vae-patch-parallel-size",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert completed.returncode != 0
     assert "qwen-image" in completed.stderr and "--vae-patch-parallel-size" in completed.stderr, completed.stderr
@@ -399,10 +482,26 @@ def test_qwen_vae_refuses_patch_parallel_at_startup(qwen_model) -> None:
 
 # Two UniPC steps run 999 (>= 875: transformer) then 750 (transformer_2); four run 999, 900, 750, 500.
 A14B_CASES = [
-    dict(prompt="a red fox running through snow", negative_prompt="blurry, low quality", height=64, width=64,
-         num_frames=9, steps=2, guidance=5.0, seed=0),
-    dict(prompt="a lighthouse at dusk", negative_prompt="", height=48, width=80, num_frames=5, steps=4,
-         guidance=1.0, seed=1234),
+    dict(
+        prompt="a red fox running through snow",
+        negative_prompt="blurry, low quality",
+        height=64,
+        width=64,
+        num_frames=9,
+        steps=2,
+        guidance=5.0,
+        seed=0,
+    ),
+    dict(
+        prompt="a lighthouse at dusk",
+        negative_prompt="",
+        height=48,
+        width=80,
+        num_frames=5,
+        steps=4,
+        guidance=1.0,
+        seed=1234,
+    ),
 ]
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
+from services.weights import load_pretrained
 from text_encoder_svc.encoder import EmbeddingCache
 
 # QwenImagePipeline's prompt template and prompt_template_encode_start_idx.
@@ -37,13 +38,20 @@ class QwenPromptEncoder:
         device: torch.device,
         dtype: torch.dtype,
         cache_size: int = 1024,
+        load_threads: int = 4,
     ) -> None:
         model_dir = Path(model_dir)
         self.model_id = model_id
         self.device = device
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
-        self.text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir / "text_encoder", dtype=dtype)
-        self.text_encoder.to(device).eval()
+        # The stage's --num-weight-load-threads reads the weights, as for Wan's UMT5 encoder.
+        self.text_encoder = load_pretrained(
+            Qwen2_5_VLForConditionalGeneration,
+            model_dir / "text_encoder",
+            device=device,
+            dtype=dtype,
+            num_threads=load_threads,
+        ).eval()
         self.cache = EmbeddingCache(cache_size)
 
     @property

@@ -38,7 +38,12 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
         runtime = self.runtime
         if spec.family == "qwen-image":
             self.encoder = QwenPromptEncoder(
-                spec.path, spec.model_id, runtime.device, runtime.dtype, cache_size=self.args.embedding_cache_size
+                spec.path,
+                spec.model_id,
+                runtime.device,
+                runtime.dtype,
+                cache_size=self.args.embedding_cache_size,
+                load_threads=runtime.load_threads,
             )
         else:
             self.encoder = PromptEncoder(

@@ -44,7 +44,9 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
     def load(self) -> None:
         runtime, args = self.runtime, self.args
         if runtime.spec.family == "qwen-image":
-            self.decoder = QwenImageDecoder(runtime.spec.path, runtime.device, runtime.dtype)
+            self.decoder = QwenImageDecoder(
+                runtime.spec.path, runtime.device, runtime.dtype, load_threads=runtime.load_threads
+            )
         elif self.patch_parallel_size > 1:
             self.decoder = PatchParallelDecoder(
                 runtime.spec.path, runtime.device, runtime.dtype, args.threads, self.patch_parallel_size
