@@ -6,6 +6,12 @@ that file and starts each service's `command` as `python -m stagediff.cli ...`,
 rewritten for one machine: every service gets a free local port, SERVICE:PORT
 references point at those ports, container paths point at host paths, and GPU
 reservations are dropped.
+
+A stage may run as several replicas: services named `<stage>-N` (`dit-2`) are
+replicas of `<stage>`, and `--replicas dit=2` clones the stage's service until
+it has that many. Every SERVICE:PORT reference to one replica of a stage
+becomes the comma-separated list of all of them, the form the orchestrator's
+stage flags take.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -195,6 +201,99 @@ def _port_of(name: str, command: list[str]) -> int:
     raise ValueError(f"service {name}: its command has no --port, so it cannot be reached")
 
 
+_REPLICA_NAME = re.compile(r"^(?P<stage>.+)-(?P<number>\d+)$")
+
+
+def replica_groups(services: dict[str, ComposeService]) -> dict[str, list[str]]:
+    """Each stage service and its replicas (`<stage>-N`), the stage first, then by N."""
+    groups: dict[str, list[str]] = {}
+    for name, service in services.items():
+        if service.is_entry:
+            continue
+        match = _REPLICA_NAME.match(name)
+        if match and match["stage"] in services and not services[match["stage"]].is_entry:
+            groups.setdefault(match["stage"], []).append(name)
+        else:
+            groups.setdefault(name, []).insert(0, name)
+    for members in groups.values():
+        members[1:] = sorted(members[1:], key=lambda member: int(member.rsplit("-", 1)[1]))
+    return groups
+
+
+def parse_replicas(text: str) -> dict[str, int]:
+    """`text-encoder=1,dit=2` -> {"text-encoder": 1, "dit": 2}."""
+    counts: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        stage, equals, count = item.partition("=")
+        if not equals or not count.strip().isdigit() or int(count) < 1:
+            raise argparse.ArgumentTypeError(f"{item!r}: use STAGE=COUNT with COUNT >= 1, e.g. dit=2")
+        counts[stage.strip()] = int(count)
+    return counts
+
+
+def with_replicas(services: dict[str, ComposeService], counts: dict[str, int]) -> dict[str, ComposeService]:
+    """The services with each stage in `counts` cloned (as `<stage>-N`) or trimmed to that many replicas,
+    and every reference to a replica of a stage expanded to all of them."""
+    groups = replica_groups(services)
+    unknown = sorted(set(counts) - set(groups))
+    if unknown:
+        raise ValueError(f"--replicas names {unknown}, which are not stages; stages: {sorted(groups)}")
+    members: dict[str, list[str]] = {}
+    for stage, names in groups.items():
+        wanted = counts.get(stage, len(names))
+        kept = names[:wanted]
+        number = max([1, *(int(name.rsplit("-", 1)[1]) for name in names[1:])])
+        while len(kept) < wanted:
+            number += 1
+            kept.append(f"{stage}-{number}")
+        members[stage] = kept
+    stage_of = {name: stage for stage, names in groups.items() for name in names}
+    references = {f"{name}:{services[name].container_port}": stage_of[name] for name in stage_of}
+
+    def expand(text: str) -> str:
+        parts = text.split(",")
+        stages = {references.get(part) for part in parts}
+        if len(stages) != 1 or None in stages:
+            return text
+        (stage,) = stages
+        return ",".join(f"{name}:{services.get(name, services[stage]).container_port}" for name in members[stage])
+
+    def expand_command(command: list[str]) -> list[str]:
+        expanded = []
+        for arg in command:
+            option, equals, inline = arg.partition("=")
+            expanded.append(f"{option}={expand(inline)}" if equals and option.startswith("--") else expand(arg))
+        return expanded
+
+    def expand_depends_on(depends_on: dict[str, str]) -> dict[str, str]:
+        result: dict[str, str] = {}
+        for name, condition in depends_on.items():
+            for member in members[stage_of[name]] if name in stage_of else [name]:
+                result.setdefault(member, condition)
+        return result
+
+    result: dict[str, ComposeService] = {}
+    for name, service in services.items():
+        stage = stage_of.get(name)
+        if stage is None:
+            result[name] = replace(
+                service, command=expand_command(service.command), depends_on=expand_depends_on(service.depends_on)
+            )
+            continue
+        if members[stage][0] in result:
+            continue
+        # Where a stage first appears in the file: all its replicas, declared or cloned from the stage.
+        for member in members[stage]:
+            source = services.get(member, services[stage])
+            result[member] = replace(
+                source,
+                name=member,
+                command=expand_command(source.command),
+                depends_on=expand_depends_on(source.depends_on),
+            )
+    return result
+
+
 def start_order(services: dict[str, ComposeService]) -> list[str]:
     """Services after everything they depend on; file order otherwise."""
     order: list[str] = []
@@ -243,6 +342,8 @@ def rewrite_command(
     mounts = sorted(path_map, key=lambda pair: len(pair[1]), reverse=True)
 
     def value(text: str) -> str:
+        if "," in text:  # a list of endpoints: the replicas of a stage
+            return ",".join(value(part) for part in text.split(","))
         if text in references:
             return format_endpoint(connect_host(host), local_ports[references[text]])
         name, _, port = text.rpartition(":")
@@ -382,7 +483,10 @@ class LocalCluster:
         log_dir: str | os.PathLike[str] | None = None,
         env: dict[str, str] | None = None,
         echo_logs: bool = False,
+        replicas: dict[str, int] | None = None,
     ) -> None:
+        """`extra_args` go to the named service, or to every replica when it names a stage;
+        `replicas` sets how many processes a stage runs (`{"dit": 2}`)."""
         self.model_dir = Path(model_dir).resolve()
         self.compose_file = Path(compose_file).resolve()
         self.port = port
@@ -392,11 +496,13 @@ class LocalCluster:
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.env = dict(env or {})
         self.echo_logs = echo_logs
-        self.compose = load_compose(self.compose_file, {**os.environ, **self.env})
+        self.compose = with_replicas(load_compose(self.compose_file, {**os.environ, **self.env}), replicas or {})
+        self.stage_of = {name: stage for stage, names in replica_groups(self.compose).items() for name in names}
         unknown = set(self.extra_args) - set(self.compose)
         if unknown:
             raise ValueError(f"extra_args names services that are not in {self.compose_file}: {sorted(unknown)}")
         self._services: dict[str, ServiceProcess] = {}
+        self._plans: dict[str, LaunchSpec] = {}
         self._lock = threading.Lock()
 
     # -- planning -------------------------------------------------------
@@ -420,6 +526,9 @@ class LocalCluster:
             args = rewrite_command(service, host=self.host, local_ports=ports, services=self.compose, path_map=path_map)
             if self.threads_per_stage and not service.is_entry:
                 args += ["--threads", str(self.threads_per_stage)]
+            stage = self.stage_of.get(name, name)
+            if stage != name:
+                args += self.extra_args.get(stage, [])
             args += self.extra_args.get(name, [])
             plans[name] = LaunchSpec(
                 name=name,
@@ -455,7 +564,7 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         atexit.register(self.stop)
         try:
-            plans = self.plan()
+            plans = self._plans = self.plan()
             for plan in plans.values():
                 self._wait_healthy(plan.waits_for, deadline, timeout)
                 started = self._spawn(plan)
@@ -467,13 +576,34 @@ class LocalCluster:
             raise
         return self
 
-    def _spawn(self, plan: LaunchSpec) -> ServiceProcess:
+    def replicas(self, stage: str) -> list[str]:
+        """The services that run `stage` (`dit`, `dit-2`, ...)."""
+        return [name for name, of in self.stage_of.items() if of == stage]
+
+    def kill(self, name: str, signum: int = signal.SIGKILL) -> None:
+        """Sends `signum` to a service (its whole session, so ranks it spawned go too) and waits for it to exit."""
+        service = self._services[name]
+        _signal(service.process, signum, group=True)
+        service.process.wait()
+
+    def restart(self, name: str, timeout: float = 300.0) -> ServiceProcess:
+        """Starts an exited service again with the same command and port; returns once it is SERVING."""
+        with self._lock:
+            old = self._services[name]
+        if old.process.poll() is None:
+            raise RuntimeError(f"{name} (pid {old.pid}) is still running; stop or kill it first")
+        _close_log(old)
+        service = self._spawn(self._plans[name], log_mode="ab")
+        self._wait_healthy([name], time.monotonic() + timeout, timeout)
+        return service
+
+    def _spawn(self, plan: LaunchSpec, log_mode: str = "wb") -> ServiceProcess:
         assert self.log_dir is not None
         log_path = self.log_dir / f"{plan.name}.log"
         environment = {**os.environ, **plan.environment, **self.env}
         # Children import stagediff from the same tree as this process, whatever their cwd.
         environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), environment.get("PYTHONPATH")]))
-        log_file = log_path.open("wb")
+        log_file = log_path.open(log_mode)
         process = subprocess.Popen(
             [sys.executable, "-m", "stagediff.cli", *plan.args],
             stdin=subprocess.DEVNULL,
@@ -539,10 +669,7 @@ class LocalCluster:
                     service.process.wait()
             remaining = [service for service in remaining if service not in wave]
         for service in self._services.values():
-            if service._echo_thread is not None:
-                service._echo_thread.join(timeout=5.0)
-            if service._log_file is not None and not service._log_file.closed:
-                service._log_file.close()
+            _close_log(service)
         atexit.unregister(self.stop)
 
     def __enter__(self) -> LocalCluster:
@@ -550,6 +677,13 @@ class LocalCluster:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def _close_log(service: ServiceProcess) -> None:
+    if service._echo_thread is not None:
+        service._echo_thread.join(timeout=5.0)
+    if service._log_file is not None and not service._log_file.closed:
+        service._log_file.close()
 
 
 def _signal(process: subprocess.Popen[bytes], signum: int, group: bool = False) -> None:
@@ -632,6 +766,7 @@ def _up(args: argparse.Namespace) -> int:
             threads_per_stage=args.threads_per_stage,
             log_dir=args.log_dir,
             echo_logs=args.echo_logs,
+            replicas=args.replicas,
         )
     except (OSError, ValueError, yaml.YAMLError) as error:
         print(f"stagediff up: {error}", file=sys.stderr, flush=True)
@@ -684,6 +819,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--log-dir", default=None, help="where SERVICE.log files go (default: a new temporary directory)")
     up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds until every service is SERVING")
     up.add_argument("--echo-logs", action="store_true", help="also copy every service's log to stderr")
+    up.add_argument(
+        "--replicas",
+        type=parse_replicas,
+        default=None,
+        metavar="STAGE=N[,STAGE=N...]",
+        help="processes per stage, e.g. text-encoder=1,dit=2,vae=2,interp=1 (default: the compose file's "
+        "services; `<stage>-N` services are replicas of `<stage>`)",
+    )
     stage_options = up.add_argument_group("stage options", "passed to the stage they concern")
     for names, service, options in STAGE_FLAGS:
         stage_options.add_argument(*names, default=None, help=f"passed to {service}", **options)

@@ -7,24 +7,30 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 
 from services.orchestrator.jobs import JobManager, JobState
 from services.orchestrator.pipeline import Pipeline
 from services.orchestrator.stage_clients import StagePool
 from services.tensor_codec import TensorAssembler
 from stagediff import Client
-from stagediff.v1 import generation_pb2, stages_pb2, stages_pb2_grpc
+from stagediff.v1 import generation_pb2, stages_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 
 
-class FlakyVae(stages_pb2_grpc.VaeDecoderServicer):
+class FlakyVae(stages_pb2_grpc.VaeDecoderServicer, stages_pb2_grpc.StageControlServicer):
     """Relays to the real VAE, but drops the first call with UNAVAILABLE after its first frame chunk."""
 
     def __init__(self, real_endpoint: str) -> None:
         self.channel = grpc.aio.insecure_channel(real_endpoint)
         self.real = stages_pb2_grpc.VaeDecoderStub(self.channel)
+        self.real_control = stages_pb2_grpc.StageControlStub(self.channel)
         self.calls = 0
+
+    async def GetStageInfo(self, request, context):
+        return await self.real_control.GetStageInfo(request)
 
     async def Decode(self, request_iterator, context):
         self.calls += 1
@@ -40,16 +46,27 @@ async def _run(cluster) -> tuple[list[generation_pb2.GenerateEvent], int, FlakyV
     flaky = FlakyVae(cluster.services["vae"].endpoint)
     server = grpc.aio.server()
     stages_pb2_grpc.add_VaeDecoderServicer_to_server(flaky, server)
+    stages_pb2_grpc.add_StageControlServicer_to_server(flaky, server)
+    # Health stays SERVING: the replica that failed the call rejoins at the next probe, and the retry goes to it.
+    health_pb2_grpc.add_HealthServicer_to_server(health_aio.HealthServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     endpoints = {name: cluster.services[name].endpoint for name in ("text-encoder", "dit", "interp")}
-    stages = StagePool({**endpoints, "vae": f"127.0.0.1:{port}"})
-    stages["vae"].info = stages_pb2.StageInfo(limits=stages_pb2.ModelLimits(temporal_factor=4))
+    stages = StagePool({**endpoints, "vae": f"127.0.0.1:{port}"}, probe_interval_s=0.1)
+    await stages.wait_until_serving()
     pipeline = Pipeline(stages, stage_retries=1, retry_backoff_s=0.01)
     jobs = JobManager(pipeline.run)
     request = generation_pb2.GenerateRequest(
-        model="tiny", prompt="a fox", negative_prompt="blurry", height=64, width=64, num_frames=9,
-        num_inference_steps=2, guidance_scale=5.0, seed=0, fps=16,
+        model="tiny",
+        prompt="a fox",
+        negative_prompt="blurry",
+        height=64,
+        width=64,
+        num_frames=9,
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        seed=0,
+        fps=16,
     )
     job, _ = jobs.submit(request)
     events = [event async for event in job.follow()]
@@ -75,6 +92,14 @@ def test_vae_failure_is_retried_without_recomputing_the_dit(cluster) -> None:
                 frames.append(tensor.array)
     assert indexes == [0, 1, 5], "no frame was sent twice"
     with Client(cluster.endpoint) as client:
-        expected = client.generate("a fox", negative_prompt="blurry", height=64, width=64, num_frames=9,
-                                   num_inference_steps=2, guidance_scale=5.0, seed=0).frames
+        expected = client.generate(
+            "a fox",
+            negative_prompt="blurry",
+            height=64,
+            width=64,
+            num_frames=9,
+            num_inference_steps=2,
+            guidance_scale=5.0,
+            seed=0,
+        ).frames
     assert np.array_equal(np.concatenate(frames), expected)

@@ -5,11 +5,21 @@ each latent-frame chunk the DiT sends is forwarded to the VAE as it arrives,
 each frame chunk the VAE sends goes on to the interpolator (or straight to the
 client), and nothing waits for the whole video.
 
-Finished stages leave their output in `job.intermediates` (the embeddings, the
-latent chunks), so when a later stage fails with UNAVAILABLE the job is retried
-from there, without recomputing earlier stages. Frames already sent to the
-client are not sent again on a retry: stages are deterministic, so the frame
-index says which ones a retry may skip.
+Every stage call runs on one replica of its stage, chosen by the stage pool
+(the serving replica with the fewest calls in flight). Finished stages leave
+their output in `job.intermediates` (the embeddings, the latent chunks), so when
+a later stage fails with UNAVAILABLE the job is retried from there, without
+recomputing earlier stages. Frames already sent to the client are not sent
+again on a retry: stages are deterministic, so the frame index (and, within a
+tensor, the byte offset) says what a retry may skip.
+
+Retries: a call that fails with UNAVAILABLE takes its replica out of rotation.
+If another replica of that stage is serving, the job fails over to it at once
+and that retry is free: it does not spend `stage_retries`, which is the budget
+for waiting on a stage with no serving replica. Free failovers are bounded per
+job and stage by the stage's replica count. Otherwise the retry spends one of
+`stage_retries` (after a short backoff), and the next call waits a bounded time
+for a replica to come back before the job fails with UNAVAILABLE naming the stage.
 """
 
 from __future__ import annotations
@@ -48,7 +58,12 @@ def _first_stage_error(group: BaseExceptionGroup) -> BaseException:
 
 
 class ResultPublisher:
-    """Sends the final stage's frame chunks to the job's watchers, skipping frames a retry repeats."""
+    """Sends the final stage's frame chunks to the job's watchers, skipping what a retry repeats.
+
+    Tensors reach the client in frame order, so everything below
+    `frames_published` was sent whole, and of the tensor that starts there the
+    first `bytes_published` bytes were sent before an attempt failed half-way.
+    """
 
     def __init__(self, job: Job, fps: float) -> None:
         self.job = job
@@ -62,18 +77,22 @@ class ResultPublisher:
             count = chunk.header.shape[0] if chunk.header.shape else 0
             self.pending_end = chunk.header.index + count
             self.skipping = self.pending_end <= intermediates.get("frames_published", 0)
-        if self.skipping:
+        if self.skipping or chunk.offset < intermediates.get("bytes_published", 0):
             return
         await self.job.publish(
             generation_pb2.GenerateEvent(result=generation_pb2.ResultChunk(tensor=chunk, fps=self.fps))
         )
         if chunk.last:
             intermediates["frames_published"] = self.pending_end
+            intermediates["bytes_published"] = 0
+        else:
+            intermediates["bytes_published"] = chunk.offset + len(chunk.data)
 
 
 class Pipeline:
     def __init__(self, stages: StagePool, stage_retries: int = 1, retry_backoff_s: float = 0.5) -> None:
         self.stages = stages
+        # Retries of a stage with no other serving replica; failovers to another replica are free.
         self.stage_retries = stage_retries
         self.retry_backoff_s = retry_backoff_s
 
@@ -110,6 +129,7 @@ class Pipeline:
 
     async def _run_with_retries(self, job: Job) -> None:
         attempt = 0
+        failovers: dict[str, int] = {}
         while True:
             try:
                 await self._run_once(job)
@@ -120,6 +140,12 @@ class Pipeline:
                 error = stage_error
             if not isinstance(error, StageError) or error.code != grpc.StatusCode.UNAVAILABLE:
                 raise error
+            stage = self.stages[error.stage]
+            others = [replica for replica in stage.serving() if replica.endpoint != error.endpoint]
+            if others and failovers.get(stage.name, 0) < len(stage.replicas):
+                failovers[stage.name] = failovers.get(stage.name, 0) + 1
+                logger.info("job %s: %s; failing over to another replica", job.job_id, error)
+                continue
             if attempt >= self.stage_retries:
                 raise error
             attempt += 1
@@ -153,7 +179,7 @@ class Pipeline:
 
     async def _encode(self, job: Job) -> None:
         request = job.request
-        client = self.stages["text-encoder"]
+        stage = self.stages["text-encoder"]
         texts = [request.prompt]
         if request.guidance_scale > 1.0:
             texts.append(request.negative_prompt)
@@ -161,19 +187,17 @@ class Pipeline:
         started = time.perf_counter()
         assembler = TensorAssembler()
         tensors: dict[str, torch.Tensor] = {}
-        try:
-            call = client.text_encoder.Encode(
+        async with stage.call() as replica:
+            call = replica.text_encoder.Encode(
                 stages_pb2.EncodeRequest(model=request.model, texts=texts), timeout=self._remaining(job)
             )
             async for response in call:
                 tensor = assembler.feed(response.tensor)
                 if tensor is not None:
                     tensors[tensor.name] = tensor.to_torch()
-        except grpc.aio.AioRpcError as error:
-            raise client.error(error) from None
         assembler.finish()
         if "embeds" not in tensors:
-            raise StageError("text-encoder", client.endpoint, grpc.StatusCode.INTERNAL, "sent no embeddings")
+            raise StageError("text-encoder", replica.endpoint, grpc.StatusCode.INTERNAL, "sent no embeddings")
         # Families with variable-length embeddings (Qwen-Image) also send their padding mask.
         if "embeds_mask" in tensors:
             job.intermediates["embeds_mask"] = tensors["embeds_mask"]
@@ -185,7 +209,7 @@ class Pipeline:
 
     async def _denoise(self, job: Job, latents: asyncio.Queue) -> None:
         request = job.request
-        client = self.stages["dit"]
+        stage = self.stages["dit"]
         embeds = job.intermediates["embeds"]
         mask = job.intermediates.get("embeds_mask")
 
@@ -212,8 +236,8 @@ class Pipeline:
         job.current_stage = "dit"
         started = time.perf_counter()
         received: list[tensor_pb2.TensorChunk] = []
-        try:
-            async for response in client.denoiser.Denoise(requests(), timeout=self._remaining(job)):
+        async with stage.call() as replica:
+            async for response in replica.denoiser.Denoise(requests(), timeout=self._remaining(job)):
                 if response.HasField("progress"):
                     progress = response.progress
                     await job.publish(
@@ -224,8 +248,6 @@ class Pipeline:
                 else:
                     received.append(response.tensor)
                     latents.put_nowait(response.tensor)
-        except grpc.aio.AioRpcError as error:
-            raise client.error(error) from None
         job.intermediates["latent_chunks"] = received
         job.intermediates["latents_complete"] = True
         job.timings["dit"] = time.perf_counter() - started
@@ -235,8 +257,8 @@ class Pipeline:
         self, job: Job, latents: asyncio.Queue, frames: asyncio.Queue | None, publisher: ResultPublisher
     ) -> None:
         request = job.request
-        client = self.stages["vae"]
-        temporal = client.info.limits.temporal_factor if client.info else 4
+        stage = self.stages["vae"]
+        temporal = stage.info.limits.temporal_factor if stage.info else 4
         num_latent_frames = (request.num_frames - 1) // temporal + 1
 
         async def requests():
@@ -248,8 +270,8 @@ class Pipeline:
 
         started = None
         decoded = 0
-        try:
-            async for response in client.vae.Decode(requests(), timeout=self._remaining(job)):
+        async with stage.call() as replica:
+            async for response in replica.vae.Decode(requests(), timeout=self._remaining(job)):
                 if started is None:
                     started = time.perf_counter()
                     job.current_stage = "vae"
@@ -264,15 +286,13 @@ class Pipeline:
                             progress=generation_pb2.StageProgress(stage="vae", step=decoded, total=num_latent_frames)
                         )
                     )
-        except grpc.aio.AioRpcError as error:
-            raise client.error(error) from None
         job.timings["vae"] = time.perf_counter() - (started or time.perf_counter())
         if frames is not None:
             frames.put_nowait(_END)
 
     async def _interpolate(self, job: Job, frames: asyncio.Queue, publisher: ResultPublisher) -> None:
         request = job.request
-        client = self.stages["interp"]
+        stage = self.stages["interp"]
         total = (request.num_frames - 1) * 2**request.interpolation.exp + 1
 
         async def requests():
@@ -288,8 +308,8 @@ class Pipeline:
 
         started = None
         sent = 0
-        try:
-            async for response in client.interpolator.Interpolate(requests(), timeout=self._remaining(job)):
+        async with stage.call() as replica:
+            async for response in replica.interpolator.Interpolate(requests(), timeout=self._remaining(job)):
                 if started is None:
                     started = time.perf_counter()
                     job.current_stage = "interp"
@@ -302,6 +322,4 @@ class Pipeline:
                             progress=generation_pb2.StageProgress(stage="interp", step=sent, total=total)
                         )
                     )
-        except grpc.aio.AioRpcError as error:
-            raise client.error(error) from None
         job.timings["interp"] = time.perf_counter() - (started or time.perf_counter())

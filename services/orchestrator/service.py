@@ -13,7 +13,7 @@ import grpc
 from services.errors import RequestError
 from services.orchestrator.jobs import Job, JobManager, JobState, QueueFull
 from services.orchestrator.pipeline import Pipeline
-from services.orchestrator.stage_clients import STAGE_ORDER, StagePool
+from services.orchestrator.stage_clients import PROBE_INTERVAL_S, REPLICA_WAIT_S, STAGE_ORDER, StagePool
 from services.server import configure_logging, serve
 from services.validation import validate_sampling, validate_seed, validate_size
 from stagediff import __version__
@@ -200,18 +200,31 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
     async def GetClusterInfo(self, request, context):
-        async def status(name: str) -> generation_pb2.StageStatus:
-            client = self.stages[name]
-            health, detail = await client.check_health()
-            if health == "SERVING":
-                try:
-                    await client.fetch_info()
-                except grpc.aio.AioRpcError as error:
-                    health, detail = "NOT_SERVING", f"info unavailable: {error.code().name}"
-            info = client.info or stages_pb2.StageInfo(stage=name)
-            return generation_pb2.StageStatus(info=info, endpoint=client.endpoint, health=health, detail=detail)
-
-        stages = await asyncio.gather(*(status(name) for name in STAGE_ORDER))
+        # Probe every replica now, so the answer is current rather than up to a probe interval old.
+        await self.stages.probe_all()
+        stages = []
+        for name in STAGE_ORDER:
+            stage = self.stages[name]
+            replicas = [
+                generation_pb2.ReplicaStatus(
+                    endpoint=replica.endpoint,
+                    health=replica.health,
+                    detail=replica.detail,
+                    in_flight=replica.in_flight,
+                    calls=replica.calls,
+                    info=replica.info,
+                )
+                for replica in stage.replicas
+            ]
+            stages.append(
+                generation_pb2.StageStatus(
+                    info=stage.info or stages_pb2.StageInfo(stage=name),
+                    endpoint=stage.endpoint,
+                    health=stage.health,
+                    detail=stage.detail,
+                    replicas=replicas,
+                )
+            )
         return generation_pb2.ClusterInfo(stages=stages, version=__version__)
 
 
@@ -220,10 +233,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=50051)
     for stage in STAGE_ORDER:
-        parser.add_argument(f"--{stage}", required=True, metavar="HOST:PORT", help=f"endpoint of the {stage} stage")
+        parser.add_argument(
+            f"--{stage}",
+            required=True,
+            metavar="HOST:PORT[,HOST:PORT...]",
+            help=f"endpoints of the {stage} stage's replicas, comma-separated",
+        )
     parser.add_argument("--max-running-jobs", type=int, default=4, help="jobs in flight across the stages")
     parser.add_argument("--max-queued-jobs", type=int, default=256)
-    parser.add_argument("--stage-retries", type=int, default=1, help="retries of a stage that is UNAVAILABLE")
+    parser.add_argument(
+        "--stage-retries",
+        type=int,
+        default=1,
+        help="retries of a stage that is UNAVAILABLE with no other serving replica "
+        "(failing over to another serving replica spends none)",
+    )
+    parser.add_argument(
+        "--health-interval",
+        type=float,
+        default=PROBE_INTERVAL_S,
+        help="seconds between health probes of every stage replica (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--replica-wait",
+        type=float,
+        default=REPLICA_WAIT_S,
+        help="seconds a call waits for a replica of its stage to serve again before failing (default: %(default)s)",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
@@ -231,7 +267,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    stages = StagePool({stage: getattr(args, stage.replace("-", "_")) for stage in STAGE_ORDER})
+    stages = StagePool(
+        {stage: getattr(args, stage.replace("-", "_")) for stage in STAGE_ORDER},
+        probe_interval_s=args.health_interval,
+        replica_wait_s=args.replica_wait,
+    )
     pipeline = Pipeline(stages, stage_retries=args.stage_retries)
     jobs = JobManager(pipeline.run, max_running=args.max_running_jobs, max_queued=args.max_queued_jobs)
     servicer = GenerationServicer(stages, jobs)

@@ -1,13 +1,22 @@
-"""Channels and stubs to the four stages, and how their failures reach users.
+"""Channels to the four stages, each a pool of interchangeable replicas, and how failures reach users.
 
-Any failure of a stage call becomes a `StageError` that names the stage and its
-endpoint, so a user who sees UNAVAILABLE knows which pool to look at.
+Stages are pure functions of their requests, so any replica of a stage can
+serve any call. A `Stage` picks, for every call, the healthy replica with the
+fewest calls in flight (ties go round robin), and `StagePool` probes every
+replica's grpc.health.v1 in the background: a replica whose call fails with
+UNAVAILABLE, or whose probe fails, is taken out of rotation at once; it rejoins
+once a probe finds it SERVING again and its StageInfo has been fetched anew.
+
+Any failure of a stage call becomes a `StageError` that names the stage and the
+replica's endpoint, so a user who sees UNAVAILABLE knows which process to look at.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -19,7 +28,20 @@ from stagediff.v1 import stages_pb2, stages_pb2_grpc
 logger = logging.getLogger(__name__)
 
 STAGE_ORDER = ("text-encoder", "dit", "vae", "interp")
+SERVING = "SERVING"
+NOT_SERVING = "NOT_SERVING"
+UNKNOWN = "UNKNOWN"
 HEALTH_TIMEOUT_S = 2.0
+PROBE_INTERVAL_S = 1.0
+REPLICA_WAIT_S = 5.0
+# A killed replica that comes back should be reachable within about a probe
+# interval, not after grpc's default reconnect backoff (which grows to minutes).
+STAGE_CHANNEL_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 class StageError(Exception):
@@ -37,71 +59,264 @@ class StageError(Exception):
         super().__init__(message)
 
 
-@dataclass
+def parse_endpoints(value: str | Sequence[str]) -> list[str]:
+    """A stage's replica endpoints from `HOST:PORT[,HOST:PORT...]` or a list of them."""
+    parts = value.split(",") if isinstance(value, str) else [part for item in value for part in item.split(",")]
+    return [part.strip() for part in parts if part.strip()]
+
+
+@dataclass(eq=False)  # replicas compare by identity: each has its own channel
 class StageClient:
+    """One replica of a stage: its channel and stubs, and what the orchestrator knows of it."""
+
     name: str
     endpoint: str
-    channel: grpc.aio.Channel = field(init=False)
     info: stages_pb2.StageInfo | None = None
+    health: str = UNKNOWN
+    detail: str = "not checked yet"
+    in_flight: int = 0
+    calls: int = 0  # stage calls started on this replica since the orchestrator started
+    # Bumped whenever the replica is taken out of rotation, so that a probe answered
+    # before a call failed cannot put a replica that just died back into rotation.
+    epoch: int = 0
+    channel: grpc.aio.Channel = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.channel = grpc.aio.insecure_channel(self.endpoint, options=GRPC_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(self.endpoint, options=STAGE_CHANNEL_OPTIONS)
         self.control = stages_pb2_grpc.StageControlStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.text_encoder = stages_pb2_grpc.TextEncoderStub(self.channel)
         self.denoiser = stages_pb2_grpc.DenoiserStub(self.channel)
         self.vae = stages_pb2_grpc.VaeDecoderStub(self.channel)
         self.interpolator = stages_pb2_grpc.InterpolatorStub(self.channel)
 
+    @property
+    def serving(self) -> bool:
+        return self.health == SERVING
+
     def error(self, rpc_error: grpc.aio.AioRpcError) -> StageError:
         return StageError(self.name, self.endpoint, rpc_error.code(), rpc_error.details() or "")
 
-    async def check_health(self) -> tuple[str, str]:
+    async def check_health(self, timeout: float = HEALTH_TIMEOUT_S) -> tuple[str, str]:
         """Returns (health, detail): SERVING, NOT_SERVING or UNKNOWN, and why when not serving."""
         try:
-            response = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
+            response = await self.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as error:
-            return "NOT_SERVING", f"unreachable: {error.code().name}: {error.details()}"
+            return NOT_SERVING, f"unreachable: {error.code().name}: {error.details()}"
         status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
-        if status == "SERVING":
+        if status == SERVING:
             return status, ""
-        if status == "NOT_SERVING":
+        if status == NOT_SERVING:
             return status, "loading or draining"
-        return "UNKNOWN", status
-
-    async def fetch_info(self) -> stages_pb2.StageInfo:
-        self.info = await self.control.GetStageInfo(stages_pb2.GetStageInfoRequest(), timeout=HEALTH_TIMEOUT_S)
-        return self.info
+        return UNKNOWN, status
 
     async def close(self) -> None:
         await self.channel.close()
 
 
-class StagePool:
-    """One client per stage (a later change turns each into a pool of replicas)."""
+class Stage:
+    """The replicas of one stage, and the choice of which one takes the next call."""
 
-    def __init__(self, endpoints: dict[str, str]) -> None:
-        missing = [name for name in STAGE_ORDER if not endpoints.get(name)]
-        if missing:
-            raise ValueError(f"no endpoint for stage(s) {', '.join(missing)}")
-        self.clients = {name: StageClient(name, endpoints[name]) for name in STAGE_ORDER}
+    def __init__(self, name: str, endpoints: Sequence[str], replica_wait_s: float = REPLICA_WAIT_S) -> None:
+        if not endpoints:
+            raise ValueError(f"no endpoint for stage {name}")
+        duplicates = sorted({endpoint for endpoint in endpoints if endpoints.count(endpoint) > 1})
+        if duplicates:
+            raise ValueError(f"stage {name} lists {', '.join(duplicates)} more than once")
+        self.name = name
+        self.replicas = [StageClient(name, endpoint) for endpoint in endpoints]
+        self.replica_wait_s = replica_wait_s
+        self._next = 0  # round-robin cursor among equally loaded replicas
+        self._changed = asyncio.Condition()
 
-    def __getitem__(self, name: str) -> StageClient:
-        return self.clients[name]
+    @property
+    def endpoint(self) -> str:
+        """Every replica's endpoint, comma-separated (the form the orchestrator's flags take)."""
+        return ",".join(replica.endpoint for replica in self.replicas)
 
-    async def wait_until_serving(self, poll_s: float = 0.5) -> None:
-        """Waits until every stage answers SERVING, then caches their info."""
-        waiting_on: set[str] = set(STAGE_ORDER)
-        while waiting_on:
-            for name in list(waiting_on):
-                health, detail = await self.clients[name].check_health()
-                if health == "SERVING":
-                    await self.clients[name].fetch_info()
-                    waiting_on.discard(name)
-                    logger.info("stage %s at %s is serving", name, self.clients[name].endpoint)
-            if waiting_on:
-                await asyncio.sleep(poll_s)
+    @property
+    def info(self) -> stages_pb2.StageInfo | None:
+        """The StageInfo of a serving replica, else the last one fetched from any (replicas serve the same model)."""
+        known = [replica for replica in self.replicas if replica.info is not None]
+        serving = [replica for replica in known if replica.serving]
+        return (serving or known)[0].info if known else None
+
+    def serving(self) -> list[StageClient]:
+        return [replica for replica in self.replicas if replica.serving]
+
+    @property
+    def health(self) -> str:
+        """SERVING while any replica serves; else NOT_SERVING, or UNKNOWN when no replica has answered."""
+        if self.serving():
+            return SERVING
+        return UNKNOWN if all(replica.health == UNKNOWN for replica in self.replicas) else NOT_SERVING
+
+    @property
+    def detail(self) -> str:
+        """Why the stage is not serving: each replica's reason (just the reason when there is one replica)."""
+        if self.serving():
+            return ""
+        if len(self.replicas) == 1:
+            return self.replicas[0].detail
+        return "; ".join(f"{replica.endpoint}: {replica.detail}" for replica in self.replicas)
+
+    def pick(self) -> StageClient | None:
+        """The serving replica with the fewest calls in flight; ties go round robin."""
+        count = len(self.replicas)
+        candidates = [
+            self.replicas[(self._next + offset) % count]
+            for offset in range(count)
+            if self.replicas[(self._next + offset) % count].serving
+        ]
+        if not candidates:
+            return None
+        chosen = min(candidates, key=lambda replica: replica.in_flight)  # min keeps the first of equals
+        self._next = (self.replicas.index(chosen) + 1) % count
+        return chosen
+
+    @contextlib.asynccontextmanager
+    async def acquire(self) -> AsyncIterator[StageClient]:
+        """A replica for one call, counted in flight until the block ends.
+
+        When no replica is serving, waits up to `replica_wait_s` for one to come
+        back (the job's own deadline still applies), then raises UNAVAILABLE.
+        """
+        replica = self.pick() or await self._wait_for_replica()
+        replica.in_flight += 1
+        replica.calls += 1
+        try:
+            yield replica
+        finally:
+            replica.in_flight -= 1
+
+    @contextlib.asynccontextmanager
+    async def call(self) -> AsyncIterator[StageClient]:
+        """`acquire`, and a failed call in the block raised as the StageError that `failed` makes of it."""
+        async with self.acquire() as replica:
+            try:
+                yield replica
+            except grpc.aio.AioRpcError as error:
+                raise self.failed(replica, error) from None
+
+    async def _wait_for_replica(self) -> StageClient:
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + self.replica_wait_s
+        async with self._changed:
+            while (replica := self.pick()) is None:
+                remaining = give_up_at - loop.time()
+                if remaining <= 0:
+                    raise StageError(
+                        self.name,
+                        self.endpoint,
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"no replica came back within {self.replica_wait_s:g} s ({self.detail})",
+                    )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), timeout=remaining)
+        return replica
+
+    async def wait_serving(self) -> None:
+        """Returns once some replica serves."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: bool(self.serving()))
+
+    def mark_down(self, replica: StageClient, health: str, detail: str) -> None:
+        """Takes a replica out of rotation; calls already running on it are left to finish or fail."""
+        if replica.serving:
+            logger.warning("stage %s replica %s is out of rotation: %s", self.name, replica.endpoint, detail)
+        replica.epoch += 1
+        replica.health = health
+        replica.detail = detail
+
+    async def _mark_serving(self, replica: StageClient) -> None:
+        if not replica.serving:
+            logger.info("stage %s replica %s is serving", self.name, replica.endpoint)
+        replica.health, replica.detail = SERVING, ""
+        async with self._changed:
+            self._changed.notify_all()
+
+    def failed(self, replica: StageClient, rpc_error: grpc.aio.AioRpcError) -> StageError:
+        """The StageError for a failed call; UNAVAILABLE also takes the replica out of rotation."""
+        if rpc_error.code() == grpc.StatusCode.UNAVAILABLE:
+            self.mark_down(replica, NOT_SERVING, f"a call failed: UNAVAILABLE: {rpc_error.details()}")
+        return replica.error(rpc_error)
+
+    async def probe(self, replica: StageClient) -> None:
+        """One health check of a replica: down at once on failure; back in rotation once SERVING and its
+        StageInfo is fetched again (it may have restarted with other settings)."""
+        epoch = replica.epoch
+        health, detail = await replica.check_health()
+        if health != SERVING:
+            self.mark_down(replica, health, detail)
+            return
+        if replica.serving:
+            return
+        try:
+            info = await replica.control.GetStageInfo(stages_pb2.GetStageInfoRequest(), timeout=HEALTH_TIMEOUT_S)
+        except grpc.aio.AioRpcError as error:
+            self.mark_down(replica, NOT_SERVING, f"info unavailable: {error.code().name}: {error.details()}")
+            return
+        if replica.epoch != epoch:  # a call failed meanwhile: wait for the next probe
+            return
+        replica.info = info
+        await self._mark_serving(replica)
 
     async def close(self) -> None:
-        for client in self.clients.values():
-            await client.close()
+        for replica in self.replicas:
+            await replica.close()
+
+
+class StagePool:
+    """The four stages, each a pool of replicas, with a background task that probes every replica."""
+
+    def __init__(
+        self,
+        endpoints: Mapping[str, str | Sequence[str]],
+        probe_interval_s: float = PROBE_INTERVAL_S,
+        replica_wait_s: float = REPLICA_WAIT_S,
+    ) -> None:
+        lists = {name: parse_endpoints(endpoints.get(name) or []) for name in STAGE_ORDER}
+        missing = [name for name, listed in lists.items() if not listed]
+        if missing:
+            raise ValueError(f"no endpoint for stage(s) {', '.join(missing)}")
+        self.stages = {name: Stage(name, lists[name], replica_wait_s) for name in STAGE_ORDER}
+        self.probe_interval_s = probe_interval_s
+        self._prober: asyncio.Task | None = None
+
+    def __getitem__(self, name: str) -> Stage:
+        return self.stages[name]
+
+    def replicas(self) -> list[tuple[Stage, StageClient]]:
+        return [(stage, replica) for stage in self.stages.values() for replica in stage.replicas]
+
+    async def probe_all(self) -> None:
+        """Checks every replica now (the background task does this every `probe_interval_s`)."""
+        await asyncio.gather(*(stage.probe(replica) for stage, replica in self.replicas()))
+
+    def start_probing(self) -> None:
+        if self._prober is None:
+            self._prober = asyncio.get_running_loop().create_task(self._probe_forever(), name="stage-probes")
+
+    async def _probe_forever(self) -> None:
+        while True:
+            try:
+                await self.probe_all()
+            except Exception:  # a probe must never stop the probing
+                logger.exception("probing the stage replicas failed")
+            await asyncio.sleep(self.probe_interval_s)
+
+    async def wait_until_serving(self) -> None:
+        """Starts the probes and waits until every stage has a serving replica (the others join when ready)."""
+        self.start_probing()
+        for stage in self.stages.values():
+            await stage.wait_serving()
+            logger.info("stage %s is serving at %s", stage.name, ",".join(r.endpoint for r in stage.serving()))
+
+    async def close(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prober
+            self._prober = None
+        for stage in self.stages.values():
+            await stage.close()

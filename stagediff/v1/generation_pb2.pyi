@@ -215,17 +215,35 @@ class ListModelsResponse(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[ModelDescription]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelDescription, _Mapping]]] = ...) -> None: ...
 
+class ReplicaStatus(_message.Message):
+    __slots__ = ("endpoint", "health", "detail", "in_flight", "calls", "info")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    health: str
+    detail: str
+    in_flight: int
+    calls: int
+    info: _stages_pb2.StageInfo
+    def __init__(self, endpoint: _Optional[str] = ..., health: _Optional[str] = ..., detail: _Optional[str] = ..., in_flight: _Optional[int] = ..., calls: _Optional[int] = ..., info: _Optional[_Union[_stages_pb2.StageInfo, _Mapping]] = ...) -> None: ...
+
 class StageStatus(_message.Message):
-    __slots__ = ("info", "endpoint", "health", "detail")
+    __slots__ = ("info", "endpoint", "health", "detail", "replicas")
     INFO_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     info: _stages_pb2.StageInfo
     endpoint: str
     health: str
     detail: str
-    def __init__(self, info: _Optional[_Union[_stages_pb2.StageInfo, _Mapping]] = ..., endpoint: _Optional[str] = ..., health: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    def __init__(self, info: _Optional[_Union[_stages_pb2.StageInfo, _Mapping]] = ..., endpoint: _Optional[str] = ..., health: _Optional[str] = ..., detail: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
 
 class GetClusterInfoRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,471 @@
+"""Stage pools of several replicas: least-loaded choice, taking replicas out and back, failover.
+
+The pool tests run against small real aio servers that answer grpc.health.v1
+and GetStageInfo; the end-to-end test kills and restarts real stage processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from services.orchestrator.jobs import Job
+from services.orchestrator.pipeline import Pipeline, ResultPublisher
+from services.orchestrator.stage_clients import STAGE_ORDER, Stage, StageError, StagePool
+from services.tensor_codec import TensorAssembler, encode_tensor
+from stagediff import Client, local_cluster
+from stagediff.client import FramesReceived, GenerationResult, Progress
+from stagediff.local_cluster import LocalCluster, parse_replicas, with_replicas
+from stagediff.v1 import generation_pb2, stages_pb2, stages_pb2_grpc
+from tests.conftest import THREADS_PER_STAGE
+
+# Bounds on waiting for something asynchronous to happen; never asserted as durations.
+SETTLE_S = 30.0
+
+
+class FakeReplica(stages_pb2_grpc.StageControlServicer, stages_pb2_grpc.TextEncoderServicer):
+    """A stage replica in miniature: health, GetStageInfo, and an Encode that fails with `encode_code`."""
+
+    def __init__(self, version: str = "v1") -> None:
+        self.version = version
+        self.info_calls = 0
+        self.encode_code = grpc.StatusCode.UNAVAILABLE
+        self.port = 0
+        self.server: grpc.aio.Server | None = None
+        self.health = health_aio.HealthServicer()
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> FakeReplica:
+        """Serves on the replica's port (a free one the first time, the same one after a stop)."""
+        self.server = grpc.aio.server()
+        self.health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        stages_pb2_grpc.add_StageControlServicer_to_server(self, self.server)
+        stages_pb2_grpc.add_TextEncoderServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{self.port}")
+        await self.server.start()
+        await self.set_serving(True)
+        return self
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        await self.server.stop(None)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set("", status)
+
+    async def GetStageInfo(self, request, context):
+        self.info_calls += 1
+        return stages_pb2.StageInfo(stage="text-encoder", model="fake", version=self.version)
+
+    async def Encode(self, request, context):
+        await context.abort(self.encode_code, "refused by the fake replica")
+        yield  # an async generator, like the real servicer
+
+
+@contextlib.asynccontextmanager
+async def replicas(count: int) -> AsyncIterator[list[FakeReplica]]:
+    started = [await FakeReplica().start() for _ in range(count)]
+    try:
+        yield started
+    finally:
+        for replica in started:
+            await replica.stop()
+
+
+async def eventually(condition: Callable[[], bool], what: str) -> None:
+    """Waits (bounded) for a condition that the background probes make true."""
+    give_up_at = time.monotonic() + SETTLE_S
+    while not condition():
+        assert time.monotonic() < give_up_at, f"never happened: {what}"
+        await asyncio.sleep(0.02)
+
+
+async def probe(stage: Stage) -> None:
+    await asyncio.gather(*(stage.probe(replica) for replica in stage.replicas))
+
+
+async def encode(stage: Stage) -> str:
+    """One Encode call through the pool; returns the endpoint that took it (it always fails)."""
+    async with stage.call() as replica:
+        async for _ in replica.text_encoder.Encode(stages_pb2.EncodeRequest(texts=["x"])):
+            pass
+    raise AssertionError("the fake Encode always fails")
+
+
+# -- choosing a replica --------------------------------------------------------
+
+
+def test_least_in_flight_wins_and_ties_go_round_robin() -> None:
+    async def scenario() -> None:
+        async with replicas(3) as fakes:
+            stage = Stage("dit", [fake.endpoint for fake in fakes])
+            await probe(stage)
+            a, b, c = stage.replicas
+            assert [replica.health for replica in stage.replicas] == ["SERVING"] * 3
+            # Idle replicas take turns.
+            order = []
+            for _ in range(6):
+                async with stage.acquire() as replica:
+                    order.append(replica)
+            assert order == [a, b, c, a, b, c]
+            # Busy ones are passed over for the least loaded.
+            async with contextlib.AsyncExitStack() as held:
+                first = await held.enter_async_context(stage.acquire())
+                second = await held.enter_async_context(stage.acquire())
+                third = await held.enter_async_context(stage.acquire())
+                assert {first, second, third} == {a, b, c}
+                assert [replica.in_flight for replica in stage.replicas] == [1, 1, 1]
+                b.in_flight += 2  # b is busy with other jobs' calls
+                async with stage.acquire() as fourth, stage.acquire() as fifth:
+                    assert {fourth, fifth} == {a, c}
+                b.in_flight -= 2
+            assert [replica.in_flight for replica in stage.replicas] == [0, 0, 0]
+            assert [replica.calls for replica in stage.replicas] == [4, 3, 4]
+            await stage.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_call_failing_with_unavailable_takes_its_replica_out_at_once() -> None:
+    async def scenario() -> None:
+        async with replicas(2) as (dead, alive):
+            stage = Stage("text-encoder", [dead.endpoint, alive.endpoint])
+            await probe(stage)
+            with pytest.raises(StageError) as raised:
+                await encode(stage)
+            error = raised.value
+            assert error.code == grpc.StatusCode.UNAVAILABLE
+            assert error.stage == "text-encoder" and error.endpoint == dead.endpoint
+            assert "'text-encoder'" in str(error) and dead.endpoint in str(error)
+            assert stage.replicas[0].health == "NOT_SERVING" and "UNAVAILABLE" in stage.replicas[0].detail
+            assert stage.health == "SERVING", "the other replica still serves the stage"
+            for _ in range(3):
+                async with stage.acquire() as replica:
+                    assert replica.endpoint == alive.endpoint
+            # Any other failure is the request's, not the replica's: it stays in rotation.
+            alive.encode_code = grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(StageError) as raised:
+                await encode(stage)
+            assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert stage.replicas[1].health == "SERVING"
+            await stage.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_fails_its_probe_leaves_and_rejoins_with_fresh_info() -> None:
+    async def scenario() -> None:
+        async with replicas(5) as fakes:
+            flaky, steady, encoder, vae, interp = fakes
+            endpoints = {
+                "text-encoder": encoder.endpoint,
+                "dit": f"{flaky.endpoint},{steady.endpoint}",
+                "vae": [vae.endpoint],
+                "interp": [interp.endpoint],
+            }
+            pool = StagePool(endpoints, probe_interval_s=0.05)
+            await pool.wait_until_serving()
+            dit = pool["dit"]
+            first, second = dit.replicas
+            await eventually(lambda: first.serving and second.serving, "both replicas serve")
+            assert first.info.version == "v1" and flaky.info_calls == 1
+
+            # Draining (NOT_SERVING) takes it out; SERVING brings it back.
+            await flaky.set_serving(False)
+            await eventually(lambda: not first.serving, "a draining replica leaves the rotation")
+            assert first.detail == "loading or draining"
+            async with dit.acquire() as replica:
+                assert replica is second
+            await flaky.set_serving(True)
+            await eventually(lambda: first.serving, "the replica rejoins")
+
+            # A replica that goes away leaves; back on its port, with other settings, it rejoins with them.
+            await flaky.stop()
+            await eventually(lambda: not first.serving, "an unreachable replica leaves the rotation")
+            assert "unreachable" in first.detail and dit.health == "SERVING"
+            for _ in range(3):
+                async with dit.acquire() as replica:
+                    assert replica is second
+            calls_before = flaky.info_calls
+            flaky.version = "v2"
+            await flaky.start()
+            await eventually(lambda: first.serving, "the restarted replica rejoins")
+            assert flaky.info_calls > calls_before and first.info.version == "v2"
+            chosen = []
+            for _ in range(2):
+                async with dit.acquire() as replica:
+                    chosen.append(replica)
+            assert first in chosen, "the rejoined replica takes calls again"
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_with_no_serving_replica_a_call_waits_a_bounded_time_then_fails_naming_the_stage() -> None:
+    async def scenario() -> None:
+        async with replicas(1) as (fake,):
+            stage = Stage("vae", [fake.endpoint], replica_wait_s=0.3)
+            await fake.set_serving(False)
+            await probe(stage)
+            with pytest.raises(StageError) as raised:
+                async with stage.acquire():
+                    pass
+            assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "'vae'" in str(raised.value) and fake.endpoint in str(raised.value)
+            assert "loading or draining" in str(raised.value)
+
+            # A replica that comes back while a call waits takes that call.
+            stage.replica_wait_s = SETTLE_S
+
+            async def take() -> str:
+                async with stage.acquire() as replica:
+                    return replica.endpoint
+
+            waiting = asyncio.create_task(take())
+            await asyncio.sleep(0.1)
+            assert not waiting.done()
+            await fake.set_serving(True)
+            await probe(stage)
+            assert await asyncio.wait_for(waiting, SETTLE_S) == fake.endpoint
+            assert stage.replicas[0].calls == 1
+            await stage.close()
+
+    asyncio.run(scenario())
+
+
+def test_failing_over_to_another_replica_spends_no_stage_retry() -> None:
+    """With --stage-retries 0 a job still moves to a second replica; a lone replica gets no retry."""
+
+    async def scenario() -> None:
+        async with replicas(2) as (first, second):
+            for dit, succeeds in (([first.endpoint, second.endpoint], True), ([first.endpoint], False)):
+                pool = StagePool({**{name: [second.endpoint] for name in STAGE_ORDER}, "dit": dit})
+                await pool.probe_all()
+                pipeline = Pipeline(pool, stage_retries=0, retry_backoff_s=0.0)
+                attempts: list[str] = []
+
+                async def run_once(job: Job, pool: StagePool = pool, attempts: list[str] = attempts) -> None:
+                    async with pool["dit"].acquire() as replica:
+                        attempts.append(replica.endpoint)
+                        if replica.endpoint == first.endpoint:
+                            pool["dit"].mark_down(replica, "NOT_SERVING", "killed")
+                            raise StageError("dit", replica.endpoint, grpc.StatusCode.UNAVAILABLE, "killed")
+
+                pipeline._run_once = run_once
+                job = Job(job_id="j", request=generation_pb2.GenerateRequest())
+                if succeeds:
+                    await pipeline._run_with_retries(job)
+                    assert attempts == [first.endpoint, second.endpoint]
+                else:
+                    with pytest.raises(StageError):
+                        await pipeline._run_with_retries(job)
+                    assert attempts == [first.endpoint]
+                await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_retry_resumes_a_tensor_that_was_cut_half_way_without_repeating_a_chunk() -> None:
+    async def scenario() -> None:
+        job = Job(job_id="j", request=generation_pb2.GenerateRequest())
+        frames = np.arange(2 * 4 * 4 * 3, dtype=np.uint8).reshape(2, 4, 4, 3)
+        chunks = list(encode_tensor("frames", frames, index=0, chunk_bytes=20))
+        assert len(chunks) > 3
+        first_attempt = ResultPublisher(job, fps=16.0)
+        for chunk in chunks[:3]:
+            await first_attempt.publish(chunk)
+        retry = ResultPublisher(job, fps=16.0)
+        for chunk in chunks:
+            await retry.publish(chunk)
+        sent = [event.result.tensor for event in job.events]
+        assert [chunk.offset for chunk in sent] == [chunk.offset for chunk in chunks]
+        assembler = TensorAssembler()
+        (tensor,) = [t for chunk in sent if (t := assembler.feed(chunk)) is not None]
+        assert np.array_equal(tensor.array, frames)
+
+    asyncio.run(scenario())
+
+
+# -- replicas in the compose topology -----------------------------------------
+
+
+def test_replicas_flag_and_dash_n_services_become_endpoint_lists(tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    local_cluster.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["up", "--model", "m", "--replicas", "text-encoder=1,dit=2,vae=2,interp=1"])
+    assert args.replicas == {"text-encoder": 1, "dit": 2, "vae": 2, "interp": 1}
+    for wrong in ("dit=0", "dit", "dit=two"):
+        with pytest.raises(argparse.ArgumentTypeError, match="STAGE=COUNT"):
+            parse_replicas(wrong)
+    compose = tmp_path / "compose.yml"
+    compose.write_text(
+        """
+services:
+  dit:
+    command: ["serve", "dit", "--model", "/m", "--port", "7002"]
+  dit-2:
+    command: ["serve", "dit", "--model", "/m", "--port", "7002", "--device", "cuda:1"]
+  vae:
+    command: ["serve", "vae", "--model", "/m", "--port", "7003"]
+  orchestrator:
+    command: ["serve", "orchestrator", "--port", "7000", "--dit", "dit:7002", "--vae=vae:7003"]
+    depends_on:
+      dit: {condition: service_healthy}
+      vae: {condition: service_healthy}
+"""
+    )
+    declared = LocalCluster(tmp_path, compose_file=compose)
+    ports = {"dit": 9002, "dit-2": 9012, "vae": 9003, "orchestrator": 9000}
+    plans = declared.plan(local_ports=ports)
+    assert plans["dit-2"].args[-2:] == ["--device", "cuda:1"], "a declared replica keeps its own command"
+    orchestrator = plans["orchestrator"].args
+    assert orchestrator[orchestrator.index("--dit") + 1] == "127.0.0.1:9002,127.0.0.1:9012"
+    assert plans["orchestrator"].waits_for == ["dit", "dit-2", "vae"]
+
+    cloned = LocalCluster(tmp_path, compose_file=compose, replicas={"dit": 1, "vae": 3}, extra_args={"vae": ["-x"]})
+    assert list(cloned.compose) == ["dit", "vae", "vae-2", "vae-3", "orchestrator"]
+    ports = {"dit": 9002, "vae": 9003, "vae-2": 9013, "vae-3": 9023, "orchestrator": 9000}
+    plans = cloned.plan(local_ports=ports)
+    assert plans["vae-3"].args == ["serve", "vae", "--model", "/m", "--port", "9023", "-x"]
+    orchestrator = plans["orchestrator"].args
+    assert orchestrator[orchestrator.index("--dit") + 1] == "127.0.0.1:9002"
+    assert "--vae=127.0.0.1:9003,127.0.0.1:9013,127.0.0.1:9023" in orchestrator
+    assert cloned.replicas("vae") == ["vae", "vae-2", "vae-3"]
+    with pytest.raises(ValueError, match="not stages"):
+        with_replicas(declared.compose, {"orchestrator": 2})
+
+
+# -- end to end: kill replicas mid-run, every job completes -------------------
+
+SMALL = dict(height=64, width=64, num_frames=9, num_inference_steps=60, guidance_scale=5.0)
+SEEDS = (11, 12, 13, 14)
+
+
+@pytest.fixture(scope="module")
+def replicated_cluster(tiny_model, tmp_path_factory):
+    """2 DiT and 2 VAE replicas; the orchestrator gets no retries, so only free failovers can save a job."""
+    local = LocalCluster(
+        tiny_model,
+        threads_per_stage=THREADS_PER_STAGE,
+        log_dir=tmp_path_factory.mktemp("replicas"),
+        replicas={"dit": 2, "vae": 2},
+        extra_args={"orchestrator": ["--stage-retries", "0", "--health-interval", "0.2"]},
+    )
+    local.start(timeout=300)
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+def _replicas(client: Client) -> dict[str, generation_pb2.ReplicaStatus]:
+    return {replica.endpoint: replica for stage in client.cluster_info().stages for replica in stage.replicas}
+
+
+def _stream_all(endpoint: str, on_event: Callable[[int, object], None] | None = None) -> dict[int, list[object]]:
+    """Runs one job per seed at once; returns each job's events."""
+    events: dict[int, list[object]] = {seed: [] for seed in SEEDS}
+
+    def run(seed: int) -> None:
+        with Client(endpoint) as client:
+            for event in client.stream("replicas", seed=seed, **SMALL):
+                events[seed].append(event)
+                if on_event is not None:
+                    on_event(seed, event)
+
+    workers = [threading.Thread(target=run, args=(seed,)) for seed in SEEDS]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=300)
+    assert not any(worker.is_alive() for worker in workers), "a job hung"
+    return events
+
+
+def _frames(events: list[object]) -> np.ndarray:
+    received = [(e.first_frame, e.count) for e in events if isinstance(e, FramesReceived)]
+    starts = [first for first, _ in received]
+    assert starts == sorted(set(starts)), f"frames sent twice or out of order: {received}"
+    assert sum(count for _, count in received) == SMALL["num_frames"]
+    assert isinstance(events[-1], GenerationResult), events[-1]
+    return events[-1].frames
+
+
+@pytest.mark.e2e
+def test_killing_a_dit_and_a_vae_replica_mid_run_loses_no_job(replicated_cluster) -> None:
+    cluster = replicated_cluster
+    assert cluster.replicas("dit") == ["dit", "dit-2"] and cluster.replicas("vae") == ["vae", "vae-2"]
+    expected = {seed: _frames(events) for seed, events in _stream_all(cluster.endpoint).items()}
+    with Client(cluster.endpoint) as client:
+        served = _replicas(client)
+    for name in ("dit", "dit-2", "vae", "vae-2"):
+        assert served[cluster.services[name].endpoint].calls > 0, f"{name} took no call"
+
+    # Once two jobs are denoising, kill the busiest replica of each stage: calls die mid-stream.
+    denoising: set[int] = set()
+    two_denoising = threading.Event()
+    victims: dict[str, str] = {}  # stage -> service name
+    killed_in_flight: dict[str, int] = {}
+
+    def on_event(seed: int, event: object) -> None:
+        if isinstance(event, Progress) and event.stage == "dit":
+            denoising.add(seed)
+            if len(denoising) >= 2:
+                two_denoising.set()
+
+    def kill_the_busiest() -> None:
+        assert two_denoising.wait(timeout=300)
+        with Client(cluster.endpoint) as client:
+            served = _replicas(client)
+        for stage in ("dit", "vae"):
+            name = max(cluster.replicas(stage), key=lambda n: served[cluster.services[n].endpoint].in_flight)
+            victims[stage] = name
+            killed_in_flight[stage] = served[cluster.services[name].endpoint].in_flight
+        for name in victims.values():
+            cluster.kill(name)  # SIGKILL
+
+    killer = threading.Thread(target=kill_the_busiest)
+    killer.start()
+    events = _stream_all(cluster.endpoint, on_event)
+    killer.join(timeout=60)
+    assert killed_in_flight["dit"] > 0 and killed_in_flight["vae"] > 0, killed_in_flight
+    for seed in SEEDS:
+        assert np.array_equal(_frames(events[seed]), expected[seed]), f"seed {seed}: frames differ"
+    dit_steps = {seed: [e.step for e in events[seed] if isinstance(e, Progress) and e.stage == "dit"] for seed in SEEDS}
+    restarted = [seed for seed, steps in dit_steps.items() if steps != sorted(set(steps))]
+    assert restarted, "no job's denoising was cut and moved to the other replica"
+
+    # Restarted, the killed replicas are back in rotation and take calls again.
+    for name in victims.values():
+        cluster.restart(name)
+    with Client(cluster.endpoint) as client:
+        give_up_at = time.monotonic() + SETTLE_S
+        while True:
+            served = _replicas(client)
+            if all(replica.health == "SERVING" for replica in served.values()):
+                break
+            assert time.monotonic() < give_up_at, {e: (r.health, r.detail) for e, r in served.items()}
+            time.sleep(0.2)
+        before = {name: served[cluster.services[name].endpoint].calls for name in victims.values()}
+        assert all(replica.info.model == "tiny" for replica in served.values())
+        jobs = [client.submit("again", seed=seed, **{**SMALL, "num_inference_steps": 2}) for seed in SEEDS[:2]]
+        for job in jobs:
+            assert client.wait(job.job_id).frames.shape == (9, 64, 64, 3)
+        served = _replicas(client)
+    for name in victims.values():
+        assert served[cluster.services[name].endpoint].calls > before[name], f"restarted {name} took no call"
