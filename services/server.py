@@ -21,6 +21,9 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from services.errors import RequestError
+from services.logging_setup import configure_logging as _configure_logging
+from services.metrics import MetricsServerInterceptor, ServerMetrics
+from services.tracing import TracingServerInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +155,7 @@ async def serve(
     watchdog: Callable[[], str | None] | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
+    metrics: ServerMetrics | None = None,
 ) -> None:
     """Runs a gRPC server until SIGTERM or SIGINT.
 
@@ -162,9 +166,16 @@ async def serve(
     work (a rank of its process group died): health turns NOT_SERVING for good.
     `interceptors` run before the request decoding, outermost first, so that an
     authentication interceptor refuses a call before its bytes are parsed.
-    `credentials` serve TLS on the port; without them it is plaintext.
+    `credentials` serve TLS on the port; without them it is plaintext. Every call
+    runs in a server span joined to the caller's trace (W3C traceparent), and with
+    `metrics` is counted and timed by method and status.
     """
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[*interceptors, RequestDecodingInterceptor()])
+    observing: list[grpc.aio.ServerInterceptor] = [TracingServerInterceptor()]
+    if metrics is not None:
+        observing.append(MetricsServerInterceptor(metrics))
+    server = grpc.aio.server(
+        options=GRPC_OPTIONS, interceptors=[*observing, *interceptors, RequestDecodingInterceptor()]
+    )
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     service_names = register(server)
@@ -215,8 +226,6 @@ async def serve(
     logger.info("%s stopped", name)
 
 
-def configure_logging(level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def configure_logging(level: str = "INFO", log_format: str = "text") -> None:
+    """Logs to stderr, as text or one JSON object per line (with the job id, tenant and trace id when set)."""
+    _configure_logging(level, log_format)

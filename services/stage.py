@@ -10,6 +10,7 @@ soon as it is produced.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -101,8 +102,9 @@ class StageRuntime:
             raise RequestError(f"model: '{requested}' is not served by this stage; it serves '{self.spec.model_id}'")
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Runs blocking compute on the stage's thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        """Runs blocking compute on the stage's thread, in the caller's context (its log fields and trace)."""
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self.executor, context.run, fn, *args)
 
     async def stream(self, work: Callable[[Callable[[Any], None], threading.Event], None]) -> AsyncIterator[Any]:
         """Runs `work(emit, cancel)` on the compute thread and yields what it emits, as it emits it.
@@ -129,7 +131,7 @@ class StageRuntime:
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, _DONE)
 
-        loop.run_in_executor(self.executor, run)
+        loop.run_in_executor(self.executor, contextvars.copy_context().run, run)
         try:
             while True:
                 item = await queue.get()

@@ -13,8 +13,11 @@ import torch
 
 from services.auth import ClusterSecretError, ClusterSecretInterceptor, add_cluster_secret_argument, load_cluster_secret
 from services.checkpoint import read_checkpoint
+from services.logging_setup import add_logging_arguments, bind_log_fields
+from services.metrics import ServerMetrics, add_metrics_arguments, start_metrics_server
 from services.server import configure_logging, serve
 from services.stage import StageControlServicer, StageRuntime, resolve_device, resolve_dtype
+from services.tracing import configure_tracing
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -36,6 +39,8 @@ def add_stage_arguments(parser: argparse.ArgumentParser, default_port: int) -> N
         "--disable-multithread-weight-load", action="store_true", help="read shards one at a time, in one thread"
     )
     add_cluster_secret_argument(parser)
+    add_logging_arguments(parser)
+    add_metrics_arguments(parser)
 
 
 class StageServicer(abc.ABC):
@@ -67,7 +72,9 @@ def run_stage(
     stage: str, args: argparse.Namespace, make_servicer: Callable[[argparse.Namespace, StageRuntime], StageServicer]
 ) -> None:
     """Starts a stage: bind the port, answer NOT_SERVING while loading, then serve until SIGTERM."""
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
+    bind_log_fields(stage=stage)
+    configure_tracing(f"stagediff-{stage}")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     try:
@@ -83,6 +90,11 @@ def run_stage(
         )
     runtime.load_threads = 1 if args.disable_multithread_weight_load else args.num_weight_load_threads
     interceptors = _secret_interceptors(stage, args)
+    metrics = ServerMetrics()
+    try:
+        start_metrics_server(args.metrics_port, metrics.registry)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"stagediff serve {stage}: --metrics-port {args.metrics_port}: {error}") from None
     servicer = make_servicer(args, runtime)
 
     def register(server: grpc.aio.Server) -> list[str]:
@@ -107,6 +119,7 @@ def run_stage(
             on_shutdown=shutdown,
             watchdog=servicer.failure,
             interceptors=interceptors,
+            metrics=metrics,
         )
     )
 

@@ -16,6 +16,7 @@ raised as `StageDiffError` with the status code the server gave.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -27,8 +28,10 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.status_details import retry_after
 from services.tensor_codec import TensorAssembler
-from stagediff.protocol import JOB_FAILED_METADATA_KEY
+from services.tracing import tracing_client_interceptors
+from stagediff.protocol import API_KEY_ENV, JOB_FAILED_METADATA_KEY
 from stagediff.v1 import generation_pb2, generation_pb2_grpc
 
 CHANNEL_OPTIONS = [
@@ -38,12 +41,21 @@ CHANNEL_OPTIONS = [
 
 
 class StageDiffError(Exception):
-    """A call failed; `code` is the gRPC status, `message` the server's explanation."""
+    """A call failed; `code` is the gRPC status, `message` the server's explanation.
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    `retry_after` is the server's RetryInfo in seconds (RESOURCE_EXHAUSTED: a full queue, a quota, a
+    rate limit), or None when it gave none.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after: float | None = None) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.retry_after = retry_after
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.aio.AioRpcError) -> StageDiffError:
+        return cls(error.code(), error.details() or "", retry_after(error))
 
 
 @dataclass
@@ -179,6 +191,10 @@ def _is_job_outcome(error: grpc.aio.AioRpcError) -> bool:
     return any(key == JOB_FAILED_METADATA_KEY for key, _ in metadata)
 
 
+def _read_optional(path: str | Path | None) -> bytes | None:
+    return None if path is None else Path(path).read_bytes()
+
+
 class AsyncClient:
     """asyncio client of a StageDiff cluster's Generation API."""
 
@@ -189,12 +205,35 @@ class AsyncClient:
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
         metadata: list[tuple[str, str]] | None = None,
+        api_key: str | None = None,
+        tls: bool = False,
+        ca_cert: str | Path | None = None,
+        client_cert: str | Path | None = None,
+        client_key: str | Path | None = None,
     ) -> None:
+        """`api_key` (default: $STAGEDIFF_API_KEY) goes with every call as `authorization: Bearer <key>`.
+        With `tls` (implied by `ca_cert`) the channel is TLS, verified against `ca_cert` or the system's
+        roots, presenting `client_cert`/`client_key` when the server asks for a client certificate."""
         self.endpoint = endpoint
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
-        self.metadata = metadata or []
-        self._channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+        self.metadata = list(metadata or [])
+        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        if api_key:
+            self.metadata.append(("authorization", f"Bearer {api_key}"))
+        # Each call carries the caller's trace context (W3C traceparent), so its trace spans every stage.
+        interceptors = tracing_client_interceptors()
+        if tls or ca_cert is not None:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=_read_optional(ca_cert),
+                private_key=_read_optional(client_key),
+                certificate_chain=_read_optional(client_cert),
+            )
+            self._channel = grpc.aio.secure_channel(
+                endpoint, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors
+            )
+        else:
+            self._channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS, interceptors=interceptors)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     async def close(self) -> None:
@@ -215,12 +254,10 @@ class AsyncClient:
             except grpc.aio.AioRpcError as error:
                 delay = next(delays, None) if error.code() == grpc.StatusCode.UNAVAILABLE else None
                 if delay is None:
-                    raise StageDiffError(error.code(), error.details() or "") from None
+                    raise StageDiffError.from_rpc_error(error) from None
                 await asyncio.sleep(delay)
 
-    async def stream(
-        self, prompt: str, *, timeout: float | None = None, **arguments: Any
-    ) -> AsyncIterator[Event]:
+    async def stream(self, prompt: str, *, timeout: float | None = None, **arguments: Any) -> AsyncIterator[Event]:
         """Generates and yields Queued, Progress and FramesReceived events, then the GenerationResult."""
         request = build_request(prompt, **arguments)
         delays = self.retry.delays()
@@ -237,7 +274,7 @@ class AsyncClient:
                 retryable = error.code() == grpc.StatusCode.UNAVAILABLE and not _is_job_outcome(error)
                 delay = next(delays, None) if retryable else None
                 if delay is None:
-                    raise StageDiffError(error.code(), error.details() or "") from None
+                    raise StageDiffError.from_rpc_error(error) from None
                 await asyncio.sleep(delay)
 
     async def generate(
@@ -276,7 +313,7 @@ class AsyncClient:
                 if typed is not None and on_progress is not None:
                     on_progress(typed)
         except grpc.aio.AioRpcError as error:
-            raise StageDiffError(error.code(), error.details() or "") from None
+            raise StageDiffError.from_rpc_error(error) from None
         raise StageDiffError(grpc.StatusCode.DATA_LOSS, "the stream ended without a result")
 
     async def get_job(self, job_id: str) -> generation_pb2.Job:

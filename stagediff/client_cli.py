@@ -24,6 +24,18 @@ def _print_event(event: object) -> None:
         print(f"received frames {event.first_frame}..{event.first_frame + event.count - 1}", file=sys.stderr)
 
 
+def _connection(args: argparse.Namespace) -> dict:
+    """Client options from the connection flags every command shares."""
+    return {"api_key": args.api_key, "tls": args.tls, "ca_cert": args.ca_cert}
+
+
+def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--endpoint", default="localhost:50051")
+    parser.add_argument("--api-key", default=None, help="the tenant's API key (default: $STAGEDIFF_API_KEY)")
+    parser.add_argument("--tls", action="store_true", help="connect with TLS (system roots unless --ca-cert)")
+    parser.add_argument("--ca-cert", default=None, help="CA certificate (PEM) to verify the server with; implies --tls")
+
+
 def _generate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.suffix not in OUTPUT_SUFFIXES:
@@ -31,7 +43,7 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     started = time.perf_counter()
     try:
-        with Client(args.endpoint, retry=RetryPolicy(max_attempts=args.retries + 1)) as client:
+        with Client(args.endpoint, retry=RetryPolicy(max_attempts=args.retries + 1), **_connection(args)) as client:
             result = client.generate(
                 args.prompt,
                 model=args.model,
@@ -69,7 +81,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _health(args: argparse.Namespace) -> int:
     try:
-        with Client(args.endpoint, retry=RetryPolicy(max_attempts=1)) as client:
+        with Client(args.endpoint, retry=RetryPolicy(max_attempts=1), **_connection(args)) as client:
             status = client.health(args.service)
     except StageDiffError as error:
         print(f"UNREACHABLE {error}")
@@ -80,7 +92,7 @@ def _health(args: argparse.Namespace) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     try:
-        with Client(args.endpoint, retry=RetryPolicy(max_attempts=1)) as client:
+        with Client(args.endpoint, retry=RetryPolicy(max_attempts=1), **_connection(args)) as client:
             info = client.cluster_info()
     except StageDiffError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -91,7 +103,7 @@ def _info(args: argparse.Namespace) -> int:
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
     generate = commands.add_parser("generate", help="generate a video or image through a cluster")
-    generate.add_argument("--endpoint", default="localhost:50051")
+    _add_connection_arguments(generate)
     generate.add_argument("--prompt", required=True)
     generate.add_argument("--negative-prompt", default="")
     generate.add_argument("--model", default="", help="model id (default: the cluster's only model)")
@@ -116,10 +128,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     generate.set_defaults(func=_generate)
 
     health = commands.add_parser("health", help="grpc.health.v1 status of any StageDiff service")
-    health.add_argument("--endpoint", default="localhost:50051")
+    _add_connection_arguments(health)
     health.add_argument("--service", default="", help="service name (default: the whole server)")
     health.set_defaults(func=_health)
 
     info = commands.add_parser("info", help="JSON description of every stage of a cluster")
-    info.add_argument("--endpoint", default="localhost:50051")
+    _add_connection_arguments(info)
     info.set_defaults(func=_info)

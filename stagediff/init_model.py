@@ -243,10 +243,24 @@ QWEN_TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
 # AutoencoderKLQwenImage; the same keys as AutoencoderKLWan's (see VAE_CONFIGS). Latent statistics are
 # drawn from the seed, as for Wan.
 QWEN_VAE_CONFIGS: dict[str, dict[str, Any]] = {
-    "tiny": dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, attn_scales=[],
-                 temperal_downsample=[False, True, True], dropout=0.0),
-    "small": dict(base_dim=24, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
-                  temperal_downsample=[False, True, True], dropout=0.0),
+    "tiny": dict(
+        base_dim=8,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+        dropout=0.0,
+    ),
+    "small": dict(
+        base_dim=24,
+        z_dim=16,
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+        dropout=0.0,
+    ),
 }
 
 # Qwen2_5_VLForConditionalGeneration (the text encoder). QwenImagePipeline uses only the language model's
@@ -256,13 +270,25 @@ QWEN_VAE_CONFIGS: dict[str, dict[str, Any]] = {
 #   vision: the ViT's depth/width/heads; out_hidden_size is the text hidden_size
 QWEN_TEXT_ENCODER_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": dict(
-        text=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=64, mrope_section=[2, 1, 1]),
+        text=dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            mrope_section=[2, 1, 1],
+        ),
         vision=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, fullatt_block_indexes=[0]),
     ),
     "small": dict(
-        text=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=256, mrope_section=[4, 6, 6]),
+        text=dict(
+            hidden_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=256,
+            mrope_section=[4, 6, 6],
+        ),
         vision=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, fullatt_block_indexes=[0]),
     ),
 }
@@ -369,9 +395,7 @@ def init_model(
     return out
 
 
-def _write_wan_components(
-    out: Path, preset: str, seed: int, save_kwargs: dict[str, Any], two_experts: bool
-) -> None:
+def _write_wan_components(out: Path, preset: str, seed: int, save_kwargs: dict[str, Any], two_experts: bool) -> None:
     """Tokenizer, UMT5 text encoder, transformer(s), VAE and scheduler of a Wan checkpoint."""
     tokenizer = build_tokenizer(**TOKENIZER_CONFIGS[preset])
     tokenizer.save_pretrained(out / "tokenizer")
@@ -503,7 +527,6 @@ def build_tokenizer(vocab_size: int, corpus_sentences: int, corpus_names: int) -
     )
 
 
-
 def build_qwen_transformer(preset: str) -> torch.nn.Module:
     """The preset's QwenImageTransformer2DModel with freshly initialised weights."""
     from diffusers import QwenImageTransformer2DModel
@@ -605,8 +628,7 @@ def build_qwen_tokenizer(vocab_size: int, corpus_sentences: int, corpus_names: i
     if len(prefix_ids) != QWEN_PROMPT_DROP_TOKENS:
         pieces = tokenizer.convert_ids_to_tokens(prefix_ids)
         raise RuntimeError(
-            f"the prompt template prefix tokenized to {len(prefix_ids)} tokens, not {QWEN_PROMPT_DROP_TOKENS}: "
-            f"{pieces}"
+            f"the prompt template prefix tokenized to {len(prefix_ids)} tokens, not {QWEN_PROMPT_DROP_TOKENS}: {pieces}"
         )
     return tokenizer
 
@@ -617,6 +639,7 @@ def _latent_statistics(z_dim: int, seed: int) -> tuple[list[float], list[float]]
     mean = torch.randn(z_dim, generator=stats, device="cpu") * 0.5
     std = 1.0 + 2.0 * torch.rand(z_dim, generator=stats, device="cpu")
     return [round(v, 4) for v in mean.tolist()], [round(v, 4) for v in std.tolist()]
+
 
 def _with_t5_pipeline(tokenizer: Any) -> Any:
     """Attach T5's normaliser, pre-tokeniser, decoder and "$A </s>" post-processor to `tokenizer`."""
@@ -708,6 +731,7 @@ def _millions(model: torch.nn.Module) -> float:
 # Tokenizer training corpus: a few paragraphs of varied prose plus video-prompt-like sentences
 # generated deterministically from word lists, enough distinct words and sub-words for an
 # 8000-piece vocabulary.
+
 
 def _words(text: str) -> list[str]:
     return text.split()

@@ -20,6 +20,7 @@ import argparse
 import atexit
 import os
 import re
+import secrets
 import shlex
 import signal
 import socket
@@ -38,6 +39,8 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+CLUSTER_SECRET_ENV = "STAGEDIFF_CLUSTER_SECRET"  # read by every service (services/auth.py)
+DEFAULT_STATE_DIR = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "stagediff"
 MODEL_MOUNT = "/models/model"
 ENTRY_COMMAND = ["serve", "orchestrator"]
 HEALTH_POLL_SECONDS = 0.25
@@ -484,9 +487,12 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         echo_logs: bool = False,
         replicas: dict[str, int] | None = None,
+        state_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         """`extra_args` go to the named service, or to every replica when it names a stage;
-        `replicas` sets how many processes a stage runs (`{"dit": 2}`)."""
+        `replicas` sets how many processes a stage runs (`{"dit": 2}`). `state_dir` holds the
+        orchestrator's job store (default: a new temporary directory, so clusters never share one).
+        Every process gets the same cluster secret: $STAGEDIFF_CLUSTER_SECRET, else a new random one."""
         self.model_dir = Path(model_dir).resolve()
         self.compose_file = Path(compose_file).resolve()
         self.port = port
@@ -496,6 +502,10 @@ class LocalCluster:
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.env = dict(env or {})
         self.echo_logs = echo_logs
+        self.state_dir = Path(state_dir) if state_dir is not None else Path(tempfile.mkdtemp(prefix="stagediff-state-"))
+        self.cluster_secret = (
+            self.env.get(CLUSTER_SECRET_ENV) or os.environ.get(CLUSTER_SECRET_ENV) or secrets.token_urlsafe(32)
+        )
         self.compose = with_replicas(load_compose(self.compose_file, {**os.environ, **self.env}), replicas or {})
         self.stage_of = {name: stage for stage, names in replica_groups(self.compose).items() for name in names}
         unknown = set(self.extra_args) - set(self.compose)
@@ -529,11 +539,17 @@ class LocalCluster:
             stage = self.stage_of.get(name, name)
             if stage != name:
                 args += self.extra_args.get(stage, [])
+            if service.is_entry:
+                args += ["--state-dir", str(self.state_dir)]
             args += self.extra_args.get(name, [])
             plans[name] = LaunchSpec(
                 name=name,
                 args=args,
-                environment={**service.environment, **gpu_environment(service)},
+                environment={
+                    **service.environment,
+                    **gpu_environment(service),
+                    CLUSTER_SECRET_ENV: self.cluster_secret,
+                },
                 port=ports[name],
                 endpoint=format_endpoint(connect_host(self.host), ports[name]),
                 waits_for=[dep for dep, condition in service.depends_on.items() if condition == "service_healthy"],
@@ -739,6 +755,8 @@ STAGE_FLAGS: list[tuple[list[str], str, dict[str, Any]]] = [
 def stage_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     """The stage options given to `stagediff up`, grouped by the service they go to."""
     extra: dict[str, list[str]] = {}
+    if getattr(args, "tenants", None):
+        extra["orchestrator"] = ["--tenants", str(Path(args.tenants).resolve())]
     for names, service, _ in STAGE_FLAGS:
         value = getattr(args, names[0].lstrip("-").replace("-", "_"), None)
         if value is None or value is False:
@@ -767,6 +785,7 @@ def _up(args: argparse.Namespace) -> int:
             log_dir=args.log_dir,
             echo_logs=args.echo_logs,
             replicas=args.replicas,
+            state_dir=args.state_dir,
         )
     except (OSError, ValueError, yaml.YAMLError) as error:
         print(f"stagediff up: {error}", file=sys.stderr, flush=True)
@@ -827,6 +846,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="processes per stage, e.g. text-encoder=1,dit=2,vae=2,interp=1 (default: the compose file's "
         "services; `<stage>-N` services are replicas of `<stage>`)",
     )
+    up.add_argument(
+        "--state-dir",
+        default=str(DEFAULT_STATE_DIR),
+        help="the orchestrator's job store: jobs and results survive restarts of `up` (default: %(default)s)",
+    )
+    up.add_argument("--tenants", metavar="FILE", help="tenants YAML for the orchestrator (default: open, no keys)")
     stage_options = up.add_argument_group("stage options", "passed to the stage they concern")
     for names, service, options in STAGE_FLAGS:
         stage_options.add_argument(*names, default=None, help=f"passed to {service}", **options)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,10 +11,46 @@ import numpy as np
 import pytest
 import torch
 
+from services.auth import CLUSTER_SECRET_ENV, CLUSTER_SECRET_METADATA_KEY
 from stagediff.init_model import init_model
 
 # One thread per stage process: the machine has few cores and five processes share them.
 THREADS_PER_STAGE = 1
+
+# Every stage a test starts (through LocalCluster or directly) demands this secret, as a deployed cluster's
+# stages demand theirs; tests that call a stage directly open their channel with `stage_channel`.
+CLUSTER_SECRET = "test-cluster-secret"
+os.environ[CLUSTER_SECRET_ENV] = CLUSTER_SECRET
+
+
+class _ClusterSecret(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the cluster secret to every call of a blocking channel."""
+
+    def _with_secret(self, details):
+        metadata = [*(details.metadata or ()), (CLUSTER_SECRET_METADATA_KEY, CLUSTER_SECRET)]
+        return details._replace(metadata=metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_secret(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_secret(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._with_secret(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._with_secret(details), requests)
+
+
+def stage_channel(endpoint: str) -> grpc.Channel:
+    """A blocking channel to a stage service that sends the cluster secret with every call."""
+    return grpc.intercept_channel(grpc.insecure_channel(endpoint), _ClusterSecret())
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.tensor_codec import encode_tensor
 from stagediff.client import build_request
 from stagediff.v1 import generation_pb2_grpc, stages_pb2, stages_pb2_grpc, tensor_pb2
-from tests.conftest import assert_status
+from tests.conftest import assert_status, stage_channel
 
 pytestmark = pytest.mark.e2e
 
@@ -23,7 +23,7 @@ GOOD = dict(height=64, width=64, num_frames=9, num_inference_steps=2, guidance_s
 def channels(cluster):
     opened = {"orchestrator": grpc.insecure_channel(cluster.endpoint)}
     for stage in STAGES:
-        opened[stage] = grpc.insecure_channel(cluster.services[stage].endpoint)
+        opened[stage] = stage_channel(cluster.services[stage].endpoint)
     yield opened
     for channel in opened.values():
         channel.close()

@@ -10,7 +10,7 @@ import torch
 
 from stagediff import Client, StageDiffError
 from stagediff.local_cluster import LocalCluster
-from tests.conftest import THREADS_PER_STAGE, reference_frames
+from tests.conftest import THREADS_PER_STAGE, reference_frames, stage_channel
 from tests.test_rife import random_state_dict
 
 pytestmark = pytest.mark.e2e
@@ -103,7 +103,7 @@ def test_patch_parallel_vae_refuses_too_few_rows(tiny_model, tmp_path) -> None:
     )
     try:
         wait_for_serving(f"127.0.0.1:{port}", timeout=120)
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with stage_channel(f"127.0.0.1:{port}") as channel:
             info = stages_pb2_grpc.StageControlStub(channel).GetStageInfo(stages_pb2.GetStageInfoRequest())
             assert info.limits.min_height == 32  # 3 latent rows of 8 pixels, rounded up to a multiple of 16
             messages = [stages_pb2.DecodeRequest(params=stages_pb2.DecodeParams(num_latent_frames=1))]

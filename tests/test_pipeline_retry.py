@@ -10,12 +10,17 @@ import pytest
 from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from services.auth import cluster_channel
 from services.orchestrator.jobs import JobManager, JobState
 from services.orchestrator.pipeline import Pipeline
+from services.orchestrator.scheduler import FairScheduler
 from services.orchestrator.stage_clients import StagePool
+from services.orchestrator.store import JobStore
+from services.orchestrator.tenants import TenantRegistry
 from services.tensor_codec import TensorAssembler
 from stagediff import Client
 from stagediff.v1 import generation_pb2, stages_pb2_grpc
+from tests.conftest import CLUSTER_SECRET
 
 pytestmark = pytest.mark.e2e
 
@@ -24,7 +29,7 @@ class FlakyVae(stages_pb2_grpc.VaeDecoderServicer, stages_pb2_grpc.StageControlS
     """Relays to the real VAE, but drops the first call with UNAVAILABLE after its first frame chunk."""
 
     def __init__(self, real_endpoint: str) -> None:
-        self.channel = grpc.aio.insecure_channel(real_endpoint)
+        self.channel = cluster_channel(real_endpoint, CLUSTER_SECRET)
         self.real = stages_pb2_grpc.VaeDecoderStub(self.channel)
         self.real_control = stages_pb2_grpc.StageControlStub(self.channel)
         self.calls = 0
@@ -42,7 +47,7 @@ class FlakyVae(stages_pb2_grpc.VaeDecoderServicer, stages_pb2_grpc.StageControlS
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "replica went away")
 
 
-async def _run(cluster) -> tuple[list[generation_pb2.GenerateEvent], int, FlakyVae, object]:
+async def _run(cluster, state_dir) -> tuple[list[generation_pb2.GenerateEvent], int, FlakyVae, object]:
     flaky = FlakyVae(cluster.services["vae"].endpoint)
     server = grpc.aio.server()
     stages_pb2_grpc.add_VaeDecoderServicer_to_server(flaky, server)
@@ -52,10 +57,11 @@ async def _run(cluster) -> tuple[list[generation_pb2.GenerateEvent], int, FlakyV
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     endpoints = {name: cluster.services[name].endpoint for name in ("text-encoder", "dit", "interp")}
-    stages = StagePool({**endpoints, "vae": f"127.0.0.1:{port}"}, probe_interval_s=0.1)
+    stages = StagePool({**endpoints, "vae": f"127.0.0.1:{port}"}, probe_interval_s=0.1, secret=CLUSTER_SECRET)
     await stages.wait_until_serving()
-    pipeline = Pipeline(stages, stage_retries=1, retry_backoff_s=0.01)
-    jobs = JobManager(pipeline.run)
+    store = JobStore.open(state_dir)
+    pipeline = Pipeline(stages, stage_retries=1, retry_backoff_s=0.01, store=store)
+    jobs = JobManager(pipeline.run, FairScheduler(), store)
     request = generation_pb2.GenerateRequest(
         model="tiny",
         prompt="a fox",
@@ -68,16 +74,17 @@ async def _run(cluster) -> tuple[list[generation_pb2.GenerateEvent], int, FlakyV
         seed=0,
         fps=16,
     )
-    job, _ = jobs.submit(request)
+    job, _ = jobs.submit(request, TenantRegistry.open().open_tenant)
     events = [event async for event in job.follow()]
+    store.close()
     await stages.close()
     await flaky.channel.close()
     await server.stop(None)
     return events, job.state, flaky, job
 
 
-def test_vae_failure_is_retried_without_recomputing_the_dit(cluster) -> None:
-    events, state, flaky, job = asyncio.run(_run(cluster))
+def test_vae_failure_is_retried_without_recomputing_the_dit(cluster, tmp_path) -> None:
+    events, state, flaky, job = asyncio.run(_run(cluster, tmp_path / "state"))
     assert state == JobState.JOB_STATE_SUCCEEDED, job.error_message
     assert flaky.calls == 2
     dit_steps = [e.progress.step for e in events if e.HasField("progress") and e.progress.stage == "dit"]

@@ -7,11 +7,11 @@ import socket
 import subprocess
 import sys
 
-import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from stagediff.local_cluster import wait_for_serving
+from tests.conftest import stage_channel
 
 
 def _free_port() -> int:
@@ -34,7 +34,7 @@ def test_stage_serves_reflection_and_exits_cleanly_on_sigterm(tiny_model, tmp_pa
     )
     try:
         wait_for_serving(f"127.0.0.1:{port}", timeout=120)
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with stage_channel(f"127.0.0.1:{port}") as channel:
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
             responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
             names = {s.name for s in next(responses).list_services_response.service}

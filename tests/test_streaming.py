@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import queue
 
-import grpc
 import pytest
 import torch
 
 from services.tensor_codec import TensorAssembler, encode_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
+from tests.conftest import stage_channel
 
 pytestmark = pytest.mark.e2e
 
@@ -19,7 +19,7 @@ def test_vae_streams_frames_in_lockstep_with_latent_frames(cluster) -> None:
     waited for all its input before answering would never answer (the test would time out)."""
     num_latent = 4
     outbox: queue.Queue = queue.Queue()
-    with grpc.insecure_channel(cluster.services["vae"].endpoint) as channel:
+    with stage_channel(cluster.services["vae"].endpoint) as channel:
         stub = stages_pb2_grpc.VaeDecoderStub(channel)
 
         def requests():
@@ -46,7 +46,7 @@ def test_vae_streams_frames_in_lockstep_with_latent_frames(cluster) -> None:
 
 def test_interpolator_emits_frames_as_their_right_neighbour_arrives(cluster) -> None:
     outbox: queue.Queue = queue.Queue()
-    with grpc.insecure_channel(cluster.services["interp"].endpoint) as channel:
+    with stage_channel(cluster.services["interp"].endpoint) as channel:
         stub = stages_pb2_grpc.InterpolatorStub(channel)
 
         def requests():

@@ -20,6 +20,11 @@ for waiting on a stage with no serving replica. Free failovers are bounded per
 job and stage by the stage's replica count. Otherwise the retry spends one of
 `stage_retries` (after a short backoff), and the next call waits a bounded time
 for a replica to come back before the job fails with UNAVAILABLE naming the stage.
+
+Durability: with a `JobStore`, each finished stage's output (the embeddings,
+the final latents) is written to the store as the stage ends, and the frames
+before the completion event, so that an orchestrator restarted at any point
+resumes the job after its last finished stage, or serves its stored result.
 """
 
 from __future__ import annotations
@@ -32,8 +37,16 @@ import time
 import grpc
 import torch
 
+from services.metrics import OrchestratorMetrics
 from services.orchestrator.jobs import Job, JobState
 from services.orchestrator.stage_clients import StageError, StagePool
+from services.orchestrator.store import (
+    FrameCollector,
+    InvalidTransition,
+    JobStore,
+    pack_wire_tensors,
+    unpack_wire_tensors,
+)
 from services.tensor_codec import TensorAssembler, WireError, encode_tensor
 from stagediff.v1 import generation_pb2, stages_pb2, tensor_pb2
 
@@ -65,9 +78,10 @@ class ResultPublisher:
     first `bytes_published` bytes were sent before an attempt failed half-way.
     """
 
-    def __init__(self, job: Job, fps: float) -> None:
+    def __init__(self, job: Job, fps: float, metrics: OrchestratorMetrics | None = None) -> None:
         self.job = job
         self.fps = fps
+        self.metrics = metrics
         self.skipping = False
         self.pending_end = 0
 
@@ -83,15 +97,39 @@ class ResultPublisher:
             generation_pb2.GenerateEvent(result=generation_pb2.ResultChunk(tensor=chunk, fps=self.fps))
         )
         if chunk.last:
+            if self.metrics is not None:
+                self.metrics.add_frames(self.job.tenant, self.pending_end - intermediates.get("frames_published", 0))
             intermediates["frames_published"] = self.pending_end
             intermediates["bytes_published"] = 0
         else:
             intermediates["bytes_published"] = chunk.offset + len(chunk.data)
 
 
+def restore_intermediates(job: Job, stored: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Puts the stage outputs a store kept for an unfinished job back where `_run_once` resumes from them."""
+    encoded = stored.get("text-encoder")
+    if encoded is not None:
+        job.intermediates["embeds"] = encoded["embeds"]
+        if "embeds_mask" in encoded:
+            job.intermediates["embeds_mask"] = encoded["embeds_mask"]
+        denoised = stored.get("dit")
+        if denoised is not None:
+            job.intermediates["latent_chunks"] = unpack_wire_tensors(denoised)
+            job.intermediates["latents_complete"] = True
+
+
 class Pipeline:
-    def __init__(self, stages: StagePool, stage_retries: int = 1, retry_backoff_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        stages: StagePool,
+        stage_retries: int = 1,
+        retry_backoff_s: float = 0.5,
+        store: JobStore | None = None,
+        metrics: OrchestratorMetrics | None = None,
+    ) -> None:
         self.stages = stages
+        self.store = store
+        self.metrics = metrics
         # Retries of a stage with no other serving replica; failovers to another replica are free.
         self.stage_retries = stage_retries
         self.retry_backoff_s = retry_backoff_s
@@ -118,6 +156,8 @@ class Pipeline:
             return
         job.timings["total"] = time.perf_counter() - started
         job.num_frames_out = int(job.intermediates.get("frames_published", 0))
+        if self.store is not None and not await self._store_result(job):
+            return
         await job.publish(
             generation_pb2.GenerateEvent(
                 completed=generation_pb2.JobCompleted(
@@ -126,6 +166,27 @@ class Pipeline:
             )
         )
         await job.finish(JobState.JOB_STATE_SUCCEEDED)
+
+    async def _store_result(self, job: Job) -> bool:
+        """Writes the frames the job published to the store, before any client hears it succeeded."""
+        try:
+            frames, pieces = FrameCollector.from_events(job.events).result()
+            await asyncio.to_thread(
+                self.store.save_result, job.job_id, frames, job.fps_out, pieces=pieces, timings=job.timings
+            )
+        except InvalidTransition:  # cancelled while the frames were being written
+            raise asyncio.CancelledError from None
+        except (OSError, ValueError) as error:
+            logger.exception("job %s: storing the result failed", job.job_id)
+            await job.finish(
+                JobState.JOB_STATE_FAILED, grpc.StatusCode.INTERNAL, f"could not store the result: {error}"
+            )
+            return False
+        return True
+
+    async def _stage_done(self, job: Job, stage: str, tensors: dict[str, torch.Tensor]) -> None:
+        if self.store is not None:
+            await asyncio.to_thread(self.store.mark_stage_done, job.job_id, stage, tensors)
 
     async def _run_with_retries(self, job: Job) -> None:
         attempt = 0
@@ -144,11 +205,15 @@ class Pipeline:
             others = [replica for replica in stage.serving() if replica.endpoint != error.endpoint]
             if others and failovers.get(stage.name, 0) < len(stage.replicas):
                 failovers[stage.name] = failovers.get(stage.name, 0) + 1
+                if self.metrics is not None:
+                    self.metrics.stage_failover(stage.name, error.endpoint)
                 logger.info("job %s: %s; failing over to another replica", job.job_id, error)
                 continue
             if attempt >= self.stage_retries:
                 raise error
             attempt += 1
+            if self.metrics is not None:
+                self.metrics.stage_retry(stage.name)
             logger.info("job %s: %s; retry %d from the last finished stage", job.job_id, error, attempt)
             await asyncio.sleep(self.retry_backoff_s * attempt)
 
@@ -165,7 +230,7 @@ class Pipeline:
             await self._encode(job)
         latents: asyncio.Queue = asyncio.Queue()
         frames: asyncio.Queue | None = asyncio.Queue() if interpolate else None
-        publisher = ResultPublisher(job, job.fps_out)
+        publisher = ResultPublisher(job, job.fps_out, self.metrics)
         async with asyncio.TaskGroup() as group:
             if job.intermediates.get("latents_complete"):
                 for chunk in job.intermediates["latent_chunks"]:
@@ -203,6 +268,9 @@ class Pipeline:
             job.intermediates["embeds_mask"] = tensors["embeds_mask"]
         job.intermediates["embeds"] = tensors["embeds"]
         job.timings["text-encoder"] = time.perf_counter() - started
+        await self._stage_done(
+            job, "text-encoder", {name: tensors[name] for name in ("embeds", "embeds_mask") if name in tensors}
+        )
         await job.publish(
             generation_pb2.GenerateEvent(progress=generation_pb2.StageProgress(stage="text-encoder", step=1, total=1))
         )
@@ -240,6 +308,8 @@ class Pipeline:
             async for response in replica.denoiser.Denoise(requests(), timeout=self._remaining(job)):
                 if response.HasField("progress"):
                     progress = response.progress
+                    if self.metrics is not None:
+                        self.metrics.add_denoising_steps(job.tenant)
                     await job.publish(
                         generation_pb2.GenerateEvent(
                             progress=generation_pb2.StageProgress(stage="dit", step=progress.step, total=progress.total)
@@ -251,7 +321,8 @@ class Pipeline:
         job.intermediates["latent_chunks"] = received
         job.intermediates["latents_complete"] = True
         job.timings["dit"] = time.perf_counter() - started
-        latents.put_nowait(_END)
+        latents.put_nowait(_END)  # first, so the VAE does not wait for the store
+        await self._stage_done(job, "dit", pack_wire_tensors(received))
 
     async def _decode(
         self, job: Job, latents: asyncio.Queue, frames: asyncio.Queue | None, publisher: ResultPublisher

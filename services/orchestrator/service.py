@@ -1,4 +1,12 @@
-"""The orchestrator service: the public Generation API of a StageDiff cluster."""
+"""The orchestrator service: the public Generation API of a StageDiff cluster.
+
+Every call is authenticated (`authorization: Bearer <key>`, see services/auth.py) and
+belongs to a tenant; a tenant sees, fetches and cancels only its own jobs (another
+tenant's job id answers NOT_FOUND, so ids reveal nothing). Admission checks, in order:
+the tenant's request rate, the request itself (INVALID_ARGUMENT), the tenant's size
+limits (PERMISSION_DENIED), then the queue and the tenant's share of it
+(RESOURCE_EXHAUSTED with a RetryInfo saying when to come back).
+"""
 
 from __future__ import annotations
 
@@ -6,15 +14,34 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import random
+from pathlib import Path
 
 import grpc
 
+from services.auth import (
+    ClusterSecretError,
+    TenantAuthInterceptor,
+    TLSConfigError,
+    add_cluster_secret_argument,
+    add_tls_arguments,
+    current_tenant,
+    load_cluster_secret,
+    server_credentials_from_args,
+)
 from services.errors import RequestError
-from services.orchestrator.jobs import Job, JobManager, JobState, QueueFull
-from services.orchestrator.pipeline import Pipeline
+from services.logging_setup import add_logging_arguments
+from services.metrics import OrchestratorMetrics, ServerMetrics, add_metrics_arguments, start_metrics_server
+from services.orchestrator.jobs import AdmissionRefused, Job, JobManager, JobState
+from services.orchestrator.pipeline import Pipeline, restore_intermediates
+from services.orchestrator.scheduler import FairScheduler
 from services.orchestrator.stage_clients import PROBE_INTERVAL_S, REPLICA_WAIT_S, STAGE_ORDER, StagePool
+from services.orchestrator.store import JobStore, StoreError
+from services.orchestrator.tenants import LimitExceeded, RateLimited, TenantConfigError, TenantRegistry
 from services.server import configure_logging, serve
+from services.status_details import abort_with_retry
+from services.tracing import configure_tracing
 from services.validation import validate_sampling, validate_seed, validate_size
 from stagediff import __version__
 from stagediff.protocol import JOB_FAILED_METADATA_KEY
@@ -26,6 +53,8 @@ MAX_INTERP_EXP = 4
 ALLOWED_INTERP_SCALES = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
 MAX_FPS = 240.0
 MAX_REQUEST_ID_CHARS = 128
+MAX_LIST_LIMIT = 1000
+DEFAULT_STATE_DIR = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "stagediff"
 
 
 class ModelNotFound(LookupError):
@@ -43,9 +72,17 @@ def _abort_code(job: Job) -> grpc.StatusCode:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, stages: StagePool, jobs: JobManager) -> None:
+    def __init__(
+        self,
+        stages: StagePool,
+        jobs: JobManager,
+        tenants: TenantRegistry | None = None,
+        metrics: OrchestratorMetrics | None = None,
+    ) -> None:
         self.stages = stages
         self.jobs = jobs
+        self.tenants = tenants if tenants is not None else TenantRegistry.open()
+        self.metrics = metrics
         # Set once every stage has answered SERVING; requests before that get UNAVAILABLE.
         self.ready = asyncio.Event()
 
@@ -96,6 +133,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not math.isfinite(full.fps) or not 0 < full.fps <= MAX_FPS:
             raise RequestError(f"fps: {full.fps} is not allowed; use a value in (0, {MAX_FPS:g}]")
         interpolation = full.interpolation
+        if interpolation.enable and interpolation.exp > 0 and models[model].family == "qwen-image":
+            raise RequestError(
+                f"interpolation: model '{model}' makes single images, so there is nothing to interpolate; "
+                "leave interpolation off"
+            )
         if interpolation.enable and not 0 <= interpolation.exp <= MAX_INTERP_EXP:
             raise RequestError(
                 f"interpolation.exp: {interpolation.exp} is not allowed; use 0 (off) to {MAX_INTERP_EXP} (2**exp x fps)"
@@ -109,25 +151,48 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise RequestError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters")
         return full
 
+    async def _refuse(self, context, tenant: str, model: str, code: grpc.StatusCode, message: str) -> None:
+        if self.metrics is not None:
+            self.metrics.request_finished(tenant=tenant, model=model, code=code)
+        await context.abort(code, message)
+
     async def _admit(self, request, context) -> Job:
+        tenant = current_tenant()
+        model = request.model
         try:
+            self.tenants.check_rate(tenant)
             full = self.complete_request(request)
-            job, created = self.jobs.submit(full)
-        except RequestError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        except ModelNotFound as error:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
-        except QueueFull as error:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        except ClusterNotReady as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        if created:
+            model = full.model
+            self.tenants.check_request_limits(tenant, full)
             remaining = context.time_remaining()
-            if remaining is not None:
-                job.deadline = asyncio.get_running_loop().time() + remaining
+            deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+            job, created = self.jobs.submit(full, tenant, deadline)
+        except RateLimited as error:
+            if self.metrics is not None:
+                self.metrics.request_finished(tenant=tenant.name, model=model, code=grpc.StatusCode.RESOURCE_EXHAUSTED)
+            await abort_with_retry(context, error.message, error.retry_after)
+        except AdmissionRefused as error:
+            if self.metrics is not None:
+                self.metrics.request_finished(tenant=tenant.name, model=model, code=grpc.StatusCode.RESOURCE_EXHAUSTED)
+            await abort_with_retry(context, str(error), error.retry_after_s)
+        except LimitExceeded as error:
+            await self._refuse(context, tenant.name, model, error.code, error.message)
+        except RequestError as error:
+            await self._refuse(context, tenant.name, model, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except ModelNotFound as error:
+            await self._refuse(context, tenant.name, model, grpc.StatusCode.NOT_FOUND, str(error))
+        except ClusterNotReady as error:
+            await self._refuse(context, tenant.name, model, grpc.StatusCode.UNAVAILABLE, str(error))
+        except StoreError as error:
+            logger.exception("the job store refused a job")
+            await self._refuse(
+                context, tenant.name, model, grpc.StatusCode.INTERNAL, f"could not store the job: {error}"
+            )
+        if created:
             logger.info(
-                "job %s queued: %dx%d, %d frames, %d steps",
+                "job %s queued for tenant %s: %dx%d, %d frames, %d steps",
                 job.job_id,
+                tenant.name,
                 full.height,
                 full.width,
                 full.num_frames,
@@ -136,7 +201,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return job
 
     async def _find(self, job_id: str, context) -> Job:
-        job = self.jobs.get(job_id)
+        """The caller's job; another tenant's job is as unknown as one that never existed."""
+        job = await self.jobs.get(job_id, current_tenant().name) if job_id else None
         if job is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"job_id: no job '{job_id}'")
         return job
@@ -182,14 +248,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def ListJobs(self, request, context):
         limit = request.limit or 100
-        if limit < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "limit: must be >= 0 (0 means 100)")
-        jobs = [
-            job.to_proto(self.jobs.position(job))
-            for job in reversed(self.jobs.jobs.values())
-            if request.state in (JobState.JOB_STATE_UNSPECIFIED, job.state)
-        ]
-        return generation_pb2.ListJobsResponse(jobs=jobs[:limit])
+        if not 0 < limit <= MAX_LIST_LIMIT:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"limit: must be between 0 and {MAX_LIST_LIMIT} (0 means 100)"
+            )
+        if request.state not in JobState.values():
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"state: {request.state} is not one of {list(JobState.keys())}"
+            )
+        jobs = self.jobs.list_jobs(current_tenant().name, request.state, limit)
+        return generation_pb2.ListJobsResponse(jobs=jobs)
 
     async def ListModels(self, request, context):
         return generation_pb2.ListModelsResponse(
@@ -229,7 +297,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="stagediff serve orchestrator", description=__doc__)
+    parser = argparse.ArgumentParser(prog="stagediff serve orchestrator", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=50051)
     for stage in STAGE_ORDER:
@@ -240,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
             help=f"endpoints of the {stage} stage's replicas, comma-separated",
         )
     parser.add_argument("--max-running-jobs", type=int, default=4, help="jobs in flight across the stages")
-    parser.add_argument("--max-queued-jobs", type=int, default=256)
+    parser.add_argument("--max-queued-jobs", type=int, default=256, help="jobs waiting, all tenants together")
     parser.add_argument(
         "--stage-retries",
         type=int,
@@ -260,21 +328,90 @@ def main(argv: list[str] | None = None) -> None:
         default=REPLICA_WAIT_S,
         help="seconds a call waits for a replica of its stage to serve again before failing (default: %(default)s)",
     )
+    parser.add_argument("--tenants", metavar="FILE", help="tenants YAML (API keys, priorities, quotas); default: open")
+    parser.add_argument(
+        "--state-dir",
+        default=str(DEFAULT_STATE_DIR),
+        help="where job records (SQLite) and results live, so that a restart loses no job (default: %(default)s)",
+    )
+    parser.add_argument("--max-kept-jobs", type=int, default=1000, help="finished jobs (and results) kept")
+    parser.add_argument(
+        "--job-retention", type=float, default=None, help="seconds finished jobs are kept (default: no limit)"
+    )
+    parser.add_argument(
+        "--max-job-attempts", type=int, default=3, help="restarts of a job interrupted by orchestrator restarts"
+    )
     parser.add_argument("--log-level", default="INFO")
+    add_logging_arguments(parser)
+    add_metrics_arguments(parser)
+    add_tls_arguments(parser)
+    add_cluster_secret_argument(parser)
     args = parser.parse_args(argv)
-    configure_logging(args.log_level)
-    asyncio.run(_serve(args))
+    for flag, value, least in (
+        ("--max-running-jobs", args.max_running_jobs, 1),
+        ("--max-queued-jobs", args.max_queued_jobs, 1),
+        ("--stage-retries", args.stage_retries, 0),
+        ("--max-kept-jobs", args.max_kept_jobs, 1),
+        ("--max-job-attempts", args.max_job_attempts, 1),
+    ):
+        if value < least:
+            parser.error(f"{flag} {value}: use {least} or more")
+    configure_logging(args.log_level, args.log_format)
+    configure_tracing("stagediff-orchestrator")
+    try:
+        tenants = TenantRegistry.from_file(args.tenants) if args.tenants else TenantRegistry.open()
+        secret = load_cluster_secret(args.cluster_secret_file)
+        credentials = server_credentials_from_args(args)
+    except (TenantConfigError, ClusterSecretError, TLSConfigError) as error:
+        raise SystemExit(f"stagediff serve orchestrator: {error}") from None
+    if tenants.is_open:
+        logger.warning("no --tenants file: every caller is the open tenant 'default', with no key and no quota")
+    if secret is None:
+        logger.warning("no cluster secret: the stages must run without one too")
+    try:
+        store = JobStore.open(args.state_dir)
+    except StoreError as error:
+        raise SystemExit(f"stagediff serve orchestrator: --state-dir {args.state_dir}: {error}") from None
+    try:
+        asyncio.run(_serve(args, tenants, secret, credentials, store))
+    finally:
+        store.close()
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(
+    args: argparse.Namespace,
+    tenants: TenantRegistry,
+    secret: str | None,
+    credentials: grpc.ServerCredentials | None,
+    store: JobStore,
+) -> None:
+    server_metrics = ServerMetrics()
+    metrics = OrchestratorMetrics(server_metrics.registry)
+    try:
+        start_metrics_server(args.metrics_port, metrics.registry)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"stagediff serve orchestrator: --metrics-port {args.metrics_port}: {error}") from None
     stages = StagePool(
         {stage: getattr(args, stage.replace("-", "_")) for stage in STAGE_ORDER},
         probe_interval_s=args.health_interval,
         replica_wait_s=args.replica_wait,
+        secret=secret,
+        metrics=metrics,
     )
-    pipeline = Pipeline(stages, stage_retries=args.stage_retries)
-    jobs = JobManager(pipeline.run, max_running=args.max_running_jobs, max_queued=args.max_queued_jobs)
-    servicer = GenerationServicer(stages, jobs)
+    pipeline = Pipeline(stages, stage_retries=args.stage_retries, store=store, metrics=metrics)
+    scheduler = FairScheduler(max_queued=args.max_queued_jobs, max_running=args.max_running_jobs)
+    jobs = JobManager(
+        pipeline.run,
+        scheduler,
+        store,
+        restore_job=restore_intermediates,
+        max_kept=args.max_kept_jobs,
+        retention_s=args.job_retention,
+        max_attempts=args.max_job_attempts,
+        tenants=tenants.tenants,
+        metrics=metrics,
+    )
+    servicer = GenerationServicer(stages, jobs, tenants, metrics)
 
     def register(server: grpc.aio.Server) -> list[str]:
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
@@ -282,6 +419,8 @@ async def _serve(args: argparse.Namespace) -> None:
 
     async def load() -> None:
         await stages.wait_until_serving()
+        # Jobs accepted before a restart run first, in their order, before any new request is admitted.
+        await jobs.recover()
         servicer.ready.set()
 
     async def shutdown() -> None:
@@ -295,6 +434,9 @@ async def _serve(args: argparse.Namespace) -> None:
         register=register,
         load=load,
         on_shutdown=shutdown,
+        interceptors=[TenantAuthInterceptor(tenants)],
+        credentials=credentials,
+        metrics=server_metrics,
     )
 
 

@@ -22,7 +22,10 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.auth import cluster_secret_interceptors
+from services.metrics import OrchestratorMetrics
 from services.server import GRPC_OPTIONS
+from services.tracing import tracing_client_interceptors
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -79,10 +82,20 @@ class StageClient:
     # Bumped whenever the replica is taken out of rotation, so that a probe answered
     # before a call failed cannot put a replica that just died back into rotation.
     epoch: int = 0
+    # The cluster's shared secret, sent with every call (stages refuse calls without it when they have one).
+    secret: str | None = field(default=None, repr=False)
     channel: grpc.aio.Channel = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.channel = grpc.aio.insecure_channel(self.endpoint, options=STAGE_CHANNEL_OPTIONS)
+        # The trace context of the job's span goes with every call, so one trace spans every stage.
+        interceptors = tracing_client_interceptors(
+            attributes={"stagediff.stage": self.name, "server.address": self.endpoint}
+        )
+        if self.secret:
+            interceptors = [*cluster_secret_interceptors(self.secret), *interceptors]
+        self.channel = grpc.aio.insecure_channel(
+            self.endpoint, options=STAGE_CHANNEL_OPTIONS, interceptors=interceptors
+        )
         self.control = stages_pb2_grpc.StageControlStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.text_encoder = stages_pb2_grpc.TextEncoderStub(self.channel)
@@ -117,15 +130,26 @@ class StageClient:
 class Stage:
     """The replicas of one stage, and the choice of which one takes the next call."""
 
-    def __init__(self, name: str, endpoints: Sequence[str], replica_wait_s: float = REPLICA_WAIT_S) -> None:
+    def __init__(
+        self,
+        name: str,
+        endpoints: Sequence[str],
+        replica_wait_s: float = REPLICA_WAIT_S,
+        secret: str | None = None,
+        metrics: OrchestratorMetrics | None = None,
+    ) -> None:
         if not endpoints:
             raise ValueError(f"no endpoint for stage {name}")
         duplicates = sorted({endpoint for endpoint in endpoints if endpoints.count(endpoint) > 1})
         if duplicates:
             raise ValueError(f"stage {name} lists {', '.join(duplicates)} more than once")
         self.name = name
-        self.replicas = [StageClient(name, endpoint) for endpoint in endpoints]
+        self.replicas = [StageClient(name, endpoint, secret=secret) for endpoint in endpoints]
         self.replica_wait_s = replica_wait_s
+        self.metrics = metrics
+        if metrics is not None:
+            for replica in self.replicas:
+                metrics.set_stage_health(name, replica.endpoint, False)
         self._next = 0  # round-robin cursor among equally loaded replicas
         self._changed = asyncio.Condition()
 
@@ -193,10 +217,16 @@ class Stage:
     async def call(self) -> AsyncIterator[StageClient]:
         """`acquire`, and a failed call in the block raised as the StageError that `failed` makes of it."""
         async with self.acquire() as replica:
-            try:
-                yield replica
-            except grpc.aio.AioRpcError as error:
-                raise self.failed(replica, error) from None
+            timed = (
+                self.metrics.time_stage_call(self.name, replica.endpoint)
+                if self.metrics is not None
+                else contextlib.nullcontext()
+            )
+            with timed:
+                try:
+                    yield replica
+                except grpc.aio.AioRpcError as error:
+                    raise self.failed(replica, error) from None
 
     async def _wait_for_replica(self) -> StageClient:
         loop = asyncio.get_running_loop()
@@ -227,11 +257,15 @@ class Stage:
         replica.epoch += 1
         replica.health = health
         replica.detail = detail
+        if self.metrics is not None:
+            self.metrics.set_stage_health(self.name, replica.endpoint, False)
 
     async def _mark_serving(self, replica: StageClient) -> None:
         if not replica.serving:
             logger.info("stage %s replica %s is serving", self.name, replica.endpoint)
         replica.health, replica.detail = SERVING, ""
+        if self.metrics is not None:
+            self.metrics.set_stage_health(self.name, replica.endpoint, True)
         async with self._changed:
             self._changed.notify_all()
 
@@ -274,12 +308,14 @@ class StagePool:
         endpoints: Mapping[str, str | Sequence[str]],
         probe_interval_s: float = PROBE_INTERVAL_S,
         replica_wait_s: float = REPLICA_WAIT_S,
+        secret: str | None = None,
+        metrics: OrchestratorMetrics | None = None,
     ) -> None:
         lists = {name: parse_endpoints(endpoints.get(name) or []) for name in STAGE_ORDER}
         missing = [name for name, listed in lists.items() if not listed]
         if missing:
             raise ValueError(f"no endpoint for stage(s) {', '.join(missing)}")
-        self.stages = {name: Stage(name, lists[name], replica_wait_s) for name in STAGE_ORDER}
+        self.stages = {name: Stage(name, lists[name], replica_wait_s, secret, metrics) for name in STAGE_ORDER}
         self.probe_interval_s = probe_interval_s
         self._prober: asyncio.Task | None = None
 
