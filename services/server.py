@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from services.errors import RequestError
 from services.logging_setup import configure_logging as _configure_logging
 from services.metrics import MetricsServerInterceptor, ServerMetrics
-from services.tracing import TracingServerInterceptor
+from services.tracing import PROBE_SERVICES, TracingServerInterceptor, rpc_status, wrap_rpc_handler
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ async def serve(
     runs in a server span joined to the caller's trace (W3C traceparent), and with
     `metrics` is counted and timed by method and status.
     """
-    observing: list[grpc.aio.ServerInterceptor] = [TracingServerInterceptor()]
+    observing: list[grpc.aio.ServerInterceptor] = [TracingServerInterceptor(), AccessLogInterceptor()]
     if metrics is not None:
         observing.append(MetricsServerInterceptor(metrics))
     server = grpc.aio.server(
@@ -224,6 +224,32 @@ async def serve(
     if on_shutdown is not None:
         await on_shutdown()
     logger.info("%s stopped", name)
+
+
+class AccessLogInterceptor(grpc.aio.ServerInterceptor):
+    """Logs one line per finished call (method, status, seconds), inside the call's trace and log context,
+    so a job's lines in every service share its trace id. Health checks and reflection are not logged."""
+
+    async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.lstrip("/").rpartition("/")[0] in PROBE_SERVICES:
+            return handler
+        return wrap_rpc_handler(handler, lambda context: _access_log(method, context))
+
+
+@contextlib.contextmanager
+def _access_log(method: str, context: grpc.aio.ServicerContext):
+    started = time.perf_counter()
+    error: BaseException | None = None
+    try:
+        yield
+    except BaseException as raised:
+        error = raised
+        raise
+    finally:
+        code = rpc_status(context, error)
+        logger.info("rpc %s %s %.3fs", method, code.name, time.perf_counter() - started)
 
 
 def configure_logging(level: str = "INFO", log_format: str = "text") -> None:

@@ -539,6 +539,10 @@ class LocalCluster:
             stage = self.stage_of.get(name, name)
             if stage != name:
                 args += self.extra_args.get(stage, [])
+            # Fixed metrics ports of the compose file would collide between local clusters: off unless asked for.
+            args = [
+                "0" if index > 0 and args[index - 1] == "--metrics-port" else arg for index, arg in enumerate(args)
+            ]
             if service.is_entry:
                 args += ["--state-dir", str(self.state_dir)]
             args += self.extra_args.get(name, [])

@@ -129,7 +129,8 @@ def test_cpu_override_removes_every_gpu_reservation(tmp_path: Path) -> None:
 
 
 def test_commands_get_local_ports_hosts_references_and_model_path(tmp_path: Path) -> None:
-    plans = LocalCluster(tmp_path, port=0).plan(local_ports=LOCAL_PORTS)
+    cluster = LocalCluster(tmp_path, port=0)
+    plans = cluster.plan(local_ports=LOCAL_PORTS)
     assert list(plans) == [*STAGES, "orchestrator"], "stages first: the orchestrator depends on all of them"
     model = str(tmp_path.resolve())
     for name in STAGES:
@@ -144,6 +145,8 @@ def test_commands_get_local_ports_hosts_references_and_model_path(tmp_path: Path
         "serve", "orchestrator", "--host", "127.0.0.1", "--port", "41000",
         "--text-encoder", "127.0.0.1:41001", "--dit", "127.0.0.1:41002",
         "--vae", "127.0.0.1:41003", "--interp", "127.0.0.1:41004",
+        "--state-dir", "/var/lib/stagediff", "--metrics-port", "0",
+        "--state-dir", str(cluster.state_dir),
     ]  # fmt: skip
     assert orchestrator.waits_for == list(STAGES)
 
@@ -224,7 +227,9 @@ def test_volumes_variables_and_environment_of_another_compose_file(tmp_path: Pat
         "serve", "text-encoder", "--model", str((tmp_path / "model").resolve()), "--port", "9001",
         "--cache-dir=/var/cache/x/enc", "--vocab", str((tmp_path / "deploy" / "data").resolve()),
     ]  # fmt: skip
-    assert plans["front"].args == ["serve", "orchestrator", "--port=9000", "--text-encoder=127.0.0.1:9001"]
+    assert plans["front"].args == [
+        "serve", "orchestrator", "--port=9000", "--text-encoder=127.0.0.1:9001", "--state-dir", str(cluster.state_dir)
+    ]  # fmt: skip
     assert plans["front"].waits_for == [], "a plain depends_on only orders the start"
     services = load_compose(compose, {"FROM_HOST": "1"})
     assert services["enc"].environment == {"GREETING": "hello world", "FROM_HOST": "1"}

@@ -347,7 +347,9 @@ class JobManager:
             log_context(job_id=job.job_id, tenant=job.tenant),
             start_span_under(job.trace_context, "job", attributes={"stagediff.job_id": job.job_id}) as span,
         ):
+            logger.info("job started after %.3f s in the queue", max(0.0, time.time() - job.created_at))
             await self._run_traced(job)
+            logger.info("job %s%s", JobState.Name(job.state), f": {job.error_message}" if job.error_message else "")
             if job.error_code is not None:
                 set_grpc_status(span, job.error_code, job.error_message)
 
