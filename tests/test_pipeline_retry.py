@@ -74,7 +74,7 @@ async def _run(cluster, state_dir) -> tuple[list[generation_pb2.GenerateEvent], 
         seed=0,
         fps=16,
     )
-    job, _ = jobs.submit(request, TenantRegistry.open().open_tenant)
+    job, _ = await jobs.submit(request, TenantRegistry.open().open_tenant)
     events = [event async for event in job.follow()]
     store.close()
     await stages.close()

@@ -198,7 +198,7 @@ class JobManager:
 
     # ------------------------------------------------------------------ admission --
 
-    def submit(
+    async def submit(
         self, request: generation_pb2.GenerateRequest, tenant: Tenant, deadline: float | None = None
     ) -> tuple[Job, bool]:
         """Queues a job for `tenant`; returns (job, created). A known request_id returns its job instead.
@@ -206,7 +206,7 @@ class JobManager:
         `deadline` is event-loop time. Raises AdmissionRefused (with a retry-after) when the queue or the
         tenant's share of it is full.
         """
-        existing = self._by_request_id(tenant.name, request.request_id)
+        existing = await self._by_request_id(tenant.name, request.request_id)
         if existing is not None:
             return existing, False
         job_id = uuid.uuid4().hex
@@ -245,14 +245,15 @@ class JobManager:
         self._dispatch()
         return job, True
 
-    def _by_request_id(self, tenant: str, request_id: str) -> Job | None:
+    async def _by_request_id(self, tenant: str, request_id: str) -> Job | None:
+        """The tenant's job with this request id: live, or rebuilt from the store (its result replayable)."""
         if not request_id:
             return None
         job_id = self.by_request_id.get((tenant, request_id))
         if job_id is not None and job_id in self.jobs:
             return self.jobs[job_id]
         record = self.store.find_by_request_id(tenant, request_id)
-        return Job.from_record(record) if record is not None else None
+        return await self.get(record.job_id, tenant) if record is not None else None
 
     def _remember(self, job: Job) -> None:
         self.jobs[job.job_id] = job

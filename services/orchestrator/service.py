@@ -166,7 +166,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self.tenants.check_request_limits(tenant, full)
             remaining = context.time_remaining()
             deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
-            job, created = self.jobs.submit(full, tenant, deadline)
+            job, created = await self.jobs.submit(full, tenant, deadline)
         except RateLimited as error:
             if self.metrics is not None:
                 self.metrics.request_finished(tenant=tenant.name, model=model, code=grpc.StatusCode.RESOURCE_EXHAUSTED)
