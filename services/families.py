@@ -227,7 +227,10 @@ FAMILIES: dict[str, Family] = {
                         _QWEN + "test_qwen_stages_read_weights_with_their_load_threads",
                     )
                 ),
-                "interpolation": Support(reason="single images: nothing to interpolate"),
+                "interpolation": Support(
+                    reason="single images: nothing to interpolate; a request asking for it is refused with "
+                    "INVALID_ARGUMENT"
+                ),
             },
         ),
     )

@@ -274,6 +274,7 @@ def test_qwen_cluster_equals_qwen_image_pipeline(qwen_cluster, qwen_pipeline, ca
         (dict(num_frames=5), ["num_frames", "single images", "use 1"]),
         (dict(height=40), ["height", "multiple of 16"]),
         (dict(width=72), ["width", "multiple of 16"]),
+        (dict(interp_exp=1), ["interpolation", "single images", "leave interpolation off"]),
     ],
 )
 def test_qwen_refuses_what_the_pipeline_cannot_make(qwen_cluster, overrides, words) -> None:
