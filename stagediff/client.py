@@ -37,6 +37,11 @@ from stagediff.v1 import generation_pb2, generation_pb2_grpc
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.max_receive_message_length", 64 << 20),
+    # An orchestrator that restarts is back within seconds: reconnect within a second of it, not after
+    # grpc's default backoff (which grows to two minutes).
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 
@@ -98,9 +103,12 @@ Event = Queued | Progress | FramesReceived | GenerationResult
 
 @dataclass
 class RetryPolicy:
-    """Exponential backoff for UNAVAILABLE: initial, initial*multiplier, ... capped at maximum."""
+    """Exponential backoff for UNAVAILABLE: initial, initial*multiplier, ... capped at maximum.
 
-    max_attempts: int = 4
+    The default waits about 24 s in all (0.5, 1, 2, 4, 8, 8), enough to ride out an orchestrator restart.
+    """
+
+    max_attempts: int = 7
     initial_backoff_s: float = 0.5
     multiplier: float = 2.0
     max_backoff_s: float = 8.0
@@ -300,21 +308,31 @@ class AsyncClient:
     async def wait(
         self, job_id: str, *, on_progress: Callable[[Event], None] | None = None, timeout: float | None = None
     ) -> GenerationResult:
-        """Follows a submitted job to its end and returns its result."""
-        builder = _ResultBuilder()
-        try:
-            call = self._stub.WatchJob(
-                generation_pb2.WatchJobRequest(job_id=job_id), timeout=timeout or self.timeout, metadata=self.metadata
-            )
-            async for event in call:
-                typed = builder.consume(event)
-                if isinstance(typed, GenerationResult):
-                    return typed
-                if typed is not None and on_progress is not None:
-                    on_progress(typed)
-        except grpc.aio.AioRpcError as error:
-            raise StageDiffError.from_rpc_error(error) from None
-        raise StageDiffError(grpc.StatusCode.DATA_LOSS, "the stream ended without a result")
+        """Follows a submitted job to its end and returns its result; reattaches (from the job's first event)
+        when the orchestrator is briefly UNAVAILABLE, e.g. while it restarts."""
+        delays = self.retry.delays()
+        while True:
+            builder = _ResultBuilder()
+            try:
+                call = self._stub.WatchJob(
+                    generation_pb2.WatchJobRequest(job_id=job_id),
+                    timeout=timeout or self.timeout,
+                    metadata=self.metadata,
+                )
+                async for event in call:
+                    typed = builder.consume(event)
+                    if isinstance(typed, GenerationResult):
+                        return typed
+                    if typed is not None and on_progress is not None:
+                        on_progress(typed)
+            except grpc.aio.AioRpcError as error:
+                retryable = error.code() == grpc.StatusCode.UNAVAILABLE and not _is_job_outcome(error)
+                delay = next(delays, None) if retryable else None
+                if delay is None:
+                    raise StageDiffError.from_rpc_error(error) from None
+                await asyncio.sleep(delay)
+                continue
+            raise StageDiffError(grpc.StatusCode.DATA_LOSS, "the stream ended without a result")
 
     async def get_job(self, job_id: str) -> generation_pb2.Job:
         return await self._unary(self._stub.GetJob, generation_pb2.GetJobRequest(job_id=job_id))
