@@ -22,7 +22,7 @@ import grpc
 import torch
 
 from services.checkpoint import CheckpointSpec
-from services.errors import RequestError
+from services.errors import RequestError, bounded
 from services.tensor_codec import WireError
 from stagediff import __version__
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
@@ -157,6 +157,6 @@ async def abort_for(error: BaseException, context: grpc.aio.ServicerContext, sta
     if isinstance(error, grpc.aio.AbortError):
         raise error
     if isinstance(error, (RequestError, WireError)):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(error)))
     logger.exception("%s: request failed", stage)
-    await context.abort(grpc.StatusCode.INTERNAL, f"{stage}: {type(error).__name__}: {error}")
+    await context.abort(grpc.StatusCode.INTERNAL, bounded(f"{stage}: {type(error).__name__}: {error}"))

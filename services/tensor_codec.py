@@ -3,7 +3,9 @@
 Follows the KServe v2 convention. A tensor larger than `chunk_bytes` travels as
 several `TensorChunk` messages, so that no single gRPC message grows with the
 video. The receiver writes each chunk straight into one preallocated buffer and
-builds the array over it with `np.frombuffer`, so bytes are copied once.
+builds the array over it, so bytes are copied once. The buffer is reserved, not
+zeroed: memory is used as data arrives, so a header that announces a large
+tensor costs nothing until its bytes come.
 
 Everything a peer can get wrong (unknown datatype, a shape that does not match
 the bytes, chunks out of order, a stream that stops half-way) raises
@@ -28,6 +30,8 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 # A generous bound on one tensor, so that a forged header cannot make a server
 # allocate without limit. An 81-frame 1080p clip in uint8 is about 0.5 GB.
 MAX_TENSOR_BYTES = 8 << 30
+# Dimensions one tensor may have (numpy arrays take at most 64; ours have at most 5).
+MAX_TENSOR_DIMS = 32
 
 # KServe v2 datatype name -> numpy dtype. BF16 has no numpy dtype: its bits travel as uint16.
 _NUMPY_DTYPES: dict[str, np.dtype] = {
@@ -135,7 +139,7 @@ class TensorAssembler:
     def __init__(self, max_tensor_bytes: int = MAX_TENSOR_BYTES) -> None:
         self.max_tensor_bytes = max_tensor_bytes
         self._header: tensor_pb2.TensorHeader | None = None
-        self._buffer: bytearray | None = None
+        self._buffer: np.ndarray | None = None
         self._received = 0
 
     @property
@@ -162,7 +166,7 @@ class TensorAssembler:
         end = self._received + len(chunk.data)
         if end > len(self._buffer):
             raise WireError(f"tensor '{name}': chunks carry more than the {len(self._buffer)} bytes its shape implies")
-        self._buffer[self._received : end] = chunk.data
+        self._buffer[self._received : end] = np.frombuffer(chunk.data, dtype=np.uint8)
         self._received = end
         if not chunk.last:
             return None
@@ -178,31 +182,43 @@ class TensorAssembler:
         if self._header is not None:
             raise WireError(
                 f"tensor '{self._header.name}': the stream ended after {self._received} of "
-                f"{len(self._buffer or b'')} bytes"
+                f"{0 if self._buffer is None else len(self._buffer)} bytes"
             )
 
     def _start(self, header: tensor_pb2.TensorHeader) -> None:
         name = header.name or "<unnamed>"
         if header.datatype not in _NUMPY_DTYPES:
             raise WireError(f"tensor '{name}': datatype '{header.datatype}' is not one of {', '.join(DATATYPES)}")
+        if len(header.shape) > MAX_TENSOR_DIMS:
+            raise WireError(
+                f"tensor '{name}': shape has {len(header.shape)} dimensions; at most {MAX_TENSOR_DIMS} are allowed"
+            )
         if any(dim < 0 for dim in header.shape):
             raise WireError(f"tensor '{name}': shape {list(header.shape)} has a negative dimension")
         itemsize = _NUMPY_DTYPES[header.datatype].itemsize
-        num_bytes = math.prod(header.shape) * itemsize
-        if num_bytes > self.max_tensor_bytes:
+        # A dimension of 0 makes the tensor empty, but the others must still be sizes an array can have.
+        extent = math.prod(dim for dim in header.shape if dim) * itemsize
+        if extent > self.max_tensor_bytes:
             raise WireError(
-                f"tensor '{name}': shape {list(header.shape)} needs {num_bytes} bytes, "
+                f"tensor '{name}': shape {list(header.shape)} needs {extent} bytes, "
                 f"more than the limit of {self.max_tensor_bytes}"
             )
+        num_bytes = math.prod(header.shape) * itemsize
+        try:
+            buffer = np.empty(num_bytes, dtype=np.uint8)  # reserved, not zeroed: pages are used as chunks fill them
+        except MemoryError:
+            raise WireError(
+                f"tensor '{name}': shape {list(header.shape)} needs {num_bytes} bytes, more than this server can hold"
+            ) from None
         self._header = header
-        self._buffer = bytearray(num_bytes)
+        self._buffer = buffer
         self._received = 0
 
     def _complete(self) -> WireTensor:
         header, buffer = self._header, self._buffer
         assert header is not None and buffer is not None
         self._header, self._buffer, self._received = None, None, 0
-        array = np.frombuffer(buffer, dtype=_NUMPY_DTYPES[header.datatype]).reshape(tuple(header.shape))
+        array = buffer.view(_NUMPY_DTYPES[header.datatype]).reshape(tuple(header.shape))
         return WireTensor(header.name, header.datatype, tuple(header.shape), header.index, array)
 
 

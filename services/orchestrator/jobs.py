@@ -206,7 +206,7 @@ class JobManager:
         `deadline` is event-loop time. Raises AdmissionRefused (with a retry-after) when the queue or the
         tenant's share of it is full.
         """
-        existing = await self._by_request_id(tenant.name, request.request_id)
+        existing = await self.find_request(tenant.name, request.request_id)
         if existing is not None:
             return existing, False
         job_id = uuid.uuid4().hex
@@ -245,7 +245,7 @@ class JobManager:
         self._dispatch()
         return job, True
 
-    async def _by_request_id(self, tenant: str, request_id: str) -> Job | None:
+    async def find_request(self, tenant: str, request_id: str) -> Job | None:
         """The tenant's job with this request id: live, or rebuilt from the store (its result replayable)."""
         if not request_id:
             return None
@@ -268,7 +268,8 @@ class JobManager:
         job = self.jobs.get(job_id)
         if job is None:
             record = self.store.get(job_id)
-            if record is None or not record.finished:
+            # Another tenant's job is not read at all, let alone its result.
+            if record is None or not record.finished or (tenant is not None and record.tenant != tenant):
                 return None
             job = Job.from_record(record)
             if record.state == JobState.JOB_STATE_SUCCEEDED:

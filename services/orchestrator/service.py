@@ -30,7 +30,7 @@ from services.auth import (
     load_cluster_secret,
     server_credentials_from_args,
 )
-from services.errors import RequestError
+from services.errors import RequestError, bounded
 from services.logging_setup import add_logging_arguments
 from services.metrics import OrchestratorMetrics, ServerMetrics, add_metrics_arguments, start_metrics_server
 from services.orchestrator.jobs import AdmissionRefused, Job, JobManager, JobState
@@ -154,11 +154,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _refuse(self, context, tenant: str, model: str, code: grpc.StatusCode, message: str) -> None:
         if self.metrics is not None:
             self.metrics.request_finished(tenant=tenant, model=model, code=code)
-        await context.abort(code, message)
+        await context.abort(code, bounded(message))
 
     async def _admit(self, request, context) -> Job:
         tenant = current_tenant()
         model = request.model
+        # A retry of a known request id attaches to its job without spending the tenant's rate.
+        existing = await self.jobs.find_request(tenant.name, request.request_id)
+        if existing is not None:
+            return existing
         try:
             self.tenants.check_rate(tenant)
             full = self.complete_request(request)
@@ -204,7 +208,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """The caller's job; another tenant's job is as unknown as one that never existed."""
         job = await self.jobs.get(job_id, current_tenant().name) if job_id else None
         if job is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"job_id: no job '{job_id}'")
+            await context.abort(grpc.StatusCode.NOT_FOUND, bounded(f"job_id: no job '{job_id}'"))
         return job
 
     async def _stream(self, job: Job, context):
@@ -212,7 +216,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             yield event
         if job.state != JobState.JOB_STATE_SUCCEEDED:
             context.set_trailing_metadata(((JOB_FAILED_METADATA_KEY, "1"),))
-            await context.abort(_abort_code(job), job.error_message or "job did not succeed")
+            await context.abort(_abort_code(job), bounded(job.error_message or "job did not succeed"))
 
     # ---------------------------------------------------------------- rpcs --
 
@@ -226,7 +230,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             # The client went away or its deadline passed: stop the work in every stage.
             if not finished and not job.finished:
-                await self.jobs.cancel(job, grpc.StatusCode.CANCELLED, "the client cancelled or disconnected")
+                remaining = context.time_remaining()
+                if remaining is not None and remaining <= 0:
+                    await self.jobs.cancel(job, grpc.StatusCode.DEADLINE_EXCEEDED, "the client's deadline passed")
+                else:
+                    await self.jobs.cancel(job, grpc.StatusCode.CANCELLED, "the client cancelled or disconnected")
 
     async def Submit(self, request, context):
         job = await self._admit(request, context)
