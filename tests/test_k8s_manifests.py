@@ -1,0 +1,338 @@
+"""deploy/k8s: every manifest is a valid Kubernetes object, and every container runs a command the code accepts.
+
+No cluster is needed: the manifests are checked against the API schemas that kubernetes-validate bundles,
+and each container's command line goes through the real argparse parser of the service it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from dit_svc.service import parallel_config_from
+from stagediff.cli import SERVE_TARGETS
+
+K8S_DIR = Path(__file__).resolve().parents[1] / "deploy" / "k8s"
+KUBERNETES_VERSION = "1.35.0"
+FLAGS_CONFIGMAP = "stagediff-flags"
+CLUSTER_SECRET_ENV = "STAGEDIFF_CLUSTER_SECRET"
+MODEL_DIR = "/models/model"
+STAGES = ("text-encoder", "dit", "vae", "interp")
+# A large checkpoint loads for minutes: the startup probe must allow at least this long.
+MIN_STARTUP_S = 600
+
+KUSTOMIZATIONS = sorted(K8S_DIR.rglob("kustomization.yaml"))
+MANIFEST_FILES = sorted(
+    path for path in K8S_DIR.rglob("*.yaml") if path.name != "kustomization.yaml" and "secrets" not in path.parts
+)
+
+
+def _load(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def _objects(directory: Path) -> list[dict[str, Any]]:
+    return [doc for path in MANIFEST_FILES if path.parent == directory for doc in _load(path)]
+
+
+BASE = _objects(K8S_DIR)
+REPLICAS = _objects(K8S_DIR / "dit-replicas")
+
+
+def _one(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: expected one, found {len(found)}"
+    return found[0]
+
+
+def _flags(replicas_component: bool = False) -> dict[str, str]:
+    """The stagediff-flags ConfigMap's data, with the dit-replicas component's patch applied if asked."""
+    data = dict(_one(BASE, "ConfigMap", FLAGS_CONFIGMAP)["data"])
+    if replicas_component:
+        kustomization = yaml.safe_load((K8S_DIR / "dit-replicas" / "kustomization.yaml").read_text())
+        for entry in kustomization.get("patches", []):
+            patch = yaml.safe_load(entry["patch"])
+            if patch.get("kind") == "ConfigMap" and patch["metadata"]["name"] == FLAGS_CONFIGMAP:
+                data.update(patch["data"])
+    return data
+
+
+# ------------------------------------------------------------ schemas ----
+
+
+@pytest.mark.parametrize("path", MANIFEST_FILES, ids=lambda p: str(p.relative_to(K8S_DIR)))
+def test_manifest_is_valid_kubernetes(path: Path) -> None:
+    docs = _load(path)
+    assert docs, f"{path}: no objects"
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"{path.name}: {doc['kind']}/{doc['metadata']['name']}: {error.message} at {list(error.path)}")
+
+
+def test_validation_catches_a_typo() -> None:
+    """Strict mode is on: an unknown field fails, rather than passing silently."""
+    deployment = yaml.safe_load(yaml.safe_dump(_one(BASE, "Deployment", "dit")))
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
+
+
+# ------------------------------------------------------- kustomization ----
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(K8S_DIR)))
+def test_kustomization_lists_every_manifest(path: Path) -> None:
+    kustomization = yaml.safe_load(path.read_text())
+    listed = set(kustomization.get("resources", []))
+    present = {p.name for p in MANIFEST_FILES if p.parent == path.parent}
+    assert listed == present, f"{path}: resources {sorted(listed)} but the folder holds {sorted(present)}"
+
+
+def test_secrets_come_from_git_ignored_files() -> None:
+    kustomization = yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())
+    generated = {entry["name"]: entry["files"] for entry in kustomization["secretGenerator"]}
+    assert set(generated) == {"stagediff-cluster-secret", "stagediff-tenants"}
+    for files in generated.values():
+        for source in files:
+            assert source.partition("=")[2].startswith("secrets/"), source
+    assert (K8S_DIR / "secrets" / ".gitignore").read_text().splitlines()[-2:] == ["*", "!.gitignore"]
+    assert not any(o["kind"] == "Secret" for o in BASE + REPLICAS), "a Secret is committed"
+
+
+def _kustomize(tmp_path: Path, components: list[str]) -> list[dict[str, Any]]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (with its built-in kustomize) is not installed")
+    root = tmp_path / "k8s"
+    shutil.copytree(K8S_DIR, root)
+    (root / "secrets" / "cluster-secret").write_text("0123456789abcdef\n")
+    shutil.copy(K8S_DIR.parents[0] / "tenants.example.yaml", root / "secrets" / "tenants.yaml")
+    if components:
+        with (root / "kustomization.yaml").open("a") as file:
+            file.write(yaml.safe_dump({"components": components}))
+    built = subprocess.run([kubectl, "kustomize", str(root)], capture_output=True, text=True, timeout=60)
+    assert built.returncode == 0, built.stderr
+    return [doc for doc in yaml.safe_load_all(built.stdout) if doc]
+
+
+@pytest.mark.parametrize("components", [[], ["dit-replicas"]], ids=["base", "dit-replicas"])
+def test_kustomize_builds(tmp_path: Path, components: list[str]) -> None:
+    objects = _kustomize(tmp_path, components)
+    assert {o["metadata"].get("namespace") for o in objects if o["kind"] != "Namespace"} == {"stagediff"}
+    names = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    assert (("StatefulSet", "dit") in names) == bool(components)
+    assert (("Deployment", "dit") in names) != bool(components)
+    assert (("Service", "dit") in names) != bool(components)
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    secrets = {o["metadata"]["name"] for o in objects if o["kind"] == "Secret"}
+    rendered = yaml.safe_dump_all(objects)
+    for secret in secrets:  # the generated names (with their hash) replaced every reference
+        assert re.fullmatch(r"stagediff-(cluster-secret|tenants)-[a-z0-9]+", secret), secret
+    assert "name: stagediff-cluster-secret\n" not in rendered and "secretName: stagediff-tenants\n" not in rendered
+
+
+# ------------------------------------------------------------ commands ----
+
+
+class _Parsed(Exception):
+    def __init__(self, namespace: argparse.Namespace) -> None:
+        super().__init__()
+        self.namespace = namespace
+
+
+def parse_serve(argv: list[str]) -> argparse.Namespace:
+    """`stagediff serve <stage> ...` parsed by the stage's own parser (its main() is stopped right after parsing)."""
+    assert argv and argv[0] in SERVE_TARGETS, f"not a serve target: {argv[:1]}"
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def capture(parser, args=None, namespace=None):
+        raise _Parsed(parse_args(parser, args, namespace))
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture):
+        try:
+            importlib.import_module(SERVE_TARGETS[argv[0]]).main(argv[1:])
+        except _Parsed as parsed:
+            return parsed.namespace
+        except SystemExit as error:
+            pytest.fail(f"stagediff serve {shlex.join(argv)}: rejected by its parser (exit {error.code})")
+    pytest.fail(f"stagediff serve {argv[0]}: main() returned without parsing its arguments")
+
+
+def _env_values(container: dict[str, Any], flags: dict[str, str]) -> dict[str, str]:
+    values = {}
+    for entry in container.get("env", []):
+        if "value" in entry:
+            values[entry["name"]] = entry["value"]
+        elif "configMapKeyRef" in entry["valueFrom"]:
+            ref = entry["valueFrom"]["configMapKeyRef"]
+            assert ref["name"] == FLAGS_CONFIGMAP, entry
+            assert ref["key"] in flags, f"{entry['name']}: no key {ref['key']} in the {FLAGS_CONFIGMAP} ConfigMap"
+            values[entry["name"]] = flags[ref["key"]]
+    return values
+
+
+def command_argv(container: dict[str, Any], flags: dict[str, str]) -> list[str]:
+    """The container's `stagediff serve` arguments, as its shell would pass them."""
+    assert container["command"] == ["/bin/sh", "-c"], container["name"]
+    (script,) = container["args"]
+    assert "$(" not in script, "kubelet would expand $(VAR) itself, as one argument"
+    words = shlex.split(script)
+    assert words[:3] == ["exec", "stagediff", "serve"], script
+    env = _env_values(container, flags)
+    argv = []
+    for word in words[3:]:
+        if "$" not in word:
+            argv.append(word)
+            continue
+        variable = re.fullmatch(r"\$(\w+)", word)
+        assert variable, f"{word}: only a whole $VAR word is expanded"
+        assert variable[1] in env, f"{word}: not in the container's env"
+        argv.extend(shlex.split(env[variable[1]]))  # unquoted in the script: the shell splits it likewise
+    return argv
+
+
+def _workloads(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+
+
+def _containers(flags: dict[str, str], objects: list[dict[str, Any]]):
+    for workload in _workloads(objects):
+        pod = workload["spec"]["template"]["spec"]
+        for container in pod["containers"]:
+            argv = command_argv(container, flags)
+            yield workload, pod, container, argv[0], parse_serve(argv)
+
+
+CASES = [(False, BASE), (True, REPLICAS)]
+
+
+def test_each_stage_has_one_workload() -> None:
+    stages = [c[3] for c in _containers(_flags(), BASE)]
+    assert sorted(stages) == sorted([*STAGES, "orchestrator"])
+    assert [c[3] for c in _containers(_flags(True), REPLICAS)] == ["dit"]
+
+
+def _gpus(container: dict[str, Any]) -> int:
+    return int(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
+
+
+@pytest.mark.parametrize(("component", "objects"), CASES, ids=["base", "dit-replicas"])
+def test_gpus_match_each_stage_group(component: bool, objects: list[dict[str, Any]]) -> None:
+    for _, _, container, stage, args in _containers(_flags(component), objects):
+        assert {"cpu", "memory"} <= set(container["resources"]["requests"]), stage
+        if stage == "orchestrator":
+            assert _gpus(container) == 0
+        elif stage == "dit":  # the service spawns one rank per GPU of the pod
+            assert _gpus(container) == parallel_config_from(args).total_ranks
+        elif stage == "vae":
+            assert _gpus(container) == args.vae_patch_parallel_size
+        else:
+            assert _gpus(container) == 1, stage
+
+
+def test_gpu_check_can_fail() -> None:
+    """A ConfigMap asking for a larger group than the pod's GPUs is caught."""
+    flags = _flags() | {"DIT_ARGS": "--ulysses-degree 4 --cfg-parallel-size 2"}
+    dit = next(c for c in _containers(flags, BASE) if c[3] == "dit")
+    assert _gpus(dit[2]) != parallel_config_from(dit[4]).total_ranks
+
+
+def test_unknown_flag_is_rejected() -> None:
+    with pytest.raises(pytest.fail.Exception, match="rejected by its parser"):
+        parse_serve(["dit", "--model", MODEL_DIR, "--nnodes", "2"])
+
+
+@pytest.mark.parametrize(("component", "objects"), CASES, ids=["base", "dit-replicas"])
+def test_grpc_probes_on_the_serving_port(component: bool, objects: list[dict[str, Any]]) -> None:
+    for _, _, container, stage, args in _containers(_flags(component), objects):
+        assert args.port in {p["containerPort"] for p in container["ports"]}, stage
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"] == {"port": args.port}, f"{stage} {probe}"
+        startup = container["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= MIN_STARTUP_S, stage
+
+
+@pytest.mark.parametrize(("component", "objects"), CASES, ids=["base", "dit-replicas"])
+def test_cluster_secret_model_and_shm(component: bool, objects: list[dict[str, Any]]) -> None:
+    for _, pod, container, stage, args in _containers(_flags(component), objects):
+        secret = [e for e in container["env"] if e["name"] == CLUSTER_SECRET_ENV]
+        assert secret and secret[0]["valueFrom"]["secretKeyRef"]["name"] == "stagediff-cluster-secret", stage
+        mounts = {m["mountPath"]: m for m in container.get("volumeMounts", [])}
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        if stage == "orchestrator":
+            continue
+        assert args.model == MODEL_DIR and mounts[MODEL_DIR].get("readOnly"), stage
+        claim = volumes[mounts[MODEL_DIR]["name"]]["persistentVolumeClaim"]
+        assert claim == {"claimName": "stagediff-models", "readOnly": True}, stage
+        if stage in ("dit", "vae"):  # multi-process torch groups
+            assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory", stage
+
+
+def test_orchestrator_state_tenants_and_metrics() -> None:
+    workload, pod, container, _, args = next(c for c in _containers(_flags(), BASE) if c[3] == "orchestrator")
+    assert workload["spec"]["replicas"] == 1 and workload["spec"]["strategy"]["type"] == "Recreate"
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts[args.state_dir]]["persistentVolumeClaim"]["claimName"] == "stagediff-state"
+    tenants = Path(args.tenants)
+    secret = volumes[mounts[str(tenants.parent)]]["secret"]
+    assert secret["secretName"] == "stagediff-tenants"
+    assert {"key": "tenants.yaml", "path": tenants.name} in secret["items"]
+    assert args.metrics_port == 9090 and 9090 in {p["containerPort"] for p in container["ports"]}
+    service = _one(BASE, "Service", "orchestrator")
+    assert {p["port"] for p in service["spec"]["ports"]} == {args.port, args.metrics_port}
+
+
+def _serves(objects: list[dict[str, Any]], host: str, port: int) -> str:
+    """The stage behind HOST:PORT: a Service, or a pod of a StatefulSet by its headless Service."""
+    pod_name, _, service_name = host.partition(".")
+    service = _one(objects, "Service", service_name or pod_name)
+    assert port in {p["port"] for p in service["spec"]["ports"]}, f"{host}:{port}: no such Service port"
+    if service_name:
+        assert service["spec"].get("clusterIP") == "None", f"{service_name}: per-pod names need a headless Service"
+        owners = [w for w in _workloads(objects) if w["spec"].get("serviceName") == service_name]
+        assert len(owners) == 1, host
+        ordinal = int(pod_name.rpartition("-")[2])
+        assert pod_name == f"{owners[0]['metadata']['name']}-{ordinal}" and ordinal < owners[0]["spec"]["replicas"]
+    return service["spec"]["selector"]["app.kubernetes.io/component"]
+
+
+@pytest.mark.parametrize(("component", "objects"), CASES, ids=["base", "dit-replicas"])
+def test_orchestrator_reaches_every_stage(component: bool, objects: list[dict[str, Any]]) -> None:
+    flags = _flags(component)
+    everything = BASE + objects if component else BASE
+    if component:  # the component drops the base's single DiT Deployment and Service
+        everything = [o for o in everything if not (o["metadata"]["name"] == "dit" and o in BASE)]
+    ports = {stage: args.port for _, _, _, stage, args in _containers(flags, everything)}
+    orchestrator = next(c[4] for c in _containers(flags, BASE) if c[3] == "orchestrator")
+    for stage in STAGES:
+        endpoints = getattr(orchestrator, stage.replace("-", "_")).split(",")
+        for endpoint in endpoints:
+            host, _, port = endpoint.rpartition(":")
+            assert int(port) == ports[stage], endpoint
+            assert _serves(everything, host, int(port)) == stage, endpoint
+    if component:
+        statefulset = _one(REPLICAS, "StatefulSet", "dit")
+        assert len(orchestrator.dit.split(",")) == statefulset["spec"]["replicas"], "list every DiT replica"
+
+
+def test_disruption_budgets_cover_orchestrator_and_dit() -> None:
+    for name in ("orchestrator", "dit"):
+        budget = _one(BASE, "PodDisruptionBudget", name)
+        selector = budget["spec"]["selector"]["matchLabels"]
+        pods = [w for w in _workloads(BASE + REPLICAS) if w["metadata"]["name"] == name]
+        assert pods and all(selector.items() <= w["spec"]["template"]["metadata"]["labels"].items() for w in pods)
