@@ -28,7 +28,7 @@ from wsgiref.simple_server import WSGIServer
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
-from services.tracing import PROBE_SERVICES, rpc_status, wrap_rpc_handler
+from services.tracing import PROBE_SERVICES, observed_call, wrap_rpc_handler
 
 PREFIX = "stagediff_"
 DEFAULT_LABEL = "default"  # for a tenant or priority class the request does not name
@@ -229,17 +229,13 @@ class ServerMetrics:
         service, _, name = method.lstrip("/").rpartition("/")
         in_flight = self.in_flight.labels(service, name)
         in_flight.inc()
-        started = time.perf_counter()
-        error: BaseException | None = None
-        try:
-            yield
-        except BaseException as raised:
-            error = raised
-            raise
-        finally:
+
+        def ended(code: grpc.StatusCode, seconds: float) -> None:
             in_flight.dec()
-            code = rpc_status(context, error)
-            self.latency.labels(service, name, code.name).observe(time.perf_counter() - started)
+            self.latency.labels(service, name, code.name).observe(seconds)
+
+        with observed_call(context, ended):
+            yield
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

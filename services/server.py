@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from services.errors import RequestError
 from services.logging_setup import configure_logging as _configure_logging
 from services.metrics import MetricsServerInterceptor, ServerMetrics
-from services.tracing import PROBE_SERVICES, TracingServerInterceptor, rpc_status, wrap_rpc_handler
+from services.tracing import PROBE_SERVICES, TracingServerInterceptor, observed_call, wrap_rpc_handler
 
 logger = logging.getLogger(__name__)
 
@@ -238,18 +238,8 @@ class AccessLogInterceptor(grpc.aio.ServerInterceptor):
         return wrap_rpc_handler(handler, lambda context: _access_log(method, context))
 
 
-@contextlib.contextmanager
-def _access_log(method: str, context: grpc.aio.ServicerContext):
-    started = time.perf_counter()
-    error: BaseException | None = None
-    try:
-        yield
-    except BaseException as raised:
-        error = raised
-        raise
-    finally:
-        code = rpc_status(context, error)
-        logger.info("rpc %s %s %.3fs", method, code.name, time.perf_counter() - started)
+def _access_log(method: str, context: grpc.aio.ServicerContext) -> contextlib.AbstractContextManager[None]:
+    return observed_call(context, lambda code, seconds: logger.info("rpc %s %s %.3fs", method, code.name, seconds))
 
 
 def configure_logging(level: str = "INFO", log_format: str = "text") -> None:

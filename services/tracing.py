@@ -39,6 +39,7 @@ import collections
 import contextlib
 import inspect
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from importlib.metadata import entry_points
 from typing import Any
@@ -256,6 +257,22 @@ def rpc_status(context: grpc.aio.ServicerContext, error: BaseException | None) -
 
 
 RpcScope = Callable[[grpc.aio.ServicerContext], contextlib.AbstractContextManager[Any]]
+
+
+@contextlib.contextmanager
+def observed_call(
+    context: grpc.aio.ServicerContext, on_end: Callable[[grpc.StatusCode, float], None]
+) -> Iterator[None]:
+    """Runs a call's block, then reports how it ended: `on_end(status, seconds)` (metrics, access logs)."""
+    started = time.perf_counter()
+    error: BaseException | None = None
+    try:
+        yield
+    except BaseException as raised:
+        error = raised
+        raise
+    finally:
+        on_end(rpc_status(context, error), time.perf_counter() - started)
 
 
 def wrap_rpc_handler(handler: grpc.RpcMethodHandler, scope: RpcScope) -> grpc.RpcMethodHandler:

@@ -265,15 +265,18 @@ class AsyncClient:
                     raise StageDiffError.from_rpc_error(error) from None
                 await asyncio.sleep(delay)
 
-    async def stream(self, prompt: str, *, timeout: float | None = None, **arguments: Any) -> AsyncIterator[Event]:
-        """Generates and yields Queued, Progress and FramesReceived events, then the GenerationResult."""
-        request = build_request(prompt, **arguments)
+    async def _follow(self, open_call: Callable[[], Any]) -> AsyncIterator[Event]:
+        """Yields the typed events of a job's event stream (Generate or WatchJob).
+
+        When the orchestrator is briefly UNAVAILABLE (a restart) the stream is opened again with backoff;
+        a job's log replays from its first event, so the result is rebuilt whole. A job's own failure
+        (marked in trailing metadata) is raised at once.
+        """
         delays = self.retry.delays()
         while True:
             builder = _ResultBuilder()
             try:
-                call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self.metadata)
-                async for event in call:
+                async for event in open_call():
                     typed = builder.consume(event)
                     if typed is not None:
                         yield typed
@@ -285,6 +288,23 @@ class AsyncClient:
                     raise StageDiffError.from_rpc_error(error) from None
                 await asyncio.sleep(delay)
 
+    async def stream(self, prompt: str, *, timeout: float | None = None, **arguments: Any) -> AsyncIterator[Event]:
+        """Generates and yields Queued, Progress and FramesReceived events, then the GenerationResult."""
+        request = build_request(prompt, **arguments)
+        async for event in self._follow(
+            lambda: self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self.metadata)
+        ):
+            yield event
+
+    @staticmethod
+    async def _result(events: AsyncIterator[Event], on_progress: Callable[[Event], None] | None) -> GenerationResult:
+        async for event in events:
+            if isinstance(event, GenerationResult):
+                return event
+            if on_progress is not None:
+                on_progress(event)
+        raise StageDiffError(grpc.StatusCode.DATA_LOSS, "the stream ended without a result")
+
     async def generate(
         self,
         prompt: str,
@@ -294,12 +314,7 @@ class AsyncClient:
         **arguments: Any,
     ) -> GenerationResult:
         """Generates a video (or image) and returns it once every frame has arrived."""
-        async for event in self.stream(prompt, timeout=timeout, **arguments):
-            if isinstance(event, GenerationResult):
-                return event
-            if on_progress is not None:
-                on_progress(event)
-        raise StageDiffError(grpc.StatusCode.DATA_LOSS, "the stream ended without a result")
+        return await self._result(self.stream(prompt, timeout=timeout, **arguments), on_progress)
 
     async def submit(self, prompt: str, **arguments: Any) -> generation_pb2.Job:
         """Queues a job and returns at once; the request id makes a retried submit return the same job."""
@@ -310,29 +325,11 @@ class AsyncClient:
     ) -> GenerationResult:
         """Follows a submitted job to its end and returns its result; reattaches (from the job's first event)
         when the orchestrator is briefly UNAVAILABLE, e.g. while it restarts."""
-        delays = self.retry.delays()
-        while True:
-            builder = _ResultBuilder()
-            try:
-                call = self._stub.WatchJob(
-                    generation_pb2.WatchJobRequest(job_id=job_id),
-                    timeout=timeout or self.timeout,
-                    metadata=self.metadata,
-                )
-                async for event in call:
-                    typed = builder.consume(event)
-                    if isinstance(typed, GenerationResult):
-                        return typed
-                    if typed is not None and on_progress is not None:
-                        on_progress(typed)
-            except grpc.aio.AioRpcError as error:
-                retryable = error.code() == grpc.StatusCode.UNAVAILABLE and not _is_job_outcome(error)
-                delay = next(delays, None) if retryable else None
-                if delay is None:
-                    raise StageDiffError.from_rpc_error(error) from None
-                await asyncio.sleep(delay)
-                continue
-            raise StageDiffError(grpc.StatusCode.DATA_LOSS, "the stream ended without a result")
+        request = generation_pb2.WatchJobRequest(job_id=job_id)
+        events = self._follow(
+            lambda: self._stub.WatchJob(request, timeout=timeout or self.timeout, metadata=self.metadata)
+        )
+        return await self._result(events, on_progress)
 
     async def get_job(self, job_id: str) -> generation_pb2.Job:
         return await self._unary(self._stub.GetJob, generation_pb2.GetJobRequest(job_id=job_id))
