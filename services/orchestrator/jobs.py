@@ -286,12 +286,13 @@ class JobManager:
     def list_jobs(self, tenant: str | None, state: int = 0, limit: int = 100) -> list[generation_pb2.Job]:
         """The tenant's jobs, newest first; live ones as they are now, the rest as stored."""
         states = None if state == JobState.JOB_STATE_UNSPECIFIED else [state]
+        positions = self.scheduler.positions()  # once for the whole list: it simulates the queue order
         listed = []
         for record in self.store.list_jobs(states=states, tenant=tenant, limit=limit):
             live = self.jobs.get(record.job_id)
             job = live if live is not None else Job.from_record(record)
             if states is None or job.state in states:
-                listed.append(job.to_proto(self.position(job)))
+                listed.append(job.to_proto(positions.get(job.job_id, 0)))
         return listed
 
     # ------------------------------------------------------------------- changes --
@@ -326,10 +327,11 @@ class JobManager:
     def _update_gauges(self) -> None:
         if self.metrics is None:
             return
+        # Counted from the jobs' states: the scheduler's `positions()` simulates the whole queue order.
         waiting: dict[str, int] = {"high": 0, "normal": 0, "low": 0}
-        for job_id in self.scheduler.positions():
-            priority = self.jobs[job_id].priority
-            waiting[priority] = waiting.get(priority, 0) + 1
+        for job in self.jobs.values():
+            if job.state == JobState.JOB_STATE_QUEUED:
+                waiting[job.priority] = waiting.get(job.priority, 0) + 1
         for priority, count in waiting.items():
             self.metrics.set_queue_depth(count, priority)
         self.metrics.set_running(self.scheduler.running_count())
