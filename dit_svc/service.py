@@ -27,6 +27,7 @@ from dit_svc.parallel.hsdp import local_parameter_bytes
 from dit_svc.quantization import linear_layer_names, parse_ignored_layers, validate_quantization_flags
 from dit_svc.qwen_denoise import QwenTextEmbeds, check_qwen_parallel
 from services.checkpoint import CheckpointError, read_checkpoint
+from services.environment_options import parse_args
 from services.offload import validate_offload_flags
 from services.rank_group import GroupFailure
 from services.stage import RequestError, StageRuntime, abort_for
@@ -328,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     add_stage_arguments(parser, default_port=50062)
     add_parallel_arguments(parser)
     add_memory_arguments(parser)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if Path(args.model, "transformer", "config.json").is_file():
         check_parallel_layout(args)
     run_stage("dit", args, DenoiserServicer)

@@ -8,6 +8,7 @@ import grpc
 
 from interp_svc.interpolate import StreamingInterpolator
 from interp_svc.rife import SUPPORTED_SCALES, IFNet, StreamingRifeInterpolator, load_rife
+from services.environment_options import parse_args
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
 from services.stage_main import StageServicer, add_stage_arguments, run_stage
 from services.tensor_codec import TensorAssembler, WireError, encode_tensor, expect_tensor
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--interp-model-path", default="", help="RIFE 4.22.lite or 4.25 flownet.pkl (default: optical flow, no weights)"
     )
-    run_stage("interp", parser.parse_args(argv), InterpolatorServicer)
+    run_stage("interp", parse_args(parser, argv), InterpolatorServicer)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,17 @@
 """Runs the docker-compose topology as local processes: `stagediff up`.
 
-deploy/docker-compose.yml is the one description of the cluster. Instead of a
-second, hand-kept list of services for development and tests, this module reads
-that file and starts each service's `command` as `python -m stagediff.cli ...`,
+The compose files in deploy/ are the one description of the cluster:
+docker-compose.yml (a GPU pool per stage) and docker-compose.cpu.yml (the same
+services on CPUs, the default here), both built on common-services.yml.
+Instead of a second, hand-kept list of services for development and tests, this
+module reads such a file as compose does (`extends`, `env_file`, `secrets`,
+variables) and starts each service's `command` as `python -m stagediff.cli ...`,
 rewritten for one machine: every service gets a free local port, SERVICE:PORT
-references point at those ports, container paths point at host paths, and GPU
-reservations are dropped.
+references point at those ports, and container paths (the model volume, each
+secret under /run/secrets) point at host paths, in the command and in the
+environment. A GPU reservation becomes CUDA_VISIBLE_DEVICES of that process.
+The environment of a service is its env files and `environment`, as in a
+container: STAGEDIFF_* option variables of the calling shell do not leak in.
 
 A stage may run as several replicas: services named `<stage>-N` (`dit-2`) are
 replicas of `<stage>`, and `--replicas dit=2` clones the stage's service until
@@ -40,6 +46,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_SECRET_ENV = "STAGEDIFF_CLUSTER_SECRET"  # read by every service (services/auth.py)
+CLUSTER_SECRET_FILE_ENV = "STAGEDIFF_CLUSTER_SECRET_FILE"  # --cluster-secret-file, from the environment
+OPTION_ENV_PREFIX = "STAGEDIFF_"  # every `stagediff serve` option can come from the environment
 DEFAULT_STATE_DIR = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "stagediff"
 MODEL_MOUNT = "/models/model"
 ENTRY_COMMAND = ["serve", "orchestrator"]
@@ -48,9 +56,10 @@ LOG_TAIL_LINES = 40
 
 
 def _default_compose_file() -> Path:
-    """The repository's compose file: next to the package source, else under the current directory."""
-    beside_package = PACKAGE_ROOT / "deploy" / "docker-compose.yml"
-    return beside_package if beside_package.is_file() else Path.cwd() / "deploy" / "docker-compose.yml"
+    """The repository's CPU variant, which runs on any machine: next to the package source, else under the
+    current directory. `-f deploy/docker-compose.yml` runs the GPU topology instead."""
+    beside_package = PACKAGE_ROOT / "deploy" / "docker-compose.cpu.yml"
+    return beside_package if beside_package.is_file() else Path.cwd() / "deploy" / "docker-compose.cpu.yml"
 
 
 DEFAULT_COMPOSE_FILE = _default_compose_file()
@@ -100,15 +109,16 @@ def _interpolate_tree(node: Any, env: dict[str, str]) -> Any:
 
 @dataclass(frozen=True)
 class ComposeService:
-    """What the compose file says about one service, after variable expansion."""
+    """What the compose file says about one service, after `extends`, env files and variable expansion."""
 
     name: str
     command: list[str]
     depends_on: dict[str, str]  # service -> condition
-    environment: dict[str, str]
-    volumes: list[tuple[str, str]]  # (host path, container path), bind mounts only
+    environment: dict[str, str]  # env files first, then `environment` on top, as compose does
+    volumes: list[tuple[str, str]]  # (host path, container path): bind mounts and secrets
     gpu_device_ids: list[str]
     container_port: int
+    secret_files: list[tuple[str, str]] = field(default_factory=list)  # (secret name, host file)
 
     @property
     def is_entry(self) -> bool:
@@ -116,27 +126,37 @@ class ComposeService:
         return self.command[:2] == ENTRY_COMMAND
 
 
+SECRETS_MOUNT = "/run/secrets"  # where compose mounts each of a service's secrets, as a file named after it
+
+
 def load_compose(compose_file: str | os.PathLike[str], env: dict[str, str] | None = None) -> dict[str, ComposeService]:
     """Reads the services of a compose file, in file order."""
     path = Path(compose_file).resolve()
     env = dict(os.environ if env is None else env)
-    document = _interpolate_tree(yaml.safe_load(path.read_text()), env)
+    documents: dict[Path, dict[str, Any]] = {}
     services: dict[str, ComposeService] = {}
-    for name, body in (document.get("services") or {}).items():
+    for name in _read_document(path, env, documents).get("services") or {}:
+        body = _service_body(path, name, env, documents, chain=())
         command = body.get("command")
         if isinstance(command, str):
             command = shlex.split(command)
         if not command:
             raise ValueError(f"{path}: service {name} has no command")
         command = [str(arg) for arg in command]
+        environment = {}
+        for env_file in body.get("env_file") or []:
+            environment.update(read_env_file(env_file))
+        environment.update(body.get("environment") or {})
+        secrets = body.get("x-secret-files") or []
         services[name] = ComposeService(
             name=name,
             command=command,
             depends_on=_depends_on(body.get("depends_on")),
-            environment=_environment(body.get("environment"), env),
-            volumes=[volume for spec in body.get("volumes") or [] if (volume := _bind_mount(spec, path.parent))],
+            environment=environment,
+            volumes=[*body.get("x-bind-mounts", []), *((host, target) for _, host, target in secrets)],
             gpu_device_ids=_gpu_device_ids(body),
             container_port=_port_of(name, command),
+            secret_files=[(secret, host) for secret, host, _ in secrets],
         )
     if sum(service.is_entry for service in services.values()) != 1:
         raise ValueError(f"{path}: expected exactly one service running `{' '.join(ENTRY_COMMAND)}`")
@@ -145,6 +165,105 @@ def load_compose(compose_file: str | os.PathLike[str], env: dict[str, str] | Non
         if unknown:
             raise ValueError(f"{path}: {service.name} depends on unknown services {sorted(unknown)}")
     return services
+
+
+def _read_document(path: Path, env: dict[str, str], documents: dict[Path, dict[str, Any]]) -> dict[str, Any]:
+    if path not in documents:
+        if not path.is_file():
+            raise ValueError(f"compose file {path} does not exist")
+        documents[path] = _interpolate_tree(yaml.safe_load(path.read_text()) or {}, env)
+    return documents[path]
+
+
+def _service_body(
+    path: Path, name: str, env: dict[str, str], documents: dict[Path, dict[str, Any]], chain: tuple[str, ...]
+) -> dict[str, Any]:
+    """One service as declared in `path`, with what it `extends` merged under it.
+
+    Paths are resolved against the file that writes them (as compose does), so a
+    service extended from another file keeps its own relative paths. Bind mounts,
+    env files and secrets come back in the private keys `x-bind-mounts`,
+    `env_file` (absolute) and `x-secret-files` ((name, host file, container file)).
+    """
+    where = f"{path}:{name}"
+    if where in chain:
+        raise ValueError(f"`extends` has a cycle: {' -> '.join([*chain, where])}")
+    document = _read_document(path, env, documents)
+    declared = (document.get("services") or {}).get(name)
+    if not isinstance(declared, dict):
+        raise ValueError(f"{path}: no service {name!r}")
+    body = {key: value for key, value in declared.items() if key not in ("volumes", "env_file", "secrets", "extends")}
+    body["environment"] = _environment(declared.get("environment"), env)
+    volumes = declared.get("volumes") or []
+    body["x-bind-mounts"] = [mount for spec in volumes if (mount := _bind_mount(spec, path.parent))]
+    env_files = declared.get("env_file") or []
+    env_files = [env_files] if isinstance(env_files, str) else env_files
+    body["env_file"] = [_resolve(path.parent, item) for item in env_files]
+    body["x-secret-files"] = [_secret_file(path, document, spec) for spec in declared.get("secrets") or []]
+
+    extends = declared.get("extends")
+    if extends is None:
+        return body
+    if isinstance(extends, str):
+        extends = {"service": extends}
+    base_path = _resolve(path.parent, extends["file"]) if extends.get("file") else path
+    base = _service_body(Path(base_path), extends["service"], env, documents, (*chain, where))
+    base.pop("depends_on", None)  # compose never inherits depends_on through `extends`
+    return _merge_service(base, body)
+
+
+def _merge_service(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Compose's merge of a service over the one it extends: mappings merge key by key, env files and secrets
+    add up, bind mounts are replaced by container path, anything else is replaced."""
+    merged = dict(base)
+    for key, value in override.items():
+        if key in ("env_file", "x-secret-files"):
+            merged[key] = [*base.get(key, []), *value]
+        elif key == "x-bind-mounts":
+            targets = {target for _, target in value}
+            merged[key] = [mount for mount in base.get(key, []) if mount[1] not in targets] + value
+        elif isinstance(value, dict) and isinstance(base.get(key), dict):
+            merged[key] = _merge_service(base[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _resolve(base: Path, path: str) -> str:
+    expanded = Path(path).expanduser()
+    return str(expanded if expanded.is_absolute() else (base / expanded).resolve())
+
+
+def _secret_file(path: Path, document: dict[str, Any], spec: Any) -> tuple[str, str, str]:
+    """(name, host file, container file) of a service's secret: `name` or {source, target}."""
+    source, target = (spec, spec) if isinstance(spec, str) else (spec["source"], spec.get("target") or spec["source"])
+    declared = (document.get("secrets") or {}).get(source)
+    if not isinstance(declared, dict) or "file" not in declared:
+        raise ValueError(f"{path}: secret {source!r} is not declared with a `file` under the top-level `secrets`")
+    container_file = target if target.startswith("/") else f"{SECRETS_MOUNT}/{target}"
+    return source, _resolve(path.parent, declared["file"]), container_file
+
+
+def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
+    """KEY=VALUE lines of a compose env file; blank lines and `#` comments are skipped, one level of
+    matching quotes around a value is removed."""
+    variables: dict[str, str] = {}
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as error:
+        raise ValueError(f"env file {path}: {error.strerror or error}") from None
+    for number, line in enumerate(lines, start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, equals, value = line.removeprefix("export ").partition("=")
+        if not equals or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", key.strip()):
+            raise ValueError(f"env file {path}, line {number}: expected KEY=VALUE, got {line!r}")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        variables[key.strip()] = value
+    return variables
 
 
 def _depends_on(value: Any) -> dict[str, str]:
@@ -181,8 +300,7 @@ def _bind_mount(spec: Any, base: Path) -> tuple[str, str] | None:
         source, target = parts[0], parts[1]
         if not source.startswith((".", "/", "~")):
             return None
-    host = Path(source).expanduser()
-    return str((base / host).resolve() if not host.is_absolute() else host), target.rstrip("/") or "/"
+    return _resolve(base, source), target.rstrip("/") or "/"
 
 
 def _gpu_device_ids(body: dict[str, Any]) -> list[str]:
@@ -342,7 +460,6 @@ def rewrite_command(
 ) -> list[str]:
     """The service's command with local ports, hosts, endpoints of other services and host paths."""
     references = {f"{name}:{other.container_port}": name for name, other in services.items()}
-    mounts = sorted(path_map, key=lambda pair: len(pair[1]), reverse=True)
 
     def value(text: str) -> str:
         if "," in text:  # a list of endpoints: the replicas of a stage
@@ -352,10 +469,7 @@ def rewrite_command(
         name, _, port = text.rpartition(":")
         if name in services and port.isdigit():
             raise ValueError(f"{service.name}: {text} is not {name}'s --port ({services[name].container_port})")
-        for host_path, container_path in mounts:
-            if text == container_path or text.startswith(container_path + "/"):
-                return host_path + text[len(container_path) :]
-        return text
+        return host_path(text, path_map)
 
     rewritten: list[str] = []
     args = iter(service.command)
@@ -373,10 +487,21 @@ def rewrite_command(
     return rewritten
 
 
+def host_path(text: str, path_map: list[tuple[str, str]]) -> str:
+    """`text` with a container path (under a bind mount or a secret) replaced by its host path."""
+    for host, container in sorted(path_map, key=lambda pair: len(pair[1]), reverse=True):
+        if text == container or text.startswith(container + "/"):
+            return host + text[len(container) :]
+    return text
+
+
 def gpu_environment(service: ComposeService) -> dict[str, str]:
-    """Environment that gives a service its GPUs. Reservations are dropped for now: every
-    process sees every device. Mapping `service.gpu_device_ids` to CUDA_VISIBLE_DEVICES goes here."""
-    return {}
+    """The GPUs a service reserves, as a local process sees them: CUDA_VISIBLE_DEVICES lists the
+    reservation's device ids (a DiT group of 4 on GPUs 0-3 sees exactly those four, as its ranks
+    would in the container). A service without a reservation keeps the environment it has."""
+    if not service.gpu_device_ids:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(service.gpu_device_ids)}
 
 
 def free_ports(count: int, host: str, exclude: Iterable[int] = ()) -> list[int]:
@@ -469,6 +594,21 @@ class ServiceProcess:
         return "\n".join(text.splitlines()[-lines:])
 
 
+def _cluster_secret_of(services: dict[str, ComposeService]) -> str | None:
+    """The secret the services read from a secret file (STAGEDIFF_CLUSTER_SECRET_FILE), if the file says one.
+
+    Each service then reads that file, which wins over the STAGEDIFF_CLUSTER_SECRET this cluster also
+    sets; the cluster's own calls (health checks, tests) must present the same secret."""
+    for service in services.values():
+        container_file = service.environment.get(CLUSTER_SECRET_FILE_ENV)
+        if container_file is None:
+            continue
+        file = Path(host_path(container_file, service.volumes))
+        if file.is_file():
+            return file.read_text().strip()
+    return None
+
+
 class LocalCluster:
     """The compose topology as local processes, started in depends_on order and stopped in reverse.
 
@@ -503,10 +643,13 @@ class LocalCluster:
         self.env = dict(env or {})
         self.echo_logs = echo_logs
         self.state_dir = Path(state_dir) if state_dir is not None else Path(tempfile.mkdtemp(prefix="stagediff-state-"))
-        self.cluster_secret = (
-            self.env.get(CLUSTER_SECRET_ENV) or os.environ.get(CLUSTER_SECRET_ENV) or secrets.token_urlsafe(32)
-        )
         self.compose = with_replicas(load_compose(self.compose_file, {**os.environ, **self.env}), replicas or {})
+        self.cluster_secret = (
+            _cluster_secret_of(self.compose)
+            or self.env.get(CLUSTER_SECRET_ENV)
+            or os.environ.get(CLUSTER_SECRET_ENV)
+            or secrets.token_urlsafe(32)
+        )
         self.stage_of = {name: stage for stage, names in replica_groups(self.compose).items() for name in names}
         unknown = set(self.extra_args) - set(self.compose)
         if unknown:
@@ -546,14 +689,17 @@ class LocalCluster:
             if service.is_entry:
                 args += ["--state-dir", str(self.state_dir)]
             args += self.extra_args.get(name, [])
+            for secret, file in service.secret_files:
+                if not Path(file).is_file():
+                    raise ValueError(
+                        f"{name}: secret {secret!r} reads {file}, which does not exist "
+                        "(create it, or set STAGEDIFF_SECRETS_DIR to the directory holding the secrets)"
+                    )
+            environment = {key: host_path(value, path_map) for key, value in service.environment.items()}
             plans[name] = LaunchSpec(
                 name=name,
                 args=args,
-                environment={
-                    **service.environment,
-                    **gpu_environment(service),
-                    CLUSTER_SECRET_ENV: self.cluster_secret,
-                },
+                environment={**environment, **gpu_environment(service), CLUSTER_SECRET_ENV: self.cluster_secret},
                 port=ports[name],
                 endpoint=format_endpoint(connect_host(self.host), ports[name]),
                 waits_for=[dep for dep, condition in service.depends_on.items() if condition == "service_healthy"],
@@ -620,7 +766,10 @@ class LocalCluster:
     def _spawn(self, plan: LaunchSpec, log_mode: str = "wb") -> ServiceProcess:
         assert self.log_dir is not None
         log_path = self.log_dir / f"{plan.name}.log"
-        environment = {**os.environ, **plan.environment, **self.env}
+        # As in a container, a service's options come from the compose file alone: STAGEDIFF_* variables
+        # of this shell would set options of every service (services/environment_options.py).
+        inherited = {key: value for key, value in os.environ.items() if not key.startswith(OPTION_ENV_PREFIX)}
+        environment = {**inherited, **plan.environment, **self.env}
         # Children import stagediff from the same tree as this process, whatever their cwd.
         environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), environment.get("PYTHONPATH")]))
         log_file = log_path.open(log_mode)

@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny checkpoint and a local cluster started from deploy/docker-compose.yml."""
+"""Shared fixtures: a tiny checkpoint and a local cluster from deploy/docker-compose.cpu.yml (the default)."""
 
 from __future__ import annotations
 

@@ -13,52 +13,21 @@ import pytest
 import yaml
 
 from stagediff import local_cluster
-from stagediff.local_cluster import DEFAULT_COMPOSE_FILE, LocalCluster, interpolate, load_compose
+from stagediff.local_cluster import DEFAULT_COMPOSE_FILE, LocalCluster, interpolate, load_compose, read_env_file
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-COMPOSE_FILE = DEPLOY / "docker-compose.yml"
-CPU_OVERRIDE = DEPLOY / "docker-compose.cpu.yml"
+GPU_COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+CPU_COMPOSE_FILE = DEPLOY / "docker-compose.cpu.yml"
+COMMON_SERVICES = DEPLOY / "common-services.yml"
 STAGES = {"text-encoder": 50061, "dit": 50062, "vae": 50063, "interp": 50064}
 LOCAL_PORTS = {"text-encoder": 41001, "dit": 41002, "vae": 41003, "interp": 41004, "orchestrator": 41000}
 
 
-def test_default_compose_file_is_the_repository_one() -> None:
-    assert DEFAULT_COMPOSE_FILE == COMPOSE_FILE
+def test_default_compose_file_is_the_cpu_variant() -> None:
+    assert DEFAULT_COMPOSE_FILE == CPU_COMPOSE_FILE
 
 
-# -- the topology itself ------------------------------------------------------
-
-
-def _topology() -> dict[str, Any]:
-    return yaml.safe_load(COMPOSE_FILE.read_text())["services"]
-
-
-def test_every_stage_reserves_gpus_and_has_a_health_check() -> None:
-    services = _topology()
-    assert set(services) == {*STAGES, "orchestrator"}
-    for name, port in STAGES.items():
-        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
-        assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] and d["device_ids"] for d in devices), name
-        health = ["CMD", "stagediff", "health", "--endpoint", f"localhost:{port}"]
-        assert services[name]["healthcheck"]["test"] == health
-        assert services[name]["healthcheck"]["start_period"]
-        assert "${STAGEDIFF_MODEL_DIR:-../models/tiny}:/models/model:ro" in services[name]["volumes"]
-    gpus = [
-        g
-        for name in STAGES
-        for d in services[name]["deploy"]["resources"]["reservations"]["devices"]
-        for g in d["device_ids"]
-    ]
-    assert sorted(gpus) == [str(g) for g in range(8)], "the 8-GPU example gives each GPU to one stage"
-
-
-def test_orchestrator_waits_for_every_stage_to_be_healthy() -> None:
-    orchestrator = _topology()["orchestrator"]
-    assert orchestrator["depends_on"] == {name: {"condition": "service_healthy"} for name in STAGES}
-    assert orchestrator["ports"] == ["${STAGEDIFF_PORT:-50051}:50051"]
-    assert orchestrator["healthcheck"]["test"][-1] == "localhost:50051"
-    for name, port in STAGES.items():
-        assert f"{name}:{port}" in orchestrator["command"]
+# -- the topology itself, as docker-compose resolves it -----------------------
 
 
 def _docker_compose() -> str:
@@ -68,61 +37,117 @@ def _docker_compose() -> str:
     return path
 
 
-def _compose_version(binary: str) -> tuple[int, ...]:
-    text = subprocess.run([binary, "version", "--short"], capture_output=True, text=True, check=True).stdout
-    return tuple(int(part) for part in text.strip().lstrip("v").split(".")[:2])
+def _config(*files: Path, quiet: bool = False) -> subprocess.CompletedProcess[str]:
+    arguments = [argument for file in files for argument in ("-f", str(file))]
+    return subprocess.run(
+        [_docker_compose(), *arguments, "config", *(["-q"] if quiet else [])],
+        capture_output=True,
+        text=True,
+        cwd=DEPLOY.parent,
+    )
 
 
-def _config(binary: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([binary, *args, "config"], capture_output=True, text=True, cwd=DEPLOY.parent)
+def _resolved(file: Path) -> dict[str, Any]:
+    """The services of `file` after docker-compose's own `extends`, env files and interpolation."""
+    result = _config(file)
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)["services"]
 
 
-def test_docker_compose_accepts_the_topology() -> None:
-    result = _config(_docker_compose(), "-f", str(COMPOSE_FILE))
+@pytest.mark.parametrize("file", [GPU_COMPOSE_FILE, CPU_COMPOSE_FILE, COMMON_SERVICES], ids=lambda f: f.name)
+def test_docker_compose_config_accepts_every_file(file: Path) -> None:
+    result = _config(file, quiet=True)
     assert result.returncode == 0, result.stderr
 
 
-class _ResetLoader(yaml.SafeLoader):
-    """Reads compose's `!reset` tag (Compose v2.24+) as a marker, for tools that predate it."""
+def test_every_stage_reserves_its_gpus_and_has_a_health_check() -> None:
+    services = _resolved(GPU_COMPOSE_FILE)
+    assert set(services) == {*STAGES, "orchestrator"}
+    gpus_of = {}
+    for name, port in STAGES.items():
+        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert all(d["driver"] == "nvidia" and d["capabilities"] == ["gpu"] for d in devices), name
+        gpus_of[name] = [gpu for device in devices for gpu in device["device_ids"]]
+        assert gpus_of[name], f"{name} reserves no GPU"
+        health = services[name]["healthcheck"]
+        assert health["test"] == ["CMD", "stagediff", "health", "--endpoint", f"localhost:{port}"]
+        assert health["start_period"] == "10m", "model loading takes minutes before the stage serves"
+        assert any(v.endswith(":/models/model:ro") for v in services[name]["volumes"]), "the model is read-only"
+        assert services[name]["secrets"] == [{"source": "cluster_secret"}]
+        assert services[name]["environment"]["STAGEDIFF_CLUSTER_SECRET_FILE"] == "/run/secrets/cluster_secret"
+    assert sorted(gpu for gpus in gpus_of.values() for gpu in gpus) == [str(g) for g in range(8)], (
+        "the 8-GPU example gives each GPU to one stage"
+    )
+    # The groups' parallel flags come from their env files and match the GPUs they reserve.
+    assert len(gpus_of["dit"]) == 4 and services["dit"]["environment"]["STAGEDIFF_ULYSSES_DEGREE"] == "4"
+    assert len(gpus_of["vae"]) == 2 and services["vae"]["environment"]["STAGEDIFF_VAE_PATCH_PARALLEL_SIZE"] == "2"
+    for name in ("dit", "vae"):
+        assert services[name]["shm_size"], f"{name}: torch.distributed ranks need a large /dev/shm"
 
 
-_RESET = object()
-_ResetLoader.add_constructor("!reset", lambda loader, node: _RESET)
+def test_the_depends_on_chain_ends_at_the_orchestrator() -> None:
+    for file in (GPU_COMPOSE_FILE, CPU_COMPOSE_FILE):
+        services = _resolved(file)
+        orchestrator = services["orchestrator"]
+        assert orchestrator["depends_on"] == {name: {"condition": "service_healthy"} for name in STAGES}, file.name
+        assert all(not services[name].get("depends_on") for name in STAGES), "stages start independently"
+        assert orchestrator["healthcheck"]["test"][-1] == "localhost:50051"
+        assert orchestrator["ports"][0]["target"] == 50051
+        for name, port in STAGES.items():
+            assert f"{name}:{port}" in orchestrator["command"]
 
 
-def _merge(base: Any, override: Any) -> Any:
-    """Compose's merge of an override into a base, for the mapping keys and `!reset` that our override uses."""
-    if not isinstance(override, dict):
-        return override
-    merged = dict(base) if isinstance(base, dict) else {}
-    for key, value in override.items():
-        if value is _RESET:
-            merged.pop(key, None)
-        else:
-            merged[key] = _merge(merged.get(key), value)
-    return merged
-
-
-def test_cpu_override_removes_every_gpu_reservation(tmp_path: Path) -> None:
-    binary = _docker_compose()
-    if _compose_version(binary) >= (2, 24):
-        result = _config(binary, "-f", str(COMPOSE_FILE), "-f", str(CPU_OVERRIDE))
-        assert result.returncode == 0, result.stderr
-        config = yaml.safe_load(result.stdout)
-    else:
-        # Compose v1 cannot read `!reset`: apply the override here and let it validate the result.
-        base = yaml.load(COMPOSE_FILE.read_text(), Loader=_ResetLoader)
-        merged = _merge(base, yaml.load(CPU_OVERRIDE.read_text(), Loader=_ResetLoader))
-        merged_file = tmp_path / "docker-compose.cpu-merged.yml"
-        merged_file.write_text(yaml.safe_dump(merged))
-        result = _config(binary, "-f", str(merged_file), "--project-directory", str(DEPLOY))
-        assert result.returncode == 0, result.stderr
-        config = yaml.safe_load(result.stdout)
+def test_the_gpu_file_hands_out_secrets_and_the_cpu_variant_no_gpu() -> None:
+    gpu, cpu = _resolved(GPU_COMPOSE_FILE), _resolved(CPU_COMPOSE_FILE)
+    orchestrator = gpu["orchestrator"]
+    assert orchestrator["secrets"] == [{"source": "cluster_secret"}, {"source": "tenants"}]
+    assert orchestrator["environment"]["STAGEDIFF_TENANTS"] == "/run/secrets/tenants"
     for name in STAGES:
-        reservations = (config["services"][name].get("deploy") or {}).get("resources", {}).get("reservations", {})
-        assert not reservations.get("devices"), f"{name} still reserves GPUs: {reservations}"
-        assert config["services"][name]["healthcheck"]
-    assert config["services"]["orchestrator"]["depends_on"]["dit"] == {"condition": "service_healthy"}
+        assert "deploy" not in cpu[name], f"{name} still reserves GPUs in the CPU variant"
+        assert cpu[name]["environment"]["STAGEDIFF_DEVICE"] == "cpu"
+        assert cpu[name]["environment"]["CUDA_VISIBLE_DEVICES"] == ""
+    for name in gpu:  # the same services either way: one definition, in common-services.yml
+        assert cpu[name]["command"] == gpu[name]["command"]
+        assert cpu[name]["healthcheck"] == gpu[name]["healthcheck"]
+    assert gpu["dit"]["build"]["args"]["BASE_IMAGE"].startswith("nvidia/cuda:")
+    assert "args" not in cpu["dit"]["build"], "the CPU image is the Dockerfile's default"
+
+
+@pytest.mark.parametrize("file", [GPU_COMPOSE_FILE, CPU_COMPOSE_FILE], ids=lambda f: f.name)
+def test_stagediff_up_reads_a_file_as_docker_compose_does(file: Path) -> None:
+    resolved = _resolved(file)
+    services = load_compose(file, {})
+    assert list(services) == list(STAGES) + ["orchestrator"]
+    for name, service in services.items():
+        expected = resolved[name]
+        assert service.command == expected["command"], name
+        assert service.environment == {key: str(value) for key, value in expected["environment"].items()}, name
+        devices = ((expected.get("deploy") or {}).get("resources") or {}).get("reservations", {}).get("devices", [])
+        assert service.gpu_device_ids == [gpu for device in devices for gpu in device["device_ids"]], name
+        assert set(service.depends_on) == set(expected.get("depends_on") or {}), name
+        assert [secret for secret, _ in service.secret_files] == [s["source"] for s in expected.get("secrets", [])]
+
+
+def test_gpu_reservations_become_cuda_visible_devices_and_secrets_host_paths(tmp_path: Path) -> None:
+    secrets_dir = tmp_path / "secrets"
+    secrets_dir.mkdir()
+    (secrets_dir / "cluster_secret").write_text("s3cret-from-the-file\n")
+    (secrets_dir / "tenants.yaml").write_text("tenants: []\n")
+    cluster = LocalCluster(tmp_path, compose_file=GPU_COMPOSE_FILE, env={"STAGEDIFF_SECRETS_DIR": str(secrets_dir)})
+    plans = cluster.plan(local_ports=LOCAL_PORTS)
+    visible = {name: plans[name].environment.get("CUDA_VISIBLE_DEVICES") for name in plans}
+    assert visible == {"text-encoder": "6", "dit": "0,1,2,3", "vae": "4,5", "interp": "7", "orchestrator": None}
+    for plan in plans.values():
+        assert plan.environment["STAGEDIFF_CLUSTER_SECRET_FILE"] == str(secrets_dir / "cluster_secret")
+    assert plans["orchestrator"].environment["STAGEDIFF_TENANTS"] == str(secrets_dir / "tenants.yaml")
+    assert plans["dit"].environment["STAGEDIFF_ULYSSES_DEGREE"] == "4"
+    assert cluster.cluster_secret == "s3cret-from-the-file", "the cluster's own calls carry the file's secret"
+
+
+def test_a_missing_secret_file_is_refused_naming_it(tmp_path: Path) -> None:
+    cluster = LocalCluster(tmp_path, compose_file=GPU_COMPOSE_FILE, env={"STAGEDIFF_SECRETS_DIR": str(tmp_path)})
+    with pytest.raises(ValueError, match=r"secret 'cluster_secret' reads .*cluster_secret, which does not exist"):
+        cluster.plan(local_ports=LOCAL_PORTS)
 
 
 # -- rewriting commands for local processes ----------------------------------
@@ -279,3 +304,81 @@ def test_wait_for_serving_gives_up_on_a_closed_port() -> None:
     port = local_cluster.free_ports(1, "127.0.0.1")[0]
     with pytest.raises(TimeoutError, match=str(port)):
         local_cluster.wait_for_serving(f"127.0.0.1:{port}", timeout=0.5)
+
+
+def test_extends_env_files_and_secrets_resolve_against_the_file_that_writes_them(tmp_path: Path) -> None:
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "data").mkdir()
+    _write(tmp_path / "base" / "base.env", "# base\nLEVEL=base\nSHARED='from base'\n")
+    _write(
+        tmp_path / "base" / "services.yml",
+        """
+        services:
+          dit:
+            command: ["serve", "dit", "--model", "/models/model", "--port", "7002", "--data", "/data"]
+            env_file: base.env
+            environment: {FROM_BASE: "1", SHARED: overridden-by-environment}
+            volumes: ["./data:/data"]
+            depends_on: [never-inherited]
+        """,
+    )
+    _write(tmp_path / "top.env", "LEVEL=top\nexport EXPORTED=yes\n")
+    (tmp_path / "key").write_text("k\n")
+    compose = _write(
+        tmp_path / "compose.yml",
+        """
+        services:
+          dit:
+            extends: {file: base/services.yml, service: dit}
+            env_file: [top.env]
+            secrets: [key, {source: key, target: /etc/key}]
+            deploy: {resources: {reservations: {devices: [{driver: nvidia, device_ids: ["2"], capabilities: [gpu]}]}}}
+          orchestrator:
+            command: ["serve", "orchestrator", "--port", "7000", "--dit", "dit:7002", "--key", "/run/secrets/key"]
+            secrets: [key]
+            depends_on: {dit: {condition: service_healthy}}
+        secrets:
+          key: {file: ./key}
+        """,
+    )
+    services = load_compose(compose, {})
+    dit = services["dit"]
+    assert dit.environment == {
+        "LEVEL": "top", "SHARED": "overridden-by-environment", "EXPORTED": "yes", "FROM_BASE": "1"
+    }  # fmt: skip
+    assert dit.depends_on == {}, "compose never inherits depends_on through extends"
+    key = str((tmp_path / "key").resolve())
+    assert dit.volumes == [
+        (str((tmp_path / "base" / "data").resolve()), "/data"), (key, "/run/secrets/key"), (key, "/etc/key")
+    ]  # fmt: skip
+    plans = LocalCluster(tmp_path / "model", compose_file=compose).plan(local_ports={"dit": 9002, "orchestrator": 9000})
+    assert plans["dit"].args[-2:] == ["--data", str((tmp_path / "base" / "data").resolve())]
+    assert plans["dit"].environment["CUDA_VISIBLE_DEVICES"] == "2"
+    assert plans["orchestrator"].args[-4:-2] == ["--key", key]
+
+
+def test_bad_extends_and_env_files_are_refused(tmp_path: Path) -> None:
+    looped = _write(
+        tmp_path / "loop.yml",
+        """
+        services:
+          a: {extends: {service: b}, command: ["serve", "dit", "--port", "1"]}
+          b: {extends: {service: a}}
+        """,
+    )
+    with pytest.raises(ValueError, match="cycle"):
+        load_compose(looped, {})
+    _write(tmp_path / "bad.env", "GOOD=1\nthis line has no equals sign\n")
+    with pytest.raises(ValueError, match=r"bad.env, line 2: expected KEY=VALUE"):
+        read_env_file(tmp_path / "bad.env")
+    with pytest.raises(ValueError, match="missing.env"):
+        read_env_file(tmp_path / "missing.env")
+    undeclared = _write(
+        tmp_path / "undeclared.yml",
+        """
+        services:
+          o: {command: ["serve", "orchestrator", "--port", "1"], secrets: [nowhere]}
+        """,
+    )
+    with pytest.raises(ValueError, match="secret 'nowhere' is not declared"):
+        load_compose(undeclared, {})

@@ -12,6 +12,7 @@ import argparse
 
 import grpc
 
+from services.environment_options import parse_args
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
 from services.stage_main import StageServicer, add_stage_arguments, run_stage
 from services.tensor_codec import encode_tensor
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="stagediff serve text-encoder", description=__doc__)
     add_stage_arguments(parser, default_port=50061)
     parser.add_argument("--embedding-cache-size", type=int, default=1024, help="texts kept in the LRU cache")
-    run_stage("text-encoder", parser.parse_args(argv), TextEncoderServicer)
+    run_stage("text-encoder", parse_args(parser, argv), TextEncoderServicer)
 
 
 if __name__ == "__main__":

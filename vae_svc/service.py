@@ -12,6 +12,7 @@ import grpc
 import torch
 
 from services.checkpoint import CheckpointError, read_checkpoint
+from services.environment_options import parse_args
 from services.rank_group import GroupFailure
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
 from services.stage_main import StageServicer, add_stage_arguments, run_stage
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="stagediff serve vae", description=__doc__)
     add_stage_arguments(parser, default_port=50063)
     add_decode_arguments(parser)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     check_decode_arguments(args)
     run_stage("vae", args, VaeDecoderServicer)
 

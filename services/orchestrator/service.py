@@ -30,6 +30,7 @@ from services.auth import (
     load_cluster_secret,
     server_credentials_from_args,
 )
+from services.environment_options import parse_args
 from services.errors import RequestError, bounded
 from services.logging_setup import add_logging_arguments
 from services.metrics import OrchestratorMetrics, ServerMetrics, add_metrics_arguments, start_metrics_server
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     add_metrics_arguments(parser)
     add_tls_arguments(parser)
     add_cluster_secret_argument(parser)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     for flag, value, least in (
         ("--max-running-jobs", args.max_running_jobs, 1),
         ("--max-queued-jobs", args.max_queued_jobs, 1),

@@ -1,0 +1,57 @@
+"""deploy/Dockerfile, read without a Docker engine: layer order, the dependency list it installs, the user."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+DOCKERFILE = REPOSITORY / "deploy" / "Dockerfile"
+
+
+def _instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def test_dependencies_are_installed_before_the_source_is_copied() -> None:
+    """A code change must not invalidate the layer holding torch and the dependencies."""
+    steps = _instructions()
+    copies = [index for index, (name, _) in enumerate(steps) if name == "COPY"]
+    dependency_install = next(i for i, (name, args) in enumerate(steps) if name == "RUN" and "requirements" in args)
+    assert steps[copies[0]][1] == "pyproject.toml ./", "only pyproject.toml comes before the dependency layer"
+    assert all(index > dependency_install for index in copies[1:])
+    torch_install = next(i for i, (name, args) in enumerate(steps) if name == "RUN" and "torch==" in args)
+    assert torch_install < dependency_install, "torch first and pinned, so no dependency pulls another build"
+    project_install = [args for name, args in steps if name == "RUN" and "pip install --no-deps ." in args]
+    assert project_install, "the project itself installs without touching the dependency layer"
+
+
+def test_the_dependency_layer_installs_exactly_the_projects_dependencies(tmp_path: Path) -> None:
+    run = next(args for name, args in _instructions() if name == "RUN" and "tomllib" in args)
+    script = shlex.split(run)[2]  # python3 -c SCRIPT > /tmp/requirements.txt && ...
+    (tmp_path / "pyproject.toml").write_bytes((REPOSITORY / "pyproject.toml").read_bytes())
+    printed = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, check=True)
+    expected = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert printed.stdout.splitlines() == expected
+
+
+def test_the_image_runs_as_a_non_root_user_with_stagediff_as_entrypoint() -> None:
+    steps = _instructions()
+    users = [args for name, args in steps if name == "USER"]
+    assert users and users[-1] not in ("root", "0")
+    assert ("ENTRYPOINT", '["stagediff"]') in steps
+    for port in (50051, 50061, 50062, 50063, 50064):
+        assert str(port) in next(args for name, args in steps if name == "EXPOSE")
+
+
+def test_secrets_and_local_artifacts_stay_out_of_the_build_context() -> None:
+    ignored = (REPOSITORY / ".dockerignore").read_text().split()
+    for path in ("deploy/secrets/", "deploy/k8s/secrets/", "models/", ".venv/", ".git/"):
+        assert path in ignored, path

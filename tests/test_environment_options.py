@@ -1,0 +1,78 @@
+"""`stagediff serve` options from STAGEDIFF_* environment variables (services/environment_options.py)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from services.environment_options import environment_variable, parse_args
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stagediff serve dit")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--ulysses-degree", "--usp", type=int, default=1)
+    parser.add_argument("--quantization", choices=["fp8", "int8"])
+    parser.add_argument("--ignored-layers", nargs="+", default=[])
+    parser.add_argument("--use-hsdp", action="store_true")
+    return parser
+
+
+def test_variable_names_follow_the_long_option() -> None:
+    assert environment_variable("--ulysses-degree") == "STAGEDIFF_ULYSSES_DEGREE"
+    assert environment_variable("--vae-patch-parallel-size") == "STAGEDIFF_VAE_PATCH_PARALLEL_SIZE"
+
+
+def test_every_kind_of_option_is_read_and_the_command_line_wins() -> None:
+    environ = {
+        "STAGEDIFF_MODEL": "/models/model",
+        "STAGEDIFF_ULYSSES_DEGREE": "4",
+        "STAGEDIFF_QUANTIZATION": "fp8",
+        "STAGEDIFF_IGNORED_LAYERS": "proj_out  blocks.0.*",
+        "STAGEDIFF_USE_HSDP": "true",
+    }
+    args = parse_args(_parser(), [], environ)
+    assert (args.model, args.ulysses_degree, args.quantization) == ("/models/model", 4, "fp8")
+    assert args.ignored_layers == ["proj_out", "blocks.0.*"] and args.use_hsdp is True
+    overridden = parse_args(_parser(), ["--usp", "2", "--model", "/other"], environ)
+    assert (overridden.ulysses_degree, overridden.model) == (2, "/other")
+    assert parse_args(_parser(), ["--model", "m"], {"STAGEDIFF_USE_HSDP": "off"}).use_hsdp is False
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("STAGEDIFF_ULYSSES_DEGREE", "four", "STAGEDIFF_ULYSSES_DEGREE='four': not a valid int"),
+        ("STAGEDIFF_QUANTIZATION", "fp4", "STAGEDIFF_QUANTIZATION='fp4': choose from fp8, int8"),
+        ("STAGEDIFF_USE_HSDP", "maybe", "STAGEDIFF_USE_HSDP='maybe': use 1, true, yes or on"),
+    ],
+)
+def test_a_bad_value_is_refused_naming_the_variable(
+    variable: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(_parser(), ["--model", "m"], {variable: value})
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_variables_naming_no_option_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    environ = {"STAGEDIFF_ULYSES_DEGREE": "4", "STAGEDIFF_CLUSTER_SECRET": "s", "OTHER": "x"}
+    with caplog.at_level(logging.WARNING):
+        args = parse_args(_parser(), ["--model", "m"], environ)
+    assert args.ulysses_degree == 1
+    assert "STAGEDIFF_ULYSES_DEGREE" in caplog.text and "STAGEDIFF_CLUSTER_SECRET" not in caplog.text
+
+
+def test_a_real_service_takes_its_parallel_flags_from_the_environment(tiny_model) -> None:
+    """The dit service checks its parallel layout against the model before loading: a layout from the
+    environment that the model cannot take is refused, naming the flag, like the same flag on the command line."""
+    command = [sys.executable, "-m", "stagediff.cli", "serve", "dit", "--model", str(tiny_model), "--port", "0"]
+    environment = {"STAGEDIFF_ULYSSES_DEGREE": "3", "STAGEDIFF_DEVICE": "cpu", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=120)
+    assert result.returncode != 0
+    assert "ulysses" in result.stderr.lower() and "3" in result.stderr, result.stderr[-2000:]
