@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
 INSTALLED := $(VENV)/.installed
 
-.PHONY: venv demo test lint proto clean
+.PHONY: venv demo test test-gpu lint proto clean
 
 venv: $(INSTALLED)
 
@@ -24,6 +24,10 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m ruff check . && $(BIN)/python -m pytest -q
+
+# The CUDA paths, on a machine with an NVIDIA GPU (deselected from `make test`); -s prints their evidence.
+test-gpu: venv
+	$(BIN)/python -m pytest -m cuda -s -v tests/test_cuda.py
 
 lint: venv
 	$(BIN)/python -m ruff check .

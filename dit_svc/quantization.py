@@ -17,6 +17,7 @@ linear layers ("blocks.0") covers all of them. Layers that match keep their dtyp
 from __future__ import annotations
 
 import fnmatch
+import functools
 import importlib.util
 import logging
 from collections.abc import Iterable
@@ -120,8 +121,20 @@ def weight_storage_dtype(linear: nn.Module) -> torch.dtype:
     return weight.dtype
 
 
+@functools.cache
 def torchao_available() -> bool:
-    return importlib.util.find_spec("torchao") is not None
+    """Whether torchao's quantization API imports here. Installed is not enough: a torchao built for
+    another torch fails at import, and then the native kernels must serve instead of a crash."""
+    if importlib.util.find_spec("torchao") is None:
+        return False
+    try:
+        importlib.import_module("torchao.quantization")
+    except Exception as error:  # noqa: BLE001 - any import failure means: not usable here
+        logger.warning(
+            "torchao is installed but does not import (%s: %s); using the native kernels", type(error).__name__, error
+        )
+        return False
+    return True
 
 
 class WeightOnlyQuantizedLinear(nn.Module):
@@ -167,7 +180,7 @@ def _resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "torchao" if torchao_available() else "native"
     if backend == "torchao" and not torchao_available():
-        raise ValueError("backend 'torchao' needs the torchao package (pip install torchao)")
+        raise ValueError("backend 'torchao' needs the torchao package, importable with this torch")
     return backend
 
 

@@ -123,3 +123,29 @@ def test_ignored_layers_without_a_method_are_refused() -> None:
         validate_quantization_flags(None, ["proj_out"], ["proj_out"])
     validate_quantization_flags(None, [], ["proj_out"])
     validate_quantization_flags("fp8", ["blocks.0", "proj_*"], ["blocks.0.attn1.to_q", "proj_out"])
+
+
+def test_a_torchao_that_does_not_import_falls_back_to_the_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Installed but built for another torch: `auto` must serve with the native kernels rather than crash."""
+    import importlib
+
+    from dit_svc import quantization
+
+    real_import = importlib.import_module
+
+    def failing_import(name: str, *args, **kwargs):
+        if name.startswith("torchao"):
+            raise ImportError("undefined symbol: built for another torch")
+        return real_import(name, *args, **kwargs)
+
+    quantization.torchao_available.cache_clear()
+    monkeypatch.setattr(importlib, "import_module", failing_import)
+    try:
+        assert quantization.torchao_available() is False
+        assert quantization._resolve_backend("auto") == "native"
+        with pytest.raises(ValueError, match="needs the torchao package"):
+            quantization._resolve_backend("torchao")
+    finally:
+        monkeypatch.undo()
+        quantization.torchao_available.cache_clear()
+    assert quantization.torchao_available() is True, "the real torchao imports here"
