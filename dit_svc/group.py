@@ -1,13 +1,15 @@
 """The DiT stage as a process group (see services/rank_group.py for how the group runs).
 
-Every rank holds the family's denoiser (dit_svc/denoisers.py) with the same parallel layout; for each request
-rank 0 hands the embeddings to the followers and all ranks run the denoising
-loop in step. At the start of each step rank 0 tells the group whether to go on
+The group may span several machines: node 0 is the stage (`DenoiserGroup`), every other node runs
+`serve_dit_node`, which follows it. Every rank holds the family's denoiser (dit_svc/denoisers.py) with
+the same parallel layout; for each request rank 0 hands the embeddings to the followers and all ranks
+run the denoising loop in step. At the start of each step rank 0 tells the group whether to go on
 (dit_svc/parallel/cfg.py), so a cancelled request stops every rank within a step.
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,8 @@ from dit_svc.denoise import DenoiseSpec
 from dit_svc.denoisers import Denoiser, make_denoiser
 from dit_svc.model_options import ModelOptions
 from dit_svc.parallel import ParallelConfig
-from services.rank_group import GroupSettings, RankGroup, free_port
+from services.rank_group import ONE_NODE, NodeLayout, RankGroup, serve_follower_node
+from services.stage_main import prepare_stage_process
 
 
 @dataclass(frozen=True)
@@ -66,10 +69,11 @@ class DenoiserGroup:
         config: ParallelConfig,
         options: ModelOptions,
         load_threads: int = 4,
+        layout: NodeLayout = ONE_NODE,
     ) -> None:
-        settings = GroupSettings("dit", config.total_ranks, device.type, threads, free_port())
+        settings = layout.settings("dit", config.total_ranks, device.type, threads)
         payload = DitPayload(str(model_dir), dtype, config, options, load_threads)
-        self.group = RankGroup(settings, make_dit_worker, payload)
+        self.group = RankGroup(settings, make_dit_worker, payload, layout.channel)
         self.denoiser: Denoiser = self.group.worker.denoiser
 
     @property
@@ -91,10 +95,27 @@ class DenoiserGroup:
         on_step: Callable[[int, int], None],
         cancelled: Callable[[], bool],
     ) -> torch.Tensor:
+        # A group that lost a rank or a node stops the request at the next step, instead of finishing it with
+        # whatever ranks still answer; run() then reports the failure.
+        def stop() -> bool:
+            return cancelled() or self.group.failure() is not None
+
         return self.group.run(
             (spec, prompt_embeds, negative_prompt_embeds),
-            lambda: self.denoiser.denoise(spec, prompt_embeds, negative_prompt_embeds, on_step, cancelled),
+            lambda: self.denoiser.denoise(spec, prompt_embeds, negative_prompt_embeds, on_step, stop),
         )
 
     def close(self) -> None:
         self.group.close()
+
+
+def serve_dit_node(args: argparse.Namespace, config: ParallelConfig, options: ModelOptions, layout: NodeLayout) -> None:
+    """Node r > 0 of a multi-node DiT group: loads the same checkpoint with the same layout on its ranks and
+    follows node 0, answering only health on --port; exits non-zero when the group ends under it."""
+    spec, device, dtype = prepare_stage_process("dit", args)
+    load_threads = 1 if args.disable_multithread_weight_load else args.num_weight_load_threads
+    settings = layout.settings("dit", config.total_ranks, device.type, args.threads)
+    payload = DitPayload(str(spec.path), dtype, config, options, load_threads)
+    if layout.channel is None:
+        raise ValueError("a follower node needs the control channel to node 0")
+    serve_follower_node(settings, layout.channel, make_dit_worker, payload, host=args.host, port=args.port)

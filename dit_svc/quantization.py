@@ -155,8 +155,12 @@ class WeightOnlyQuantizedLinear(nn.Module):
         self.method = method
         weight = linear.weight.detach().float()
         largest = _INT8_MAX if method == "int8" else _FP8_MAX
-        scale = (weight.abs().amax(dim=1) / largest).to(linear.weight.dtype)
-        scale = scale.clamp(min=torch.finfo(scale.dtype).tiny)
+        # The scales (one per output channel, a small vector) are computed on the CPU: CUDA divides by a
+        # scalar through its reciprocal, which can move a scale by one step of its dtype, and a checkpoint
+        # should quantize to the same bytes on every device.
+        absmax = weight.abs().amax(dim=1).cpu()
+        scale = (absmax / largest).to(linear.weight.dtype)
+        scale = scale.clamp(min=torch.finfo(scale.dtype).tiny).to(weight.device)
         scaled = (weight / scale.float()[:, None]).clamp(-largest, largest)
         qweight = torch.round(scaled).to(torch.int8) if method == "int8" else scaled.to(torch.float8_e4m3fn)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)

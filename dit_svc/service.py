@@ -20,16 +20,17 @@ import torch
 
 from dit_svc.denoise import DenoiseSpec
 from dit_svc.denoisers import Denoiser, make_denoiser
-from dit_svc.group import DenoiserGroup
+from dit_svc.group import DenoiserGroup, serve_dit_node
 from dit_svc.model_options import ModelOptions
 from dit_svc.parallel import ParallelConfig, ParallelConfigError
 from dit_svc.parallel.hsdp import local_parameter_bytes
 from dit_svc.quantization import linear_layer_names, parse_ignored_layers, validate_quantization_flags
 from dit_svc.qwen_denoise import QwenTextEmbeds, check_qwen_parallel
+from services.auth import CLUSTER_SECRET_ENV, ClusterSecretError, load_cluster_secret
 from services.checkpoint import CheckpointError, read_checkpoint
 from services.environment_options import parse_args
 from services.offload import validate_offload_flags
-from services.rank_group import GroupFailure
+from services.rank_group import ControlChannel, GroupFailure, NodeLayout, group_authkey
 from services.stage import RequestError, StageRuntime, abort_for
 from services.stage_main import StageServicer, add_stage_arguments, run_stage
 from services.tensor_codec import TensorAssembler, WireError, WireTensor, encode_tensor, expect_tensor
@@ -40,6 +41,9 @@ EMBEDDING_DATATYPES = ("FP32", "BF16", "FP16")
 MASK_DATATYPES = ("INT64", "INT32", "BOOL")
 EMBEDDING_NAMES = ("prompt_embeds", "negative_prompt_embeds")
 MASK_NAMES = ("prompt_embeds_mask", "negative_prompt_embeds_mask")
+# torchrun's defaults for the store; the control channel of a multi-node group takes the next port.
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_GROUP_PORT = 29501
 
 
 class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
@@ -49,11 +53,12 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         self.runtime = runtime
         self.threads = args.threads
         self.parallel = parallel_config_from(args)
+        self.layout = node_layout_from(args)
         self.options = model_options_from(args) if Path(args.model, "model_index.json").is_file() else ModelOptions()
         self.denoiser: Denoiser | DenoiserGroup | None = None
         self.takes_masks = runtime.spec.family == "qwen-image"
         if self.parallel.total_ranks > 1:
-            runtime.parallel_config = self.parallel.describe()
+            runtime.parallel_config = {**self.parallel.describe(), "nnodes": str(self.layout.nnodes)}
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         stages_pb2_grpc.add_DenoiserServicer_to_server(self, server)
@@ -77,12 +82,19 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
                 self.parallel,
                 self.options,
                 load_threads=runtime.load_threads,
+                layout=self.layout,
+            )
+            nnodes = self.layout.nnodes
+            per_node = self.parallel.total_ranks // nnodes
+            devices = (
+                ", ".join(f"{runtime.device.type}:{rank}" for rank in range(per_node))
+                if runtime.device.type == "cuda"
+                else f"cpu x {per_node} processes"
             )
             runtime.parallel_config = {
                 **self.parallel.describe(),
-                "devices": ", ".join(f"{runtime.device.type}:{rank}" for rank in range(self.parallel.total_ranks))
-                if runtime.device.type == "cuda"
-                else f"cpu x {self.parallel.total_ranks} processes",
+                "nnodes": str(nnodes),
+                "devices": devices if nnodes == 1 else f"{nnodes} nodes x ({devices})",
             }
         runtime.parallel_config = {**runtime.parallel_config, **self.options.describe()}
         # With TP or HSDP a rank holds a shard: report what rank 0 holds (quantized weights at their stored size).
@@ -238,6 +250,26 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--use-hsdp", action="store_true", help="shard each block's weights with FSDP2")
     group.add_argument("--hsdp-shard-size", type=int, default=None, help="ranks a weight is sharded over")
     group.add_argument("--hsdp-replicate-size", type=int, default=1, help="replicas of the sharded weights")
+    nodes = parser.add_argument_group(
+        "nodes",
+        "one group over several machines, as torchrun's static rendezvous: start the same command on each with "
+        "its --node-rank; node r runs ranks r*L..r*L+L-1 (L = world size / nnodes); node 0 serves the stage",
+    )
+    nodes.add_argument("--nnodes", type=int, default=1, help="machines the group spans (default 1)")
+    nodes.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1 (default 0)")
+    nodes.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (default 127.0.0.1)")
+    nodes.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help=f"torch.distributed's TCP store on node 0 (default {DEFAULT_MASTER_PORT}; on one node a free port)",
+    )
+    nodes.add_argument(
+        "--group-port",
+        type=int,
+        default=DEFAULT_GROUP_PORT,
+        help=f"node 0's control channel, which the other nodes connect to (default {DEFAULT_GROUP_PORT})",
+    )
 
 
 def parallel_config_from(args: argparse.Namespace) -> ParallelConfig:
@@ -269,12 +301,73 @@ def check_parallel_layout(args: argparse.Namespace) -> None:
         family = read_checkpoint(args.model).family
     except CheckpointError:
         family = None  # the stage itself reports what is wrong with the checkpoint
+    check_node_layout(args, config, devices)
     try:
-        config.validate(transformer_config["num_attention_heads"], available_devices=devices)
+        # Across nodes the devices of every node count; check_node_layout checked each node's share.
+        config.validate(
+            transformer_config["num_attention_heads"],
+            available_devices=None if devices is None else devices * args.nnodes,
+        )
         if family == "qwen-image":
             check_qwen_parallel(config)
     except ParallelConfigError as error:
         raise SystemExit(f"stagediff serve dit: {error}") from None
+
+
+def check_node_layout(args: argparse.Namespace, config: ParallelConfig, devices: int | None = None) -> None:
+    """Refuses node flags that cannot form a group (a SystemExit naming the flag and what is allowed)."""
+    world, nnodes, node_rank = config.total_ranks, args.nnodes, args.node_rank
+    problem = None
+    if nnodes < 1:
+        problem = f"--nnodes {nnodes}: must be at least 1"
+    elif world % nnodes != 0:
+        allowed = [n for n in range(1, world + 1) if world % n == 0]
+        problem = (
+            f"--nnodes {nnodes} does not divide the world size {world} (cfg x ring x ulysses x tp); "
+            f"each node runs world size / nnodes ranks, so --nnodes must be one of {allowed}"
+        )
+    elif not 0 <= node_rank < nnodes:
+        problem = f"--node-rank {node_rank}: allowed 0..{nnodes - 1} with --nnodes {nnodes}"
+    elif devices is not None and world // nnodes > devices:
+        problem = (
+            f"each of the {nnodes} nodes runs {world // nnodes} ranks but {devices} devices are visible; "
+            "raise --nnodes or make more devices visible (CUDA_VISIBLE_DEVICES)"
+        )
+    else:
+        for flag, port in (("--master-port", args.master_port), ("--group-port", args.group_port)):
+            if port is not None and not 1 <= port <= 65535:
+                problem = f"{flag} {port}: allowed 1..65535"
+        if nnodes > 1 and (args.master_port or DEFAULT_MASTER_PORT) == args.group_port:
+            problem = f"--group-port {args.group_port}: must differ from --master-port (torch.distributed's store)"
+    if problem is None and nnodes > 1:
+        try:
+            secret = load_cluster_secret(args.cluster_secret_file)
+        except ClusterSecretError as error:
+            problem = str(error)
+        else:
+            if secret is None:
+                problem = (
+                    f"--nnodes {nnodes} needs the cluster secret (--cluster-secret-file or ${CLUSTER_SECRET_ENV}): "
+                    "the nodes' control channel carries pickled work, which only the cluster may send"
+                )
+    if problem is not None:
+        raise SystemExit(f"stagediff serve dit: {problem}")
+
+
+def node_layout_from(args: argparse.Namespace) -> NodeLayout:
+    """Where the group's ranks live, from the node flags (already checked by check_node_layout)."""
+    if args.nnodes == 1:
+        return NodeLayout(master_addr=args.master_addr, master_port=args.master_port)
+    secret = load_cluster_secret(args.cluster_secret_file)
+    if secret is None:
+        raise ValueError("a group over several nodes needs the cluster secret")
+    return NodeLayout(
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port or DEFAULT_MASTER_PORT,
+        channel=ControlChannel(args.group_port, group_authkey(secret), bind_host=args.host),
+    )
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
@@ -332,6 +425,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(parser, argv)
     if Path(args.model, "transformer", "config.json").is_file():
         check_parallel_layout(args)
+    else:
+        check_node_layout(args, parallel_config_from(args))
+    if args.node_rank > 0:  # a follower machine of a multi-node group: node 0 serves the stage
+        serve_dit_node(args, parallel_config_from(args), model_options_from(args), node_layout_from(args))
+        return
     run_stage("dit", args, DenoiserServicer)
 
 

@@ -12,7 +12,7 @@ import grpc
 import torch
 
 from services.auth import ClusterSecretError, ClusterSecretInterceptor, add_cluster_secret_argument, load_cluster_secret
-from services.checkpoint import read_checkpoint
+from services.checkpoint import CheckpointSpec, read_checkpoint
 from services.logging_setup import add_logging_arguments, bind_log_fields
 from services.metrics import ServerMetrics, add_metrics_arguments, start_metrics_server
 from services.server import configure_logging, serve
@@ -68,13 +68,11 @@ class StageServicer(abc.ABC):
         """Releases what load() started (worker ranks); called once the server has drained."""
 
 
-def run_stage(
-    stage: str, args: argparse.Namespace, make_servicer: Callable[[argparse.Namespace, StageRuntime], StageServicer]
-) -> None:
-    """Starts a stage: bind the port, answer NOT_SERVING while loading, then serve until SIGTERM."""
+def prepare_stage_process(stage: str, args: argparse.Namespace) -> tuple[CheckpointSpec, torch.device, torch.dtype]:
+    """Logging, intra-op threads, and the checkpoint, device and dtype the options name; a bad one exits
+    with a one-line message instead of a traceback."""
     configure_logging(args.log_level, args.log_format)
     bind_log_fields(stage=stage)
-    configure_tracing(f"stagediff-{stage}")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     try:
@@ -83,6 +81,15 @@ def run_stage(
         dtype = resolve_dtype(args.dtype, device)
     except ValueError as error:  # CheckpointError included: say what is wrong, without a traceback
         raise SystemExit(f"stagediff serve {stage}: {error}") from None
+    return spec, device, dtype
+
+
+def run_stage(
+    stage: str, args: argparse.Namespace, make_servicer: Callable[[argparse.Namespace, StageRuntime], StageServicer]
+) -> None:
+    """Starts a stage: bind the port, answer NOT_SERVING while loading, then serve until SIGTERM."""
+    configure_tracing(f"stagediff-{stage}")
+    spec, device, dtype = prepare_stage_process(stage, args)
     runtime = StageRuntime(stage, spec, device, dtype)
     if args.num_weight_load_threads < 1:
         raise SystemExit(

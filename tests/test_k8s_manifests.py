@@ -48,6 +48,8 @@ def _objects(directory: Path) -> list[dict[str, Any]]:
 
 BASE = _objects(K8S_DIR)
 REPLICAS = _objects(K8S_DIR / "dit-replicas")
+MULTINODE = _objects(K8S_DIR / "dit-multinode")
+COMPONENTS = {"dit-replicas": REPLICAS, "dit-multinode": MULTINODE}
 
 
 def _one(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
@@ -56,11 +58,11 @@ def _one(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     return found[0]
 
 
-def _flags(replicas_component: bool = False) -> dict[str, str]:
-    """The stagediff-flags ConfigMap's data, with the dit-replicas component's patch applied if asked."""
+def _flags(component: str | None = None) -> dict[str, str]:
+    """The stagediff-flags ConfigMap's data, with a component's patch applied if one is named."""
     data = dict(_one(BASE, "ConfigMap", FLAGS_CONFIGMAP)["data"])
-    if replicas_component:
-        kustomization = yaml.safe_load((K8S_DIR / "dit-replicas" / "kustomization.yaml").read_text())
+    if component:
+        kustomization = yaml.safe_load((K8S_DIR / component / "kustomization.yaml").read_text())
         for entry in kustomization.get("patches", []):
             patch = yaml.safe_load(entry["patch"])
             if patch.get("kind") == "ConfigMap" and patch["metadata"]["name"] == FLAGS_CONFIGMAP:
@@ -109,7 +111,7 @@ def test_secrets_come_from_git_ignored_files() -> None:
         for source in files:
             assert source.partition("=")[2].startswith("secrets/"), source
     assert (K8S_DIR / "secrets" / ".gitignore").read_text().splitlines()[-2:] == ["*", "!.gitignore"]
-    assert not any(o["kind"] == "Secret" for o in BASE + REPLICAS), "a Secret is committed"
+    assert not any(o["kind"] == "Secret" for o in BASE + REPLICAS + MULTINODE), "a Secret is committed"
 
 
 def _kustomize(tmp_path: Path, components: list[str]) -> list[dict[str, Any]]:
@@ -128,12 +130,13 @@ def _kustomize(tmp_path: Path, components: list[str]) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(built.stdout) if doc]
 
 
-@pytest.mark.parametrize("components", [[], ["dit-replicas"]], ids=["base", "dit-replicas"])
+@pytest.mark.parametrize("components", [[], ["dit-replicas"], ["dit-multinode"]], ids=["base", *COMPONENTS])
 def test_kustomize_builds(tmp_path: Path, components: list[str]) -> None:
     objects = _kustomize(tmp_path, components)
     assert {o["metadata"].get("namespace") for o in objects if o["kind"] != "Namespace"} == {"stagediff"}
     names = {(o["kind"], o["metadata"]["name"]) for o in objects}
-    assert (("StatefulSet", "dit") in names) == bool(components)
+    assert (("StatefulSet", "dit") in names) == (components == ["dit-replicas"])
+    assert (("StatefulSet", "dit-group") in names) == (components == ["dit-multinode"])
     assert (("Deployment", "dit") in names) != bool(components)
     assert (("Service", "dit") in names) != bool(components)
     for obj in objects:
@@ -172,11 +175,17 @@ def parse_serve(argv: list[str]) -> argparse.Namespace:
     pytest.fail(f"stagediff serve {argv[0]}: main() returned without parsing its arguments")
 
 
-def _env_values(container: dict[str, Any], flags: dict[str, str]) -> dict[str, str]:
+POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
+
+
+def _env_values(container: dict[str, Any], flags: dict[str, str], pod_index: int = 0) -> dict[str, str]:
     values = {}
     for entry in container.get("env", []):
         if "value" in entry:
             values[entry["name"]] = entry["value"]
+        elif "fieldRef" in entry["valueFrom"]:
+            assert entry["valueFrom"]["fieldRef"]["fieldPath"] == POD_INDEX_FIELD, entry
+            values[entry["name"]] = str(pod_index)
         elif "configMapKeyRef" in entry["valueFrom"]:
             ref = entry["valueFrom"]["configMapKeyRef"]
             assert ref["name"] == FLAGS_CONFIGMAP, entry
@@ -185,14 +194,14 @@ def _env_values(container: dict[str, Any], flags: dict[str, str]) -> dict[str, s
     return values
 
 
-def command_argv(container: dict[str, Any], flags: dict[str, str]) -> list[str]:
-    """The container's `stagediff serve` arguments, as its shell would pass them."""
+def command_argv(container: dict[str, Any], flags: dict[str, str], pod_index: int = 0) -> list[str]:
+    """The container's `stagediff serve` arguments, as its shell would pass them (in pod number `pod_index`)."""
     assert container["command"] == ["/bin/sh", "-c"], container["name"]
     (script,) = container["args"]
     assert "$(" not in script, "kubelet would expand $(VAR) itself, as one argument"
     words = shlex.split(script)
     assert words[:3] == ["exec", "stagediff", "serve"], script
-    env = _env_values(container, flags)
+    env = _env_values(container, flags, pod_index)
     argv = []
     for word in words[3:]:
         if "$" not in word:
@@ -217,27 +226,29 @@ def _containers(flags: dict[str, str], objects: list[dict[str, Any]]):
             yield workload, pod, container, argv[0], parse_serve(argv)
 
 
-CASES = [(False, BASE), (True, REPLICAS)]
+CASES = [(None, BASE), ("dit-replicas", REPLICAS), ("dit-multinode", MULTINODE)]
+CASE_IDS = ["base", *COMPONENTS]
 
 
 def test_each_stage_has_one_workload() -> None:
     stages = [c[3] for c in _containers(_flags(), BASE)]
     assert sorted(stages) == sorted([*STAGES, "orchestrator"])
-    assert [c[3] for c in _containers(_flags(True), REPLICAS)] == ["dit"]
+    for component, objects in COMPONENTS.items():
+        assert [c[3] for c in _containers(_flags(component), objects)] == ["dit"]
 
 
 def _gpus(container: dict[str, Any]) -> int:
     return int(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
 
 
-@pytest.mark.parametrize(("component", "objects"), CASES, ids=["base", "dit-replicas"])
-def test_gpus_match_each_stage_group(component: bool, objects: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize(("component", "objects"), CASES, ids=CASE_IDS)
+def test_gpus_match_each_stage_group(component: str | None, objects: list[dict[str, Any]]) -> None:
     for _, _, container, stage, args in _containers(_flags(component), objects):
         assert {"cpu", "memory"} <= set(container["resources"]["requests"]), stage
         if stage == "orchestrator":
             assert _gpus(container) == 0
-        elif stage == "dit":  # the service spawns one rank per GPU of the pod
-            assert _gpus(container) == parallel_config_from(args).total_ranks
+        elif stage == "dit":  # the service spawns one rank per GPU of the pod, on each of its nodes
+            assert _gpus(container) * args.nnodes == parallel_config_from(args).total_ranks
         elif stage == "vae":
             assert _gpus(container) == args.vae_patch_parallel_size
         else:
@@ -253,11 +264,11 @@ def test_gpu_check_can_fail() -> None:
 
 def test_unknown_flag_is_rejected() -> None:
     with pytest.raises(pytest.fail.Exception, match="rejected by its parser"):
-        parse_serve(["dit", "--model", MODEL_DIR, "--nnodes", "2"])
+        parse_serve(["dit", "--model", MODEL_DIR, "--no-such-flag", "2"])
 
 
-@pytest.mark.parametrize(("component", "objects"), CASES, ids=["base", "dit-replicas"])
-def test_grpc_probes_on_the_serving_port(component: bool, objects: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize(("component", "objects"), CASES, ids=CASE_IDS)
+def test_grpc_probes_on_the_serving_port(component: str | None, objects: list[dict[str, Any]]) -> None:
     for _, _, container, stage, args in _containers(_flags(component), objects):
         assert args.port in {p["containerPort"] for p in container["ports"]}, stage
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -266,8 +277,8 @@ def test_grpc_probes_on_the_serving_port(component: bool, objects: list[dict[str
         assert startup["periodSeconds"] * startup["failureThreshold"] >= MIN_STARTUP_S, stage
 
 
-@pytest.mark.parametrize(("component", "objects"), CASES, ids=["base", "dit-replicas"])
-def test_cluster_secret_model_and_shm(component: bool, objects: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize(("component", "objects"), CASES, ids=CASE_IDS)
+def test_cluster_secret_model_and_shm(component: str | None, objects: list[dict[str, Any]]) -> None:
     for _, pod, container, stage, args in _containers(_flags(component), objects):
         secret = [e for e in container["env"] if e["name"] == CLUSTER_SECRET_ENV]
         assert secret and secret[0]["valueFrom"]["secretKeyRef"]["name"] == "stagediff-cluster-secret", stage
@@ -311,8 +322,8 @@ def _serves(objects: list[dict[str, Any]], host: str, port: int) -> str:
     return service["spec"]["selector"]["app.kubernetes.io/component"]
 
 
-@pytest.mark.parametrize(("component", "objects"), CASES, ids=["base", "dit-replicas"])
-def test_orchestrator_reaches_every_stage(component: bool, objects: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize(("component", "objects"), CASES, ids=CASE_IDS)
+def test_orchestrator_reaches_every_stage(component: str | None, objects: list[dict[str, Any]]) -> None:
     flags = _flags(component)
     everything = BASE + objects if component else BASE
     if component:  # the component drops the base's single DiT Deployment and Service
@@ -325,14 +336,38 @@ def test_orchestrator_reaches_every_stage(component: bool, objects: list[dict[st
             host, _, port = endpoint.rpartition(":")
             assert int(port) == ports[stage], endpoint
             assert _serves(everything, host, int(port)) == stage, endpoint
-    if component:
+    if component == "dit-replicas":
         statefulset = _one(REPLICAS, "StatefulSet", "dit")
         assert len(orchestrator.dit.split(",")) == statefulset["spec"]["replicas"], "list every DiT replica"
+    if component == "dit-multinode":
+        assert orchestrator.dit == "dit-group-0.dit-group:50062", "a multi-node group is served by its node 0"
 
 
 def test_disruption_budgets_cover_orchestrator_and_dit() -> None:
     for name in ("orchestrator", "dit"):
         budget = _one(BASE, "PodDisruptionBudget", name)
         selector = budget["spec"]["selector"]["matchLabels"]
-        pods = [w for w in _workloads(BASE + REPLICAS) if w["metadata"]["name"] == name]
+        pods = [w for w in _workloads(BASE + REPLICAS + MULTINODE) if w["metadata"]["name"].startswith(name)]
         assert pods and all(selector.items() <= w["spec"]["template"]["metadata"]["labels"].items() for w in pods)
+
+
+def test_a_multinode_group_has_one_pod_per_node_joined_through_pod_0() -> None:
+    statefulset = _one(MULTINODE, "StatefulSet", "dit-group")
+    nodes = statefulset["spec"]["replicas"]
+    pod = statefulset["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    flags = _flags("dit-multinode")
+    for index in range(nodes):
+        args = parse_serve(command_argv(container, flags, pod_index=index))
+        assert (args.node_rank, args.nnodes) == (index, nodes), "pod N of the StatefulSet is node N"
+        master_pod, _, service_name = args.master_addr.partition(".")
+        assert (master_pod, service_name) == ("dit-group-0", statefulset["spec"]["serviceName"])
+    # Every pod reaches node 0's store and control port by name before node 0 is ready.
+    headless = _one(MULTINODE, "Service", service_name)
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    published = {port["port"] for port in headless["spec"]["ports"]}
+    exposed = {port["containerPort"] for port in container["ports"]}
+    assert {args.port, args.master_port, args.group_port} <= published & exposed
+    assert statefulset["spec"]["podManagementPolicy"] == "Parallel", "the nodes wait for each other: start together"
+    anti_affinity = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert anti_affinity[0]["topologyKey"] == "kubernetes.io/hostname", "one node of the group per machine"
