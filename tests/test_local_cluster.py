@@ -18,7 +18,9 @@ from stagediff.local_cluster import DEFAULT_COMPOSE_FILE, LocalCluster, interpol
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 GPU_COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 CPU_COMPOSE_FILE = DEPLOY / "docker-compose.cpu.yml"
+SINGLE_GPU_COMPOSE_FILE = DEPLOY / "docker-compose.single-gpu.yml"
 COMMON_SERVICES = DEPLOY / "common-services.yml"
+VARIANTS = [GPU_COMPOSE_FILE, SINGLE_GPU_COMPOSE_FILE, CPU_COMPOSE_FILE]
 STAGES = {"text-encoder": 50061, "dit": 50062, "vae": 50063, "interp": 50064}
 LOCAL_PORTS = {"text-encoder": 41001, "dit": 41002, "vae": 41003, "interp": 41004, "orchestrator": 41000}
 
@@ -54,7 +56,7 @@ def _resolved(file: Path) -> dict[str, Any]:
     return yaml.safe_load(result.stdout)["services"]
 
 
-@pytest.mark.parametrize("file", [GPU_COMPOSE_FILE, CPU_COMPOSE_FILE, COMMON_SERVICES], ids=lambda f: f.name)
+@pytest.mark.parametrize("file", [*VARIANTS, COMMON_SERVICES], ids=lambda f: f.name)
 def test_docker_compose_config_accepts_every_file(file: Path) -> None:
     result = _config(file, quiet=True)
     assert result.returncode == 0, result.stderr
@@ -86,7 +88,7 @@ def test_every_stage_reserves_its_gpus_and_has_a_health_check() -> None:
 
 
 def test_the_depends_on_chain_ends_at_the_orchestrator() -> None:
-    for file in (GPU_COMPOSE_FILE, CPU_COMPOSE_FILE):
+    for file in VARIANTS:
         services = _resolved(file)
         orchestrator = services["orchestrator"]
         assert orchestrator["depends_on"] == {name: {"condition": "service_healthy"} for name in STAGES}, file.name
@@ -113,7 +115,7 @@ def test_the_gpu_file_hands_out_secrets_and_the_cpu_variant_no_gpu() -> None:
     assert "args" not in cpu["dit"]["build"], "the CPU image is the Dockerfile's default"
 
 
-@pytest.mark.parametrize("file", [GPU_COMPOSE_FILE, CPU_COMPOSE_FILE], ids=lambda f: f.name)
+@pytest.mark.parametrize("file", VARIANTS, ids=lambda f: f.name)
 def test_stagediff_up_reads_a_file_as_docker_compose_does(file: Path) -> None:
     resolved = _resolved(file)
     services = load_compose(file, {})
@@ -126,6 +128,16 @@ def test_stagediff_up_reads_a_file_as_docker_compose_does(file: Path) -> None:
         assert service.gpu_device_ids == [gpu for device in devices for gpu in device["device_ids"]], name
         assert set(service.depends_on) == set(expected.get("depends_on") or {}), name
         assert [secret for secret, _ in service.secret_files] == [s["source"] for s in expected.get("secrets", [])]
+
+
+def test_the_single_gpu_variant_puts_every_stage_on_gpu_0() -> None:
+    single, gpu = _resolved(SINGLE_GPU_COMPOSE_FILE), _resolved(GPU_COMPOSE_FILE)
+    for name in STAGES:
+        (device,) = single[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device == {"driver": "nvidia", "device_ids": ["0"], "capabilities": ["gpu"]}, name
+        assert not any(key.endswith("_DEGREE") or "PARALLEL" in key for key in single[name]["environment"]), name
+        assert single[name]["command"] == gpu[name]["command"]
+    assert single["dit"]["image"] == gpu["dit"]["image"] == "stagediff:cuda"
 
 
 def test_gpu_reservations_become_cuda_visible_devices_and_secrets_host_paths(tmp_path: Path) -> None:
