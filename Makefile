@@ -23,7 +23,7 @@ demo: venv
 	bash scripts/demo.sh
 
 test: venv
-	$(BIN)/python -m ruff check . && $(BIN)/python -m pytest -q
+	$(BIN)/python -m ruff check . && $(BIN)/python -m pytest -q --durations=15
 
 # The CUDA paths, on a machine with an NVIDIA GPU (deselected from `make test`); -s prints their evidence.
 test-gpu: venv

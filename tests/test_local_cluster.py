@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import shutil
 import subprocess
 import textwrap
@@ -49,8 +50,10 @@ def _config(*files: Path, quiet: bool = False) -> subprocess.CompletedProcess[st
     )
 
 
+@functools.cache
 def _resolved(file: Path) -> dict[str, Any]:
-    """The services of `file` after docker-compose's own `extends`, env files and interpolation."""
+    """The services of `file` after docker-compose's own `extends`, env files and interpolation (read once;
+    callers must not change what it returns)."""
     result = _config(file)
     assert result.returncode == 0, result.stderr
     return yaml.safe_load(result.stdout)["services"]
