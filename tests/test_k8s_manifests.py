@@ -117,7 +117,7 @@ def test_secrets_come_from_git_ignored_files() -> None:
 def _kustomize(tmp_path: Path, components: list[str]) -> list[dict[str, Any]]:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
-        pytest.skip("kubectl (with its built-in kustomize) is not installed")
+        pytest.fail("kubectl is not on PATH: install it (its built-in kustomize builds deploy/k8s)")
     root = tmp_path / "k8s"
     shutil.copytree(K8S_DIR, root)
     (root / "secrets" / "cluster-secret").write_text("0123456789abcdef\n")
