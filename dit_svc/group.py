@@ -20,6 +20,7 @@ from dit_svc.denoise import DenoiseSpec
 from dit_svc.denoisers import Denoiser, make_denoiser
 from dit_svc.model_options import ModelOptions
 from dit_svc.parallel import ParallelConfig
+from services.auth import TLSConfigError, server_credentials_from_args
 from services.rank_group import ONE_NODE, NodeLayout, RankGroup, serve_follower_node
 from services.stage_main import prepare_stage_process
 
@@ -118,4 +119,10 @@ def serve_dit_node(args: argparse.Namespace, config: ParallelConfig, options: Mo
     payload = DitPayload(str(spec.path), dtype, config, options, load_threads)
     if layout.channel is None:
         raise ValueError("a follower node needs the control channel to node 0")
-    serve_follower_node(settings, layout.channel, make_dit_worker, payload, host=args.host, port=args.port)
+    try:
+        credentials = server_credentials_from_args(args)
+    except TLSConfigError as error:
+        raise SystemExit(f"stagediff serve dit: {error}") from None
+    serve_follower_node(
+        settings, layout.channel, make_dit_worker, payload, host=args.host, port=args.port, credentials=credentials
+    )

@@ -31,6 +31,7 @@ from services.checkpoint import CheckpointError, read_checkpoint
 from services.environment_options import parse_args
 from services.offload import validate_offload_flags
 from services.rank_group import ControlChannel, GroupFailure, NodeLayout, group_authkey
+from services.server import is_loopback
 from services.stage import RequestError, StageRuntime, abort_for
 from services.stage_main import StageServicer, add_stage_arguments, run_stage
 from services.tensor_codec import TensorAssembler, WireError, WireTensor, encode_tensor, expect_tensor
@@ -314,6 +315,11 @@ def check_parallel_layout(args: argparse.Namespace) -> None:
         raise SystemExit(f"stagediff serve dit: {error}") from None
 
 
+def _unreachable_from_other_nodes(args: argparse.Namespace) -> bool:
+    """Node 0 binds loopback while the other nodes reach it at another address (another machine)."""
+    return is_loopback(args.host) and not is_loopback(args.master_addr)
+
+
 def check_node_layout(args: argparse.Namespace, config: ParallelConfig, devices: int | None = None) -> None:
     """Refuses node flags that cannot form a group (a SystemExit naming the flag and what is allowed)."""
     world, nnodes, node_rank = config.total_ranks, args.nnodes, args.node_rank
@@ -339,6 +345,11 @@ def check_node_layout(args: argparse.Namespace, config: ParallelConfig, devices:
                 problem = f"{flag} {port}: allowed 1..65535"
         if nnodes > 1 and (args.master_port or DEFAULT_MASTER_PORT) == args.group_port:
             problem = f"--group-port {args.group_port}: must differ from --master-port (torch.distributed's store)"
+        elif problem is None and nnodes > 1 and node_rank == 0 and _unreachable_from_other_nodes(args):
+            problem = (
+                f"--host {args.host}: node 0's control channel binds --host, which the other nodes cannot reach at "
+                f"--master-addr {args.master_addr}; bind an address they can reach (0.0.0.0 in a container)"
+            )
     if problem is None and nnodes > 1:
         try:
             secret = load_cluster_secret(args.cluster_secret_file)

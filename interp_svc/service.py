@@ -34,6 +34,7 @@ class InterpolatorServicer(stages_pb2_grpc.InterpolatorServicer, StageServicer):
             self.rife = load_rife(self.model_path, self.runtime.device, dtype=self.runtime.dtype)
             self.runtime.parameter_bytes = {"rife": parameter_bytes(self.rife)}
             self.runtime.parallel_config = {"method": f"RIFE IFNet ({self.model_path})"}
+            self.runtime.weights_path = self.model_path
         else:
             # The optical-flow interpolator has no weights to load.
             self.runtime.parallel_config = {"method": "optical flow both ways (OpenCV DIS), occlusion-aware blend"}

@@ -11,8 +11,14 @@ Three independent pieces, each opt-in:
   its own cluster. Health stays open: docker and Kubernetes probes carry no
   secret. The secret comes from `--cluster-secret-file` (docker secrets) or
   the STAGEDIFF_CLUSTER_SECRET environment variable.
-* `server_credentials` / `channel_credentials`: TLS for the public port, with
-  client certificates required when a client CA is given.
+* `server_credentials` / `channel_credentials`: TLS for the public port and
+  the stage ports, with client certificates required when a client CA is
+  given; `stage_channel_credentials_from_args` for the orchestrator's channels
+  to TLS stages (`--stage-tls-ca`, and `--stage-tls-cert/--stage-tls-key` for
+  mutual TLS).
+
+Refusals are logged at a bounded rate (`RateLimitedLog`): a caller without
+credentials decides how often it is refused, not how much the server logs.
 
 Interceptors follow grpc's aio examples: they find the real handler with
 `continuation`, then either return it wrapped or return a handler of the same
@@ -28,6 +34,7 @@ import inspect
 import logging
 import os
 import re
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,7 +54,51 @@ REFLECTION_SERVICES = ("grpc.reflection.v1alpha.ServerReflection", "grpc.reflect
 # file's trailing newline or padding can never be part of the secret.
 _SECRET_CHARS = re.compile(r"^[\x21-\x7e]+$")
 
+# A refusal of each kind is logged at most this often; the next line says how many were not.
+REFUSAL_LOG_INTERVAL_S = 1.0
+
 _tenant: contextvars.ContextVar[Tenant] = contextvars.ContextVar("stagediff_tenant")
+
+
+class RateLimitedLog:
+    """Logs at most one line per `interval_s` for each kind of event, and counts the lines it held back.
+
+    For events a caller causes at will, such as a refused call: logged one line
+    each, anyone who reaches the port would decide how much the server writes.
+    The first event of a kind is logged at once; the next ones within
+    `interval_s` are only counted, and the next line logged for that kind ends
+    with how many were held back. Kinds must come from a fixed set chosen by
+    the code, never from a request, or the counters themselves would grow.
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        level: int,
+        interval_s: float = REFUSAL_LOG_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.logger = logger
+        self.level = level
+        self.interval_s = interval_s
+        self.clock = clock
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def log(self, kind: str, message: str, *args: object) -> bool:
+        """Logs `message % args` unless a line of `kind` was logged less than `interval_s` ago; True if logged."""
+        now = self.clock()
+        last = self._last.get(kind)
+        if last is not None and now - last < self.interval_s:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return False
+        self._last[kind] = now
+        held = self._held.pop(kind, 0)
+        if held:
+            message += " (and %d more since the last such line, not logged one by one)"
+            args = (*args, held)
+        self.logger.log(self.level, message, *args)
+        return True
 
 
 def current_tenant() -> Tenant:
@@ -129,6 +180,7 @@ class TenantAuthInterceptor(grpc.aio.ServerInterceptor):
     ) -> None:
         self.registry = registry
         self.exempt_services = frozenset(exempt_services)
+        self.refusals = RateLimitedLog(logger, logging.INFO)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -137,7 +189,8 @@ class TenantAuthInterceptor(grpc.aio.ServerInterceptor):
         try:
             tenant = self.registry.authenticate(handler_call_details.invocation_metadata)
         except AuthenticationError as error:
-            logger.info("refused %s: %s", handler_call_details.method, error.message)
+            # The method is one this server serves (handler is not None): a bounded set.
+            self.refusals.log("api-key", "refused %s: %s", handler_call_details.method, error.message)
             return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, error.message)
         return _with_tenant(handler, tenant)
 
@@ -196,6 +249,7 @@ class ClusterSecretInterceptor(grpc.aio.ServerInterceptor):
             raise ValueError("secret: must not be empty")
         self._secret = secret.encode()
         self.exempt_services = frozenset(exempt_services)
+        self.refusals = RateLimitedLog(logger, logging.WARNING)
 
     def _refusal_reason(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
         values = [value for key, value in (metadata or ()) if key == CLUSTER_SECRET_METADATA_KEY]
@@ -216,7 +270,7 @@ class ClusterSecretInterceptor(grpc.aio.ServerInterceptor):
         reason = self._refusal_reason(handler_call_details.invocation_metadata)
         if reason is None:
             return handler
-        logger.warning("refused %s: %s", handler_call_details.method, reason)
+        self.refusals.log("cluster-secret", "refused %s: %s", handler_call_details.method, reason)
         return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, reason)
 
 
@@ -321,6 +375,38 @@ def channel_credentials(
         root_certificates=_read("--tls-ca", ca_file) if ca_file is not None else None,
         private_key=_read("--tls-key", key_file) if key_file is not None else None,
         certificate_chain=_read("--tls-cert", cert_file) if cert_file is not None else None,
+    )
+
+
+def add_stage_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """The orchestrator's side of TLS to the stages (the stages take add_tls_arguments)."""
+    parser.add_argument(
+        "--stage-tls-ca",
+        default=None,
+        metavar="PEM",
+        help="call the stages over TLS, trusting certificates signed by this CA (default: plaintext)",
+    )
+    parser.add_argument(
+        "--stage-tls-cert",
+        default=None,
+        metavar="PEM",
+        help="client certificate presented to stages that require one (--tls-client-ca on the stage)",
+    )
+    parser.add_argument("--stage-tls-key", default=None, metavar="PEM", help="private key of --stage-tls-cert")
+
+
+def stage_channel_credentials_from_args(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    """Credentials for the channels to the stages, or None for plaintext (no --stage-tls-ca)."""
+    if args.stage_tls_ca is None:
+        if args.stage_tls_cert is not None or args.stage_tls_key is not None:
+            raise TLSConfigError("--stage-tls-cert and --stage-tls-key need --stage-tls-ca (the stages' CA)")
+        return None
+    if (args.stage_tls_cert is None) != (args.stage_tls_key is None):
+        raise TLSConfigError("--stage-tls-cert and --stage-tls-key go together")
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read("--stage-tls-ca", args.stage_tls_ca),
+        private_key=_read("--stage-tls-key", args.stage_tls_key) if args.stage_tls_key is not None else None,
+        certificate_chain=_read("--stage-tls-cert", args.stage_tls_cert) if args.stage_tls_cert is not None else None,
     )
 
 

@@ -267,15 +267,18 @@ def add_metrics_arguments(parser: argparse.ArgumentParser, default_port: int = 0
         "--metrics-port",
         type=int,
         default=default_port,
-        help=f"serve Prometheus metrics at http://HOST:PORT/metrics (0: off; default {default_port})",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics, on the server's --host "
+        f"(0: off; default {default_port})",
     )
 
 
 def start_metrics_server(
-    port: int, registry: CollectorRegistry, addr: str = "0.0.0.0"
+    port: int, registry: CollectorRegistry, addr: str = "127.0.0.1"
 ) -> tuple[WSGIServer, threading.Thread] | None:
     """Serves `registry` at /metrics on a daemon thread; returns (server, thread), or None when port is 0.
 
+    `addr` is the address to bind: servers pass their own --host, so metrics
+    are exposed exactly where the gRPC port is, and loopback by default.
     Stop it with `server.shutdown(); server.server_close()`; a process that
     exits needs neither.
     """

@@ -48,6 +48,7 @@ from datetime import timedelta
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Protocol, TypeVar
 
+import grpc
 import torch
 import torch.distributed as dist
 
@@ -102,11 +103,12 @@ class GroupSettings:
 
 @dataclass(frozen=True)
 class ControlChannel:
-    """Node 0's listener for the other nodes: it binds `bind_host:port`; they connect to master_addr:port."""
+    """Node 0's listener for the other nodes: it binds `bind_host:port` (the stage's --host, loopback unless
+    told otherwise); they connect to master_addr:port."""
 
     port: int
     authkey: bytes = field(repr=False)
-    bind_host: str = "0.0.0.0"
+    bind_host: str = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -587,13 +589,20 @@ async def _in_daemon_thread(fn: Callable[[], None]) -> None:
 
 
 def serve_follower_node(
-    settings: GroupSettings, channel: ControlChannel, factory: WorkerFactory, payload: Any, host: str, port: int
+    settings: GroupSettings,
+    channel: ControlChannel,
+    factory: WorkerFactory,
+    payload: Any,
+    host: str,
+    port: int,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> None:
     """Runs node r > 0 until SIGTERM, or until its group ends (then raises SystemExit, non-zero, to be restarted).
 
     It does not serve the stage's API (node 0 does), only grpc.health.v1 on `port`:
     NOT_SERVING until its ranks are ready, SERVING while they are, NOT_SERVING as it
-    drains, so Kubernetes' gRPC probes work on every node.
+    drains, so Kubernetes' gRPC probes work on every node. With `credentials` (the
+    stage's --tls-cert) it answers over TLS, as node 0 does, so one probe fits every node.
     """
     name = f"{settings.name} node {settings.node_rank}"
     nodes: list[FollowerNode] = []
@@ -614,7 +623,17 @@ def serve_follower_node(
             node.close()
 
     try:
-        asyncio.run(serve(name=name, host=host, port=port, register=lambda server: [], load=load, on_shutdown=shutdown))
+        asyncio.run(
+            serve(
+                name=name,
+                host=host,
+                port=port,
+                register=lambda server: [],
+                load=load,
+                on_shutdown=shutdown,
+                credentials=credentials,
+            )
+        )
     except GroupFailure as error:
         raise SystemExit(f"{name}: {error}") from None
     finally:

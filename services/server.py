@@ -8,8 +8,11 @@ Authentication (services.auth) plugs in as interceptors and TLS credentials.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import inspect
+import ipaddress
 import logging
 import signal
 import time
@@ -23,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from services.errors import RequestError
 from services.logging_setup import configure_logging as _configure_logging
 from services.metrics import MetricsServerInterceptor, ServerMetrics
+from services.status_details import abort_with_retry
 from services.tracing import PROBE_SERVICES, TracingServerInterceptor, observed_call, wrap_rpc_handler
 
 logger = logging.getLogger(__name__)
@@ -40,6 +44,14 @@ GRPC_OPTIONS = [
 ]
 DEFAULT_GRACE_SECONDS = 10.0
 WATCHDOG_POLL_S = 0.5
+# Servers bind loopback unless told otherwise: exposing a port is the operator's decision.
+DEFAULT_HOST = "127.0.0.1"
+# Calls a server runs at once; grpc answers RESOURCE_EXHAUSTED beyond. Generous for a stage, which the
+# orchestrator calls a few at a time; the orchestrator's default covers a full queue of Generate streams.
+DEFAULT_MAX_CONCURRENT_RPCS = 256
+DEFAULT_MAX_HEALTH_WATCHERS = 32
+HEALTH_WATCH_METHOD = "/grpc.health.v1.Health/Watch"
+HEALTH_WATCH_RETRY_S = 10.0
 
 Register = Callable[[grpc.aio.Server], list[str]]
 
@@ -66,6 +78,16 @@ async def _checked_stream(requests, method: str):
         if isinstance(request, _Undecodable):
             raise RequestError(request.message)
         yield request
+
+
+async def _responses(result):
+    """The responses of a streaming handler: an async generator's items, or none from a coroutine that
+    answers with context.write() (as grpc's aio HealthServicer.Watch does) once it has run."""
+    if inspect.isasyncgen(result):
+        async for response in result:
+            yield response
+    else:
+        await result
 
 
 class RequestDecodingInterceptor(grpc.aio.ServerInterceptor):
@@ -100,7 +122,7 @@ class RequestDecodingInterceptor(grpc.aio.ServerInterceptor):
             async def unary_stream(request, context):
                 if isinstance(request, _Undecodable):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-                async for response in inner(request, context):
+                async for response in _responses(inner(request, context)):
                     yield response
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, parse, serialize)
@@ -114,10 +136,92 @@ class RequestDecodingInterceptor(grpc.aio.ServerInterceptor):
         inner_ss = handler.stream_stream
 
         async def stream_stream(requests, context):
-            async for response in inner_ss(_checked_stream(requests, method), context):
+            async for response in _responses(inner_ss(_checked_stream(requests, method), context)):
                 yield response
 
         return grpc.stream_stream_rpc_method_handler(stream_stream, parse, serialize)
+
+
+class HealthWatchLimitInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses, with RESOURCE_EXHAUSTED, a grpc.health.v1 Watch stream beyond `limit` open at once.
+
+    Health needs no credentials (probes carry none), and a Watch stream stays
+    open for as long as its caller likes. Without a cap, anyone who reaches the
+    port could hold every slot of `--max-concurrent-rpcs` and leave none for
+    the calls the server exists for. Probes use Check, which this leaves alone.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"--max-health-watchers {limit}: use 0 or more")
+        self.limit = limit
+        self.open = 0
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method != HEALTH_WATCH_METHOD or not handler.unary_stream:
+            return handler
+        inner = handler.unary_stream
+
+        async def watch(request, context):
+            if self.open >= self.limit:
+                await abort_with_retry(
+                    context,
+                    f"grpc.health.v1.Health/Watch: {self.open} streams are open, the most this server allows "
+                    f"(--max-health-watchers {self.limit}); poll with Check instead",
+                    HEALTH_WATCH_RETRY_S,
+                )
+            self.open += 1
+            try:
+                async for response in _responses(inner(request, context)):
+                    yield response
+            finally:
+                self.open -= 1
+
+        return grpc.unary_stream_rpc_method_handler(watch, handler.request_deserializer, handler.response_serializer)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` binds only this machine's loopback (127.0.0.0/8, ::1, localhost), reachable from no other."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name other than localhost, or a wildcard spelled as ""
+        return False
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, default_max_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS) -> None:
+    """--host and the limits on concurrent calls that every `stagediff serve` takes."""
+    parser.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help="address to bind (default %(default)s: this machine only; 0.0.0.0 for every interface, as in a container)",
+    )
+    parser.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=default_max_rpcs,
+        help="calls served at once; beyond, RESOURCE_EXHAUSTED (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-health-watchers",
+        type=int,
+        default=DEFAULT_MAX_HEALTH_WATCHERS,
+        help="grpc.health.v1 Watch streams open at once, which need no credentials; "
+        "beyond, RESOURCE_EXHAUSTED (default %(default)s)",
+    )
+
+
+def check_server_arguments(prog: str, args: argparse.Namespace) -> None:
+    """Refuses limits that leave no room for calls (a SystemExit naming the flag)."""
+    if args.max_concurrent_rpcs < 1:
+        raise SystemExit(f"{prog}: --max-concurrent-rpcs {args.max_concurrent_rpcs}: use 1 or more")
+    if not 0 <= args.max_health_watchers < args.max_concurrent_rpcs:
+        raise SystemExit(
+            f"{prog}: --max-health-watchers {args.max_health_watchers}: use 0 up to less than "
+            f"--max-concurrent-rpcs ({args.max_concurrent_rpcs}), so that watchers leave room for calls"
+        )
 
 
 async def _set_serving(health: health_aio.HealthServicer, service_names: list[str], serving: bool) -> None:
@@ -156,6 +260,9 @@ async def serve(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
     metrics: ServerMetrics | None = None,
+    max_concurrent_rpcs: int | None = DEFAULT_MAX_CONCURRENT_RPCS,
+    max_health_watchers: int = DEFAULT_MAX_HEALTH_WATCHERS,
+    options: Sequence[tuple[str, int | str]] = (),
 ) -> None:
     """Runs a gRPC server until SIGTERM or SIGINT.
 
@@ -168,13 +275,24 @@ async def serve(
     authentication interceptor refuses a call before its bytes are parsed.
     `credentials` serve TLS on the port; without them it is plaintext. Every call
     runs in a server span joined to the caller's trace (W3C traceparent), and with
-    `metrics` is counted and timed by method and status.
+    `metrics` is counted and timed by method and status. Beyond `max_concurrent_rpcs`
+    calls at once (None: no limit), grpc answers RESOURCE_EXHAUSTED before any
+    handler runs; health Watch streams, open to anyone, may hold at most
+    `max_health_watchers` of those slots. `options` are grpc channel arguments that replace those of
+    GRPC_OPTIONS with the same name (a public port that takes no tensors lowers its receive limit).
     """
     observing: list[grpc.aio.ServerInterceptor] = [TracingServerInterceptor(), AccessLogInterceptor()]
     if metrics is not None:
         observing.append(MetricsServerInterceptor(metrics))
     server = grpc.aio.server(
-        options=GRPC_OPTIONS, interceptors=[*observing, *interceptors, RequestDecodingInterceptor()]
+        options=[*((key, value) for key, value in GRPC_OPTIONS if key not in dict(options)), *options],
+        interceptors=[
+            *observing,
+            HealthWatchLimitInterceptor(max_health_watchers),
+            *interceptors,
+            RequestDecodingInterceptor(),
+        ],
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

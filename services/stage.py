@@ -82,6 +82,8 @@ class StageRuntime:
         self.min_height = 0
         # Threads that read safetensors shards while the stage loads (services/weights.py).
         self.load_threads = 4
+        # Weights a request may name, served besides the checkpoint (StageInfo.weights_path).
+        self.weights_path = ""
 
     def info(self) -> stages_pb2.StageInfo:
         limits = self.spec.limits()
@@ -95,6 +97,7 @@ class StageRuntime:
             parameter_bytes=self.parameter_bytes,
             limits=limits,
             version=__version__,
+            weights_path=self.weights_path,
         )
 
     def check_model(self, requested: str) -> None:

@@ -11,11 +11,20 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from services.auth import ClusterSecretError, ClusterSecretInterceptor, add_cluster_secret_argument, load_cluster_secret
+from services.auth import (
+    CLUSTER_SECRET_ENV,
+    ClusterSecretError,
+    ClusterSecretInterceptor,
+    TLSConfigError,
+    add_cluster_secret_argument,
+    add_tls_arguments,
+    load_cluster_secret,
+    server_credentials_from_args,
+)
 from services.checkpoint import CheckpointSpec, read_checkpoint
 from services.logging_setup import add_logging_arguments, bind_log_fields
 from services.metrics import ServerMetrics, add_metrics_arguments, start_metrics_server
-from services.server import configure_logging, serve
+from services.server import add_server_arguments, check_server_arguments, configure_logging, serve
 from services.stage import StageControlServicer, StageRuntime, resolve_device, resolve_dtype
 from services.tracing import configure_tracing
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
@@ -26,7 +35,7 @@ logger = logging.getLogger(__name__)
 def add_stage_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--model", required=True, help="diffusers checkpoint directory")
     parser.add_argument("--model-name", default=None, help="model id to serve under (default: directory name)")
-    parser.add_argument("--host", default="0.0.0.0")
+    add_server_arguments(parser)
     parser.add_argument("--port", type=int, default=default_port)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
@@ -39,6 +48,13 @@ def add_stage_arguments(parser: argparse.ArgumentParser, default_port: int) -> N
         "--disable-multithread-weight-load", action="store_true", help="read shards one at a time, in one thread"
     )
     add_cluster_secret_argument(parser)
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve without a cluster secret, answering any caller that reaches the port "
+        "(default: refuse to start without one)",
+    )
+    add_tls_arguments(parser)
     add_logging_arguments(parser)
     add_metrics_arguments(parser)
 
@@ -96,10 +112,15 @@ def run_stage(
             f"stagediff serve {stage}: --num-weight-load-threads {args.num_weight_load_threads}: use 1 or more"
         )
     runtime.load_threads = 1 if args.disable_multithread_weight_load else args.num_weight_load_threads
+    check_server_arguments(f"stagediff serve {stage}", args)
     interceptors = _secret_interceptors(stage, args)
+    try:
+        credentials = server_credentials_from_args(args)
+    except TLSConfigError as error:
+        raise SystemExit(f"stagediff serve {stage}: {error}") from None
     metrics = ServerMetrics()
     try:
-        start_metrics_server(args.metrics_port, metrics.registry)
+        start_metrics_server(args.metrics_port, metrics.registry, addr=args.host)
     except (OSError, ValueError) as error:
         raise SystemExit(f"stagediff serve {stage}: --metrics-port {args.metrics_port}: {error}") from None
     servicer = make_servicer(args, runtime)
@@ -126,22 +147,27 @@ def run_stage(
             on_shutdown=shutdown,
             watchdog=servicer.failure,
             interceptors=interceptors,
+            credentials=credentials,
             metrics=metrics,
+            max_concurrent_rpcs=args.max_concurrent_rpcs,
+            max_health_watchers=args.max_health_watchers,
         )
     )
 
 
 def _secret_interceptors(stage: str, args: argparse.Namespace) -> list[grpc.aio.ServerInterceptor]:
-    """The cluster-secret check, or nothing (with a warning) when no secret is configured."""
+    """The cluster-secret check. Without a secret the stage refuses to start, unless --insecure says
+    to answer anyone (then with a warning)."""
     try:
         secret = load_cluster_secret(args.cluster_secret_file)
     except ClusterSecretError as error:
         raise SystemExit(f"stagediff serve {stage}: {error}") from None
-    if secret is None:
-        logger.warning(
-            "%s: no cluster secret (--cluster-secret-file or $STAGEDIFF_CLUSTER_SECRET): "
-            "anyone who reaches this port can call the stage",
-            stage,
+    if secret is None and not args.insecure:
+        raise SystemExit(
+            f"stagediff serve {stage}: no cluster secret: give the orchestrator's with --cluster-secret-file FILE "
+            f"or ${CLUSTER_SECRET_ENV}, or pass --insecure to answer any caller that reaches the port"
         )
+    if secret is None:
+        logger.warning("%s: --insecure and no cluster secret: anyone who reaches this port can call the stage", stage)
         return []
     return [ClusterSecretInterceptor(secret)]

@@ -16,6 +16,7 @@ raised as `StageDiffError` with the status code the server gave.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import uuid
@@ -43,6 +44,8 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# How long cancelling an abandoned job may take before the caller's interrupt or cancel goes on.
+CANCEL_TIMEOUT_S = 5.0
 
 
 class StageDiffError(Exception):
@@ -289,12 +292,34 @@ class AsyncClient:
                 await asyncio.sleep(delay)
 
     async def stream(self, prompt: str, *, timeout: float | None = None, **arguments: Any) -> AsyncIterator[Event]:
-        """Generates and yields Queued, Progress and FramesReceived events, then the GenerationResult."""
+        """Generates and yields Queued, Progress and FramesReceived events, then the GenerationResult.
+
+        A dropped connection is retried with the same request id, which attaches to the same job (the
+        orchestrator keeps it running for a grace period). When the caller stops instead (the task is
+        cancelled, or the stream is closed before the result), the job is cancelled with CancelJob, so
+        its stages stop at once.
+        """
         request = build_request(prompt, **arguments)
-        async for event in self._follow(
-            lambda: self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self.metadata)
-        ):
-            yield event
+        job_id = ""
+        try:
+            async for event in self._follow(
+                lambda: self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self.metadata)
+            ):
+                job_id = event.job_id
+                if isinstance(event, GenerationResult):
+                    job_id = ""  # finished: nothing to cancel
+                yield event
+        except (asyncio.CancelledError, GeneratorExit):
+            if job_id:
+                await self._cancel_abandoned(job_id)
+            raise
+
+    async def _cancel_abandoned(self, job_id: str) -> None:
+        """Cancels a job its caller stopped waiting for; best effort (the server's grace period is the backstop)."""
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._stub.CancelJob(
+                generation_pb2.CancelJobRequest(job_id=job_id), timeout=CANCEL_TIMEOUT_S, metadata=self.metadata
+            )
 
     @staticmethod
     async def _result(events: AsyncIterator[Event], on_progress: Callable[[Event], None] | None) -> GenerationResult:
@@ -369,7 +394,23 @@ class Client:
         return AsyncClient(endpoint, **options)
 
     def _call(self, coroutine: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        """Runs `coroutine` on the client's loop; an interrupt (Ctrl-C) cancels it and waits for its cleanup,
+        so that a job the call started is cancelled on the server before the interrupt goes on."""
+        finished = threading.Event()
+
+        async def run() -> Any:
+            try:
+                return await coroutine
+            finally:
+                finished.set()
+
+        future = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            future.cancel()
+            finished.wait(CANCEL_TIMEOUT_S)
+            raise
 
     def close(self) -> None:
         if self._loop.is_running():
@@ -389,11 +430,15 @@ class Client:
     def stream(self, prompt: str, **arguments: Any) -> Iterator[Event]:
         """Yields events as they arrive (the progress iterator), the GenerationResult last."""
         agen = self._async.stream(prompt, **arguments)
-        while True:
-            try:
-                yield self._call(agen.__anext__())
-            except StopAsyncIteration:
-                return
+        try:
+            while True:
+                try:
+                    yield self._call(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            # Closed early by the caller: the async stream cancels its job.
+            self._call(agen.aclose())
 
     def submit(self, prompt: str, **arguments: Any) -> generation_pb2.Job:
         return self._call(self._async.submit(prompt, **arguments))

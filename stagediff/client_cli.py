@@ -26,7 +26,13 @@ def _print_event(event: object) -> None:
 
 def _connection(args: argparse.Namespace) -> dict:
     """Client options from the connection flags every command shares."""
-    return {"api_key": args.api_key, "tls": args.tls, "ca_cert": args.ca_cert}
+    return {
+        "api_key": args.api_key,
+        "tls": args.tls,
+        "ca_cert": args.ca_cert,
+        "client_cert": args.client_cert,
+        "client_key": args.client_key,
+    }
 
 
 def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +40,10 @@ def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="the tenant's API key (default: $STAGEDIFF_API_KEY)")
     parser.add_argument("--tls", action="store_true", help="connect with TLS (system roots unless --ca-cert)")
     parser.add_argument("--ca-cert", default=None, help="CA certificate (PEM) to verify the server with; implies --tls")
+    parser.add_argument(
+        "--client-cert", default=None, help="client certificate (PEM) for a server that requires one (mutual TLS)"
+    )
+    parser.add_argument("--client-key", default=None, help="private key (PEM) of --client-cert")
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -529,10 +529,12 @@ def free_ports(count: int, host: str, exclude: Iterable[int] = ()) -> list[int]:
 # ---------------------------------------------------------------------------
 
 
-def is_serving(endpoint: str, timeout: float = 1.0) -> bool:
-    """One grpc.health.v1 check of the whole server (service name "")."""
+def is_serving(endpoint: str, timeout: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> bool:
+    """One grpc.health.v1 check of the whole server (service name ""), over TLS when given `credentials`."""
     try:
-        with grpc.insecure_channel(endpoint) as channel:
+        with (
+            grpc.secure_channel(endpoint, credentials) if credentials is not None else grpc.insecure_channel(endpoint)
+        ) as channel:
             request = health_pb2.HealthCheckRequest(service="")
             response = health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout)
     except grpc.RpcError:
@@ -540,14 +542,15 @@ def is_serving(endpoint: str, timeout: float = 1.0) -> bool:
     return response.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def wait_for_serving(endpoint: str, timeout: float) -> None:
-    """Waits until `endpoint` answers SERVING on grpc.health.v1; TimeoutError otherwise."""
+def wait_for_serving(endpoint: str, timeout: float, credentials: grpc.ChannelCredentials | None = None) -> None:
+    """Waits until `endpoint` answers SERVING on grpc.health.v1 (over TLS with `credentials`); TimeoutError
+    otherwise."""
     deadline = time.monotonic() + timeout
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError(f"{endpoint} was not SERVING within {timeout:.0f}s")
-        if is_serving(endpoint, timeout=min(1.0, remaining)):
+        if is_serving(endpoint, timeout=min(1.0, remaining), credentials=credentials):
             return
         time.sleep(min(HEALTH_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
 
@@ -882,6 +885,7 @@ def _echo(stream: IO[bytes], log_file: IO[bytes], prefix: str) -> None:
 # Stage options of `stagediff up`, and the stage each one is passed to. Parallel,
 # offload and quantization flags join this list with the stages that implement them.
 STAGE_FLAGS: list[tuple[list[str], str, dict[str, Any]]] = [
+    (["--embedding-cache-bytes"], "text-encoder", {"type": int}),
     (["--embedding-cache-size"], "text-encoder", {"type": int}),
     (["--ulysses-degree", "--usp"], "dit", {"type": int}),
     (["--ring-degree", "--ring"], "dit", {"type": int}),

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import os
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import grpc
 import numpy as np
@@ -12,6 +16,7 @@ import pytest
 import torch
 
 from services.auth import CLUSTER_SECRET_ENV, CLUSTER_SECRET_METADATA_KEY
+from stagediff.cli import SERVE_TARGETS
 from stagediff.init_model import init_model
 
 # One thread per stage process: the machine has few cores and five processes share them.
@@ -130,3 +135,27 @@ def assert_status(error: grpc.RpcError, code: grpc.StatusCode, *words: str) -> N
     assert error.code() == code, f"expected {code}, got {error.code()}: {error.details()}"
     for word in words:
         assert word in (error.details() or ""), f"'{word}' not named in: {error.details()}"
+
+
+class _Parsed(Exception):
+    def __init__(self, namespace: argparse.Namespace) -> None:
+        super().__init__()
+        self.namespace = namespace
+
+
+def parse_serve(argv: list[str]) -> argparse.Namespace:
+    """`stagediff serve <stage> ...` parsed by the stage's own parser (its main() is stopped right after parsing)."""
+    assert argv and argv[0] in SERVE_TARGETS, f"not a serve target: {argv[:1]}"
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def capture(parser, args=None, namespace=None):
+        raise _Parsed(parse_args(parser, args, namespace))
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture):
+        try:
+            importlib.import_module(SERVE_TARGETS[argv[0]]).main(argv[1:])
+        except _Parsed as parsed:
+            return parsed.namespace
+        except SystemExit as error:
+            pytest.fail(f"stagediff serve {shlex.join(argv)}: rejected by its parser (exit {error.code})")
+    pytest.fail(f"stagediff serve {argv[0]}: main() returned without parsing its arguments")

@@ -26,6 +26,7 @@ from services.auth import (
     ClusterSecretInterceptor,
     TenantAuthInterceptor,
     TLSConfigError,
+    add_stage_tls_arguments,
     add_tls_arguments,
     channel_credentials,
     cluster_channel,
@@ -33,10 +34,12 @@ from services.auth import (
     load_cluster_secret,
     server_credentials,
     server_credentials_from_args,
+    stage_channel_credentials_from_args,
 )
+from services.orchestrator.stage_clients import STAGE_ORDER, StagePool
 from services.orchestrator.tenants import TenantRegistry, hash_api_key
 from services.server import serve
-from stagediff.local_cluster import wait_for_serving
+from stagediff.local_cluster import is_serving, wait_for_serving
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 from tests.conftest import assert_status
 
@@ -355,18 +358,24 @@ def test_unusable_secret_files_are_refused(tmp_path: Path, content: str | None, 
         assert word in str(caught.value)
 
 
-def test_stage_main_checks_the_secret_only_when_one_is_configured(monkeypatch, caplog, tmp_path: Path) -> None:
+def test_stage_main_requires_the_secret_unless_insecure(monkeypatch, caplog, tmp_path: Path) -> None:
     from services.stage_main import _secret_interceptors
 
     monkeypatch.delenv(CLUSTER_SECRET_ENV, raising=False)
+    with pytest.raises(SystemExit) as refused:
+        _secret_interceptors("vae", argparse.Namespace(cluster_secret_file=None, insecure=False))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("stagediff serve vae: no cluster secret")
+    for flag in ("--cluster-secret-file", f"${CLUSTER_SECRET_ENV}", "--insecure"):
+        assert flag in message
     with caplog.at_level(logging.WARNING, logger="services.stage_main"):
-        assert _secret_interceptors("vae", argparse.Namespace(cluster_secret_file=None)) == []
-    assert "no cluster secret" in caplog.text
+        assert _secret_interceptors("vae", argparse.Namespace(cluster_secret_file=None, insecure=True)) == []
+    assert "--insecure and no cluster secret" in caplog.text
     monkeypatch.setenv(CLUSTER_SECRET_ENV, SECRET)
-    (interceptor,) = _secret_interceptors("vae", argparse.Namespace(cluster_secret_file=None))
+    (interceptor,) = _secret_interceptors("vae", argparse.Namespace(cluster_secret_file=None, insecure=False))
     assert isinstance(interceptor, ClusterSecretInterceptor)
     with pytest.raises(SystemExit, match="stagediff serve vae: --cluster-secret-file"):
-        _secret_interceptors("vae", argparse.Namespace(cluster_secret_file=str(tmp_path / "missing")))
+        _secret_interceptors("vae", argparse.Namespace(cluster_secret_file=str(tmp_path / "missing"), insecure=True))
 
 
 def _free_port() -> int:
@@ -417,12 +426,14 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A CA, a server certificate for 127.0.0.1 and localhost, and a client certificate, all signed by the CA."""
+    """A CA, a server certificate for 127.0.0.1 and localhost, and a client certificate, all signed by the CA;
+    and another CA (other-ca.pem) that signed none of them."""
     folder = tmp_path_factory.mktemp("certs")
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=test-ca",
-             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-             cwd=folder)  # fmt: skip
+    for ca in ("ca", "other-ca"):
+        _openssl("req", "-x509", *ec, "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days", "2",
+                 "-subj", f"/CN=test-{ca}", "-addext", "basicConstraints=critical,CA:TRUE",
+                 "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=folder)  # fmt: skip
     for name, extensions in (
         ("server", "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n"),
         ("client", "extendedKeyUsage=clientAuth\n"),
@@ -543,3 +554,129 @@ def test_no_tls_flags_mean_plaintext_and_complete_flags_build_credentials(certs:
     assert isinstance(server_credentials_from_args(args), grpc.ServerCredentials)
     with pytest.raises(TLSConfigError, match="both"):
         channel_credentials(certs / "ca.pem", cert_file=certs / "client.pem")
+
+
+# ------------------------------------------------------- stage tls --
+
+
+class _StageInfo(stages_pb2_grpc.StageControlServicer):
+    async def GetStageInfo(self, request, context):
+        return stages_pb2.StageInfo(stage="interp", model="tls-test")
+
+
+@contextlib.asynccontextmanager
+async def _tls_stage(credentials: grpc.ServerCredentials) -> AsyncIterator[str]:
+    """A stage-like server on a free port: StageControl behind the cluster secret, health SERVING, over TLS."""
+    server = grpc.aio.server(interceptors=[ClusterSecretInterceptor(SECRET)])
+    stages_pb2_grpc.add_StageControlServicer_to_server(_StageInfo(), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
+async def _probe_once(target: str, credentials: grpc.ChannelCredentials | None) -> list[tuple[str, str]]:
+    """One probe round of an orchestrator's StagePool whose four stages are all `target`: (health, detail) each."""
+    pool = StagePool({stage: target for stage in STAGE_ORDER}, secret=SECRET, credentials=credentials)
+    try:
+        # A failed handshake must end the probe with UNAVAILABLE, not leave it waiting.
+        await asyncio.wait_for(pool.probe_all(), timeout=30)
+        return [(replica.health, replica.detail) for _, replica in pool.replicas()]
+    finally:
+        await pool.close()
+
+
+def test_the_stage_pool_reaches_a_tls_stage_only_trusting_its_ca(certs: Path) -> None:
+    async def scenario():
+        async with _tls_stage(server_credentials(certs / "server.pem", certs / "server.key")) as target:
+            return {
+                "right ca": await _probe_once(target, channel_credentials(certs / "ca.pem")),
+                "plaintext": await _probe_once(target, None),
+                "other ca": await _probe_once(target, channel_credentials(certs / "other-ca.pem")),
+            }
+
+    results = _run(scenario)
+    assert results["right ca"] == [("SERVING", "")] * len(STAGE_ORDER)
+    for case in ("plaintext", "other ca"):
+        for health, detail in results[case]:
+            assert health == "NOT_SERVING" and detail.startswith("unreachable: UNAVAILABLE"), (case, detail)
+
+
+def test_mutual_tls_stages_answer_only_the_orchestrators_certificate(certs: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_stage_tls_arguments(parser)
+    with_cert = parser.parse_args(
+        ["--stage-tls-ca", str(certs / "ca.pem"), "--stage-tls-cert", str(certs / "client.pem"),
+         "--stage-tls-key", str(certs / "client.key")]
+    )  # fmt: skip
+    without_cert = parser.parse_args(["--stage-tls-ca", str(certs / "ca.pem")])
+
+    async def scenario():
+        credentials = server_credentials(certs / "server.pem", certs / "server.key", certs / "ca.pem")
+        async with _tls_stage(credentials) as target:
+            return (
+                await _probe_once(target, stage_channel_credentials_from_args(with_cert)),
+                await _probe_once(target, stage_channel_credentials_from_args(without_cert)),
+            )
+
+    admitted, refused = _run(scenario)
+    assert admitted == [("SERVING", "")] * len(STAGE_ORDER)
+    assert all(health == "NOT_SERVING" and "UNAVAILABLE" in detail for health, detail in refused)
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        ([], None),
+        (["--stage-tls-cert", "c.pem", "--stage-tls-key", "c.key"], ["need --stage-tls-ca"]),
+        (["--stage-tls-ca", "ca.pem", "--stage-tls-key", "c.key"], ["--stage-tls-cert and --stage-tls-key go"]),
+        (["--stage-tls-ca", "missing.pem"], ["--stage-tls-ca missing.pem", "cannot read"]),
+    ],
+)
+def test_stage_tls_flags_are_checked(flags: list[str], words: list[str] | None, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    parser = argparse.ArgumentParser()
+    add_stage_tls_arguments(parser)
+    if words is None:
+        assert stage_channel_credentials_from_args(parser.parse_args(flags)) is None, "no flags: plaintext"
+        return
+    with pytest.raises(TLSConfigError) as caught:
+        stage_channel_credentials_from_args(parser.parse_args(flags))
+    for word in words:
+        assert word in str(caught.value)
+
+
+def test_a_real_stage_serves_tls_to_the_stage_pool_and_stagediff_health(
+    tiny_model: Path, certs: Path, tmp_path: Path
+) -> None:
+    """`stagediff serve interp --tls-cert --tls-key`: the orchestrator's pool and `stagediff health --ca-cert`
+    reach it over TLS; a plaintext health check does not."""
+    port = _free_port()
+    target = f"127.0.0.1:{port}"
+    log = (tmp_path / "log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "stagediff.cli", "serve", "interp", "--model", str(tiny_model), "--port", str(port),
+         "--threads", "1", "--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key")],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, CLUSTER_SECRET_ENV: SECRET},
+    )  # fmt: skip
+    try:
+        wait_for_serving(target, timeout=120, credentials=channel_credentials(certs / "ca.pem"))
+        pooled = _run(lambda: _probe_once(target, channel_credentials(certs / "ca.pem")))
+        cli = subprocess.run(
+            [sys.executable, "-m", "stagediff.cli", "health", "--endpoint", f"localhost:{port}",
+             "--ca-cert", str(certs / "ca.pem")],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        plaintext_serving = is_serving(target, timeout=5)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+    assert pooled == [("SERVING", "")] * len(STAGE_ORDER)
+    assert cli.returncode == 0 and cli.stdout.strip() == "SERVING", cli.stdout + cli.stderr
+    assert not plaintext_serving
+    assert f"listening on 127.0.0.1:{port} (TLS)" in (tmp_path / "log").read_text()

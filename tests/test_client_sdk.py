@@ -141,3 +141,51 @@ def test_nothing_listening_is_unavailable() -> None:
     with Client("127.0.0.1:1", retry=retry) as client, pytest.raises(StageDiffError) as raised:
         client.generate("a fox", timeout=5)
     assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+class SlowGeneration(generation_pb2_grpc.GenerationServicer):
+    """Sends the first events of job "slow", then waits; records every CancelJob."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+
+    async def Generate(self, request, context):
+        yield generation_pb2.GenerateEvent(job_id="slow", queued=generation_pb2.JobQueued(position=0))
+        await asyncio.sleep(30)
+
+    async def CancelJob(self, request, context):
+        self.cancelled.append(request.job_id)
+        return generation_pb2.Job(job_id=request.job_id, state=generation_pb2.JOB_STATE_CANCELLED)
+
+
+def test_closing_a_stream_early_cancels_its_job() -> None:
+    """The orchestrator keeps a job whose stream was lost running for a retry; a caller that stops
+    listening on purpose cancels it explicitly instead."""
+    server = FakeServer(SlowGeneration())
+    try:
+        with Client(f"127.0.0.1:{server.port}") as client:
+            events = client.stream("a fox")
+            assert isinstance(next(events), Queued)
+            events.close()
+            assert server.servicer.cancelled == ["slow"]
+    finally:
+        server.stop()
+
+
+def test_cancelling_an_async_generate_cancels_its_job() -> None:
+    server = FakeServer(SlowGeneration())
+
+    async def run() -> None:
+        async with AsyncClient(f"127.0.0.1:{server.port}") as client:
+            seen = asyncio.Event()
+            task = asyncio.create_task(client.generate("a fox", on_progress=lambda event: seen.set()))
+            await asyncio.wait_for(seen.wait(), 10)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    try:
+        asyncio.run(run())
+        assert server.servicer.cancelled == ["slow"]
+    finally:
+        server.stop()

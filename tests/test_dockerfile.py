@@ -55,3 +55,22 @@ def test_secrets_and_local_artifacts_stay_out_of_the_build_context() -> None:
     ignored = (REPOSITORY / ".dockerignore").read_text().split()
     for path in ("deploy/secrets/", "deploy/k8s/secrets/", "models/", ".venv/", ".git/"):
         assert path in ignored, path
+
+
+def test_the_state_directory_belongs_to_the_image_user() -> None:
+    """A fresh named volume on /var/lib/stagediff takes the image directory's owner: it must be the user that
+    runs the orchestrator, or its job store cannot be written."""
+    steps = _instructions()
+    last_user = max(index for index, (name, _) in enumerate(steps) if name == "USER")
+    user = steps[last_user][1]
+    commands = [
+        shlex.split(command) for name, args in steps[:last_user] if name == "RUN" for command in args.split("&&")
+    ]
+    uid = next(command[command.index("--uid") + 1] for command in commands if command[0] == "useradd")
+    assert uid == "1000", "the Kubernetes manifests run as uid 1000"
+    created = [command for command in commands if command[:2] == ["mkdir", "-p"] and "/var/lib/stagediff" in command]
+    owners = [command[1] for command in commands if command[0] == "chown" and command[-1] == "/var/lib/stagediff"]
+    assert created, "no RUN before USER creates /var/lib/stagediff"
+    assert owners and owners[-1].partition(":")[0] in (user, uid), f"/var/lib/stagediff must belong to {user}"
+    compose = (REPOSITORY / "deploy" / "common-services.yml").read_text()
+    assert '"--state-dir", "/var/lib/stagediff"' in compose and "stagediff-state:/var/lib/stagediff" in compose

@@ -42,7 +42,8 @@ def gpu_file_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory)
     secrets_dir = tmp_path_factory.mktemp("secrets")
     api_key = new_api_key()
     (secrets_dir / "cluster_secret").write_text("compose-file-cluster-secret\n")
-    tenants = f"tenants:\n  - name: studio\n    api_keys: ['{hash_api_key(api_key)}']\n"
+    # The operator's tenant: GetClusterInfo (which this test reads) answers admin tenants only.
+    tenants = f"tenants:\n  - name: studio\n    admin: true\n    api_keys: ['{hash_api_key(api_key)}']\n"
     (secrets_dir / "tenants.yaml").write_text(tenants)
     log_dir = tmp_path_factory.mktemp("gpu-file-logs")
     environment = {**os.environ, "STAGEDIFF_SECRETS_DIR": str(secrets_dir)}

@@ -97,8 +97,9 @@ def write_tenants(path: Path, names: dict[str, str]) -> dict[str, str]:
     keys = {name: new_api_key() for name in names}
     document = {
         "tenants": [
-            {"name": name, "api_keys": [hash_api_key(keys[name])], "priority": priority}
-            for name, priority in names.items()
+            # The first tenant is the operator's: it reads the cluster's replicas with GetClusterInfo.
+            {"name": name, "api_keys": [hash_api_key(keys[name])], "priority": priority, "admin": index == 0}
+            for index, (name, priority) in enumerate(names.items())
         ]
     }
     path.write_text(yaml.safe_dump(document))

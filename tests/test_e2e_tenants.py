@@ -42,7 +42,8 @@ GAMMA_QUOTAS = dict(
     max_running_jobs=1, max_queued_jobs=2, max_height=64, max_width=96, max_pixels=64 * 64, max_frames=9, max_steps=4
 )
 TENANTS = {
-    "alpha": dict(priority="high", weight=2),
+    # alpha is also the operator's tenant (GetClusterInfo); the others are customers.
+    "alpha": dict(priority="high", weight=2, admin=True),
     "beta": dict(priority="normal"),
     "gamma": dict(priority="low", quotas=GAMMA_QUOTAS),
     "delta": dict(priority="normal", quotas=dict(requests_per_minute=30, burst=2)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -73,9 +74,14 @@ def test_learned_interpolator_through_the_cluster(tiny_model, tmp_path: Path) ->
         with pytest.raises(StageDiffError) as raised:
             _generate(client, case, interp_exp=1, interp_model_path="/elsewhere/flownet.pkl")
         interp = next(s for s in client.cluster_info().stages if s.info.stage == "interp")
+        jobs = client.list_jobs()
     assert dense.shape[0] == (base.shape[0] - 1) * 2 + 1 and np.array_equal(dense[::2], base)
     assert half_scale.shape == dense.shape
-    assert "model_path" in raised.value.message and "/elsewhere/flownet.pkl" in raised.value.message
+    # Refused at admission, before any stage ran, without telling the tenant where the served weights live.
+    assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT and "interpolation.model_path" in raised.value.message
+    assert str(weights) not in raised.value.message
+    assert not [job for job in jobs if job.request.interpolation.model_path == "/elsewhere/flownet.pkl"]
+    assert interp.info.weights_path == str(weights)
     assert "RIFE" in interp.info.parallel_config["method"]
     assert interp.info.parameter_bytes["rife"] == 4_866_052 * 4
 

@@ -7,6 +7,18 @@ cluster secret. Never UNKNOWN, INTERNAL, UNAVAILABLE, UNIMPLEMENTED for a method
 (every call has a deadline). Afterwards every service still serves, every job accepted during the fuzzing is
 listed and finished, and a normal generation still works.
 
+The test runs twice, on two clusters: `open` (no tenants file: every caller is the open tenant) fuzzes every
+public and stage RPC; `tenants` (a tenants file with two tenants, their keys and quotas: rates and bursts,
+running and queued jobs, request and output sizes) fuzzes every public RPC with credentials drawn from the
+tenants' valid keys, unknown and altered keys, malformed authorization metadata and none. There, in addition:
+a call without a valid key ends with UNAUTHENTICATED and nothing else (RESOURCE_EXHAUSTED too for a message
+larger than the server takes, which grpc refuses before any handler sees it; DEADLINE_EXCEEDED where this test
+set a short deadline), and its status message never quotes the key it presented; every refusal of Submit or
+Generate with RESOURCE_EXHAUSTED (a spent rate, a full queue) carries a positive RetryInfo, and the tenant
+with the small rate was refused so; a tenant never sees the other's jobs (GetJob, WatchJob and CancelJob answer
+NOT_FOUND, ListJobs never lists them, a request id the other used gives a job of its own); a job never makes
+more frames than its tenant's `max_output_frames`; GetClusterInfo never answers a tenant that is not an admin.
+
 Requests that pass validation are kept tiny (at most 64x64, 9 frames, 2 steps; sequence lengths up to 512), so
 that the few that do run cost a fraction of a second. Request streams are sent whole before the answer is read
 (an iterator over a finished list): a client still sending when the server ends the call can see INTERNAL
@@ -18,20 +30,26 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from services.auth import CLUSTER_SECRET_METADATA_KEY
+from services.orchestrator.tenants import hash_api_key, new_api_key
+from services.status_details import retry_after
 from services.tensor_codec import DATATYPES, decode_single, encode_tensor
 from stagediff import Client
+from stagediff.local_cluster import LocalCluster
 from stagediff.v1 import generation_pb2, generation_pb2_grpc, stages_pb2, tensor_pb2
-from tests.conftest import CLUSTER_SECRET, stage_channel
+from tests.conftest import CLUSTER_SECRET, THREADS_PER_STAGE, stage_channel
 
 pytestmark = pytest.mark.e2e
 
@@ -57,6 +75,12 @@ TERMINAL = (
 
 CODES = {code.value[0]: code for code in Code}
 MIN_CALLS = 1000
+MIN_CALLS_WITH_TENANTS = 300
+# Status messages are cut to about 1 KiB by the servers; far longer ones could not travel (see Fuzzer.check).
+MAX_DETAILS_BYTES = 2048
+# A message this large may be refused by grpc itself (RESOURCE_EXHAUSTED, no RetryInfo) before any handler,
+# authentication included, sees the call; the strategies' requests stay far below it.
+LARGE_BODY_BYTES = 1 << 20
 CALL_TIMEOUT_S = 30.0
 # Short deadlines that a call may run into: DEADLINE_EXCEEDED is then an answer like any other.
 SHORT_TIMEOUTS_S = (0.001, 0.02, 0.2)
@@ -66,6 +90,42 @@ LATENT_CHANNELS = 16
 MAX_SENT_BYTES = 64 << 10  # tensors whose shape asks for more are sent short, so the server refuses them
 INT32 = st.integers(-(2**31), 2**31 - 1)
 INT64 = st.integers(-(2**63), 2**63 - 1)
+
+# The tenants of the `tenants` cluster. alpha: an admin, a rate it does not reach, one job running and two
+# queued, requests up to 64x64, 9 frames and 2 steps, and 33 frames out (9 frames interpolated 4x, not 8x).
+# beta: not an admin, 6 requests a minute with a burst of 3 (most of its requests find the rate spent), one
+# job running and one queued, requests up to 32x32, 5 frames, 1 step, 9 frames out.
+TENANT_QUOTAS = {
+    "alpha": dict(
+        max_running_jobs=1,
+        max_queued_jobs=2,
+        requests_per_minute=600,
+        burst=100,
+        max_height=64,
+        max_width=64,
+        max_pixels=64 * 64,
+        max_frames=9,
+        max_steps=2,
+        max_output_frames=33,
+        max_output_pixels=33 * 64 * 64,
+        max_watch_streams=4,
+    ),
+    "beta": dict(
+        max_running_jobs=1,
+        max_queued_jobs=1,
+        requests_per_minute=6,
+        burst=3,
+        max_height=32,
+        max_width=32,
+        max_frames=5,
+        max_steps=1,
+        max_output_frames=9,
+        max_watch_streams=2,
+    ),
+}
+TENANT_ADMINS = frozenset({"alpha"})
+TENANT_OUTPUT_FRAMES = {name: quotas["max_output_frames"] for name, quotas in TENANT_QUOTAS.items()}
+RATE_LIMITED_TENANT = "beta"
 
 SERVICES = {
     "orchestrator": generation_pb2.DESCRIPTOR.services_by_name["Generation"],
@@ -112,6 +172,7 @@ class Outcome:
     code: grpc.StatusCode
     details: str
     responses: list[bytes]
+    retry_after: float | None = None  # seconds, from a RetryInfo in the status details
 
 
 def invoke(
@@ -138,7 +199,7 @@ def invoke(
                 if cancel_after is not None and len(responses) >= cancel_after:
                     call.cancel()
     except grpc.RpcError as error:
-        return Outcome(error.code(), error.details() or "", responses)
+        return Outcome(error.code(), error.details() or "", responses, retry_after(error))
     return Outcome(Code.OK, "", responses)
 
 
@@ -154,8 +215,16 @@ class Fuzzer:
     orchestrator: grpc.Channel
     stages: dict[str, grpc.Channel]  # with the cluster secret
     bare: dict[str, grpc.Channel]  # without it
+    # Tenant -> API key; empty for the open tenant, whose name here is "".
+    keys: dict[str, str] = field(default_factory=dict)
     codes: Counter = field(default_factory=Counter)
     accepted: dict[str, str] = field(default_factory=dict)  # job id -> how it was submitted
+    owners: dict[str, str] = field(default_factory=dict)  # job id -> the tenant it was accepted for
+    # Tenant -> Submit and Generate refusals with RESOURCE_EXHAUSTED and a RetryInfo.
+    retry_advised: Counter = field(default_factory=Counter)
+    # Lookups (GetJob, WatchJob, CancelJob) by one tenant of another tenant's job.
+    cross_tenant_lookups: int = 0
+    unknown_key: str = field(default_factory=new_api_key)  # a well-formed key no tenant has
 
     def __repr__(self) -> str:  # hypothesis prints the arguments of a failing example
         return f"Fuzzer({sum(self.codes.values())} calls so far)"
@@ -172,14 +241,49 @@ class Fuzzer:
         # The client's own RESOURCE_EXHAUSTED when the server's status message is too long to travel: the
         # status the server meant never arrived.
         assert "metadata size exceeds" not in outcome.details, f"{rpc}: {outcome.details}; request: {_short(request)}"
+        assert len(outcome.details.encode()) <= MAX_DETAILS_BYTES, (
+            f"{rpc}: a status message of {len(outcome.details.encode())} bytes: {_short(outcome.details)}"
+        )
+        # No answer quotes a key, valid or not (the middle of it: an altered key differs in its last character).
+        for key in (*self.keys.values(), self.unknown_key):
+            assert key[8:24] not in outcome.details, f"{rpc} quoted an API key: {_short(outcome.details)}"
 
-    def accept(self, job_id: str, how: str) -> None:
+    def accept(self, job_id: str, how: str, tenant: str = "") -> None:
         assert job_id, f"{how}: an accepted job has no job_id"
         self.accepted.setdefault(job_id, how)
+        owner = self.owners.setdefault(job_id, tenant)
+        assert owner == tenant, f"{how}: tenant '{tenant}' was given job {job_id} of tenant '{owner}'"
 
     def known_job(self, pick: int) -> str:
         ids = sorted(self.accepted)
         return ids[pick % len(ids)] if ids else ""
+
+    def auth(self, tenant: str) -> tuple[tuple[str, str], ...]:
+        """The metadata a call of `tenant` carries: its key, or nothing for the open tenant."""
+        return (("authorization", f"Bearer {self.keys[tenant]}"),) if tenant else ()
+
+    def others_jobs(self, tenant: str) -> set[str]:
+        return {job_id for job_id, owner in self.owners.items() if owner != tenant}
+
+    def credential(self, credential: tuple[str, str]) -> tuple[str | None, tuple[tuple[str, str | bytes], ...]]:
+        """(tenant, metadata) for a drawn credential; tenant None: the metadata authenticates no one."""
+        form, value = credential
+        if form == "key":
+            return value, self.auth(value)
+        key = self.keys["alpha"]
+        altered = key[:-1] + ("A" if key[-1] != "A" else "B")
+        metadata = {
+            "no key": (),
+            "unknown key": (("authorization", f"Bearer {self.unknown_key}"),),
+            "altered key": (("authorization", f"Bearer {altered}"),),
+            "key without 'Bearer'": (("authorization", key),),
+            "another scheme": (("authorization", f"Basic {key}"),),
+            "'Bearer' alone": (("authorization", "Bearer"),),
+            "a valid key twice": (("authorization", f"Bearer {key}"),) * 2,
+            "a binary header": (("authorization-bin", f"Bearer {key}".encode()),),
+            "any value": (("authorization", value),),
+        }[form]
+        return None, metadata
 
 
 # ------------------------------------------------------------------------------------------- strategies --
@@ -633,7 +737,29 @@ def _events(outcome: Outcome) -> list[generation_pb2.GenerateEvent]:
     return [generation_pb2.GenerateEvent.FromString(response) for response in outcome.responses]
 
 
-def _generate(fuzzer: Fuzzer, rpc: str, body: bytes, request: object, timeout: float, meta, cancel: bool) -> None:
+def _check_refusal_advice(fuzzer: Fuzzer, rpc: str, outcome: Outcome, body: bytes, tenant: str) -> None:
+    """A Submit or Generate refused for load (a spent rate, a full queue) says when to retry."""
+    if outcome.code != Code.RESOURCE_EXHAUSTED or len(body) >= LARGE_BODY_BYTES:
+        return
+    assert outcome.retry_after is not None and outcome.retry_after > 0, (
+        f"{rpc}: RESOURCE_EXHAUSTED without a RetryInfo ({_short(outcome.details)})"
+    )
+    fuzzer.retry_advised[tenant] += 1
+
+
+def _check_output_frames(fuzzer: Fuzzer, rpc: str, frames: int, tenant: str) -> None:
+    limit = TENANT_OUTPUT_FRAMES.get(tenant) if tenant else None
+    assert limit is None or frames <= limit, f"{rpc}: tenant '{tenant}' got a job of {frames} frames (limit {limit})"
+
+
+def _output_frames(request: generation_pb2.GenerateRequest) -> int:
+    exp = request.interpolation.exp if request.interpolation.enable and request.interpolation.exp > 0 else 0
+    return (request.num_frames - 1) * 2**exp + 1
+
+
+def _generate(
+    fuzzer: Fuzzer, rpc: str, body: bytes, request: object, timeout: float, meta, cancel: bool, tenant: str = ""
+) -> None:
     outcome = invoke(
         fuzzer.orchestrator,
         GENERATION["Generate"],
@@ -646,25 +772,30 @@ def _generate(fuzzer: Fuzzer, rpc: str, body: bytes, request: object, timeout: f
     events = _events(outcome)
     allowed = set(REFUSALS)
     if events:  # admitted: it runs to the end, unless its deadline or this test's cancel ends it first
-        fuzzer.accept(events[0].job_id, rpc)
+        fuzzer.accept(events[0].job_id, rpc, tenant)
         allowed |= JOB_ENDINGS
+    else:
+        _check_refusal_advice(fuzzer, rpc, outcome, body, tenant)
     if timeout < CALL_TIMEOUT_S:
         allowed.add(Code.DEADLINE_EXCEEDED)
     if cancel:
         allowed.add(Code.CANCELLED)
     if outcome.code == Code.OK:
         assert events[-1].HasField("completed"), f"{rpc}: OK without a 'completed' event; request: {_short(request)}"
+        _check_output_frames(fuzzer, rpc, events[-1].completed.num_frames, tenant)
     fuzzer.check(rpc, outcome, allowed, request)
 
 
-def _submit(fuzzer: Fuzzer, rpc: str, body: bytes, request: object, timeout: float, meta) -> None:
+def _submit(fuzzer: Fuzzer, rpc: str, body: bytes, request: object, timeout: float, meta, tenant: str = "") -> None:
     outcome = invoke(fuzzer.orchestrator, GENERATION["Submit"], "unary_unary", [body], timeout=timeout, metadata=meta)
     allowed = ANSWERS | ({Code.DEADLINE_EXCEEDED} if timeout < CALL_TIMEOUT_S else set())
     fuzzer.check(rpc, outcome, allowed, request)
+    _check_refusal_advice(fuzzer, rpc, outcome, body, tenant)
     if outcome.code == Code.OK:
         job = generation_pb2.Job.FromString(outcome.responses[0])
-        fuzzer.accept(job.job_id, rpc)
+        fuzzer.accept(job.job_id, rpc, tenant)
         assert job.state != generation_pb2.JOB_STATE_UNSPECIFIED, f"{rpc}: job {job.job_id} has no state"
+        _check_output_frames(fuzzer, rpc, _output_frames(job.request), tenant)
 
 
 @settings(max_examples=200, **SETTINGS)
@@ -691,20 +822,38 @@ def fuzz_submit(fuzzer: Fuzzer, request, timeout, meta) -> None:
 # A job id longer than a status message can quote.
 @example(rpc="GetJob", job_id="x" * 40_000, timeout=CALL_TIMEOUT_S, meta=())
 def fuzz_job_lookups(fuzzer: Fuzzer, rpc, job_id, timeout, meta) -> None:
-    known = isinstance(job_id, KnownJob)
-    if known:
+    _lookup(fuzzer, rpc, job_id, timeout, meta)
+
+
+def _lookup(fuzzer: Fuzzer, rpc: str, job_id, timeout: float, meta, tenant: str = "", label: str = "") -> None:
+    """GetJob, WatchJob or CancelJob: a job of the caller's is found; any other id, another tenant's job
+    included, is NOT_FOUND."""
+    if isinstance(job_id, KnownJob):
         job_id = fuzzer.known_job(job_id.pick)
     request = getattr(generation_pb2, f"{rpc}Request")(job_id=job_id)
     kind = "unary_stream" if rpc == "WatchJob" else "unary_unary"
     outcome = invoke(
         fuzzer.orchestrator, GENERATION[rpc], kind, [request.SerializeToString()], timeout=timeout, metadata=meta
     )
-    allowed = set(JOB_ENDINGS if job_id in fuzzer.accepted else ANSWERS)
+    mine = fuzzer.owners.get(job_id) == tenant
+    allowed = set(JOB_ENDINGS if mine else ANSWERS)
     if timeout < CALL_TIMEOUT_S:
         allowed.add(Code.DEADLINE_EXCEEDED)
-    fuzzer.check(rpc, outcome, allowed, request)
-    if job_id not in fuzzer.accepted:
-        assert outcome.code == Code.NOT_FOUND or timeout < CALL_TIMEOUT_S, f"{rpc} found an unknown job {job_id!r}"
+    fuzzer.check(rpc + label, outcome, allowed, request)
+    if job_id in fuzzer.owners and not mine:
+        fuzzer.cross_tenant_lookups += 1
+        # Another tenant's job is as unknown as one that never existed.
+        assert outcome.code == Code.NOT_FOUND or timeout < CALL_TIMEOUT_S, (
+            f"{rpc}{label} answered {outcome.code.name} for tenant '{fuzzer.owners[job_id]}''s job {job_id}"
+        )
+    elif not mine:
+        # An id no job has: NOT_FOUND, or INVALID_ARGUMENT naming job_id for one no job could have.
+        refused = outcome.code == Code.NOT_FOUND or (
+            outcome.code == Code.INVALID_ARGUMENT and outcome.details.startswith("job_id")
+        )
+        assert refused or timeout < CALL_TIMEOUT_S, (
+            f"{rpc}{label} answered {outcome.code.name} ({_short(outcome.details)}) for an unknown job {_short(job_id)}"
+        )
     elif outcome.code == Code.OK and rpc != "WatchJob":
         assert generation_pb2.Job.FromString(outcome.responses[0]).job_id == job_id
 
@@ -716,24 +865,36 @@ def fuzz_job_lookups(fuzzer: Fuzzer, rpc, job_id, timeout, meta) -> None:
     meta=metadata,
 )
 def fuzz_list_jobs(fuzzer: Fuzzer, state, limit, meta) -> None:
+    _list_jobs(fuzzer, state, limit, meta)
+
+
+def _list_jobs(fuzzer: Fuzzer, state: int, limit: int, meta, tenant: str = "", label: str = "") -> None:
     request = generation_pb2.ListJobsRequest(state=state, limit=limit)
     outcome = invoke(
         fuzzer.orchestrator, GENERATION["ListJobs"], "unary_unary", [request.SerializeToString()], metadata=meta
     )
-    fuzzer.check("ListJobs", outcome, ANSWERS, request)
+    fuzzer.check("ListJobs" + label, outcome, ANSWERS, request)
     valid = 0 <= state <= 5 and 0 <= limit <= 1000
     assert (outcome.code == Code.OK) == valid, f"ListJobs({state=}, {limit=}) answered {outcome.code.name}"
     if valid:
         jobs = generation_pb2.ListJobsResponse.FromString(outcome.responses[0]).jobs
         assert len(jobs) <= (limit or 100)
         assert state == 0 or all(job.state == state for job in jobs), f"ListJobs(state={state}) listed other states"
+        others = {job.job_id for job in jobs} & fuzzer.others_jobs(tenant)
+        assert not others, f"ListJobs{label} listed other tenants' jobs: {sorted(others)}"
 
 
 @settings(max_examples=50, **SETTINGS)
 @given(rpc=st.sampled_from(("ListModels", "GetClusterInfo")), body=st.one_of(st.just(b""), mangled(b"")), meta=metadata)
 def fuzz_cluster_queries(fuzzer: Fuzzer, rpc, body, meta) -> None:
+    _cluster_query(fuzzer, rpc, body, meta)
+
+
+def _cluster_query(fuzzer: Fuzzer, rpc: str, body: bytes, meta, tenant: str = "", label: str = "") -> None:
     outcome = invoke(fuzzer.orchestrator, GENERATION[rpc], "unary_unary", [body], metadata=meta)
-    fuzzer.check(rpc, outcome, ANSWERS, body)
+    fuzzer.check(rpc + label, outcome, ANSWERS, body)
+    if rpc == "GetClusterInfo" and tenant and tenant not in TENANT_ADMINS:
+        assert outcome.code != Code.OK, f"GetClusterInfo answered tenant '{tenant}', which is not an admin"
     if outcome.code == Code.OK and rpc == "ListModels":
         models_ = generation_pb2.ListModelsResponse.FromString(outcome.responses[0]).models
         assert [model.id for model in models_] == [MODEL]
@@ -892,6 +1053,152 @@ def fuzz_unknown_methods(fuzzer: Fuzzer, method, server, body) -> None:
     fuzzer.check("an unknown method", outcome, {Code.UNIMPLEMENTED}, (method, body))
 
 
+# ------------------------------------------------------------------------------------------------ tenants --
+
+PUBLIC_RPCS = ("Generate", "Submit", "WatchJob", "GetJob", "CancelJob", "ListJobs", "ListModels", "GetClusterInfo")
+INVALID_CREDENTIALS = (
+    "no key",
+    "unknown key",
+    "altered key",
+    "key without 'Bearer'",
+    "another scheme",
+    "'Bearer' alone",
+    "a valid key twice",
+    "a binary header",
+)
+
+
+@st.composite
+def credentials(draw) -> tuple[str, str]:
+    """(form, value): about half the time a tenant's key (beta's less often: its rate is soon spent), else
+    metadata that authenticates no one, sometimes any printable value as the authorization header."""
+    if chance(draw, 50):
+        return "key", "beta" if chance(draw, 30) else "alpha"
+    if chance(draw, 20):
+        return "any value", draw(st.text(printable, max_size=60))
+    return draw(st.sampled_from(INVALID_CREDENTIALS)), ""
+
+
+@dataclass(frozen=True)
+class OthersJob:
+    """Stands for one of the jobs accepted so far for a tenant other than the caller (resolved at the call)."""
+
+    pick: int
+
+
+@dataclass(frozen=True)
+class PublicCall:
+    """A call of a Generation method: `payload` is a GenerateRequest or raw bytes (Generate, Submit), a job id,
+    KnownJob or OthersJob (GetJob, WatchJob, CancelJob), (state, limit) (ListJobs), or the raw body (the others)."""
+
+    rpc: str
+    payload: object
+    cancel: bool = False
+
+
+@st.composite
+def public_calls(draw) -> PublicCall:
+    rpc = draw(st.sampled_from(PUBLIC_RPCS))
+    if rpc in ("Generate", "Submit"):
+        payload = draw(st.one_of(generate_requests(), raw_bodies(CHEAP_REQUEST.SerializeToString())))
+        return PublicCall(rpc, payload, cancel=rpc == "Generate" and chance(draw, 10))
+    if rpc in ("WatchJob", "GetJob", "CancelJob"):
+        return PublicCall(rpc, draw(st.one_of(job_ids, st.builds(OthersJob, st.integers(0, 1000)))))
+    if rpc == "ListJobs":
+        state, limit = draw(st.one_of(st.integers(0, 5), INT32)), draw(st.one_of(st.integers(0, 1000), INT32))
+        return PublicCall(rpc, (state, limit))
+    return PublicCall(rpc, draw(st.one_of(st.just(b""), mangled(b""))))
+
+
+def _unauthenticated(fuzzer: Fuzzer, rpc: str, body: bytes, timeout: float, meta) -> None:
+    """A call that presents no valid key ends with UNAUTHENTICATED: never an answer, nor any other refusal."""
+    path = GENERATION[rpc.partition(" ")[0]]
+    outcome = invoke(fuzzer.orchestrator, path, METHODS[path][1], [body], timeout=timeout, metadata=meta)
+    allowed = {Code.UNAUTHENTICATED}
+    if timeout < CALL_TIMEOUT_S:
+        allowed.add(Code.DEADLINE_EXCEEDED)
+    if len(body) >= LARGE_BODY_BYTES:
+        allowed.add(Code.RESOURCE_EXHAUSTED)
+    fuzzer.check(rpc, outcome, allowed, (body, meta))
+    assert not outcome.responses, f"{rpc} answered a call without a valid key"
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(call=public_calls(), credential=credentials(), timeout=timeouts, meta=metadata)
+# Within either tenant's quotas: each tenant has a job the other may then look for; beta's fourth request in a
+# row finds its burst of 3 spent.
+@example(call=PublicCall("Submit", CHEAP_REQUEST), credential=("key", "alpha"), timeout=CALL_TIMEOUT_S, meta=())
+@example(call=PublicCall("Submit", CHEAP_REQUEST), credential=("key", "beta"), timeout=CALL_TIMEOUT_S, meta=())
+@example(call=PublicCall("Generate", CHEAP_REQUEST), credential=("key", "beta"), timeout=CALL_TIMEOUT_S, meta=())
+@example(call=PublicCall("Submit", CHEAP_REQUEST), credential=("key", "beta"), timeout=CALL_TIMEOUT_S, meta=())
+@example(call=PublicCall("Generate", CHEAP_REQUEST), credential=("key", "beta"), timeout=CALL_TIMEOUT_S, meta=())
+# Within alpha's 9 frames, but 65 after interpolation: beyond its 33 output frames.
+@example(
+    call=PublicCall(
+        "Submit",
+        generation_pb2.GenerateRequest(
+            prompt="a fox",
+            height=32,
+            width=32,
+            num_frames=9,
+            num_inference_steps=1,
+            interpolation=generation_pb2.InterpolationParams(enable=True, exp=3),
+        ),
+    ),
+    credential=("key", "alpha"),
+    timeout=CALL_TIMEOUT_S,
+    meta=(),
+)
+# Each tenant asks for the other's job.
+@example(call=PublicCall("GetJob", OthersJob(0)), credential=("key", "alpha"), timeout=CALL_TIMEOUT_S, meta=())
+@example(call=PublicCall("WatchJob", OthersJob(0)), credential=("key", "alpha"), timeout=CALL_TIMEOUT_S, meta=())
+@example(call=PublicCall("CancelJob", OthersJob(0)), credential=("key", "beta"), timeout=CALL_TIMEOUT_S, meta=())
+# Larger than any server takes (64 MiB), without a key.
+@example(
+    call=PublicCall("Submit", generation_pb2.GenerateRequest(prompt="x" * (65 << 20))),
+    credential=("no key", ""),
+    timeout=CALL_TIMEOUT_S,
+    meta=(),
+)
+def fuzz_public_with_keys(fuzzer: Fuzzer, call: PublicCall, credential, timeout, meta) -> None:
+    """Every Generation method with a tenant's key, or with metadata that authenticates no one."""
+    tenant, presented = fuzzer.credential(credential)
+    meta = tuple(entry for entry in meta if entry[0] != "authorization") + presented
+    label = f" [{tenant or credential[0]}]"
+    rpc, payload = call.rpc, call.payload
+    if rpc in ("WatchJob", "GetJob", "CancelJob"):
+        job_id = payload
+        if isinstance(payload, KnownJob):
+            job_id = fuzzer.known_job(payload.pick)
+        elif isinstance(payload, OthersJob):
+            others = sorted(fuzzer.others_jobs(tenant or ""))
+            job_id = others[payload.pick % len(others)] if others else ""
+        if tenant is not None:
+            _lookup(fuzzer, rpc, job_id, timeout, meta, tenant, label)
+            return
+        body = getattr(generation_pb2, f"{rpc}Request")(job_id=job_id).SerializeToString()
+    elif rpc == "ListJobs":
+        state, limit = payload
+        if tenant is not None:
+            _list_jobs(fuzzer, state, limit, meta, tenant, label)
+            return
+        body = generation_pb2.ListJobsRequest(state=state, limit=limit).SerializeToString()
+    elif rpc in ("Generate", "Submit"):
+        body = payload if isinstance(payload, bytes) else payload.SerializeToString()
+        if tenant is not None and rpc == "Generate":
+            _generate(fuzzer, rpc + label, body, payload, timeout, meta, call.cancel, tenant)
+            return
+        if tenant is not None:
+            _submit(fuzzer, rpc + label, body, payload, timeout, meta, tenant)
+            return
+    else:
+        body = payload
+        if tenant is not None:
+            _cluster_query(fuzzer, rpc, body, meta, tenant, label)
+            return
+    _unauthenticated(fuzzer, rpc + label, body, timeout, meta)
+
+
 FUZZERS = (
     fuzz_generate,
     fuzz_submit,
@@ -908,18 +1215,21 @@ FUZZERS = (
     fuzz_raw_bytes,
     fuzz_unknown_methods,
 )
+# With tenants, the public RPCs with keys; health and unknown methods, which need no key. The stages do not
+# know tenants: the `open` run fuzzes them.
+TENANT_FUZZERS = (fuzz_public_with_keys, fuzz_health, fuzz_unknown_methods)
 
 # ------------------------------------------------------------------------------------------------- the test --
 
 
-def _wait_until_finished(fuzzer: Fuzzer, job_ids, timeout_s: float) -> dict[str, generation_pb2.Job]:
+def _wait_until_finished(fuzzer: Fuzzer, job_ids, timeout_s: float, tenant: str = "") -> dict[str, generation_pb2.Job]:
     stub = generation_pb2_grpc.GenerationStub(fuzzer.orchestrator)
     finished: dict[str, generation_pb2.Job] = {}
     waiting = set(job_ids)
     deadline = time.monotonic() + timeout_s
     while waiting and time.monotonic() < deadline:
         for job_id in sorted(waiting):
-            job = stub.GetJob(generation_pb2.GetJobRequest(job_id=job_id), timeout=10)
+            job = stub.GetJob(generation_pb2.GetJobRequest(job_id=job_id), timeout=10, metadata=fuzzer.auth(tenant))
             if job.state in TERMINAL:
                 finished[job_id] = job
                 waiting.discard(job_id)
@@ -928,16 +1238,50 @@ def _wait_until_finished(fuzzer: Fuzzer, job_ids, timeout_s: float) -> dict[str,
     return finished
 
 
-def test_fuzzing_every_rpc_leaves_the_cluster_whole(cluster) -> None:
+@dataclass
+class FuzzTarget:
+    mode: str  # "open" or "tenants"
+    cluster: LocalCluster
+    keys: dict[str, str]  # tenant -> API key; empty for the open tenant
+
+
+@pytest.fixture(scope="module", params=["open", "tenants"])
+def fuzz_target(
+    request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FuzzTarget]:
+    """The shared open cluster, or one started with a tenants file of TENANT_QUOTAS."""
+    if request.param == "open":
+        yield FuzzTarget("open", request.getfixturevalue("cluster"), {})
+        return
+    keys = {name: new_api_key() for name in TENANT_QUOTAS}
+    tenants = [
+        {"name": name, "api_keys": [hash_api_key(keys[name])], "admin": name in TENANT_ADMINS, "quotas": quotas}
+        for name, quotas in TENANT_QUOTAS.items()
+    ]
+    tenants_file = tmp_path_factory.mktemp("fuzz-tenants") / "tenants.yaml"
+    tenants_file.write_text(yaml.safe_dump({"tenants": tenants}))
+    cluster = LocalCluster(
+        tiny_model,
+        threads_per_stage=THREADS_PER_STAGE,
+        extra_args={"orchestrator": ["--tenants", str(tenants_file)]},
+        log_dir=tmp_path_factory.mktemp("fuzz-tenant-cluster-logs"),
+    )
+    with cluster:
+        yield FuzzTarget("tenants", cluster, keys)
+
+
+def test_fuzzing_every_rpc_leaves_the_cluster_whole(fuzz_target: FuzzTarget) -> None:
+    cluster, with_tenants = fuzz_target.cluster, fuzz_target.mode == "tenants"
     started = time.time()
     options = [("grpc.max_receive_message_length", 64 << 20)]
     fuzzer = Fuzzer(
         orchestrator=grpc.insecure_channel(cluster.endpoint, options=options),
         stages={stage: stage_channel(cluster.services[stage].endpoint) for stage in STAGES},
         bare={stage: grpc.insecure_channel(cluster.services[stage].endpoint) for stage in STAGES},
+        keys=fuzz_target.keys,
     )
     try:
-        for fuzz in FUZZERS:
+        for fuzz in TENANT_FUZZERS if with_tenants else FUZZERS:
             fuzz(fuzzer)
 
         calls = sum(fuzzer.codes.values())
@@ -947,11 +1291,25 @@ def test_fuzzing_every_rpc_leaves_the_cluster_whole(cluster) -> None:
         print(f"\n{calls} calls in {time.time() - started:.0f} s; status codes: {dict(by_code.most_common())}")
         for (rpc, code), count in sorted(fuzzer.codes.items()):
             print(f"  {rpc}: {code} x {count}")
-        assert calls >= MIN_CALLS, f"only {calls} calls were made; at least {MIN_CALLS} were meant to be"
-        # Some random requests went past every check, into the stages' compute and into running jobs.
-        for rpc in ("TextEncoder.Encode", "Denoiser.Denoise", "VaeDecoder.Decode", "Interpolator.Interpolate"):
-            assert fuzzer.codes[rpc, Code.OK.name] >= 2, f"no random {rpc} request was valid: {fuzzer.codes}"
+        if with_tenants:
+            print(
+                f"lookups of another tenant's job: {fuzzer.cross_tenant_lookups}; "
+                f"RESOURCE_EXHAUSTED with a RetryInfo: {dict(fuzzer.retry_advised)}"
+            )
+        least = MIN_CALLS_WITH_TENANTS if with_tenants else MIN_CALLS
+        assert calls >= least, f"only {calls} calls were made; at least {least} were meant to be"
         assert fuzzer.accepted, "no request was accepted: the fuzzing never reached a running job"
+        if with_tenants:
+            # Both tenants ran jobs, calls without a valid key were made, and the small rate was spent.
+            for tenant in TENANT_QUOTAS:
+                assert tenant in fuzzer.owners.values(), f"no job was accepted for tenant '{tenant}'"
+            assert by_code[Code.UNAUTHENTICATED.name] > 0, "no call without a valid key was made"
+            assert fuzzer.retry_advised[RATE_LIMITED_TENANT] > 0, f"'{RATE_LIMITED_TENANT}' never met its rate limit"
+            assert fuzzer.cross_tenant_lookups > 0, "no tenant asked for another tenant's job"
+        else:
+            # Some random requests went past every check, into the stages' compute and into running jobs.
+            for rpc in ("TextEncoder.Encode", "Denoiser.Denoise", "VaeDecoder.Decode", "Interpolator.Interpolate"):
+                assert fuzzer.codes[rpc, Code.OK.name] >= 2, f"no random {rpc} request was valid: {fuzzer.codes}"
 
         # Every service still serves, and every process is alive.
         for name, service in cluster.services.items():
@@ -961,15 +1319,24 @@ def test_fuzzing_every_rpc_leaves_the_cluster_whole(cluster) -> None:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
             assert status == health_pb2.HealthCheckResponse.SERVING, f"{name} no longer serves"
 
-        # No job is lost: every job accepted during the fuzzing is listed and ends, with no server fault.
-        finished = _wait_until_finished(fuzzer, fuzzer.accepted, timeout_s=2 * CALL_TIMEOUT_S)
+        # No job is lost: every job accepted during the fuzzing is listed (to its tenant, to no other) and ends,
+        # with no server fault.
         stub = generation_pb2_grpc.GenerationStub(fuzzer.orchestrator)
-        listed = {job.job_id: job for job in stub.ListJobs(generation_pb2.ListJobsRequest(limit=1000), timeout=10).jobs}
-        missing = set(fuzzer.accepted) - set(listed)
-        assert not missing, f"accepted jobs missing from ListJobs: {sorted(missing)}"
-        # Jobs whose Submit ran into its deadline were never named to this test: they must end too.
-        ours = [job.job_id for job in listed.values() if job.created_at.seconds >= int(started)]
-        finished |= _wait_until_finished(fuzzer, ours, timeout_s=2 * CALL_TIMEOUT_S)
+        finished: dict[str, generation_pb2.Job] = {}
+        for tenant in fuzz_target.keys or [""]:
+            mine = [job_id for job_id, owner in fuzzer.owners.items() if owner == tenant]
+            finished |= _wait_until_finished(fuzzer, mine, 2 * CALL_TIMEOUT_S, tenant)
+            request = generation_pb2.ListJobsRequest(limit=1000)
+            listed = {job.job_id: job for job in stub.ListJobs(request, timeout=10, metadata=fuzzer.auth(tenant)).jobs}
+            missing = set(mine) - set(listed)
+            assert not missing, f"accepted jobs missing from ListJobs: {sorted(missing)}"
+            leaked = set(listed) & fuzzer.others_jobs(tenant)
+            assert not leaked, f"tenant '{tenant}' lists other tenants' jobs: {sorted(leaked)}"
+            # Jobs whose Submit ran into its deadline were never named to this test: they must end too.
+            ours = [job.job_id for job in listed.values() if job.created_at.seconds >= int(started)]
+            finished |= _wait_until_finished(fuzzer, ours, 2 * CALL_TIMEOUT_S, tenant)
+            for job_id in ours:
+                _check_output_frames(fuzzer, f"job {job_id}", _output_frames(listed[job_id].request), tenant)
         for job in finished.values():
             if job.state == generation_pb2.JOB_STATE_FAILED:
                 code = CODES[job.error.code]
@@ -978,7 +1345,7 @@ def test_fuzzing_every_rpc_leaves_the_cluster_whole(cluster) -> None:
         print(f"jobs accepted during the fuzzing: {len(finished)}, {dict(states)}")
 
         # A normal generation still works.
-        with Client(cluster.endpoint) as client:
+        with Client(cluster.endpoint, api_key=fuzz_target.keys.get("alpha")) as client:
             result = client.generate(
                 "a lighthouse at dusk", height=32, width=32, num_frames=1, num_inference_steps=1, seed=3, timeout=60
             )

@@ -6,22 +6,20 @@ and each container's command line goes through the real argparse parser of the s
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import re
 import shlex
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import kubernetes_validate
 import pytest
 import yaml
 
 from dit_svc.service import parallel_config_from
-from stagediff.cli import SERVE_TARGETS
+from tests.conftest import parse_serve
+from tests.test_secure_defaults import startup_refusal
 
 K8S_DIR = Path(__file__).resolve().parents[1] / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.35.0"
@@ -151,30 +149,6 @@ def test_kustomize_builds(tmp_path: Path, components: list[str]) -> None:
 # ------------------------------------------------------------ commands ----
 
 
-class _Parsed(Exception):
-    def __init__(self, namespace: argparse.Namespace) -> None:
-        super().__init__()
-        self.namespace = namespace
-
-
-def parse_serve(argv: list[str]) -> argparse.Namespace:
-    """`stagediff serve <stage> ...` parsed by the stage's own parser (its main() is stopped right after parsing)."""
-    assert argv and argv[0] in SERVE_TARGETS, f"not a serve target: {argv[:1]}"
-    parse_args = argparse.ArgumentParser.parse_args
-
-    def capture(parser, args=None, namespace=None):
-        raise _Parsed(parse_args(parser, args, namespace))
-
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture):
-        try:
-            importlib.import_module(SERVE_TARGETS[argv[0]]).main(argv[1:])
-        except _Parsed as parsed:
-            return parsed.namespace
-        except SystemExit as error:
-            pytest.fail(f"stagediff serve {shlex.join(argv)}: rejected by its parser (exit {error.code})")
-    pytest.fail(f"stagediff serve {argv[0]}: main() returned without parsing its arguments")
-
-
 POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
 
 
@@ -291,6 +265,21 @@ def test_cluster_secret_model_and_shm(component: str | None, objects: list[dict[
         assert claim == {"claimName": "stagediff-models", "readOnly": True}, stage
         if stage in ("dit", "vae"):  # multi-process torch groups
             assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory", stage
+
+
+@pytest.mark.parametrize(("component", "objects"), CASES, ids=CASE_IDS)
+def test_every_container_binds_every_interface_and_starts_under_the_secure_defaults(
+    component: str | None, objects: list[dict[str, Any]]
+) -> None:
+    """Servers bind loopback unless told otherwise, which in a pod reaches nobody; and each command passes the
+    startup checks: a stage has the cluster secret, the orchestrator's plaintext port with tenants says
+    --insecure (TLS ends in front of it)."""
+    for _, _, container, stage, args in _containers(_flags(component), objects):
+        assert args.host == "0.0.0.0", stage
+        has_secret = any(entry["name"] == CLUSTER_SECRET_ENV for entry in container["env"])
+        assert startup_refusal(stage, args, has_secret) is None, stage
+        if stage == "orchestrator":
+            assert args.tenants and args.insecure and args.tls_cert is None
 
 
 def test_orchestrator_state_tenants_and_metrics() -> None:

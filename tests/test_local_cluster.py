@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import shutil
 import subprocess
 import textwrap
@@ -13,13 +14,16 @@ from typing import Any
 import pytest
 import yaml
 
+from services.auth import CLUSTER_SECRET_ENV
 from stagediff import local_cluster
 from stagediff.local_cluster import DEFAULT_COMPOSE_FILE, LocalCluster, interpolate, load_compose, read_env_file
+from tests.test_secure_defaults import parse_serve, startup_refusal
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 GPU_COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 CPU_COMPOSE_FILE = DEPLOY / "docker-compose.cpu.yml"
 SINGLE_GPU_COMPOSE_FILE = DEPLOY / "docker-compose.single-gpu.yml"
+STAGE_TLS_OVERRIDE = DEPLOY / "docker-compose.stage-tls.yml"
 COMMON_SERVICES = DEPLOY / "common-services.yml"
 VARIANTS = [GPU_COMPOSE_FILE, SINGLE_GPU_COMPOSE_FILE, CPU_COMPOSE_FILE]
 STAGES = {"text-encoder": 50061, "dit": 50062, "vae": 50063, "interp": 50064}
@@ -40,21 +44,22 @@ def _docker_compose() -> str:
     return path
 
 
-def _config(*files: Path, quiet: bool = False) -> subprocess.CompletedProcess[str]:
+def _config(*files: Path, quiet: bool = False, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     arguments = [argument for file in files for argument in ("-f", str(file))]
     return subprocess.run(
         [_docker_compose(), *arguments, "config", *(["-q"] if quiet else [])],
         capture_output=True,
         text=True,
         cwd=DEPLOY.parent,
+        env={**os.environ, **(env or {})},
     )
 
 
 @functools.cache
-def _resolved(file: Path) -> dict[str, Any]:
-    """The services of `file` after docker-compose's own `extends`, env files and interpolation (read once;
-    callers must not change what it returns)."""
-    result = _config(file)
+def _resolved(*files: Path) -> dict[str, Any]:
+    """The services of `files` after docker-compose's own `extends`, env files, overrides and interpolation
+    (read once; callers must not change what it returns)."""
+    result = _config(*files)
     assert result.returncode == 0, result.stderr
     return yaml.safe_load(result.stdout)["services"]
 
@@ -97,7 +102,7 @@ def test_the_depends_on_chain_ends_at_the_orchestrator() -> None:
         assert orchestrator["depends_on"] == {name: {"condition": "service_healthy"} for name in STAGES}, file.name
         assert all(not services[name].get("depends_on") for name in STAGES), "stages start independently"
         assert orchestrator["healthcheck"]["test"][-1] == "localhost:50051"
-        assert orchestrator["ports"][0]["target"] == 50051
+        assert [target for _, target in _published(orchestrator)] == ["50051"]
         for name, port in STAGES.items():
             assert f"{name}:{port}" in orchestrator["command"]
 
@@ -131,6 +136,96 @@ def test_stagediff_up_reads_a_file_as_docker_compose_does(file: Path) -> None:
         assert service.gpu_device_ids == [gpu for device in devices for gpu in device["device_ids"]], name
         assert set(service.depends_on) == set(expected.get("depends_on") or {}), name
         assert [secret for secret, _ in service.secret_files] == [s["source"] for s in expected.get("secrets", [])]
+
+
+def _published(service: dict[str, Any]) -> list[tuple[str, str]]:
+    """(host address, container port) of each port a service publishes, in either form docker-compose prints."""
+    published = []
+    for entry in service.get("ports") or []:
+        if isinstance(entry, dict):  # {published, target[, host_ip]}
+            published.append((entry.get("host_ip", "0.0.0.0"), str(entry["target"])))
+        else:  # "[HOST_IP:]PUBLISHED:TARGET[/PROTOCOL]"
+            fields = entry.split("/")[0].split(":")
+            published.append((fields[0] if len(fields) == 3 else "0.0.0.0", fields[-1]))
+    return published
+
+
+@pytest.mark.parametrize("file", VARIANTS, ids=lambda f: f.name)
+def test_only_the_orchestrator_is_published_and_only_on_loopback_by_default(file: Path) -> None:
+    services = _resolved(file)
+    for name in STAGES:
+        assert not services[name].get("ports"), f"{name}: a stage port is published"
+        assert not services[name].get("expose"), name
+    assert _published(services["orchestrator"]) == [("127.0.0.1", "50051")]
+
+
+def test_the_open_tenant_is_never_published_beyond_loopback() -> None:
+    """The CPU and single-GPU files serve the open tenant: their address is not a variable."""
+    for file in (CPU_COMPOSE_FILE, SINGLE_GPU_COMPOSE_FILE):
+        orchestrator = _resolved(file)["orchestrator"]
+        assert "--tenants" not in orchestrator["command"] and "STAGEDIFF_TENANTS" not in orchestrator["environment"]
+        result = _config(file, env={"STAGEDIFF_PUBLISHED_ADDRESS": "0.0.0.0", "STAGEDIFF_PUBLISHED_PORT": "6000"})
+        assert result.returncode == 0, result.stderr
+        published = _published(yaml.safe_load(result.stdout)["services"]["orchestrator"])
+        assert published == [("127.0.0.1", "50051")], file.name
+    # The GPU file, with tenants, opens its plaintext port beyond loopback only when told to.
+    result = _config(GPU_COMPOSE_FILE, env={"STAGEDIFF_PUBLISHED_ADDRESS": "0.0.0.0"})
+    assert _published(yaml.safe_load(result.stdout)["services"]["orchestrator"]) == [("0.0.0.0", "50051")]
+
+
+def _starts(services: dict[str, Any]) -> dict[str, str | None]:
+    """For each service: why its command and environment would refuse to start, or None; parsed by the real
+    parser of the service it starts, with its STAGEDIFF_* environment."""
+    reasons = {}
+    for name, service in services.items():
+        environment = {key: str(value) for key, value in (service.get("environment") or {}).items()}
+        with pytest.MonkeyPatch.context() as patch:
+            for key in [key for key in os.environ if key.startswith("STAGEDIFF_") and key != CLUSTER_SECRET_ENV]:
+                patch.delenv(key)
+            for key, value in environment.items():
+                patch.setenv(key, value)
+            args = parse_serve(service["command"][1:])
+        assert args.host == "0.0.0.0", f"{name}: a container must bind every interface to be reached"
+        has_secret = args.cluster_secret_file is not None
+        reasons[name] = startup_refusal(service["command"][1], args, has_secret)
+    return reasons
+
+
+@pytest.mark.parametrize(
+    "files",
+    [(CPU_COMPOSE_FILE,), (SINGLE_GPU_COMPOSE_FILE,), (GPU_COMPOSE_FILE,), (GPU_COMPOSE_FILE, STAGE_TLS_OVERRIDE)],
+    ids=["cpu", "single-gpu", "gpu", "gpu+stage-tls"],
+)
+def test_every_service_starts_under_the_secure_defaults(files: tuple[Path, ...]) -> None:
+    assert _starts(_resolved(*files)) == {name: None for name in [*STAGES, "orchestrator"]}
+
+
+def test_the_secure_defaults_can_refuse_a_compose_file() -> None:
+    """The same check, without the `--insecure` of env/no-secrets.env, finds what would not start."""
+    services = {
+        name: {**service, "environment": {k: v for k, v in service["environment"].items() if k != "STAGEDIFF_INSECURE"}}
+        for name, service in _resolved(CPU_COMPOSE_FILE).items()
+    }
+    reasons = _starts(services)
+    assert all("no cluster secret" in (reasons[name] or "") for name in [*STAGES, "orchestrator"]), reasons
+
+
+def test_the_stage_tls_override_turns_tls_on_for_every_stage_channel_and_health_check() -> None:
+    services = _resolved(GPU_COMPOSE_FILE, STAGE_TLS_OVERRIDE)
+    orchestrator = services["orchestrator"]
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in orchestrator["environment"].items():
+            patch.setenv(key, str(value))
+        ca = parse_serve(orchestrator["command"][1:]).stage_tls_ca
+    assert ca == "/run/secrets/stage_tls_ca" and {"source": "stage_tls_ca"} in orchestrator["secrets"]
+    assert _published(orchestrator) == [("127.0.0.1", "50051")]
+    for name, port in STAGES.items():
+        environment = services[name]["environment"]
+        assert environment["STAGEDIFF_TLS_CERT"] == "/run/secrets/stage_tls_cert", name
+        assert environment["STAGEDIFF_TLS_KEY"] == "/run/secrets/stage_tls_key", name
+        assert {s["source"] for s in services[name]["secrets"]} >= {"cluster_secret", "stage_tls_cert", "stage_tls_key"}
+        health = services[name]["healthcheck"]["test"]
+        assert health == ["CMD", "stagediff", "health", "--endpoint", f"localhost:{port}", "--ca-cert", ca], name
 
 
 def test_the_single_gpu_variant_puts_every_stage_on_gpu_0() -> None:
@@ -189,6 +284,8 @@ def test_commands_get_local_ports_hosts_references_and_model_path(tmp_path: Path
         "--state-dir", str(cluster.state_dir),
     ]  # fmt: skip
     assert orchestrator.waits_for == list(STAGES)
+    # Every process gets the cluster's secret: stages refuse to start without one, and need no --insecure.
+    assert {plan.environment[CLUSTER_SECRET_ENV] for plan in plans.values()} == {cluster.cluster_secret}
 
 
 def test_free_ports_are_distinct_and_the_orchestrator_takes_the_requested_one(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from services.auth import cluster_channel
-from services.orchestrator.jobs import JobManager, JobState
+from services.orchestrator.jobs import JobManager, JobState, ResultPiece
 from services.orchestrator.pipeline import Pipeline
 from services.orchestrator.scheduler import FairScheduler
 from services.orchestrator.stage_clients import StagePool
@@ -98,6 +98,9 @@ def test_vae_failure_is_retried_without_recomputing_the_dit(cluster, tmp_path) -
                 indexes.append(tensor.index)
                 frames.append(tensor.array)
     assert indexes == [0, 1, 5], "no frame was sent twice"
+    # The frames went to the store's result file; the job's log holds only where they are.
+    assert [(e.first, e.count) for e in job.events if isinstance(e, ResultPiece)] == [(0, 1), (1, 4), (5, 4)]
+    assert not any(isinstance(e, generation_pb2.GenerateEvent) and e.HasField("result") for e in job.events)
     with Client(cluster.endpoint) as client:
         expected = client.generate(
             "a fox",

@@ -19,10 +19,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from services.orchestrator.jobs import Job
+from services.orchestrator.jobs import Job, JobState, ResultPiece
 from services.orchestrator.pipeline import Pipeline, ResultPublisher
 from services.orchestrator.stage_clients import STAGE_ORDER, Stage, StageError, StagePool
-from services.tensor_codec import TensorAssembler, encode_tensor
+from services.orchestrator.store import JobRecord, JobStore
+from services.tensor_codec import encode_tensor
 from stagediff import Client, local_cluster
 from stagediff.client import FramesReceived, GenerationResult, Progress
 from stagediff.local_cluster import LocalCluster, parse_replicas, with_replicas
@@ -280,23 +281,29 @@ def test_failing_over_to_another_replica_spends_no_stage_retry() -> None:
     asyncio.run(scenario())
 
 
-def test_a_retry_resumes_a_tensor_that_was_cut_half_way_without_repeating_a_chunk() -> None:
+def test_a_retry_rewrites_a_tensor_that_was_cut_half_way_and_publishes_it_once(tmp_path) -> None:
     async def scenario() -> None:
-        job = Job(job_id="j", request=generation_pb2.GenerateRequest())
         frames = np.arange(2 * 4 * 4 * 3, dtype=np.uint8).reshape(2, 4, 4, 3)
         chunks = list(encode_tensor("frames", frames, index=0, chunk_bytes=20))
         assert len(chunks) > 3
-        first_attempt = ResultPublisher(job, fps=16.0)
-        for chunk in chunks[:3]:
-            await first_attempt.publish(chunk)
-        retry = ResultPublisher(job, fps=16.0)
-        for chunk in chunks:
-            await retry.publish(chunk)
-        sent = [event.result.tensor for event in job.events]
-        assert [chunk.offset for chunk in sent] == [chunk.offset for chunk in chunks]
-        assembler = TensorAssembler()
-        (tensor,) = [t for chunk in sent if (t := assembler.feed(chunk)) is not None]
-        assert np.array_equal(tensor.array, frames)
+        with JobStore.open(tmp_path) as store:
+            job = Job(job_id="j", request=generation_pb2.GenerateRequest())
+            store.insert(JobRecord.new("j", "t", job.request))
+            store.update_state("j", JobState.JOB_STATE_RUNNING)
+            job.result = store.create_result("j", frames.shape)
+            first_attempt = ResultPublisher(job, job.result, fps=16.0)
+            for chunk in chunks[:3]:
+                await first_attempt.publish(chunk)
+            assert job.events == []  # a tensor cut half-way was never announced
+            for _ in range(2):  # the retry writes it whole; a later retry skips it
+                retry = ResultPublisher(job, job.result, fps=16.0)
+                for chunk in chunks:
+                    await retry.publish(chunk)
+            assert job.events == [ResultPiece(0, 2, 16.0)]
+            await job.finish(JobState.JOB_STATE_SUCCEEDED)
+            sent = [event.result.tensor async for event in job.follow(chunk_bytes=20)]
+            assert sent == chunks
+            job.result.discard()
 
     asyncio.run(scenario())
 

@@ -1,12 +1,15 @@
-"""The durable job store: round trips, state rules, retention, crash leftovers, and a real SIGKILL."""
+"""The durable job store: round trips, state rules, streamed results, retention per tenant, space, crash
+leftovers, unusable state dirs, and a real SIGKILL."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -17,18 +20,21 @@ import torch
 from services.orchestrator.store import (
     RESULT_FILE,
     DuplicateRequestId,
-    FrameCollector,
     InvalidTransition,
     JobRecord,
     JobState,
     JobStore,
+    MinFree,
+    ResultGone,
     StateDirLocked,
     StoreError,
     UnknownJob,
+    Usage,
     pack_wire_tensors,
+    parse_size,
     unpack_wire_tensors,
 )
-from services.tensor_codec import encode_tensor
+from services.tensor_codec import TensorAssembler, encode_tensor
 from stagediff.v1 import generation_pb2
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,7 +122,7 @@ def test_state_transitions(store: JobStore, clock: FakeClock) -> None:
     store.update_state("j", RUNNING)
     with pytest.raises(InvalidTransition, match="JOB_STATE_RUNNING"):
         store.update_state("j", RUNNING)
-    with pytest.raises(InvalidTransition, match="save_result"):
+    with pytest.raises(InvalidTransition, match="commit_result"):
         store.update_state("j", SUCCEEDED)
     clock.now = 1030.0
     failed = store.update_state(
@@ -220,12 +226,18 @@ def test_wire_tensors_pack_and_unpack_to_the_same_chunks() -> None:
 # --------------------------------------------------------------- results --
 
 
-def _published(frames: np.ndarray, pieces: list[tuple[int, int]], fps: float) -> list[generation_pb2.GenerateEvent]:
-    events = [generation_pb2.GenerateEvent(queued=generation_pb2.JobQueued(position=0))]
-    for first, count in pieces:
-        for chunk in encode_tensor("frames", frames[first : first + count], index=first, chunk_bytes=500):
-            events.append(generation_pb2.GenerateEvent(result=generation_pb2.ResultChunk(tensor=chunk, fps=fps)))
-    return events
+def _assemble(events) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """The frames and the (first, count) pieces a watcher assembles from result events."""
+    assembler = TensorAssembler()
+    pieces, arrays = [], []
+    for event in events:
+        if event.HasField("result"):
+            tensor = assembler.feed(event.result.tensor)
+            if tensor is not None:
+                pieces.append((tensor.index, tensor.array.shape[0]))
+                arrays.append(tensor.array)
+    assembler.finish()
+    return np.concatenate(arrays), pieces
 
 
 def test_result_round_trip_and_replay(store: JobStore, clock: FakeClock) -> None:
@@ -233,25 +245,89 @@ def test_result_round_trip_and_replay(store: JobStore, clock: FakeClock) -> None
     store.update_state("j", RUNNING)
     frames = _frames(9)
     pieces = [(0, 1), (1, 4), (5, 4)]  # the VAE's chunks: one frame, then four per latent frame
-    # A retried stage published frames 1..4 again; the collector keeps them once.
-    events = _published(frames, pieces, 16.0) + _published(frames, [(1, 4)], 16.0)[1:]
-    collected, collected_pieces = FrameCollector.from_events(events).result()
-    assert np.array_equal(collected, frames) and collected_pieces == pieces
     clock.now = 1100.0
-    record = store.save_result("j", collected, 16.0, pieces=collected_pieces, timings={"total": 3.0})
+    record = store.save_result("j", frames, 16.0, pieces=pieces, timings={"total": 3.0})
     assert (record.state, record.finished_at, record.num_frames_out, record.fps_out) == (SUCCEEDED, 1100.0, 9, 16.0)
     assert record.timings == {"total": 3.0}
     result = store.load_result("j")
     assert np.array_equal(result.frames, frames) and result.pieces == pieces and result.fps == 16.0
-    replay = list(result.events("j"))
+    replay = list(result.events("j", chunk_bytes=500))
     assert all(event.job_id == "j" for event in replay)
     completed = replay[-1].completed
     assert (completed.num_frames, completed.fps, dict(completed.timings)) == (9, 16.0, {"total": 3.0})
-    # A watcher after a restart assembles exactly the frames and the pieces it would have seen live.
-    again, again_pieces = FrameCollector.from_events(replay).result()
+    # A watcher after a restart assembles exactly the frames and the pieces it would have seen live, in the
+    # very chunks `encode_tensor` makes.
+    again, again_pieces = _assemble(replay)
     assert np.array_equal(again, frames) and again_pieces == pieces
+    expected = [
+        c
+        for first, n in pieces
+        for c in encode_tensor("frames", frames[first : first + n], index=first, chunk_bytes=500)
+    ]
+    assert [event.result.tensor for event in replay[:-1]] == expected
     with pytest.raises(InvalidTransition):
         store.save_result("j", frames, 16.0)
+
+
+def test_a_result_streams_into_its_file_and_is_read_back_while_written(store: JobStore) -> None:
+    _add(store, "j", "acme")
+    store.update_state("j", RUNNING)
+    frames = _frames(9)
+    writer = store.create_result("j", frames.shape)
+    (partial,) = [name for name in _files(store)]
+    assert partial.startswith("j/.") and partial.endswith(".partial")
+    assert (store.jobs_dir / partial).stat().st_size == writer.nbytes  # preallocated
+    reader = writer.open_reader()
+    for first, count in [(0, 1), (1, 4)]:
+        data = frames[first : first + count].reshape(-1)
+        writer.write(first, 0, data[:100])
+        writer.write(first, 100, data[100:])
+        writer.add_piece(first, count)
+    # Followers of the running job read what is written, in the chunks encode_tensor would make.
+    assert list(reader.chunks(1, 4, chunk_bytes=300)) == list(
+        encode_tensor("frames", frames[1:5], index=1, chunk_bytes=300)
+    )
+    assert store.usage("acme") == Usage(finished=0, active=0)  # a partial file is not a stored result yet
+    with pytest.raises(ValueError, match="gaps"):
+        store.commit_result(writer, 16.0)  # frames 5..8 are missing
+    writer.write(5, 0, frames[5:].reshape(-1))
+    writer.add_piece(5, 4)
+    with pytest.raises(ValueError, match="do not fit"):
+        writer.write(8, 1, frames[8].reshape(-1))  # past the end
+    record = store.commit_result(writer, 16.0, timings={"total": 1.0})
+    assert record.state == SUCCEEDED and _files(store) == [f"j/{RESULT_FILE}"]
+    # A reader opened while the job ran keeps reading after the rename; a new one opens the final file.
+    assert list(reader.chunks(5, 4)) == list(encode_tensor("frames", frames[5:], index=5))
+    reader.close()
+    with writer.open_reader() as late:
+        assert list(late.chunks(0, 1)) == list(encode_tensor("frames", frames[:1], index=0))
+    assert store.usage("acme") == Usage(finished=writer.nbytes, active=0)
+    assert np.array_equal(store.load_result("j").frames, frames)
+    assert store.load_result("j").pieces == [(0, 1), (1, 4), (5, 4)]
+
+
+def test_a_discarded_or_crashed_result_leaves_nothing(tmp_path: Path) -> None:
+    with JobStore.open(tmp_path) as store:
+        for job_id in ("failed", "crashed"):
+            _add(store, job_id)
+            store.update_state(job_id, RUNNING)
+        writer = store.create_result("failed", (2, 8, 16, 3))
+        writer.write(0, 0, _frames(1).reshape(-1))
+        reader = writer.open_reader()
+        writer.discard()
+        store.update_state("failed", FAILED, error_code=14)
+        # A follower that had the file open finishes its read; a new one finds nothing.
+        assert list(reader.chunks(0, 1))[0].data == _frames(1).tobytes()
+        reader.close()
+        with pytest.raises(ResultGone):
+            writer.open_reader()
+        store.create_result("crashed", (2, 8, 16, 3)).write(0, 0, _frames(2).reshape(-1))
+        assert [name.split("/")[0] for name in _files(store)] == ["crashed"]
+    # The process died before the commit: the next open sweeps the partial file, and the job has no result.
+    with JobStore.open(tmp_path) as store:
+        assert _files(store) == [] and store.load_result("crashed") is None
+        with pytest.raises(InvalidTransition, match="not JOB_STATE_RUNNING"):
+            store.create_result("failed", (2, 8, 16, 3))
 
 
 def test_bad_results_are_refused(store: JobStore) -> None:
@@ -263,15 +339,25 @@ def test_bad_results_are_refused(store: JobStore) -> None:
         store.save_result("j", np.zeros((2, 8, 8, 3), np.float32), 16.0)
     with pytest.raises(ValueError, match="gaps or overlaps"):
         store.save_result("j", _frames(4), 16.0, pieces=[(0, 2), (3, 1)])
+    with pytest.raises(ValueError, match="shape"):
+        store.create_result("j", (2, 8, 8, 4))
     store.update_state("j", CANCELLED)
     with pytest.raises(InvalidTransition):
         store.save_result("j", _frames(2), 16.0)
     assert _files(store) == [] and store.load_result("j") is None
-    collector = FrameCollector()
-    for chunk in encode_tensor("frames", _frames(2), index=1):
-        collector.feed(chunk)
-    with pytest.raises(ValueError, match="gaps"):
-        collector.result()  # frame 0 never arrived
+
+
+def test_a_changed_result_file_is_an_error_not_a_replay(store: JobStore) -> None:
+    _add(store, "j")
+    store.update_state("j", RUNNING)
+    store.save_result("j", _frames(3), 16.0)
+    path = store.jobs_dir / "j" / RESULT_FILE
+    path.write_bytes(path.read_bytes()[:-1])  # truncated
+    with pytest.raises(StoreError, match="does not hold the frames"):
+        store.load_result("j")
+    path.unlink()
+    with pytest.raises(StoreError, match="cannot be read"):
+        store.load_result("j")
 
 
 # ------------------------------------------------------------- retention --
@@ -294,6 +380,84 @@ def test_prune_and_delete(store: JobStore, clock: FakeClock) -> None:
         store.delete("live")
     assert store.delete("j4") is True and store.delete("j4") is False
     assert _files(store) == [] and [r.job_id for r in store.list_jobs()] == ["live"]
+
+
+def _finish(store: JobStore, clock: FakeClock, job_id: str, tenant: str, frames: int = 1) -> int:
+    """A succeeded job of `tenant` with a result of `frames` frames, finished one second after the last;
+    returns the result file's size."""
+    _add(store, job_id, tenant)
+    store.update_state(job_id, RUNNING)
+    clock.now += 1
+    store.save_result(job_id, _frames(frames), 8.0)
+    return (store.jobs_dir / job_id / RESULT_FILE).stat().st_size
+
+
+def test_prune_keeps_each_tenant_within_its_own_limits(store: JobStore, clock: FakeClock) -> None:
+    for i in range(2):
+        _finish(store, clock, f"b{i}", "beta")
+    size = 0
+    for i in range(5):
+        size = _finish(store, clock, f"a{i}", "acme")
+    # acme finishing many jobs deletes only acme's oldest: beta's older jobs and request ids stay.
+    assert store.prune(tenant="acme", max_kept=3) == ["a0", "a1"]
+    assert store.prune(max_kept=2) == ["a2"]  # every tenant against its own count
+    assert sorted(r.job_id for r in store.finished_jobs()) == ["a3", "a4", "b0", "b1"]
+    assert store.usage("acme") == Usage(finished=2 * size, active=0)
+    assert store.tenants() == ["acme", "beta"]
+
+    # Bytes: the files of acme's running job and what it will still write count first, then its newest results.
+    _add(store, "a-running", "acme")
+    store.update_state("a-running", RUNNING)
+    store.mark_stage_done("a-running", "text-encoder", {"embeds": torch.ones(8)})
+    embeds = store.usage("acme").active
+    assert embeds > 0
+    assert store.prune(tenant="acme", max_bytes=embeds + 2 * size) == []
+    assert store.prune(tenant="acme", max_bytes=embeds + 2 * size, reserved_bytes=1) == ["a3"]
+    assert store.prune(tenant="acme", max_bytes=embeds + size, reserved_bytes=size) == ["a4"]
+    assert store.get("a-running").state == RUNNING  # running jobs are never pruned
+    assert store.usage("beta") == Usage(finished=2 * size, active=0)
+    with pytest.raises(ValueError, match="reserved_bytes"):
+        store.prune(max_bytes=1, reserved_bytes=1)
+
+    # Age: jobs of every tenant that finished too long ago.
+    clock.now += 100
+    _finish(store, clock, "b-new", "beta")
+    assert store.prune(max_age_s=50) == ["b0", "b1"]
+    assert [r.job_id for r in store.finished_jobs()] == ["b-new"]
+
+
+def test_a_version_1_state_dir_is_migrated_with_its_files_measured(tmp_path: Path) -> None:
+    with JobStore.open(tmp_path) as store:
+        clock_free = FakeClock()
+        store.clock = clock_free
+        size = _finish(store, clock_free, "done", "acme", frames=3)
+        _add(store, "running", "acme")
+        store.update_state("running", RUNNING)
+        store.mark_stage_done("running", "text-encoder", {"embeds": torch.ones(8)})
+        embeds = (store.jobs_dir / "running" / "stage-text-encoder.safetensors").stat().st_size
+    with sqlite3.connect(tmp_path / "jobs.sqlite3") as db:  # what version 1 wrote
+        db.execute("DROP INDEX jobs_by_tenant")
+        db.execute("ALTER TABLE results DROP COLUMN bytes")
+        db.execute("ALTER TABLE intermediates DROP COLUMN bytes")
+        db.execute("PRAGMA user_version = 1")
+    with JobStore.open(tmp_path) as store:
+        assert store.usage("acme") == Usage(finished=size, active=embeds)
+        assert store._connection().execute("PRAGMA user_version").fetchone()[0] == 2
+        assert np.array_equal(store.load_result("done").frames, _frames(3))
+
+
+def test_sizes_and_free_space_on_flags() -> None:
+    assert parse_size("1073741824") == 1 << 30
+    assert parse_size("1GiB") == parse_size("1G") == parse_size("1 gb") == 1 << 30
+    assert parse_size("1.5MiB") == 3 << 19 and parse_size("512K") == 512 << 10
+    for wrong in ("", "-1", "1X", "GiB", "1e9"):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_size(wrong)
+    assert MinFree.parse("1GiB").of(10 << 30) == 1 << 30
+    assert MinFree.parse("5%").of(1000) == 50 and str(MinFree.parse("5%")) == "5%"
+    for wrong in ("100%", "-1%", "x%"):
+        with pytest.raises(ValueError, match="percentage"):
+            MinFree.parse(wrong)
 
 
 # ------------------------------------------------------- the state dir --
@@ -325,6 +489,81 @@ def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
     JobStore.open(tmp_path / "other").close()  # the failed open released its lock
     with pytest.raises(StoreError, match="schema version 99"):
         JobStore.open(tmp_path)
+
+
+def _open_as(uid: int, state_dir: Path) -> str:
+    """What JobStore.open says when another user opens `state_dir` (a forked child that drops root)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child touches only the file system, then exits at once
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            try:
+                JobStore.open(state_dir).close()
+                message = "opened"
+            except StoreError as error:
+                message = str(error)
+            os.write(write, message.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        message = pipe.read().decode()
+    os.waitpid(pid, 0)
+    return message
+
+
+def test_an_unusable_state_dir_is_a_one_line_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("in the way")
+    for state_dir in (blocker, blocker / "state"):
+        with pytest.raises(StoreError, match="cannot be used as the state dir") as raised:
+            JobStore.open(state_dir)
+        assert "\n" not in str(raised.value) and "Errno" not in str(raised.value)
+    (tmp_path / "jobs-is-a-file").mkdir()
+    (tmp_path / "jobs-is-a-file" / "jobs").write_text("")
+    with pytest.raises(StoreError, match="cannot be used as the state dir"):
+        JobStore.open(tmp_path / "jobs-is-a-file")
+
+    # A directory the server's user may not write, as a fresh root-owned volume is for the container's user.
+    # Root may write anywhere, so as root the open runs as another user; otherwise the directory is read-only.
+    parent = Path(tempfile.mkdtemp(prefix="stagediff-readonly-"))
+    try:
+        locked = parent / "state"
+        locked.mkdir()
+        if os.geteuid() == 0:
+            parent.chmod(0o755)
+            message = _open_as(65534, locked / "sub")
+        else:
+            locked.chmod(0o555)
+            with pytest.raises(StoreError) as raised:
+                JobStore.open(locked / "sub")
+            message = str(raised.value)
+        assert message.startswith("cannot be used as the state dir: Permission denied"), message
+        assert "\n" not in message and str(locked / "sub") in message
+    finally:
+        locked.chmod(0o755)
+        shutil.rmtree(parent)
+
+
+def test_the_orchestrator_exits_with_one_line_on_an_unusable_state_dir(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    endpoints = [f"--{stage}=127.0.0.1:1" for stage in ("text-encoder", "dit", "vae", "interp")]
+    run = subprocess.run(
+        [sys.executable, "-m", "services.orchestrator.service", *endpoints, "--host", "127.0.0.1", "--insecure"]
+        + ["--metrics-port", "0", "--state-dir", str(blocker / "state")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"stagediff serve orchestrator: --state-dir {blocker / 'state'}: cannot be used"), run.stderr
+    assert "Traceback" not in run.stderr
 
 
 def test_open_sweeps_what_a_crash_leaves(tmp_path: Path) -> None:

@@ -81,7 +81,9 @@ def _config_error(data: object) -> str:
 
 def test_the_example_file_loads_with_hashed_keys_only() -> None:
     registry = TenantRegistry.from_file(EXAMPLE)
-    assert list(registry.tenants) == ["studio", "research", "free-tier"]
+    assert list(registry.tenants) == ["studio", "research", "free-tier", "ops"]
+    assert [name for name, tenant in registry.tenants.items() if tenant.admin] == ["ops"]
+    assert registry.tenants["free-tier"].quotas.max_output_frames == 129
     studio = registry.tenants["studio"]
     assert studio.priority == PriorityClass.HIGH and studio.weight == 2
     assert studio.quotas.max_frames == 121 and studio.quotas.bucket_capacity == 20
@@ -205,8 +207,16 @@ def test_requests_at_the_limits_pass() -> None:
     registry.check_request_limits(registry.tenants["acme"], _request())
     registry.check_request_limits(registry.tenants["acme"], _request(height=256, width=768))
     huge = _request(height=4096, width=4096, num_frames=1001, num_inference_steps=1000)
-    registry.check_request_limits(registry.tenants["solo"], huge)  # no limits
-    registry.check_request_limits(TenantRegistry.open().open_tenant, huge)
+    lifted = {"max_output_frames": None, "max_output_pixels": None}
+    unlimited = TenantRegistry.from_dict(
+        {"tenants": [{"name": "free", "api_keys": [hash_api_key(KEY_SOLO)], "quotas": lifted}]}
+    )
+    unlimited.check_request_limits(unlimited.tenants["free"], huge)  # every limit lifted
+    # With no quotas in the file (solo), and for the open tenant, what a job produces is still bounded.
+    for tenant in (registry.tenants["solo"], TenantRegistry.open().open_tenant):
+        with pytest.raises(LimitExceeded) as raised:
+            registry.check_request_limits(tenant, huge)
+        assert raised.value.field == "output pixels" and raised.value.limit == 2**29  # 1001 frames of 16 Mpx
 
 
 @pytest.mark.parametrize(
@@ -305,7 +315,7 @@ def test_check_command_as_a_module(tmp_path: Path) -> None:
         [sys.executable, "-m", "services.orchestrator.tenants", "check", str(EXAMPLE)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert ok.returncode == 0 and "3 tenant(s): studio, research, free-tier" in ok.stdout
+    assert ok.returncode == 0 and "4 tenant(s): studio, research, free-tier, ops" in ok.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("tenants:\n  - name: x\n    api_keys: [sd_plain]\n")
     failed = subprocess.run(

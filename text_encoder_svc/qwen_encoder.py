@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from services.weights import load_pretrained
-from text_encoder_svc.encoder import EmbeddingCache
+from text_encoder_svc.encoder import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES, EmbeddingCache
 
 # QwenImagePipeline's prompt template and prompt_template_encode_start_idx.
 PROMPT_TEMPLATE = (
@@ -37,7 +37,8 @@ class QwenPromptEncoder:
         model_id: str,
         device: torch.device,
         dtype: torch.dtype,
-        cache_size: int = 1024,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        cache_entries: int = DEFAULT_CACHE_ENTRIES,
         load_threads: int = 4,
     ) -> None:
         model_dir = Path(model_dir)
@@ -52,20 +53,21 @@ class QwenPromptEncoder:
             dtype=dtype,
             num_threads=load_threads,
         ).eval()
-        self.cache = EmbeddingCache(cache_size)
+        self.cache = EmbeddingCache(cache_bytes, cache_entries)
 
     @property
     def hidden_size(self) -> int:
         return self.text_encoder.config.text_config.hidden_size
 
     @torch.no_grad()
-    def encode_one(self, text: str, max_sequence_length: int) -> tuple[torch.Tensor, bool]:
+    def encode_one(self, text: str, max_sequence_length: int, namespace: bytes = b"") -> tuple[torch.Tensor, bool]:
         """Returns the [L, dim] embedding of one text (L <= max_sequence_length) and whether it was cached.
 
         One text per batch, as QwenImagePipeline encodes prompt and negative prompt in separate calls:
         with a batch of one there is no padding, so the numbers match the pipeline's exactly.
+        Only an entry put with the same `namespace` is a hit.
         """
-        key = (self.model_id, text, max_sequence_length)
+        key = (namespace, self.model_id, text, max_sequence_length)
         cached = self.cache.get(key)
         if cached is not None:
             return cached, True
@@ -82,14 +84,18 @@ class QwenPromptEncoder:
         hidden = output.hidden_states[-1][0]
         # _extract_masked_hidden for a batch of one: keep the attended positions, then drop the template.
         hidden = hidden[tokens.attention_mask[0].bool()][DROP_IDX:]
-        embedding = hidden[:max_sequence_length].to(self.text_encoder.dtype).cpu()
+        # A copy of its own, so that the cache holds (and counts) these rows only, not the template's and
+        # the truncated ones that share the view's storage.
+        embedding = hidden[:max_sequence_length].to(self.text_encoder.dtype).cpu().clone()
         self.cache.put(key, embedding)
         return embedding, False
 
-    def encode(self, texts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def encode(
+        self, texts: list[str], max_sequence_length: int, namespace: bytes = b""
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Returns embeddings [N, L, dim] zero-padded to the longest text, their mask [N, L] (int64, 1 = token)
-        and whether every text came from the cache."""
-        results = [self.encode_one(text, max_sequence_length) for text in texts]
+        and whether every text came from `namespace`'s cache."""
+        results = [self.encode_one(text, max_sequence_length, namespace) for text in texts]
         longest = max(embedding.shape[0] for embedding, _ in results)
         embeds = torch.zeros(len(texts), longest, self.hidden_size, dtype=results[0][0].dtype)
         mask = torch.zeros(len(texts), longest, dtype=torch.long)

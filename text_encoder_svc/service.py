@@ -4,6 +4,10 @@ The family read from the checkpoint picks the compute. Wan's UMT5 embeddings ans
 "embeds" [N, 512, dim] (zero past each text, as WanPipeline makes them). Qwen-Image's have each text's
 own length: they answer as "embeds" [N, L, dim], zero-padded to the longest text, then "embeds_mask"
 [N, L] (INT64, 1 for a token, 0 for padding), which the DiT needs as `encoder_hidden_states_mask`.
+
+Embeddings are cached per `cache_namespace` (text_encoder_svc/encoder.py says why), within
+`--embedding-cache-bytes` and `--embedding-cache-size` entries. Every field of a request is bounded
+before it is used, and a field out of bounds is refused with INVALID_ARGUMENT naming it.
 """
 
 from __future__ import annotations
@@ -17,10 +21,15 @@ from services.stage import RequestError, StageRuntime, abort_for, parameter_byte
 from services.stage_main import StageServicer, add_stage_arguments, run_stage
 from services.tensor_codec import encode_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
-from text_encoder_svc.encoder import PromptEncoder
+from text_encoder_svc.encoder import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES, PromptEncoder
 from text_encoder_svc.qwen_encoder import QwenPromptEncoder
 
-MAX_TEXTS = 8
+# The orchestrator sends the prompt, and the negative prompt when guidance is on.
+MAX_TEXTS = 2
+# Longer than any served model id (a directory name or --model-name) is ever meant to be.
+MAX_MODEL_CHARS = 256
+# The orchestrator's namespaces are 32-byte HMAC-SHA256 digests.
+MAX_CACHE_NAMESPACE_BYTES = 64
 
 
 class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
@@ -43,7 +52,8 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
                 spec.model_id,
                 runtime.device,
                 runtime.dtype,
-                cache_size=self.args.embedding_cache_size,
+                cache_bytes=self.args.embedding_cache_bytes,
+                cache_entries=self.args.embedding_cache_size,
                 load_threads=runtime.load_threads,
             )
         else:
@@ -52,14 +62,22 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
                 spec.model_id,
                 runtime.device,
                 runtime.dtype,
-                cache_size=self.args.embedding_cache_size,
+                cache_bytes=self.args.embedding_cache_bytes,
+                cache_entries=self.args.embedding_cache_size,
                 load_threads=runtime.load_threads,
             )
         self.runtime.parameter_bytes = {"text_encoder": parameter_bytes(self.encoder.text_encoder)}
 
     def _validate(self, request: stages_pb2.EncodeRequest) -> int:
         spec = self.runtime.spec
+        if len(request.model) > MAX_MODEL_CHARS:
+            raise RequestError(f"model: {len(request.model)} characters; at most {MAX_MODEL_CHARS} are allowed")
         self.runtime.check_model(request.model)
+        if len(request.cache_namespace) > MAX_CACHE_NAMESPACE_BYTES:
+            raise RequestError(
+                f"cache_namespace: {len(request.cache_namespace)} bytes; at most {MAX_CACHE_NAMESPACE_BYTES} "
+                "are allowed"
+            )
         if not 1 <= len(request.texts) <= MAX_TEXTS:
             raise RequestError(f"texts: {len(request.texts)} given; send between 1 and {MAX_TEXTS}")
         for i, text in enumerate(request.texts):
@@ -78,10 +96,11 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
         try:
             length = self._validate(request)
             mask = None
+            texts, namespace = list(request.texts), request.cache_namespace
             if isinstance(self.encoder, QwenPromptEncoder):
-                embeds, mask, cache_hit = await self.runtime.run(self.encoder.encode, list(request.texts), length)
+                embeds, mask, cache_hit = await self.runtime.run(self.encoder.encode, texts, length, namespace)
             else:
-                embeds, cache_hit = await self.runtime.run(self.encoder.encode, list(request.texts), length)
+                embeds, cache_hit = await self.runtime.run(self.encoder.encode, texts, length, namespace)
         except Exception as error:
             await abort_for(error, context, self.runtime.stage)
         for i, chunk in enumerate(encode_tensor("embeds", embeds)):
@@ -94,8 +113,26 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="stagediff serve text-encoder", description=__doc__)
     add_stage_arguments(parser, default_port=50061)
-    parser.add_argument("--embedding-cache-size", type=int, default=1024, help="texts kept in the LRU cache")
-    run_stage("text-encoder", parse_args(parser, argv), TextEncoderServicer)
+    parser.add_argument(
+        "--embedding-cache-bytes",
+        type=int,
+        default=DEFAULT_CACHE_BYTES,
+        help="bytes of embeddings kept in the LRU cache; 0 disables it (default: %(default)s, 256 MiB)",
+    )
+    parser.add_argument(
+        "--embedding-cache-size",
+        type=int,
+        default=DEFAULT_CACHE_ENTRIES,
+        help="texts kept in the LRU cache, within --embedding-cache-bytes; 0 disables it (default: %(default)s)",
+    )
+    args = parse_args(parser, argv)
+    for flag, value in (
+        ("--embedding-cache-bytes", args.embedding_cache_bytes),
+        ("--embedding-cache-size", args.embedding_cache_size),
+    ):
+        if value < 0:
+            parser.error(f"{flag} {value}: use 0 or more (0 disables the cache)")
+    run_stage("text-encoder", args, TextEncoderServicer)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,16 @@
 """Jobs, their event logs, and the manager that admits, schedules, persists and recovers them.
 
 Every accepted request becomes a `Job` owned by one tenant. Its events (queued,
-progress, result chunks, completed) are appended to the job's log; any number of
-watchers (Generate, WatchJob) replay the log from the start and then follow it,
-so a client that reconnects sees the whole history, result included.
+progress, completed) are appended to the job's log; any number of watchers
+(Generate, WatchJob) replay the log from the start and then follow it, so a
+client that reconnects sees the whole history, result included. The log holds
+no frames: the pipeline writes them to the job's result file in the store and
+logs a `ResultPiece` (first frame, count) per piece; a follower reaching one
+reads the piece back from the file one wire chunk (1 MiB) at a time, so memory
+grows neither with the video nor with the number of readers. At most
+`MAX_FINISHED_IN_MEMORY` finished jobs stay in memory; GetJob answers from the
+store's record for the others, and a watcher of a stored result streams it
+from disk the same way.
 
 Which job runs next is the `FairScheduler`'s decision (priority classes, then
 weighted fair sharing between the tenants of a class, each tenant's running and
@@ -18,12 +25,28 @@ finished stage), the result (before the completion event), and every failure
 or cancellation. `recover()` runs once at start-up: queued jobs queue again,
 running ones queue again from their last finished stage, and finished ones are
 served from the store (their results replayed from the files) when asked for.
+
+A store error never leaks a running slot or stalls the queue: a job whose start
+cannot be recorded fails at once (its slot goes to the next job), a failed write
+during a job fails that job (RESOURCE_EXHAUSTED when the volume is full), and
+an outcome that cannot be recorded is logged (the store still holds the job as
+unfinished, so the next start runs it again).
+
+Retention belongs to tenants. Each tenant keeps at most `max_kept_jobs` finished
+jobs and `max_stored_bytes` of files (its quotas in the tenants file, else the
+orchestrator's defaults), and no finished job older than `retention_s`; pruning
+runs tenant by tenant whenever a job finishes and at start-up, so one tenant's
+jobs never push out another's. At admission the new job's result size is
+reserved: the tenant's oldest finished jobs are deleted to make room, and the job
+is refused (RESOURCE_EXHAUSTED naming max_stored_bytes) when its queued and
+running jobs alone would not fit, or (PERMISSION_DENIED) when its result alone is
+larger than the quota. New jobs are refused (RESOURCE_EXHAUSTED, retry later)
+while the state volume has less than `min_free` space left.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -38,8 +61,19 @@ from opentelemetry import context as otel_context
 from services.logging_setup import log_context
 from services.metrics import OrchestratorMetrics
 from services.orchestrator.scheduler import AdmissionRefused, FairScheduler, TenantLimits
-from services.orchestrator.store import InvalidTransition, JobRecord, JobStore
-from services.orchestrator.tenants import Tenant
+from services.orchestrator.store import (
+    InvalidTransition,
+    JobRecord,
+    JobStore,
+    MinFree,
+    ResultGone,
+    ResultReader,
+    ResultWriter,
+    StoreError,
+    StoreFull,
+)
+from services.orchestrator.tenants import LimitExceeded, Tenant, output_frames
+from services.tensor_codec import DEFAULT_CHUNK_BYTES
 from services.tracing import set_grpc_status, start_span_under
 from stagediff.v1 import generation_pb2
 
@@ -48,7 +82,55 @@ logger = logging.getLogger(__name__)
 JobState = generation_pb2.JobState
 TERMINAL_STATES = (JobState.JOB_STATE_SUCCEEDED, JobState.JOB_STATE_FAILED, JobState.JOB_STATE_CANCELLED)
 
-__all__ = ["AdmissionRefused", "Job", "JobManager", "JobState", "TERMINAL_STATES"]
+__all__ = [
+    "AdmissionRefused",
+    "Job",
+    "JobManager",
+    "JobState",
+    "ResultPiece",
+    "StorageRefused",
+    "TERMINAL_STATES",
+    "result_shape",
+]
+
+# Finished jobs kept in memory (their logs hold no frames); older ones are answered from the store.
+MAX_FINISHED_IN_MEMORY = 64
+# When a refused job may try again after the state volume was found too full.
+DISK_FULL_RETRY_AFTER_S = 60.0
+
+
+class StorageRefused(AdmissionRefused):
+    """A job refused for space: the state volume is nearly full (scope "disk"), or its tenant's running and
+    queued jobs already hold its max_stored_bytes (scope "storage"). RESOURCE_EXHAUSTED with a retry-after."""
+
+
+def result_shape(request: generation_pb2.GenerateRequest) -> tuple[int, int, int, int]:
+    """The final frames' shape [F, H, W, 3] of a completed request (F after interpolation)."""
+    return (output_frames(request), request.height, request.width, 3)
+
+
+def result_bytes(request: generation_pb2.GenerateRequest) -> int:
+    frames, height, width, channels = result_shape(request)
+    return frames * height * width * channels
+
+
+def store_failure(error: StoreError, what: str) -> tuple[grpc.StatusCode, str]:
+    """The status a job fails with when the store fails it: RESOURCE_EXHAUSTED when out of space."""
+    if isinstance(error, StoreFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what}: the orchestrator's state volume is full ({error})"
+    return grpc.StatusCode.INTERNAL, f"{what}: the orchestrator's job store failed ({error})"
+
+
+@dataclass(frozen=True)
+class ResultPiece:
+    """A log entry for frames [first, first + count) of the job's result, written to its result file.
+
+    Followers turn it into the wire chunks `encode_tensor("frames", frames, index=first)` would make.
+    """
+
+    first: int
+    count: int
+    fps: float
 
 
 def _timestamp(seconds: float) -> Timestamp:
@@ -75,7 +157,12 @@ class Job:
     deadline: float | None = None
     # Results of finished stages, kept so that a failed later stage can be retried from them.
     intermediates: dict[str, object] = field(default_factory=dict)
-    events: list[generation_pb2.GenerateEvent] = field(default_factory=list)
+    # The log: events, and a ResultPiece for each piece of frames written to `result`.
+    events: list[generation_pb2.GenerateEvent | ResultPiece] = field(default_factory=list)
+    # The result file the pipeline writes while the job runs (and followers read from).
+    result: ResultWriter | None = None
+    # A finished job read back from the store: followers replay its stored result from there.
+    stored_in: JobStore | None = None
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     task: asyncio.Task | None = None
     priority: str = "normal"
@@ -93,6 +180,12 @@ class Job:
         async with self.changed:
             self.changed.notify_all()
 
+    async def publish_piece(self, first: int, count: int, fps: float) -> None:
+        """Tells followers that frames [first, first + count) are in the result file."""
+        self.events.append(ResultPiece(first, count, fps))
+        async with self.changed:
+            self.changed.notify_all()
+
     async def finish(self, state: int, code: grpc.StatusCode | None = None, message: str = "") -> None:
         self.state = state
         self.error_code = code
@@ -103,18 +196,80 @@ class Job:
         async with self.changed:
             self.changed.notify_all()
 
-    async def follow(self) -> AsyncIterator[generation_pb2.GenerateEvent]:
-        """Yields every event from the first, then new ones until the job finishes."""
+    async def follow(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> AsyncIterator[generation_pb2.GenerateEvent]:
+        """Yields every event from the first, then new ones until the job finishes.
+
+        Result pieces are read from the result file as they are reached, one
+        chunk at a time (off the event loop). A job that failed after some
+        frames were written yields no frames once its file is gone; a
+        succeeded job whose result was deleted meanwhile raises ResultGone.
+        """
+        if self.stored_in is not None:
+            async for event in self._replay_stored(chunk_bytes):
+                yield event
+            return
         sent = 0
-        while True:
-            while sent < len(self.events):
-                yield self.events[sent]
-                sent += 1
-            if self.finished:
-                return
-            async with self.changed:
-                if sent == len(self.events) and not self.finished:
-                    await self.changed.wait()
+        reader: ResultReader | None = None
+        skip_frames = False
+        try:
+            while True:
+                while sent < len(self.events):
+                    item = self.events[sent]
+                    sent += 1
+                    if not isinstance(item, ResultPiece):
+                        yield item
+                        continue
+                    if skip_frames:
+                        continue
+                    if reader is None:
+                        reader = await self._open_result()
+                        if reader is None:
+                            skip_frames = True
+                            continue
+                    async for event in self._piece_events(reader, item.first, item.count, item.fps, chunk_bytes):
+                        yield event
+                if self.finished:
+                    return
+                async with self.changed:
+                    if sent == len(self.events) and not self.finished:
+                        await self.changed.wait()
+        finally:
+            if reader is not None:
+                reader.close()
+
+    async def _open_result(self) -> ResultReader | None:
+        """A reader of the result file; None when the job did not succeed and its partial result is gone."""
+        try:
+            if self.result is None:
+                raise ResultGone(f"job {self.job_id}: it has no result file")
+            return await asyncio.to_thread(self.result.open_reader)
+        except ResultGone:
+            if self.state == JobState.JOB_STATE_SUCCEEDED:
+                raise
+            return None
+
+    async def _piece_events(
+        self, reader: ResultReader, first: int, count: int, fps: float, chunk_bytes: int
+    ) -> AsyncIterator[generation_pb2.GenerateEvent]:
+        chunks = reader.chunks(first, count, chunk_bytes=chunk_bytes)
+        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+            yield generation_pb2.GenerateEvent(
+                job_id=self.job_id, result=generation_pb2.ResultChunk(tensor=chunk, fps=fps)
+            )
+
+    async def _replay_stored(self, chunk_bytes: int) -> AsyncIterator[generation_pb2.GenerateEvent]:
+        """A stored succeeded job's result chunks, read from its file, then its completion event."""
+        result = await asyncio.to_thread(self.stored_in.load_result, self.job_id)
+        if result is None:
+            return
+        reader = await asyncio.to_thread(result.open)
+        try:
+            for first, count in result.pieces:
+                async for event in self._piece_events(reader, first, count, result.fps, chunk_bytes):
+                    yield event
+        finally:
+            reader.close()
+        yield result.completed_event(self.job_id)
 
     def to_proto(self, queue_position: int = 0) -> generation_pb2.Job:
         job = generation_pb2.Job(
@@ -166,7 +321,13 @@ RestoreJob = Callable[[Job, dict[str, dict[str, object]]], None]
 
 
 class JobManager:
-    """Admits jobs for tenants, runs them in the scheduler's order, and keeps every one in the store."""
+    """Admits jobs for tenants, runs them in the scheduler's order, and keeps every one in the store.
+
+    Retention (per tenant; see the module docstring): `max_kept` finished jobs
+    and `max_stored_bytes` (None: no limit) unless the tenant's quotas say
+    otherwise, finished jobs at most `retention_s` old (None: no age limit), and
+    `min_free` space kept free on the state volume.
+    """
 
     def __init__(
         self,
@@ -176,7 +337,9 @@ class JobManager:
         *,
         restore_job: RestoreJob | None = None,
         max_kept: int = 1000,
+        max_stored_bytes: int | None = None,
         retention_s: float | None = None,
+        min_free: MinFree | None = None,
         max_attempts: int = 3,
         tenants: dict[str, Tenant] | None = None,
         metrics: OrchestratorMetrics | None = None,
@@ -186,12 +349,14 @@ class JobManager:
         self.scheduler = scheduler
         self.store = store
         self.max_kept = max_kept
+        self.max_stored_bytes = max_stored_bytes
         self.retention_s = retention_s
+        self.min_free = min_free or MinFree()
         self.max_attempts = max_attempts
-        # Tenants by name, for the weight and limits of jobs recovered after a restart.
+        # Tenants by name, for the weight, limits and retention of jobs recovered after a restart.
         self.tenants = dict(tenants or {})
         self.metrics = metrics
-        # Active jobs, and finished ones while watchers may still want their live log; the rest is in the store.
+        # Active jobs, and the latest finished ones; the rest is in the store.
         self.jobs: OrderedDict[str, Job] = OrderedDict()
         self.by_request_id: dict[tuple[str, str], str] = {}
         self.shutting_down = False
@@ -204,11 +369,16 @@ class JobManager:
         """Queues a job for `tenant`; returns (job, created). A known request_id returns its job instead.
 
         `deadline` is event-loop time. Raises AdmissionRefused (with a retry-after) when the queue or the
-        tenant's share of it is full.
+        tenant's share of it is full, StorageRefused when there is no room to store the result, and
+        LimitExceeded when the result alone is larger than the tenant's max_stored_bytes.
         """
         existing = await self.find_request(tenant.name, request.request_id)
         if existing is not None:
             return existing, False
+        # The tenant as it is now (its quotas) is what pruning and recovery use for its jobs.
+        self.tenants[tenant.name] = tenant
+        self._check_free_space(tenant.name)
+        self._check_stored_bytes(tenant, request)
         job_id = uuid.uuid4().hex
         quotas = tenant.quotas
         self.scheduler.admit(
@@ -223,6 +393,14 @@ class JobManager:
             record = self.store.insert(
                 JobRecord.new(job_id, tenant.name, request, priority=tenant.priority.value, deadline_at=deadline_at)
             )
+        except StoreFull as error:
+            self.scheduler.remove(job_id)
+            raise StorageRefused(
+                f"the orchestrator's state volume is full ({error}); retry later",
+                retry_after_s=DISK_FULL_RETRY_AFTER_S,
+                scope="disk",
+                tenant=tenant.name,
+            ) from None
         except BaseException:
             self.scheduler.remove(job_id)
             raise
@@ -242,11 +420,65 @@ class JobManager:
                 job_id=job_id, queued=generation_pb2.JobQueued(position=self.scheduler.position(job_id) or 0)
             )
         )
-        self._dispatch()
+        await self._dispatch()
+        # Room for the new job's result: the tenant's oldest finished jobs beyond its limits go now.
+        await self._prune_tenant(tenant.name)
         return job, True
 
+    def _check_free_space(self, tenant: str) -> None:
+        """Refuses new jobs while the state volume has less than `min_free` left."""
+        free, total = self.store.free_bytes()
+        keep = self.min_free.of(total)
+        if free < keep:
+            raise StorageRefused(
+                f"the orchestrator's state volume has {free} bytes free, less than the {self.min_free} it keeps free "
+                "(--min-free-bytes); retry later",
+                retry_after_s=DISK_FULL_RETRY_AFTER_S,
+                scope="disk",
+                tenant=tenant,
+            )
+
+    def _check_stored_bytes(self, tenant: Tenant, request: generation_pb2.GenerateRequest) -> None:
+        """Refuses a job whose result cannot fit the tenant's max_stored_bytes even after its finished jobs go."""
+        limit = self._retention(tenant.name)[1]
+        if limit is None:
+            return
+        needed = result_bytes(request)
+        if needed > limit:
+            raise LimitExceeded(
+                tenant.name,
+                "max_stored_bytes",
+                needed,
+                limit,
+                f"output: the result takes {needed} bytes, more than tenant '{tenant.name}' may store "
+                f"(max_stored_bytes {limit})",
+            )
+        held = self.store.usage(tenant.name).active + self._reserved_bytes(tenant.name)
+        if held + needed > limit:
+            raise StorageRefused(
+                f"tenant '{tenant.name}' has {held} bytes in queued and running jobs; with this job's {needed} that "
+                f"exceeds its max_stored_bytes of {limit}; retry when some have finished",
+                retry_after_s=self.scheduler.retry_after(tenant.name),
+                scope="storage",
+                tenant=tenant.name,
+            )
+
+    def _retention(self, name: str) -> tuple[int, int | None]:
+        """(max kept finished jobs, max stored bytes) of a tenant: its quotas, else the orchestrator's defaults.
+
+        A tenant no longer in the tenants file (its jobs are still stored) gets the defaults.
+        """
+        tenant = self.tenants.get(name)
+        kept = tenant.quotas.max_kept_jobs if tenant is not None else None
+        stored = tenant.quotas.max_stored_bytes if tenant is not None else None
+        return (self.max_kept if kept is None else kept, self.max_stored_bytes if stored is None else stored)
+
+    def _reserved_bytes(self, tenant: str) -> int:
+        """What the tenant's queued and running jobs will write as results (not yet in the store's sizes)."""
+        return sum(result_bytes(job.request) for job in self.jobs.values() if job.tenant == tenant and not job.finished)
+
     async def find_request(self, tenant: str, request_id: str) -> Job | None:
-        """The tenant's job with this request id: live, or rebuilt from the store (its result replayable)."""
+        """The tenant's job with this request id: live, or read back from the store (its result replayable)."""
         if not request_id:
             return None
         job_id = self.by_request_id.get((tenant, request_id))
@@ -263,19 +495,19 @@ class JobManager:
     # ---------------------------------------------------------------------- reads --
 
     async def get(self, job_id: str, tenant: str | None) -> Job | None:
-        """The job if it exists and belongs to `tenant` (None: any tenant); a stored finished job gets its
-        log rebuilt from the stored result, so it can be watched like a live one."""
+        """The job if it exists and belongs to `tenant` (None: any tenant).
+
+        A finished job no longer in memory is built from its record alone; its result
+        file is opened only when someone follows it (`Job.follow` replays it from disk).
+        """
         job = self.jobs.get(job_id)
         if job is None:
             record = self.store.get(job_id)
-            # Another tenant's job is not read at all, let alone its result.
             if record is None or not record.finished or (tenant is not None and record.tenant != tenant):
                 return None
             job = Job.from_record(record)
             if record.state == JobState.JOB_STATE_SUCCEEDED:
-                result = await asyncio.to_thread(self.store.load_result, job_id)
-                if result is not None:
-                    job.events = await asyncio.to_thread(lambda: list(result.events(job_id)))
+                job.stored_in = self.store
         if tenant is not None and job.tenant != tenant:
             return None
         return job
@@ -314,10 +546,21 @@ class JobManager:
             job.task.cancel()
             await asyncio.gather(job.task, return_exceptions=True)
 
-    def _dispatch(self) -> None:
+    async def _dispatch(self) -> None:
+        """Starts every job the scheduler lets start. A job whose start cannot be recorded fails at once and
+        gives its running slot back, so the next one still starts."""
         while (job_id := self.scheduler.next_runnable()) is not None:
             job = self.jobs[job_id]
-            self.store.update_state(job_id, JobState.JOB_STATE_RUNNING)
+            try:
+                self.store.update_state(job_id, JobState.JOB_STATE_RUNNING)
+            except StoreError as error:
+                self.scheduler.finished(job_id)
+                code, message = store_failure(error, "the job could not be started")
+                logger.error("job %s: %s", job_id, message)
+                self._store_outcome(job_id, JobState.JOB_STATE_FAILED, code, message, job)
+                await job.finish(JobState.JOB_STATE_FAILED, code, message)
+                self._count_finished(job)
+                continue
             job.state = JobState.JOB_STATE_RUNNING
             if self.metrics is not None:
                 self.metrics.observe_queue_time(max(0.0, time.time() - job.created_at), job.priority)
@@ -378,17 +621,20 @@ class JobManager:
             self.scheduler.finished(job.job_id)
             if not self.shutting_down:
                 self._count_finished(job)
-                await self._prune()
-                self._dispatch()
+                await self._dispatch()
                 await self._announce_positions()
+                await self._prune_tenant(job.tenant)
             self._update_gauges()
 
     def _store_outcome(
         self, job_id: str, state: int, code: grpc.StatusCode | None, message: str, job: Job | None = None
     ) -> None:
-        """Records a failure or cancellation (success is stored by the pipeline with its result)."""
-        # Already finished in the store (the result was stored just before a late cancel): nothing to record.
-        with contextlib.suppress(InvalidTransition):
+        """Records a failure or cancellation (success is stored by the pipeline with its result).
+
+        Best effort: if the store cannot record it, the job stays unfinished there and runs again at the
+        next start; the clients already hear the outcome from the job itself.
+        """
+        try:
             self.store.update_state(
                 job_id,
                 state,
@@ -398,27 +644,49 @@ class JobManager:
                 num_frames_out=job.num_frames_out if job is not None else None,
                 fps_out=job.fps_out if job is not None else None,
             )
+        except InvalidTransition:
+            pass  # already finished in the store (the result was stored just before a late cancel)
+        except StoreError as error:
+            logger.error("job %s: could not record that it ended %s: %s", job_id, JobState.Name(state), error)
 
     async def _announce_positions(self) -> None:
         for job_id, position in self.scheduler.positions().items():
             job = self.jobs[job_id]
-            last = next((e for e in reversed(job.events) if e.HasField("queued")), None)
+            last = next(
+                (e for e in reversed(job.events) if not isinstance(e, ResultPiece) and e.HasField("queued")), None
+            )
             if last is None or last.queued.position != position:
                 await job.publish(generation_pb2.GenerateEvent(queued=generation_pb2.JobQueued(position=position)))
 
-    async def _prune(self) -> None:
-        """Keeps at most max_kept finished jobs in the store (and retention_s of age), and in memory only
-        finished jobs that are still being watched or finished recently."""
-        removed = await asyncio.to_thread(self.store.prune, max_kept=self.max_kept, max_age_s=self.retention_s)
+    async def _prune_tenant(self, tenant: str) -> None:
+        """Keeps the tenant within its kept-jobs and stored-bytes limits, every tenant within the age limit,
+        and in memory only the latest finished jobs. A store error is logged: pruning waits for the next job."""
+        max_kept, max_bytes = self._retention(tenant)
+        try:
+            removed = await asyncio.to_thread(
+                self.store.prune,
+                tenant=tenant,
+                max_kept=max_kept,
+                max_bytes=max_bytes,
+                reserved_bytes=self._reserved_bytes(tenant),
+            )
+            if self.retention_s is not None:
+                removed += await asyncio.to_thread(self.store.prune, max_age_s=self.retention_s)
+        except StoreError as error:
+            logger.error("pruning finished jobs failed: %s", error)
+            removed = []
         for job_id in removed:
             self._forget(job_id)
         finished = [job_id for job_id, job in self.jobs.items() if job.finished]
-        for job_id in finished[: max(0, len(finished) - 64)]:
+        for job_id in finished[: max(0, len(finished) - MAX_FINISHED_IN_MEMORY)]:
             self._forget(job_id)
 
     def _forget(self, job_id: str) -> None:
-        job = self.jobs.pop(job_id, None)
-        if job is not None and job.request.request_id:
+        job = self.jobs.get(job_id)
+        if job is None or not job.finished:
+            return
+        del self.jobs[job_id]
+        if job.request.request_id:
             self.by_request_id.pop((job.tenant, job.request.request_id), None)
 
     # ------------------------------------------------------------------ lifecycle --
@@ -428,7 +696,8 @@ class JobManager:
 
         Runs once, before the servicer accepts requests. A job past its deadline fails with
         DEADLINE_EXCEEDED; one that has been started `max_attempts` times (and so may be what brings the
-        orchestrator down) fails with INTERNAL. Returns how many jobs were queued again.
+        orchestrator down) fails with INTERNAL. Then every tenant's stored jobs are pruned to its limits.
+        Returns how many jobs were queued again.
         """
         requeued = 0
         loop = asyncio.get_running_loop()
@@ -474,7 +743,9 @@ class JobManager:
             requeued += 1
         if requeued:
             logger.info("recovered %d unfinished job(s) from the store", requeued)
-        self._dispatch()
+        for tenant_name in self.store.tenants():
+            await self._prune_tenant(tenant_name)
+        await self._dispatch()
         return requeued
 
     async def shutdown(self) -> None:

@@ -5,13 +5,22 @@ each latent-frame chunk the DiT sends is forwarded to the VAE as it arrives,
 each frame chunk the VAE sends goes on to the interpolator (or straight to the
 client), and nothing waits for the whole video.
 
+Frames go to disk, not to memory. The result's shape is known when the job
+starts, so its file is preallocated in the store, and the final stage's frame
+chunks are written at their frame offsets as they arrive (`ResultPublisher`);
+each piece, once whole, is announced in the job's log as a `ResultPiece` that
+watchers read back from the file. At the end the file is fsynced and renamed
+into place with the row that marks the job SUCCEEDED, before the completion
+event. A job that fails or is cancelled deletes its partial file.
+
 Every stage call runs on one replica of its stage, chosen by the stage pool
 (the serving replica with the fewest calls in flight). Finished stages leave
 their output in `job.intermediates` (the embeddings, the latent chunks), so when
 a later stage fails with UNAVAILABLE the job is retried from there, without
-recomputing earlier stages. Frames already sent to the client are not sent
-again on a retry: stages are deterministic, so the frame index (and, within a
-tensor, the byte offset) says what a retry may skip.
+recomputing earlier stages. Frames already published are not written or
+published again on a retry: stages are deterministic, so the frame index says
+what a retry may skip, and a piece cut half-way was never published, so the
+retry writes it again from its first byte.
 
 Retries: a call that fails with UNAVAILABLE takes its replica out of rotation.
 If another replica of that stage is serving, the job fails over to it at once
@@ -21,10 +30,13 @@ job and stage by the stage's replica count. Otherwise the retry spends one of
 `stage_retries` (after a short backoff), and the next call waits a bounded time
 for a replica to come back before the job fails with UNAVAILABLE naming the stage.
 
-Durability: with a `JobStore`, each finished stage's output (the embeddings,
-the final latents) is written to the store as the stage ends, and the frames
-before the completion event, so that an orchestrator restarted at any point
-resumes the job after its last finished stage, or serves its stored result.
+Durability: each finished stage's output (the embeddings, the final latents)
+is written to the `JobStore` as the stage ends, and the frames as they stream,
+so that an orchestrator restarted at any point resumes the job after its last
+finished stage, or serves its stored result. A store failure (the volume full,
+say) fails the job with RESOURCE_EXHAUSTED or INTERNAL, naming what could not
+be written. `run` needs a store; a pipeline without one serves only tests that
+call single stages.
 """
 
 from __future__ import annotations
@@ -38,12 +50,14 @@ import grpc
 import torch
 
 from services.metrics import OrchestratorMetrics
-from services.orchestrator.jobs import Job, JobState
+from services.orchestrator.cache_namespace import cache_namespace_key, tenant_cache_namespace
+from services.orchestrator.jobs import Job, JobState, result_shape, store_failure
 from services.orchestrator.stage_clients import StageError, StagePool
 from services.orchestrator.store import (
-    FrameCollector,
     InvalidTransition,
     JobStore,
+    ResultWriter,
+    StoreError,
     pack_wire_tensors,
     unpack_wire_tensors,
 )
@@ -71,38 +85,72 @@ def _first_stage_error(group: BaseExceptionGroup) -> BaseException:
 
 
 class ResultPublisher:
-    """Sends the final stage's frame chunks to the job's watchers, skipping what a retry repeats.
+    """Writes the final stage's frame chunks into the job's result file and announces each whole piece.
 
-    Tensors reach the client in frame order, so everything below
-    `frames_published` was sent whole, and of the tensor that starts there the
-    first `bytes_published` bytes were sent before an attempt failed half-way.
+    Tensors reach the orchestrator in frame order: everything below
+    `frames_published` (in the job's intermediates, so it outlives a retried
+    attempt) was written and announced, and a retried stage's tensors that end
+    there are skipped. A tensor cut half-way by a failed attempt was never
+    announced; the retry writes it again from its first byte. Each chunk is
+    checked against the result's shape before it is written: a stage that
+    sends frames out of order, of another shape or dtype, or more bytes than
+    its header announced fails the job (WireError).
     """
 
-    def __init__(self, job: Job, fps: float, metrics: OrchestratorMetrics | None = None) -> None:
+    def __init__(self, job: Job, writer: ResultWriter, fps: float, metrics: OrchestratorMetrics | None = None) -> None:
         self.job = job
+        self.writer = writer
         self.fps = fps
         self.metrics = metrics
+        self.piece: tuple[int, int] | None = None  # (first frame, count) of the tensor being received
         self.skipping = False
-        self.pending_end = 0
+        self.received = 0  # bytes of that tensor written so far
 
     async def publish(self, chunk: tensor_pb2.TensorChunk) -> None:
-        intermediates = self.job.intermediates
+        published = self.job.intermediates.get("frames_published", 0)
         if chunk.HasField("header"):
-            count = chunk.header.shape[0] if chunk.header.shape else 0
-            self.pending_end = chunk.header.index + count
-            self.skipping = self.pending_end <= intermediates.get("frames_published", 0)
-        if self.skipping or chunk.offset < intermediates.get("bytes_published", 0):
+            self.piece = self._check_header(chunk.header, published)
+            self.received = 0
+            self.skipping = sum(self.piece) <= published
+        elif self.piece is None:
+            raise WireError("a frame chunk arrived before any tensor header")
+        if self.skipping:
             return
-        await self.job.publish(
-            generation_pb2.GenerateEvent(result=generation_pb2.ResultChunk(tensor=chunk, fps=self.fps))
-        )
-        if chunk.last:
-            if self.metrics is not None:
-                self.metrics.add_frames(self.job.tenant, self.pending_end - intermediates.get("frames_published", 0))
-            intermediates["frames_published"] = self.pending_end
-            intermediates["bytes_published"] = 0
-        else:
-            intermediates["bytes_published"] = chunk.offset + len(chunk.data)
+        first, count = self.piece
+        size = count * self.writer.frame_bytes
+        end = self.received + len(chunk.data)
+        if chunk.offset != self.received or end > size or chunk.last != (end == size):
+            raise WireError(
+                f"frames {first}..{first + count - 1}: chunk at byte {chunk.offset} of {len(chunk.data)} bytes "
+                f"(last={chunk.last}) does not follow byte {self.received} of {size}"
+            )
+        await asyncio.to_thread(self.writer.write, first, chunk.offset, chunk.data)
+        self.received = end
+        if not chunk.last:
+            return
+        self.writer.add_piece(first, count)
+        self.job.intermediates["frames_published"] = first + count
+        self.piece = None
+        if self.metrics is not None:
+            self.metrics.add_frames(self.job.tenant, first + count - published)
+        await self.job.publish_piece(first, count, self.fps)
+
+    def _check_header(self, header: tensor_pb2.TensorHeader, published: int) -> tuple[int, int]:
+        """(first frame, count) of a frame tensor that fits the result; raises WireError otherwise."""
+        total, height, width, channels = self.writer.shape
+        shape = list(header.shape)
+        count = shape[0] if shape else 0
+        first = header.index
+        if header.datatype != "UINT8" or shape[1:] != [height, width, channels] or count < 1:
+            raise WireError(
+                f"frames: a {header.datatype} tensor of shape {shape} does not fit the result, "
+                f"uint8 [F, {height}, {width}, {channels}]"
+            )
+        if first < 0 or first + count > total:
+            raise WireError(f"frames {first}..{first + count - 1}: the result has {total} frames")
+        if first + count > published and first != published:
+            raise WireError(f"frames {first}..{first + count - 1}: frame {published} was expected next")
+        return first, count
 
 
 def restore_intermediates(job: Job, stored: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -126,8 +174,11 @@ class Pipeline:
         retry_backoff_s: float = 0.5,
         store: JobStore | None = None,
         metrics: OrchestratorMetrics | None = None,
+        cluster_secret: str | None = None,
     ) -> None:
         self.stages = stages
+        # Keys each tenant's namespace in the text encoder's embedding cache (services/orchestrator/cache_namespace.py).
+        self.cache_namespace_key = cache_namespace_key(cluster_secret)
         self.store = store
         self.metrics = metrics
         # Retries of a stage with no other serving replica; failovers to another replica are free.
@@ -136,28 +187,45 @@ class Pipeline:
 
     async def run(self, job: Job) -> None:
         """Runs a job to its end and records the outcome on it (never raises, except when cancelled)."""
+        if self.store is None:
+            raise RuntimeError("Pipeline.run needs a JobStore to write the result into")
+        committed = False
+        try:
+            committed = await self._run_and_store(job)
+        finally:
+            if job.result is not None and not committed:
+                await asyncio.to_thread(job.result.discard)
+
+    async def _run_and_store(self, job: Job) -> bool:
+        """The job's run; True once its result is committed to the store."""
         started = time.perf_counter()
         try:
             deadline = asyncio.timeout_at(job.deadline) if job.deadline is not None else contextlib.nullcontext()
             async with deadline:
+                job.result = await asyncio.to_thread(self.store.create_result, job.job_id, result_shape(job.request))
                 await self._run_with_retries(job)
         except TimeoutError:
             stage = job.current_stage or "the queue"
             await job.finish(
                 JobState.JOB_STATE_FAILED, grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded in {stage}"
             )
-            return
+            return False
         except StageError as error:
             logger.warning("job %s failed: %s", job.job_id, error)
             await job.finish(JobState.JOB_STATE_FAILED, error.code, str(error))
-            return
+            return False
         except WireError as error:
             await job.finish(JobState.JOB_STATE_FAILED, grpc.StatusCode.INTERNAL, f"a stage sent bad data: {error}")
-            return
+            return False
+        except StoreError as error:  # InvalidTransition included: the store no longer holds the job as running
+            code, message = store_failure(error, "could not write the job's data")
+            logger.error("job %s failed: %s", job.job_id, message)
+            await job.finish(JobState.JOB_STATE_FAILED, code, message)
+            return False
         job.timings["total"] = time.perf_counter() - started
         job.num_frames_out = int(job.intermediates.get("frames_published", 0))
-        if self.store is not None and not await self._store_result(job):
-            return
+        if not await self._commit_result(job):
+            return False
         await job.publish(
             generation_pb2.GenerateEvent(
                 completed=generation_pb2.JobCompleted(
@@ -166,18 +234,20 @@ class Pipeline:
             )
         )
         await job.finish(JobState.JOB_STATE_SUCCEEDED)
+        return True
 
-    async def _store_result(self, job: Job) -> bool:
-        """Writes the frames the job published to the store, before any client hears it succeeded."""
+    async def _commit_result(self, job: Job) -> bool:
+        """Completes the result file and marks the job SUCCEEDED in the store, before any client hears it."""
         try:
-            frames, pieces = FrameCollector.from_events(job.events).result()
-            await asyncio.to_thread(
-                self.store.save_result, job.job_id, frames, job.fps_out, pieces=pieces, timings=job.timings
-            )
-        except InvalidTransition:  # cancelled while the frames were being written
+            await asyncio.to_thread(self.store.commit_result, job.result, job.fps_out, timings=job.timings)
+        except InvalidTransition:  # cancelled while the file was being completed
             raise asyncio.CancelledError from None
-        except (OSError, ValueError) as error:
-            logger.exception("job %s: storing the result failed", job.job_id)
+        except StoreError as error:
+            code, message = store_failure(error, "could not store the result")
+            logger.error("job %s failed: %s", job.job_id, message)
+            await job.finish(JobState.JOB_STATE_FAILED, code, message)
+            return False
+        except ValueError as error:  # the stages sent fewer frames than the request makes
             await job.finish(
                 JobState.JOB_STATE_FAILED, grpc.StatusCode.INTERNAL, f"could not store the result: {error}"
             )
@@ -230,7 +300,7 @@ class Pipeline:
             await self._encode(job)
         latents: asyncio.Queue = asyncio.Queue()
         frames: asyncio.Queue | None = asyncio.Queue() if interpolate else None
-        publisher = ResultPublisher(job, job.fps_out, self.metrics)
+        publisher = ResultPublisher(job, job.result, job.fps_out, self.metrics)
         async with asyncio.TaskGroup() as group:
             if job.intermediates.get("latents_complete"):
                 for chunk in job.intermediates["latent_chunks"]:
@@ -254,7 +324,12 @@ class Pipeline:
         tensors: dict[str, torch.Tensor] = {}
         async with stage.call() as replica:
             call = replica.text_encoder.Encode(
-                stages_pb2.EncodeRequest(model=request.model, texts=texts), timeout=self._remaining(job)
+                stages_pb2.EncodeRequest(
+                    model=request.model,
+                    texts=texts,
+                    cache_namespace=tenant_cache_namespace(self.cache_namespace_key, job.tenant),
+                ),
+                timeout=self._remaining(job),
             )
             async for response in call:
                 tensor = assembler.feed(response.tensor)

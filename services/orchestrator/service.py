@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -21,26 +22,31 @@ from pathlib import Path
 import grpc
 
 from services.auth import (
+    CLUSTER_SECRET_ENV,
     ClusterSecretError,
     TenantAuthInterceptor,
     TLSConfigError,
     add_cluster_secret_argument,
+    add_stage_tls_arguments,
     add_tls_arguments,
     current_tenant,
     load_cluster_secret,
     server_credentials_from_args,
+    stage_channel_credentials_from_args,
 )
 from services.environment_options import parse_args
 from services.errors import RequestError, bounded
 from services.logging_setup import add_logging_arguments
 from services.metrics import OrchestratorMetrics, ServerMetrics, add_metrics_arguments, start_metrics_server
+from services.orchestrator.followers import JobFollowers, TooManyWatchers
 from services.orchestrator.jobs import AdmissionRefused, Job, JobManager, JobState
 from services.orchestrator.pipeline import Pipeline, restore_intermediates
+from services.orchestrator.request_bounds import RequestBoundsInterceptor
 from services.orchestrator.scheduler import FairScheduler
 from services.orchestrator.stage_clients import PROBE_INTERVAL_S, REPLICA_WAIT_S, STAGE_ORDER, StagePool
-from services.orchestrator.store import JobStore, StoreError
+from services.orchestrator.store import JobStore, MinFree, ResultGone, StoreError, parse_size
 from services.orchestrator.tenants import LimitExceeded, RateLimited, TenantConfigError, TenantRegistry
-from services.server import configure_logging, serve
+from services.server import add_server_arguments, check_server_arguments, configure_logging, is_loopback, serve
 from services.status_details import abort_with_retry
 from services.tracing import configure_tracing
 from services.validation import validate_sampling, validate_seed, validate_size
@@ -53,8 +59,21 @@ logger = logging.getLogger(__name__)
 MAX_INTERP_EXP = 4
 ALLOWED_INTERP_SCALES = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
 MAX_FPS = 240.0
-MAX_REQUEST_ID_CHARS = 128
 MAX_LIST_LIMIT = 1000
+# The model label of a request refused before it named a served model: metric labels come from bounded sets.
+UNKNOWN_MODEL_LABEL = "unknown"
+# How long a job whose Generate stream was lost (not cancelled by the client) keeps running, waiting for the
+# client's retry to attach again with the same request id.
+DEFAULT_DETACH_GRACE_S = 60.0
+# When a tenant at its max_watch_streams may try again.
+WATCH_RETRY_AFTER_S = 1.0
+# The public port receives small requests only: the bounded fields of a GenerateRequest need well under
+# 1 MiB, so a larger message is refused by grpc (RESOURCE_EXHAUSTED) before it is parsed. Without BDP
+# probing the receive window stays at its default, so grpc does not take in megabytes of a message it will
+# refuse (24 refused requests of 16 MiB left the orchestrator 43 MiB larger with probing, 1 MiB without;
+# bench/hostile.py). Responses, where the frames are, flow under the client's window and are unaffected.
+MAX_REQUEST_BYTES = 4 << 20
+PUBLIC_PORT_OPTIONS = (("grpc.max_receive_message_length", MAX_REQUEST_BYTES), ("grpc.http2.bdp_probe", 0))
 DEFAULT_STATE_DIR = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "stagediff"
 
 
@@ -79,11 +98,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         jobs: JobManager,
         tenants: TenantRegistry | None = None,
         metrics: OrchestratorMetrics | None = None,
+        detach_grace_s: float = DEFAULT_DETACH_GRACE_S,
     ) -> None:
         self.stages = stages
         self.jobs = jobs
         self.tenants = tenants if tenants is not None else TenantRegistry.open()
         self.metrics = metrics
+        # Who follows which job, and the grace period of a lost Generate stream (services/orchestrator/followers.py).
+        self.followers = JobFollowers(jobs, detach_grace_s)
         # Set once every stage has answered SERVING; requests before that get UNAVAILABLE.
         self.ready = asyncio.Event()
 
@@ -134,6 +156,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not math.isfinite(full.fps) or not 0 < full.fps <= MAX_FPS:
             raise RequestError(f"fps: {full.fps} is not allowed; use a value in (0, {MAX_FPS:g}]")
         interpolation = full.interpolation
+        if not interpolation.enable:
+            # Ignored fields are not kept: the stored and echoed request holds only what runs.
+            full.ClearField("interpolation")
+            interpolation = full.interpolation
         if interpolation.enable and interpolation.exp > 0 and models[model].family == "qwen-image":
             raise RequestError(
                 f"interpolation: model '{model}' makes single images, so there is nothing to interpolate; "
@@ -148,22 +174,35 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 f"interpolation.scale: {interpolation.scale} is not allowed; use one of "
                 f"{list(ALLOWED_INTERP_SCALES[1:])}, or 0 for 1"
             )
-        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-            raise RequestError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters")
+        interp = self.stages["interp"].info
+        if interpolation.model_path and (interp is None or interpolation.model_path != interp.weights_path):
+            # Checked here, before the DiT runs; the interpolator's own path is not for tenants to read.
+            raise RequestError(
+                "interpolation.model_path: the interpolator does not serve these weights; "
+                "leave it empty to use the weights it serves"
+            )
         return full
+
+    def _model_label(self, model: str) -> str:
+        """`model` as a metric label: a served model id, or a fixed value for anything else."""
+        models = self._models()
+        if not model and len(models) == 1:
+            return next(iter(models))
+        return model if model in models else UNKNOWN_MODEL_LABEL
 
     async def _refuse(self, context, tenant: str, model: str, code: grpc.StatusCode, message: str) -> None:
         if self.metrics is not None:
-            self.metrics.request_finished(tenant=tenant, model=model, code=code)
+            self.metrics.request_finished(tenant=tenant, model=self._model_label(model), code=code)
         await context.abort(code, bounded(message))
 
-    async def _admit(self, request, context) -> Job:
+    async def _admit(self, request, context) -> tuple[Job, bool]:
+        """The job for `request`, and whether it is new (False: its request id names a job already there)."""
         tenant = current_tenant()
         model = request.model
         # A retry of a known request id attaches to its job without spending the tenant's rate.
         existing = await self.jobs.find_request(tenant.name, request.request_id)
         if existing is not None:
-            return existing
+            return existing, False
         try:
             self.tenants.check_rate(tenant)
             full = self.complete_request(request)
@@ -173,12 +212,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
             job, created = await self.jobs.submit(full, tenant, deadline)
         except RateLimited as error:
-            if self.metrics is not None:
-                self.metrics.request_finished(tenant=tenant.name, model=model, code=grpc.StatusCode.RESOURCE_EXHAUSTED)
+            self._count_refusal(tenant.name, model, grpc.StatusCode.RESOURCE_EXHAUSTED)
             await abort_with_retry(context, error.message, error.retry_after)
         except AdmissionRefused as error:
-            if self.metrics is not None:
-                self.metrics.request_finished(tenant=tenant.name, model=model, code=grpc.StatusCode.RESOURCE_EXHAUSTED)
+            self._count_refusal(tenant.name, model, grpc.StatusCode.RESOURCE_EXHAUSTED)
             await abort_with_retry(context, str(error), error.retry_after_s)
         except LimitExceeded as error:
             await self._refuse(context, tenant.name, model, error.code, error.message)
@@ -203,7 +240,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 full.num_frames,
                 full.num_inference_steps,
             )
-        return job
+        return job, created
+
+    def _count_refusal(self, tenant: str, model: str, code: grpc.StatusCode) -> None:
+        if self.metrics is not None:
+            self.metrics.request_finished(tenant=tenant, model=self._model_label(model), code=code)
 
     async def _find(self, job_id: str, context) -> Job:
         """The caller's job; another tenant's job is as unknown as one that never existed."""
@@ -213,38 +254,61 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return job
 
     async def _stream(self, job: Job, context):
-        async for event in job.follow():
-            yield event
+        """The job's events; a stored result is read from disk one chunk at a time as the client takes them."""
+        try:
+            async for event in job.follow():
+                yield event
+        except ResultGone:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                bounded(f"job_id: the result of job '{job.job_id}' was deleted (its tenant's retention limits)"),
+            )
+        except StoreError as error:
+            logger.error("job %s: its result cannot be read: %s", job.job_id, error)
+            await context.abort(grpc.StatusCode.INTERNAL, bounded(f"the result of job '{job.job_id}' cannot be read"))
         if job.state != JobState.JOB_STATE_SUCCEEDED:
             context.set_trailing_metadata(((JOB_FAILED_METADATA_KEY, "1"),))
             await context.abort(_abort_code(job), bounded(job.error_message or "job did not succeed"))
 
+    async def _replaying(self, context) -> contextlib.AbstractContextManager[None]:
+        """Counts a replay stream of the caller's tenant, or refuses it with RESOURCE_EXHAUSTED."""
+        try:
+            return self.followers.replaying(current_tenant())
+        except TooManyWatchers as error:
+            await abort_with_retry(context, str(error), WATCH_RETRY_AFTER_S)
+
     # ---------------------------------------------------------------- rpcs --
 
     async def Generate(self, request, context):
-        job = await self._admit(request, context)
+        job, created = await self._admit(request, context)
+        # A retry that attaches to a known job replays it, as WatchJob does, and counts as a watcher.
+        replaying = contextlib.nullcontext() if created else await self._replaying(context)
         finished = False
         try:
-            async for event in self._stream(job, context):
-                yield event
+            with self.followers.following(job), replaying:
+                async for event in self._stream(job, context):
+                    yield event
             finished = True
         finally:
-            # The client went away or its deadline passed: stop the work in every stage.
             if not finished and not job.finished:
                 remaining = context.time_remaining()
                 if remaining is not None and remaining <= 0:
                     await self.jobs.cancel(job, grpc.StatusCode.DEADLINE_EXCEEDED, "the client's deadline passed")
+                elif job.request.request_id and self.followers.detach_grace_s > 0:
+                    # A lost connection, or a client that stopped listening: its retry may attach again.
+                    self.followers.detach(job)
                 else:
                     await self.jobs.cancel(job, grpc.StatusCode.CANCELLED, "the client cancelled or disconnected")
 
     async def Submit(self, request, context):
-        job = await self._admit(request, context)
+        job, _ = await self._admit(request, context)
         return job.to_proto(self.jobs.position(job))
 
     async def WatchJob(self, request, context):
         job = await self._find(request.job_id, context)
-        async for event in self._stream(job, context):
-            yield event
+        with self.followers.following(job), await self._replaying(context):
+            async for event in self._stream(job, context):
+                yield event
 
     async def GetJob(self, request, context):
         job = await self._find(request.job_id, context)
@@ -277,8 +341,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
     async def GetClusterInfo(self, request, context):
-        # Probe every replica now, so the answer is current rather than up to a probe interval old.
-        await self.stages.probe_all()
+        # Endpoints, devices, weights and every tenant's load are for operators only.
+        tenant = current_tenant()
+        if not tenant.admin:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"GetClusterInfo: tenant '{tenant.name}' is not an admin tenant (admin: true in the tenants file)",
+            )
+        # From the pool's periodic probes (every --health-interval), never a probe per call.
         stages = []
         for name in STAGE_ORDER:
             stage = self.stages[name]
@@ -305,9 +375,46 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.ClusterInfo(stages=stages, version=__version__)
 
 
+# Every queued job may hold a Generate stream open: the default leaves room for a full queue
+# (--max-queued-jobs 256) and as many watchers and unary calls again.
+MAX_CONCURRENT_RPCS = 1024
+
+
+def check_exposure(
+    args: argparse.Namespace,
+    tenants: TenantRegistry,
+    secret: str | None,
+    credentials: grpc.ServerCredentials | None,
+) -> None:
+    """Refuses, unless --insecure, to send API keys in clear beyond this machine, or to run without the
+    cluster secret; a SystemExit naming the flags that fix it.
+
+    Without the secret the orchestrator is not exposed itself, but stages refuse
+    its calls unless they too run --insecure: failing here says so at once,
+    rather than leaving a cluster that never turns SERVING.
+    """
+    prog = "stagediff serve orchestrator"
+    if not tenants.is_open and credentials is None and not is_loopback(args.host):
+        if not args.insecure:
+            raise SystemExit(
+                f"{prog}: --tenants on --host {args.host} without TLS would send API keys in clear: give "
+                "--tls-cert and --tls-key, bind a loopback --host, or pass --insecure (when a proxy in front of "
+                "this port ends TLS)"
+            )
+        logger.warning("--insecure: API keys reach --host %s in clear; a proxy in front must end TLS", args.host)
+    if secret is None:
+        if not args.insecure:
+            raise SystemExit(
+                f"{prog}: no cluster secret: stages answer only callers holding theirs; give it with "
+                f"--cluster-secret-file FILE or ${CLUSTER_SECRET_ENV}, or pass --insecure to call stages that run "
+                "--insecure"
+            )
+        logger.warning("--insecure and no cluster secret: only stages started with --insecure will answer")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="stagediff serve orchestrator", description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="0.0.0.0")
+    add_server_arguments(parser, default_max_rpcs=MAX_CONCURRENT_RPCS)
     parser.add_argument("--port", type=int, default=50051)
     for stage in STAGE_ORDER:
         parser.add_argument(
@@ -324,6 +431,14 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="retries of a stage that is UNAVAILABLE with no other serving replica "
         "(failing over to another serving replica spends none)",
+    )
+    parser.add_argument(
+        "--detach-grace",
+        type=float,
+        default=DEFAULT_DETACH_GRACE_S,
+        metavar="SECONDS",
+        help="how long a job with a request id keeps running after its Generate stream is lost, waiting for "
+        "the client to attach again (0: cancel at once; an explicit CancelJob always does; default: %(default)s)",
     )
     parser.add_argument(
         "--health-interval",
@@ -343,9 +458,48 @@ def main(argv: list[str] | None = None) -> None:
         default=str(DEFAULT_STATE_DIR),
         help="where job records (SQLite) and results live, so that a restart loses no job (default: %(default)s)",
     )
-    parser.add_argument("--max-kept-jobs", type=int, default=1000, help="finished jobs (and results) kept")
+
+    def size_flag(text: str) -> int:
+        try:
+            return parse_size(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    def min_free_flag(text: str) -> MinFree:
+        try:
+            return MinFree.parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
     parser.add_argument(
-        "--job-retention", type=float, default=None, help="seconds finished jobs are kept (default: no limit)"
+        "--max-kept-jobs",
+        type=int,
+        default=1000,
+        help="finished jobs (and their results) each tenant keeps, unless its max_kept_jobs quota says otherwise; "
+        "its oldest go first (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-stored-bytes-per-tenant",
+        type=size_flag,
+        default="20GiB",
+        metavar="SIZE",
+        help="bytes of results and intermediates each tenant keeps in --state-dir, unless its max_stored_bytes "
+        "quota says otherwise (e.g. 20GiB, 500MiB; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--job-retention",
+        type=float,
+        default=86400.0,
+        metavar="SECONDS",
+        help="seconds a finished job and its result are kept (0: no age limit; default: %(default)s, one day)",
+    )
+    parser.add_argument(
+        "--min-free-bytes",
+        type=min_free_flag,
+        default="1GiB",
+        metavar="SIZE|PERCENT",
+        help="space kept free on the --state-dir volume: below it new jobs are refused with RESOURCE_EXHAUSTED "
+        "(e.g. 1GiB, 5%%; default: %(default)s)",
     )
     parser.add_argument(
         "--max-job-attempts", type=int, default=3, help="restarts of a job interrupted by orchestrator restarts"
@@ -354,7 +508,14 @@ def main(argv: list[str] | None = None) -> None:
     add_logging_arguments(parser)
     add_metrics_arguments(parser)
     add_tls_arguments(parser)
+    add_stage_tls_arguments(parser)
     add_cluster_secret_argument(parser)
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="start anyway without a cluster secret, or with --tenants on a non-loopback --host without TLS "
+        "(default: refuse)",
+    )
     args = parse_args(parser, argv)
     for flag, value, least in (
         ("--max-running-jobs", args.max_running_jobs, 1),
@@ -365,24 +526,31 @@ def main(argv: list[str] | None = None) -> None:
     ):
         if value < least:
             parser.error(f"{flag} {value}: use {least} or more")
+    if not (math.isfinite(args.job_retention) and args.job_retention >= 0):
+        parser.error(f"--job-retention {args.job_retention}: use 0 (no age limit) or more seconds")
+    if args.max_stored_bytes_per_tenant < 1:
+        parser.error(f"--max-stored-bytes-per-tenant {args.max_stored_bytes_per_tenant}: use 1 byte or more")
+    if not (math.isfinite(args.detach_grace) and 0 <= args.detach_grace <= 3600):
+        parser.error(f"--detach-grace {args.detach_grace}: use 0 to 3600 seconds")
     configure_logging(args.log_level, args.log_format)
     configure_tracing("stagediff-orchestrator")
     try:
         tenants = TenantRegistry.from_file(args.tenants) if args.tenants else TenantRegistry.open()
         secret = load_cluster_secret(args.cluster_secret_file)
         credentials = server_credentials_from_args(args)
+        stage_credentials = stage_channel_credentials_from_args(args)
     except (TenantConfigError, ClusterSecretError, TLSConfigError) as error:
         raise SystemExit(f"stagediff serve orchestrator: {error}") from None
+    check_server_arguments("stagediff serve orchestrator", args)
+    check_exposure(args, tenants, secret, credentials)
     if tenants.is_open:
         logger.warning("no --tenants file: every caller is the open tenant 'default', with no key and no quota")
-    if secret is None:
-        logger.warning("no cluster secret: the stages must run without one too")
     try:
         store = JobStore.open(args.state_dir)
     except StoreError as error:
         raise SystemExit(f"stagediff serve orchestrator: --state-dir {args.state_dir}: {error}") from None
     try:
-        asyncio.run(_serve(args, tenants, secret, credentials, store))
+        asyncio.run(_serve(args, tenants, secret, credentials, store, stage_credentials))
     finally:
         store.close()
 
@@ -393,11 +561,12 @@ async def _serve(
     secret: str | None,
     credentials: grpc.ServerCredentials | None,
     store: JobStore,
+    stage_credentials: grpc.ChannelCredentials | None = None,
 ) -> None:
     server_metrics = ServerMetrics()
     metrics = OrchestratorMetrics(server_metrics.registry)
     try:
-        start_metrics_server(args.metrics_port, metrics.registry)
+        start_metrics_server(args.metrics_port, metrics.registry, addr=args.host)
     except (OSError, ValueError) as error:
         raise SystemExit(f"stagediff serve orchestrator: --metrics-port {args.metrics_port}: {error}") from None
     stages = StagePool(
@@ -406,8 +575,9 @@ async def _serve(
         replica_wait_s=args.replica_wait,
         secret=secret,
         metrics=metrics,
+        credentials=stage_credentials,
     )
-    pipeline = Pipeline(stages, stage_retries=args.stage_retries, store=store, metrics=metrics)
+    pipeline = Pipeline(stages, stage_retries=args.stage_retries, store=store, metrics=metrics, cluster_secret=secret)
     scheduler = FairScheduler(max_queued=args.max_queued_jobs, max_running=args.max_running_jobs)
     jobs = JobManager(
         pipeline.run,
@@ -415,12 +585,14 @@ async def _serve(
         store,
         restore_job=restore_intermediates,
         max_kept=args.max_kept_jobs,
-        retention_s=args.job_retention,
+        max_stored_bytes=args.max_stored_bytes_per_tenant,
+        retention_s=args.job_retention or None,
+        min_free=args.min_free_bytes,
         max_attempts=args.max_job_attempts,
         tenants=tenants.tenants,
         metrics=metrics,
     )
-    servicer = GenerationServicer(stages, jobs, tenants, metrics)
+    servicer = GenerationServicer(stages, jobs, tenants, metrics, detach_grace_s=args.detach_grace)
 
     def register(server: grpc.aio.Server) -> list[str]:
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
@@ -433,6 +605,7 @@ async def _serve(
         servicer.ready.set()
 
     async def shutdown() -> None:
+        await servicer.followers.close()
         await jobs.shutdown()
         await stages.close()
 
@@ -443,9 +616,15 @@ async def _serve(
         register=register,
         load=load,
         on_shutdown=shutdown,
-        interceptors=[TenantAuthInterceptor(tenants)],
+        interceptors=[
+            TenantAuthInterceptor(tenants),
+            RequestBoundsInterceptor([generation_pb2.DESCRIPTOR.services_by_name["Generation"]]),
+        ],
         credentials=credentials,
         metrics=server_metrics,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_health_watchers=args.max_health_watchers,
+        options=PUBLIC_PORT_OPTIONS,
     )
 
 

@@ -9,6 +9,10 @@ once a probe finds it SERVING again and its StageInfo has been fetched anew.
 
 Any failure of a stage call becomes a `StageError` that names the stage and the
 replica's endpoint, so a user who sees UNAVAILABLE knows which process to look at.
+
+Every channel, health probes included, carries the cluster secret when there is
+one, and runs over TLS when given channel credentials (`--stage-tls-ca`): the
+secret then never crosses the network in clear.
 """
 
 from __future__ import annotations
@@ -84,6 +88,8 @@ class StageClient:
     epoch: int = 0
     # The cluster's shared secret, sent with every call (stages refuse calls without it when they have one).
     secret: str | None = field(default=None, repr=False)
+    # TLS for the channel (trusted CA, and a client certificate for mutual TLS); None: plaintext.
+    credentials: grpc.ChannelCredentials | None = field(default=None, repr=False)
     channel: grpc.aio.Channel = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -93,9 +99,14 @@ class StageClient:
         )
         if self.secret:
             interceptors = [*cluster_secret_interceptors(self.secret), *interceptors]
-        self.channel = grpc.aio.insecure_channel(
-            self.endpoint, options=STAGE_CHANNEL_OPTIONS, interceptors=interceptors
-        )
+        if self.credentials is not None:
+            self.channel = grpc.aio.secure_channel(
+                self.endpoint, self.credentials, options=STAGE_CHANNEL_OPTIONS, interceptors=interceptors
+            )
+        else:
+            self.channel = grpc.aio.insecure_channel(
+                self.endpoint, options=STAGE_CHANNEL_OPTIONS, interceptors=interceptors
+            )
         self.control = stages_pb2_grpc.StageControlStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.text_encoder = stages_pb2_grpc.TextEncoderStub(self.channel)
@@ -137,6 +148,7 @@ class Stage:
         replica_wait_s: float = REPLICA_WAIT_S,
         secret: str | None = None,
         metrics: OrchestratorMetrics | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError(f"no endpoint for stage {name}")
@@ -144,7 +156,7 @@ class Stage:
         if duplicates:
             raise ValueError(f"stage {name} lists {', '.join(duplicates)} more than once")
         self.name = name
-        self.replicas = [StageClient(name, endpoint, secret=secret) for endpoint in endpoints]
+        self.replicas = [StageClient(name, endpoint, secret=secret, credentials=credentials) for endpoint in endpoints]
         self.replica_wait_s = replica_wait_s
         self.metrics = metrics
         if metrics is not None:
@@ -310,12 +322,15 @@ class StagePool:
         replica_wait_s: float = REPLICA_WAIT_S,
         secret: str | None = None,
         metrics: OrchestratorMetrics | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         lists = {name: parse_endpoints(endpoints.get(name) or []) for name in STAGE_ORDER}
         missing = [name for name, listed in lists.items() if not listed]
         if missing:
             raise ValueError(f"no endpoint for stage(s) {', '.join(missing)}")
-        self.stages = {name: Stage(name, lists[name], replica_wait_s, secret, metrics) for name in STAGE_ORDER}
+        self.stages = {
+            name: Stage(name, lists[name], replica_wait_s, secret, metrics, credentials) for name in STAGE_ORDER
+        }
         self.probe_interval_s = probe_interval_s
         self._prober: asyncio.Task | None = None
 

@@ -2,32 +2,52 @@
 
 Layout of `state_dir`:
 
-    jobs.sqlite3 (+ -wal, -shm)   job records, which intermediates and results exist
+    jobs.sqlite3 (+ -wal, -shm)   job records, which intermediates and results exist, and their sizes
     LOCK                          held (flock) by the one process that owns the directory
     jobs/<job_id>/stage-<stage>.safetensors   tensors of a finished stage of an unfinished job
+    jobs/<job_id>/.result-frames.npy.<hex>.partial   the result of a running job, written as it streams
     jobs/<job_id>/result-frames.npy           the final frames, uint8 [F, H, W, 3]
 
 Durability. SQLite runs in WAL mode with `synchronous=NORMAL` by default: a
 committed transaction is in the WAL file when `commit` returns, so it survives
 a crash or SIGKILL of the process; only a power loss or kernel crash can lose
 the last transactions (never corrupt the database). `synchronous="FULL"` also
-survives those, at one fsync per commit. Files are written atomically (a
-temporary file, fsync, os.replace, fsync of the directory) before the row that
-names them is committed, so a row always points at a complete file, and a file
-without a row (a crash between the two) is never read and is swept away by the
-next `open`.
+survives those, at one fsync per commit. Files are complete (written, fsynced,
+renamed into place, directory fsynced) before the row that names them is
+committed, so a row always points at a complete file, and a file without a row
+(a crash between the two, or a result still being written) is never read as a
+result and is swept away by the next `open`.
+
+Results stream to disk. The final frames' shape is known when a job starts
+(`create_result`), so the result file is preallocated under a temporary name
+(a .npy header, then F * H * W * 3 bytes) and each piece of frames is written
+at its frame offset as it arrives (`ResultWriter.write`). Readers of a running
+job read the pieces back from that same file (`ResultWriter.open_reader`), so
+no frame stays in memory after it is written. `commit_result` fsyncs the file,
+renames it to result-frames.npy and commits the row that marks the job
+SUCCEEDED, with the pieces as first published (so a replay looks like the live
+stream). A stored result is read back chunk by chunk (`StoredResult.events`),
+never whole. The file format and its reader and writer are in result_files.py;
+the errors, and how OS and SQLite failures map to them, in store_errors.py.
+
+Space. Every file's size is recorded with its row: `usage` says how many bytes
+a tenant's jobs hold, and `prune` keeps each tenant within its own limits on
+kept finished jobs, stored bytes and age; one tenant's jobs are never deleted
+for another's. Out of space (ENOSPC, EDQUOT, SQLite's SQLITE_FULL) raises
+`StoreFull`; any other I/O or database failure raises `StoreError`, with a
+one-line message.
 
 Threads. One connection, guarded by a lock, so every method may be called from
 any thread. Record methods (insert, get, update_state, find_by_request_id,
-recoverable, list_jobs) take well under a millisecond and are meant to be
-called directly on the event loop thread. Methods that read or write tensor
-files (mark_stage_done, load_intermediates, save_result, load_result, delete,
-prune) can take much longer (fsync, large arrays): call them through
-`asyncio.to_thread`. They hold the lock only for their short transaction,
-never while writing a file. Each job has one writer at a time (its own task);
-two threads saving the same job's result at once are not supported. One
-process owns a state directory at a time (`StateDirLocked` otherwise); the
-kernel drops the lock when the process dies.
+recoverable, list_jobs, usage) take well under a millisecond and are meant to
+be called directly on the event loop thread. Methods that read or write tensor
+files (mark_stage_done, load_intermediates, create_result, ResultWriter.write,
+commit_result, save_result, load_result, delete, prune) can take much longer
+(fsync, large arrays): call them through `asyncio.to_thread`. They hold the
+lock only for their short transaction, never while writing a file. Each job has
+one writer at a time (its own task). One process owns a state directory at a
+time (`StateDirLocked` otherwise); the kernel drops the lock when the process
+dies.
 """
 
 from __future__ import annotations
@@ -52,19 +72,68 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as save_safetensors
 
+from services.orchestrator.result_files import (
+    RESULT_FILE,
+    RESULT_TENSOR,
+    ResultReader,
+    ResultWriter,
+    StoredResult,
+    check_shape,
+    npy_header,
+    read_npy_header,
+)
+from services.orchestrator.store_errors import (
+    DuplicateRequestId,
+    InvalidTransition,
+    ResultGone,
+    StateDirLocked,
+    StoreError,
+    StoreFull,
+    UnknownJob,
+    db_error,
+    fsync_dir,
+    io_error,
+)
 from services.tensor_codec import TensorAssembler, encode_tensor
 from stagediff.v1 import generation_pb2, tensor_pb2
+
+# The store's public names, with the errors (store_errors.py) and result files (result_files.py) it uses,
+# so that callers import them from one place.
+__all__ = [
+    "ACTIVE_STATES",
+    "RESULT_FILE",
+    "RESULT_TENSOR",
+    "TERMINAL_STATES",
+    "DuplicateRequestId",
+    "InvalidTransition",
+    "JobRecord",
+    "JobState",
+    "JobStore",
+    "MinFree",
+    "ResultGone",
+    "ResultReader",
+    "ResultWriter",
+    "StateDirLocked",
+    "StoreError",
+    "StoreFull",
+    "StoredResult",
+    "UnknownJob",
+    "Usage",
+    "pack_wire_tensors",
+    "parse_size",
+    "unpack_wire_tensors",
+]
 
 JobState = generation_pb2.JobState
 TERMINAL_STATES = (JobState.JOB_STATE_SUCCEEDED, JobState.JOB_STATE_FAILED, JobState.JOB_STATE_CANCELLED)
 ACTIVE_STATES = (JobState.JOB_STATE_QUEUED, JobState.JOB_STATE_RUNNING)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DB_NAME = "jobs.sqlite3"
 LOCK_NAME = "LOCK"
 JOBS_DIR = "jobs"
-RESULT_FILE = "result-frames.npy"
 _TMP_SUFFIX = ".tmp"
+_PARTIAL_SUFFIX = ".partial"
 _ORDER_KEY = "stagediff.order"  # safetensors metadata: the tensors' names in the order they were given
 _NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
 
@@ -91,11 +160,13 @@ CREATE TABLE jobs (
     UNIQUE (tenant, request_id)
 );
 CREATE INDEX jobs_by_state ON jobs (state, seq);
+CREATE INDEX jobs_by_tenant ON jobs (tenant, state, finished_at);
 CREATE TABLE intermediates (
     job_id TEXT NOT NULL REFERENCES jobs (job_id) ON DELETE CASCADE,
     stage TEXT NOT NULL,
     file TEXT NOT NULL,
     done_at REAL NOT NULL,
+    bytes INTEGER NOT NULL DEFAULT 0,       -- the file's size
     PRIMARY KEY (job_id, stage)
 );
 CREATE TABLE results (
@@ -104,33 +175,17 @@ CREATE TABLE results (
     shape TEXT NOT NULL,                    -- JSON [F, H, W, 3]
     fps REAL NOT NULL,
     pieces TEXT NOT NULL,                   -- JSON [[first frame, count], ...] as first published
-    saved_at REAL NOT NULL
+    saved_at REAL NOT NULL,
+    bytes INTEGER NOT NULL DEFAULT 0        -- the file's size
 );
 """
 
-
-class StoreError(Exception):
-    """The state directory cannot be used as asked."""
-
-
-class StateDirLocked(StoreError):
-    """Another process owns the state directory."""
-
-
-class UnknownJob(KeyError):
-    """No record with that job id."""
-
-
-class InvalidTransition(StoreError):
-    """The job's current state does not allow the change (e.g. it already finished)."""
-
-
-class DuplicateRequestId(StoreError):
-    """The tenant already has a job with this request id; `job_id` names it."""
-
-    def __init__(self, message: str, job_id: str) -> None:
-        super().__init__(message)
-        self.job_id = job_id
+# Version 1 lacked the sizes and the per-tenant index; `_migrate` adds them and measures the files.
+_MIGRATE_1_TO_2 = """
+ALTER TABLE intermediates ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE results ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
+CREATE INDEX jobs_by_tenant ON jobs (tenant, state, finished_at);
+"""
 
 
 @dataclass
@@ -183,71 +238,16 @@ class JobRecord:
         return self.state in TERMINAL_STATES
 
 
-@dataclass
-class StoredResult:
-    """A finished job's frames (read-only, memory-mapped) and how they were first published."""
+@dataclass(frozen=True)
+class Usage:
+    """Bytes a tenant's jobs hold in the state directory."""
 
-    frames: np.ndarray  # uint8 [F, H, W, 3]
-    fps: float
-    pieces: list[tuple[int, int]]  # (first frame, count) of each published tensor, in order
-    timings: dict[str, float]
+    finished: int  # results of its finished jobs: what `prune` may delete
+    active: int  # intermediates (and committed results) of its queued and running jobs
 
     @property
-    def num_frames(self) -> int:
-        return int(self.frames.shape[0])
-
-    def events(self, job_id: str = "") -> Iterator[generation_pb2.GenerateEvent]:
-        """The result chunks and the completion event, as a watcher of the live job received them."""
-        for first, count in self.pieces:
-            for chunk in encode_tensor("frames", self.frames[first : first + count], index=first):
-                yield generation_pb2.GenerateEvent(
-                    job_id=job_id, result=generation_pb2.ResultChunk(tensor=chunk, fps=self.fps)
-                )
-        yield generation_pb2.GenerateEvent(
-            job_id=job_id,
-            completed=generation_pb2.JobCompleted(timings=self.timings, num_frames=self.num_frames, fps=self.fps),
-        )
-
-
-class FrameCollector:
-    """Rebuilds the frames a job published from its result chunks, for `save_result`.
-
-    Feed every published `ResultChunk.tensor` (or pass the job's events to
-    `from_events`). A frame tensor published twice at the same index (a stage
-    retried) is kept once.
-    """
-
-    def __init__(self) -> None:
-        self._assembler = TensorAssembler()
-        self._pieces: dict[int, np.ndarray] = {}
-        self._order: list[int] = []
-
-    @classmethod
-    def from_events(cls, events: Iterable[generation_pb2.GenerateEvent]) -> FrameCollector:
-        collector = cls()
-        for event in events:
-            if event.HasField("result"):
-                collector.feed(event.result.tensor)
-        return collector
-
-    def feed(self, chunk: tensor_pb2.TensorChunk) -> None:
-        tensor = self._assembler.feed(chunk)
-        if tensor is None:
-            return
-        if tensor.index not in self._pieces:
-            self._order.append(tensor.index)
-        self._pieces[tensor.index] = tensor.array
-
-    def result(self) -> tuple[np.ndarray, list[tuple[int, int]]]:
-        """The frames uint8 [F, H, W, 3] and the pieces; raises ValueError on gaps or overlaps."""
-        self._assembler.finish()
-        pieces = [(index, int(self._pieces[index].shape[0])) for index in self._order]
-        _check_pieces(pieces, sum(count for _, count in pieces))
-        if not pieces:
-            raise ValueError("no frames were published")
-        frames = np.concatenate([self._pieces[index] for index in sorted(self._pieces)])
-        _check_frames(frames)
-        return frames, pieces
+    def total(self) -> int:
+        return self.finished + self.active
 
 
 def pack_wire_tensors(chunks: Iterable[tensor_pb2.TensorChunk]) -> dict[str, torch.Tensor]:
@@ -292,14 +292,6 @@ def _check_name(kind: str, value: str) -> None:
         raise ValueError(f"{kind}: '{value}' must be 1-128 of A-Z a-z 0-9 _ - . and not start with '.'")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Writes a file so that it is either absent or complete, also after a crash."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
@@ -312,7 +304,7 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _as_cpu_tensor(value: torch.Tensor | np.ndarray) -> torch.Tensor:
@@ -320,6 +312,50 @@ def _as_cpu_tensor(value: torch.Tensor | np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.array(value, copy=True))
     # A private contiguous copy: safetensors refuses tensors that share storage (views of one batch).
     return value.detach().to("cpu").contiguous().clone()
+
+
+# ---------------------------------------------------------- sizes on flags --
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '1073741824', '512MiB', '1G' or '1.5GiB' (binary units); raises ValueError."""
+    match = _SIZE.match(str(text))
+    if match is None:
+        raise ValueError(f"'{text}' is not a size; use bytes or a number with K, M, G or T (binary: 1G = 2**30)")
+    unit = (match.group(2) or "").upper()[:1]
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class MinFree:
+    """Space to keep free on the state directory's volume: bytes, or a percentage of the volume."""
+
+    bytes: int = 0
+    percent: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> MinFree:
+        """'1GiB', '1073741824' or '5%'; raises ValueError."""
+        text = str(text).strip()
+        if text.endswith("%"):
+            try:
+                percent = float(text[:-1])
+            except ValueError:
+                percent = -1.0
+            if not 0 <= percent < 100:
+                raise ValueError(f"'{text}' is not a percentage from 0% to below 100%")
+            return cls(percent=percent)
+        return cls(bytes=parse_size(text))
+
+    def of(self, total: int) -> int:
+        """The bytes to keep free on a volume of `total` bytes."""
+        return self.bytes if not self.percent else int(total * self.percent / 100)
+
+    def __str__(self) -> str:
+        return f"{self.percent:g}%" if self.percent else f"{self.bytes} bytes"
 
 
 class JobStore:
@@ -337,18 +373,28 @@ class JobStore:
     def open(
         cls, state_dir: str | os.PathLike, *, synchronous: str = "NORMAL", clock: Callable[[], float] = time.time
     ) -> JobStore:
-        """Opens (creating if needed) the store, takes ownership of the directory and sweeps crash leftovers."""
+        """Opens (creating if needed) the store, takes ownership of the directory and sweeps crash leftovers.
+
+        A directory that cannot be used (not writable, a file in the way, a
+        read-only volume) raises StoreError with a one-line message.
+        """
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError(f"synchronous: '{synchronous}' is not one of NORMAL, FULL")
         state_dir = Path(state_dir)
-        (state_dir / JOBS_DIR).mkdir(parents=True, exist_ok=True)
-        lock_file = open(state_dir / LOCK_NAME, "a+b")  # noqa: SIM115 - held for the store's lifetime
+        try:
+            (state_dir / JOBS_DIR).mkdir(parents=True, exist_ok=True)
+            lock_file = open(state_dir / LOCK_NAME, "a+b")  # noqa: SIM115 - held for the store's lifetime
+        except OSError as error:
+            raise io_error(error, "cannot be used as the state dir", with_path=True) from None
         try:
             fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock_file.close()
             raise StateDirLocked(f"state dir {state_dir} is in use by another process") from None
+        connection = None
         try:
+            if not os.access(state_dir / JOBS_DIR, os.W_OK | os.X_OK):
+                raise StoreError(f"cannot be used as the state dir: {state_dir / JOBS_DIR} is not writable")
             connection = sqlite3.connect(state_dir / DB_NAME, isolation_level=None, check_same_thread=False)
             connection.row_factory = sqlite3.Row
             connection.execute("PRAGMA journal_mode=WAL")
@@ -357,10 +403,14 @@ class JobStore:
             store = cls(state_dir, connection, lock_file, clock)
             store._migrate()
             store._sweep()
+        except sqlite3.Error as error:
+            _close_quietly(connection, lock_file)
+            raise StoreError(f"cannot be used as the state dir: {state_dir / DB_NAME}: {error}") from None
+        except OSError as error:
+            _close_quietly(connection, lock_file)
+            raise io_error(error, "cannot be used as the state dir", with_path=True) from None
         except BaseException:
-            with contextlib.suppress(Exception):
-                connection.close()
-            lock_file.close()
+            _close_quietly(connection, lock_file)
             raise
         return store
 
@@ -379,6 +429,11 @@ class JobStore:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+    def free_bytes(self) -> tuple[int, int]:
+        """(free, total) bytes of the state directory's volume."""
+        usage = shutil.disk_usage(self.state_dir)
+        return usage.free, usage.total
 
     # ------------------------------------------------------------ records --
 
@@ -425,20 +480,14 @@ class JobStore:
             return replace(record, seq=cursor.lastrowid)
 
     def get(self, job_id: str) -> JobRecord | None:
-        with self._mutex:
-            row = self._connection().execute("SELECT * FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        row = self._fetchone("SELECT * FROM jobs WHERE job_id = ?", (job_id,))
         return _record(row) if row is not None else None
 
     def find_by_request_id(self, tenant: str, request_id: str) -> JobRecord | None:
         """The tenant's job with this client-chosen id (idempotent resubmission), if any."""
         if not request_id:
             return None
-        with self._mutex:
-            row = (
-                self._connection()
-                .execute("SELECT * FROM jobs WHERE tenant = ? AND request_id = ?", (tenant, request_id))
-                .fetchone()
-            )
+        row = self._fetchone("SELECT * FROM jobs WHERE tenant = ? AND request_id = ?", (tenant, request_id))
         return _record(row) if row is not None else None
 
     def update_state(
@@ -457,8 +506,8 @@ class JobStore:
 
         RUNNING sets started_at and counts an attempt. FAILED and CANCELLED set
         finished_at, the error and timings, and delete the job's intermediates.
-        SUCCEEDED goes through `save_result`, so that a succeeded job always has
-        its result. A finished job cannot change: InvalidTransition.
+        SUCCEEDED goes through `commit_result`, so that a succeeded job always
+        has its result. A finished job cannot change: InvalidTransition.
         """
         at = self.clock() if at is None else at
         if state in (JobState.JOB_STATE_FAILED, JobState.JOB_STATE_CANCELLED):
@@ -468,7 +517,7 @@ class JobStore:
         elif state == JobState.JOB_STATE_QUEUED:
             assignments = {"started_at": None}
         elif state == JobState.JOB_STATE_SUCCEEDED:
-            raise InvalidTransition("a job succeeds through save_result, which stores its frames")
+            raise InvalidTransition("a job succeeds through commit_result, which stores its frames")
         else:
             raise ValueError(f"state: {state} is not a job state")
         if timings is not None:
@@ -500,12 +549,9 @@ class JobStore:
 
     def recoverable(self) -> list[JobRecord]:
         """Queued and running jobs in admission order: what a restarted orchestrator must finish."""
-        with self._mutex:
-            rows = (
-                self._connection()
-                .execute("SELECT * FROM jobs WHERE state IN (?, ?) ORDER BY seq", tuple(int(s) for s in ACTIVE_STATES))
-                .fetchall()
-            )
+        rows = self._fetchall(
+            "SELECT * FROM jobs WHERE state IN (?, ?) ORDER BY seq", tuple(int(s) for s in ACTIVE_STATES)
+        )
         return [_record(row) for row in rows]
 
     def list_jobs(
@@ -528,12 +574,7 @@ class JobStore:
             where.append("seq < ?")
             params.append(before_seq)
         clause = f"WHERE {' AND '.join(where)}" if where else ""
-        with self._mutex:
-            rows = (
-                self._connection()
-                .execute(f"SELECT * FROM jobs {clause} ORDER BY seq DESC LIMIT ?", (*params, limit))
-                .fetchall()
-            )
+        rows = self._fetchall(f"SELECT * FROM jobs {clause} ORDER BY seq DESC LIMIT ?", (*params, limit))
         return [_record(row) for row in rows]
 
     def finished_jobs(
@@ -541,6 +582,10 @@ class JobStore:
     ) -> list[JobRecord]:
         """Succeeded, failed and cancelled jobs, newest first."""
         return self.list_jobs(states=TERMINAL_STATES, tenant=tenant, limit=limit, before_seq=before_seq)
+
+    def tenants(self) -> list[str]:
+        """Every tenant that has a stored job."""
+        return [row["tenant"] for row in self._fetchall("SELECT DISTINCT tenant FROM jobs ORDER BY tenant", ())]
 
     # ------------------------------------------------------ intermediates --
 
@@ -561,14 +606,16 @@ class JobStore:
         except FileNotFoundError:
             if self._finished_or_gone(job_id):  # deleted while writing
                 return False
-            raise
+            raise StoreError(f"job {job_id}: its folder disappeared while stage {stage} was saved") from None
+        except OSError as error:
+            raise io_error(error, f"job {job_id}: saving the output of stage {stage}") from None
         with self._transaction() as db:
             if self._state_of(db, job_id) in TERMINAL_STATES:
                 kept = False
             else:
                 db.execute(
-                    "INSERT OR REPLACE INTO intermediates (job_id, stage, file, done_at) VALUES (?, ?, ?, ?)",
-                    (job_id, stage, file, self.clock()),
+                    "INSERT OR REPLACE INTO intermediates (job_id, stage, file, done_at, bytes) VALUES (?, ?, ?, ?, ?)",
+                    (job_id, stage, file, self.clock(), len(data)),
                 )
                 db.execute("UPDATE jobs SET last_stage = ? WHERE job_id = ?", (stage, job_id))
                 kept = True
@@ -578,12 +625,9 @@ class JobStore:
 
     def load_intermediates(self, job_id: str) -> dict[str, dict[str, torch.Tensor]]:
         """{stage: {name: tensor}} of every saved stage, in the order they finished; blocking."""
-        with self._mutex:
-            rows = (
-                self._connection()
-                .execute("SELECT stage, file FROM intermediates WHERE job_id = ? ORDER BY done_at, rowid", (job_id,))
-                .fetchall()
-            )
+        rows = self._fetchall(
+            "SELECT stage, file FROM intermediates WHERE job_id = ? ORDER BY done_at, rowid", (job_id,)
+        )
         loaded: dict[str, dict[str, torch.Tensor]] = {}
         for row in rows:
             with safe_open(self.jobs_dir / job_id / row["file"], framework="pt") as file:
@@ -592,6 +636,86 @@ class JobStore:
         return loaded
 
     # ------------------------------------------------------------ results --
+
+    def create_result(self, job_id: str, shape: tuple[int, ...]) -> ResultWriter:
+        """Preallocates a running job's result file of `shape` [F, H, W, 3]; blocking, use to_thread.
+
+        Raises InvalidTransition if the job is not running, StoreError (StoreFull) if the file cannot be made.
+        """
+        shape = check_shape(shape)
+        self._require_state(job_id, (JobState.JOB_STATE_RUNNING,))
+        header = npy_header(shape)
+        nbytes = len(header) + shape[0] * shape[1] * shape[2] * shape[3]
+        try:
+            directory = self._job_dir(job_id, create=True)
+            partial = directory / f".{RESULT_FILE}.{uuid.uuid4().hex}{_PARTIAL_SUFFIX}"
+            fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            raise io_error(error, f"job {job_id}: creating its result file") from None
+        try:
+            os.pwrite(fd, header, 0)
+            os.ftruncate(fd, nbytes)
+        except OSError as error:
+            os.close(fd)
+            partial.unlink(missing_ok=True)
+            raise io_error(error, f"job {job_id}: creating its result file") from None
+        return ResultWriter(job_id, directory, shape, fd, partial, len(header))
+
+    def commit_result(
+        self,
+        writer: ResultWriter,
+        fps: float,
+        *,
+        timings: Mapping[str, float] | None = None,
+        at: float | None = None,
+    ) -> JobRecord:
+        """Completes a written result and marks its job SUCCEEDED in one step; blocking, use to_thread.
+
+        The writer's pieces must cover every frame (ValueError otherwise). Raises
+        InvalidTransition (keeping nothing) if the job is not running, e.g. it was
+        cancelled meanwhile.
+        """
+        job_id = writer.job_id
+        _check_pieces(writer.pieces, writer.shape[0])
+        self._require_state(job_id, (JobState.JOB_STATE_RUNNING,))
+        try:
+            writer._finish_file()
+        except FileNotFoundError:
+            if self._finished_or_gone(job_id):  # cancelled and deleted while writing
+                raise InvalidTransition(f"job {job_id} finished or was deleted while its result was written") from None
+            raise StoreError(f"job {job_id}: its result file disappeared before it was complete") from None
+        except OSError as error:
+            raise io_error(error, f"job {job_id}: completing its result") from None
+        at = self.clock() if at is None else at
+        try:
+            with self._transaction() as db:
+                self._require_state_of(db, job_id, (JobState.JOB_STATE_RUNNING,))
+                db.execute(
+                    "INSERT OR REPLACE INTO results (job_id, file, shape, fps, pieces, saved_at, bytes)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        job_id,
+                        RESULT_FILE,
+                        json.dumps(list(writer.shape)),
+                        fps,
+                        json.dumps(writer.pieces),
+                        at,
+                        writer.nbytes,
+                    ),
+                )
+                updates = "state = ?, finished_at = ?, num_frames_out = ?, fps_out = ?, error_code = NULL"
+                params: list = [int(JobState.JOB_STATE_SUCCEEDED), at, int(writer.shape[0]), fps]
+                if timings is not None:
+                    updates += ", timings = ?"
+                    params.append(json.dumps(dict(timings)))
+                db.execute(f"UPDATE jobs SET {updates} WHERE job_id = ?", (*params, job_id))
+                files = self._drop_intermediates(db, job_id)
+                row = db.execute("SELECT * FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        except BaseException:
+            writer._uncommit()
+            raise
+        _unlink_all(files)
+        return _record(row)
 
     def save_result(
         self,
@@ -603,69 +727,66 @@ class JobStore:
         timings: Mapping[str, float] | None = None,
         at: float | None = None,
     ) -> JobRecord:
-        """Stores the final frames and marks the job SUCCEEDED in one step; blocking, use to_thread.
+        """Stores frames the caller already holds whole and marks the job SUCCEEDED; blocking, use to_thread.
 
-        `pieces` are the (first frame, count) of the tensors as first published
-        (`FrameCollector.result`), so a replay looks like the live stream; the
-        default is one piece. Raises InvalidTransition (keeping nothing) if the
-        job is not running, e.g. it was cancelled meanwhile.
+        `create_result` + `ResultWriter.write` + `commit_result` in one call.
+        `pieces` are the (first frame, count) of the tensors as first published;
+        the default is one piece.
         """
         _check_frames(frames)
         pieces = [(int(first), int(count)) for first, count in (pieces or [(0, frames.shape[0])])]
         _check_pieces(pieces, frames.shape[0])
-        self._require_state(job_id, (JobState.JOB_STATE_RUNNING,))
-        path = self._job_dir(job_id, create=True) / RESULT_FILE
+        writer = self.create_result(job_id, frames.shape)
         try:
-            _atomic_write(path, lambda out: np.save(out, np.ascontiguousarray(frames), allow_pickle=False))
-        except FileNotFoundError:
-            if self._finished_or_gone(job_id):  # cancelled and deleted while writing
-                raise InvalidTransition(f"job {job_id} finished or was deleted while its result was written") from None
-            raise
-        at = self.clock() if at is None else at
-        try:
-            with self._transaction() as db:
-                self._require_state_of(db, job_id, (JobState.JOB_STATE_RUNNING,))
-                db.execute(
-                    "INSERT OR REPLACE INTO results (job_id, file, shape, fps, pieces, saved_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?)",
-                    (job_id, RESULT_FILE, json.dumps(list(frames.shape)), fps, json.dumps(pieces), at),
-                )
-                updates = "state = ?, finished_at = ?, num_frames_out = ?, fps_out = ?, error_code = NULL"
-                params: list = [int(JobState.JOB_STATE_SUCCEEDED), at, int(frames.shape[0]), fps]
-                if timings is not None:
-                    updates += ", timings = ?"
-                    params.append(json.dumps(dict(timings)))
-                db.execute(f"UPDATE jobs SET {updates} WHERE job_id = ?", (*params, job_id))
-                files = self._drop_intermediates(db, job_id)
-                row = db.execute("SELECT * FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
-        except InvalidTransition:
-            path.unlink(missing_ok=True)
-            raise
-        _unlink_all(files)
-        return _record(row)
+            writer.write(0, 0, np.ascontiguousarray(frames).reshape(-1))
+            for first, count in pieces:
+                writer.add_piece(first, count)
+            return self.commit_result(writer, fps, timings=timings, at=at)
+        finally:
+            writer.discard()
 
     def load_result(self, job_id: str) -> StoredResult | None:
-        """A succeeded job's frames (memory-mapped) and how to replay them; None if it has none; blocking."""
-        with self._mutex:
-            row = (
-                self._connection()
-                .execute(
-                    "SELECT results.*, jobs.timings FROM results JOIN jobs USING (job_id) WHERE job_id = ?", (job_id,)
-                )
-                .fetchone()
-            )
+        """A succeeded job's result (file, shape, pieces), None if it has none; reads the file's header only."""
+        row = self._fetchone(
+            "SELECT results.*, jobs.timings FROM results JOIN jobs USING (job_id) WHERE job_id = ?", (job_id,)
+        )
         if row is None:
             return None
+        path = self.jobs_dir / job_id / row["file"]
         try:
-            frames = np.load(self.jobs_dir / job_id / row["file"], mmap_mode="r", allow_pickle=False)
+            with open(path, "rb") as file:
+                shape, data_offset = read_npy_header(file)
+                size = os.fstat(file.fileno()).st_size
         except (OSError, ValueError) as error:
             raise StoreError(f"job {job_id}: its result file cannot be read: {error}") from None
-        if list(frames.shape) != json.loads(row["shape"]) or frames.dtype != np.uint8:
+        if list(shape) != json.loads(row["shape"]) or size != data_offset + int(np.prod(shape)):
             raise StoreError(f"job {job_id}: the result file does not hold the frames its record describes")
-        pieces = [(first, count) for first, count in json.loads(row["pieces"])]
-        return StoredResult(frames=frames, fps=row["fps"], pieces=pieces, timings=json.loads(row["timings"]))
+        return StoredResult(
+            path=path,
+            shape=check_shape(shape),
+            data_offset=data_offset,
+            fps=row["fps"],
+            pieces=[(first, count) for first, count in json.loads(row["pieces"])],
+            timings=json.loads(row["timings"]),
+        )
 
     # ---------------------------------------------------------- retention --
+
+    def usage(self, tenant: str) -> Usage:
+        """Bytes the tenant's jobs hold: results of its finished jobs, intermediates of its queued and running ones.
+
+        A running job's result file counts once it is committed; the caller
+        reserves what running jobs are still writing (`prune`'s `reserved_bytes`).
+        """
+        row = self._fetchone(
+            "SELECT"
+            " (SELECT COALESCE(SUM(r.bytes), 0) FROM results r JOIN jobs j USING (job_id) WHERE j.tenant = ?)"
+            " AS finished,"
+            " (SELECT COALESCE(SUM(i.bytes), 0) FROM intermediates i JOIN jobs j USING (job_id) WHERE j.tenant = ?)"
+            " AS active",
+            (tenant, tenant),
+        )
+        return Usage(finished=row["finished"], active=row["active"])
 
     def delete(self, job_id: str) -> bool:
         """Forgets a finished job and its files; False if unknown. Queued or running jobs are refused."""
@@ -679,24 +800,71 @@ class JobStore:
         shutil.rmtree(self.jobs_dir / job_id, ignore_errors=True)
         return True
 
-    def prune(self, *, max_kept: int | None = None, max_age_s: float | None = None) -> list[str]:
-        """Deletes finished jobs beyond the newest `max_kept` or finished over `max_age_s` ago; returns their ids."""
+    def prune(
+        self,
+        *,
+        tenant: str | None = None,
+        max_kept: int | None = None,
+        max_bytes: int | None = None,
+        reserved_bytes: int = 0,
+        max_age_s: float | None = None,
+    ) -> list[str]:
+        """Deletes finished jobs (records and files) beyond the limits; returns their ids. Blocking.
+
+        The limits hold for each tenant on its own: with `tenant`, only that
+        tenant's jobs are looked at; without, every tenant's, each against its
+        own count and bytes, so one tenant's jobs never make room for another's.
+        A tenant keeps its newest finished jobs while they number at most
+        `max_kept` and its bytes (the files of its queued and running jobs,
+        `reserved_bytes` for what they will still write, then its finished
+        results from the newest) stay within `max_bytes`; the rest, oldest
+        first, go. `max_age_s` deletes jobs that finished longer ago.
+        `reserved_bytes` needs `tenant`.
+        """
+        if reserved_bytes and tenant is None:
+            raise ValueError("reserved_bytes: give the tenant it is reserved for")
         terminal = tuple(int(s) for s in TERMINAL_STATES)
-        doomed: set[str] = set()
+        only = " AND jobs.tenant = ?" if tenant is not None else ""
+        scope = (tenant,) if tenant is not None else ()
+        cutoff = None if max_age_s is None else self.clock() - max_age_s
+        if max_kept is None and max_bytes is None:  # age alone: only the expired jobs need looking at
+            if cutoff is None:
+                return []
+            only += " AND jobs.finished_at < ?"
+            scope = (*scope, cutoff)
+        doomed: list[str] = []
         with self._transaction() as db:
-            if max_kept is not None:
-                rows = db.execute(
-                    "SELECT job_id FROM jobs WHERE state IN (?, ?, ?) ORDER BY finished_at DESC, seq DESC"
-                    " LIMIT -1 OFFSET ?",
-                    (*terminal, max_kept),
-                ).fetchall()
-                doomed.update(row["job_id"] for row in rows)
-            if max_age_s is not None:
-                rows = db.execute(
-                    "SELECT job_id FROM jobs WHERE state IN (?, ?, ?) AND finished_at < ?",
-                    (*terminal, self.clock() - max_age_s),
-                ).fetchall()
-                doomed.update(row["job_id"] for row in rows)
+            finished = db.execute(
+                "SELECT jobs.job_id, jobs.tenant, jobs.finished_at, COALESCE(results.bytes, 0) AS bytes"
+                " FROM jobs LEFT JOIN results USING (job_id)"
+                f" WHERE jobs.state IN (?, ?, ?){only} ORDER BY jobs.finished_at DESC, jobs.seq DESC",
+                (*terminal, *scope),
+            ).fetchall()
+            used: dict[str, int] = {}
+            if max_bytes is not None:
+                for row in db.execute(
+                    "SELECT jobs.tenant, COALESCE(SUM(intermediates.bytes), 0) AS bytes"
+                    " FROM intermediates JOIN jobs USING (job_id)"
+                    f" WHERE jobs.state NOT IN (?, ?, ?){only} GROUP BY jobs.tenant",
+                    (*terminal, *scope),
+                ):
+                    used[row["tenant"]] = row["bytes"]
+                if tenant is not None:
+                    used[tenant] = used.get(tenant, 0) + reserved_bytes
+            kept: dict[str, int] = {}
+            full: set[str] = set()  # tenants whose older finished jobs all go
+            for row in finished:
+                owner = row["tenant"]
+                too_old = cutoff is not None and (row["finished_at"] or 0.0) < cutoff
+                too_many = max_kept is not None and kept.get(owner, 0) >= max_kept
+                too_big = max_bytes is not None and used.get(owner, 0) + row["bytes"] > max_bytes
+                if too_big or too_many:
+                    full.add(owner)
+                if too_old or owner in full:
+                    doomed.append(row["job_id"])
+                    continue
+                kept[owner] = kept.get(owner, 0) + 1
+                used[owner] = used.get(owner, 0) + row["bytes"]
             db.executemany("DELETE FROM jobs WHERE job_id = ?", [(job_id,) for job_id in doomed])
         for job_id in doomed:
             shutil.rmtree(self.jobs_dir / job_id, ignore_errors=True)
@@ -709,17 +877,39 @@ class JobStore:
             raise StoreError("the job store is closed")
         return self._db
 
+    def _fetchone(self, sql: str, params: tuple) -> sqlite3.Row | None:
+        with self._mutex:
+            try:
+                return self._connection().execute(sql, params).fetchone()
+            except sqlite3.Error as error:
+                raise db_error(error) from None
+
+    def _fetchall(self, sql: str, params: tuple) -> list[sqlite3.Row]:
+        with self._mutex:
+            try:
+                return self._connection().execute(sql, params).fetchall()
+            except sqlite3.Error as error:
+                raise db_error(error) from None
+
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE ... COMMIT; rolled back on any error, database errors raised as StoreError."""
         with self._mutex:
             db = self._connection()
-            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as error:
+                raise db_error(error) from None
             try:
                 yield db
-            except BaseException:
-                db.execute("ROLLBACK")
+                db.execute("COMMIT")
+            except BaseException as error:
+                if db.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        db.execute("ROLLBACK")
+                if isinstance(error, sqlite3.Error):
+                    raise db_error(error) from None
                 raise
-            db.execute("COMMIT")
 
     def _state_of(self, db: sqlite3.Connection, job_id: str) -> int:
         row = db.execute("SELECT state FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
@@ -728,8 +918,10 @@ class JobStore:
         return row["state"]
 
     def _state(self, job_id: str) -> int:
-        with self._mutex:
-            return self._state_of(self._connection(), job_id)
+        row = self._fetchone("SELECT state FROM jobs WHERE job_id = ?", (job_id,))
+        if row is None:
+            raise UnknownJob(job_id)
+        return row["state"]
 
     def _finished_or_gone(self, job_id: str) -> bool:
         try:
@@ -744,15 +936,20 @@ class JobStore:
             raise InvalidTransition(f"job {job_id} is {JobState.Name(current)}, not {wanted}")
 
     def _require_state(self, job_id: str, states: tuple[int, ...]) -> None:
-        with self._mutex:
-            self._require_state_of(self._connection(), job_id, states)
+        current = self._state(job_id)
+        if current not in states:
+            wanted = " or ".join(JobState.Name(s) for s in states)
+            raise InvalidTransition(f"job {job_id} is {JobState.Name(current)}, not {wanted}")
 
     def _job_dir(self, job_id: str, *, create: bool = False) -> Path:
         _check_name("job_id", job_id)
         directory = self.jobs_dir / job_id
         if create and not directory.is_dir():
-            directory.mkdir(exist_ok=True)
-            _fsync_dir(self.jobs_dir)
+            try:
+                directory.mkdir(exist_ok=True)
+                fsync_dir(self.jobs_dir)
+            except OSError as error:
+                raise io_error(error, f"job {job_id}: creating its folder") from None
         return directory
 
     def _drop_intermediates(self, db: sqlite3.Connection, job_id: str) -> list[Path]:
@@ -765,17 +962,24 @@ class JobStore:
         with self._transaction() as db:
             version = db.execute("PRAGMA user_version").fetchone()[0]
             if version == 0:
-                for statement in _SCHEMA.split(";"):
-                    if statement.strip():
-                        db.execute(statement)
-                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                _run_script(db, _SCHEMA)
+            elif version == 1:
+                _run_script(db, _MIGRATE_1_TO_2)
+                for table in ("intermediates", "results"):
+                    rows = db.execute(f"SELECT rowid, job_id, file FROM {table}").fetchall()
+                    for row in rows:
+                        path = self.jobs_dir / row["job_id"] / row["file"]
+                        size = path.stat().st_size if path.is_file() else 0
+                        db.execute(f"UPDATE {table} SET bytes = ? WHERE rowid = ?", (size, row["rowid"]))
             elif version != SCHEMA_VERSION:
                 raise StoreError(
                     f"{self.state_dir / DB_NAME} has schema version {version}; this version reads {SCHEMA_VERSION}"
                 )
+            if version != SCHEMA_VERSION:
+                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def _sweep(self) -> None:
-        """Removes what a crash can leave behind: temporary files, and files or job folders no row names."""
+        """Removes what a crash can leave behind: temporary and partial files, and files or folders no row names."""
         with self._mutex:
             db = self._connection()
             known = {row["job_id"] for row in db.execute("SELECT job_id FROM jobs")}
@@ -800,6 +1004,19 @@ class JobStore:
                         path.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 directory.rmdir()  # only succeeds when nothing is left
+
+
+def _run_script(db: sqlite3.Connection, script: str) -> None:
+    for statement in script.split(";"):
+        if statement.strip():
+            db.execute(statement)
+
+
+def _close_quietly(connection: sqlite3.Connection | None, lock_file) -> None:
+    if connection is not None:
+        with contextlib.suppress(Exception):
+            connection.close()
+    lock_file.close()
 
 
 def _unlink_all(paths: Iterable[Path]) -> None:

@@ -7,7 +7,7 @@ Tenants come from a YAML file (`--tenants FILE`, see deploy/tenants.example.yaml
         api_keys: ["sha256:<64 hex digits>"]
         priority: high          # high, normal (default) or low
         weight: 2               # share inside its priority class (default 1)
-        quotas:                 # every quota is optional; absent means unlimited
+        quotas:                 # every quota is optional; absent means unlimited unless a default is shown
           max_running_jobs: 2
           max_queued_jobs: 20
           requests_per_minute: 60
@@ -17,9 +17,18 @@ Tenants come from a YAML file (`--tenants FILE`, see deploy/tenants.example.yaml
           max_pixels: 589824    # height * width
           max_frames: 81
           max_steps: 50
+          max_output_frames: 321      # frames after interpolation (default 1025)
+          max_output_pixels: 300000000  # output frames * height * width (default 2**29)
+          max_watch_streams: 8        # WatchJob streams open at once (default 32)
+          max_kept_jobs: 200          # finished jobs kept (default: the orchestrator's --max-kept-jobs)
+          max_stored_bytes: 21474836480  # bytes of results and intermediates kept (default: its
+                                         # --max-stored-bytes-per-tenant)
+        admin: false            # may call GetClusterInfo (default false)
 
 Without a tenants file the registry is open: one tenant, "default", that every
-caller is, with no key and no quotas (for local use).
+caller is, with no key, an operator's rights (admin) and only the default quotas
+on what a job produces (max_output_frames, max_output_pixels) and on open WatchJob
+streams (for local use).
 
 API keys travel as `authorization: Bearer <key>` metadata. The file holds only
 their SHA-256 (`sha256:<hex>`); `python -m services.orchestrator.tenants new-key`
@@ -64,6 +73,11 @@ KEY_PREFIX = "sd_"
 DEFAULT_TENANT_NAME = "default"
 _KEY_HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
 _TENANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+# Defaults of the quotas on what a job produces. 1025 frames is a 65-frame video interpolated 16x; 2**29
+# pixels (1.5 GiB of RGB) is 321 frames of 1280x720 with room to spare.
+DEFAULT_MAX_OUTPUT_FRAMES = 1025
+DEFAULT_MAX_OUTPUT_PIXELS = 2**29
+DEFAULT_MAX_WATCH_STREAMS = 32
 
 Clock = Callable[[], float]
 
@@ -104,6 +118,16 @@ class Quotas(BaseModel):
     max_pixels: Annotated[int, Field(gt=0)] | None = None
     max_frames: Annotated[int, Field(gt=0)] | None = None
     max_steps: Annotated[int, Field(gt=0)] | None = None
+    # What a job produces, after interpolation: these bound the disk and the wire, and they have defaults
+    # (the open tenant included); `null` in the file lifts them.
+    max_output_frames: Annotated[int, Field(gt=0)] | None = DEFAULT_MAX_OUTPUT_FRAMES
+    max_output_pixels: Annotated[int, Field(gt=0)] | None = DEFAULT_MAX_OUTPUT_PIXELS
+    # WatchJob streams the tenant may hold open at once (each replays a whole result).
+    max_watch_streams: Annotated[int, Field(gt=0)] | None = DEFAULT_MAX_WATCH_STREAMS
+    # What the tenant keeps in the orchestrator's state dir: finished jobs, and bytes of results and
+    # intermediates. Absent (or null): the orchestrator's --max-kept-jobs and --max-stored-bytes-per-tenant.
+    max_kept_jobs: Annotated[int, Field(gt=0)] | None = None
+    max_stored_bytes: Annotated[int, Field(gt=0)] | None = None
 
     @model_validator(mode="after")
     def _burst_needs_a_rate(self) -> Quotas:
@@ -129,6 +153,9 @@ class Tenant(BaseModel):
     priority: PriorityClass = PriorityClass.NORMAL
     weight: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
     quotas: Quotas = Quotas()
+    # An operator's tenant: may read the cluster's internals (GetClusterInfo: endpoints, devices, weights,
+    # every tenant's load). The open tenant of a cluster without a tenants file is one too.
+    admin: bool = False
 
     @field_validator("api_keys")
     @classmethod
@@ -307,6 +334,17 @@ class SizedRequest(Protocol):
     width: int
     num_frames: int
     num_inference_steps: int
+    interpolation: Any  # InterpolationParams: enable, exp
+
+
+def _interp_exp(request: SizedRequest) -> int:
+    interpolation = request.interpolation
+    return interpolation.exp if interpolation.enable and interpolation.exp > 0 else 0
+
+
+def output_frames(request: SizedRequest) -> int:
+    """Frames the job produces: the requested ones, and 2**exp - 1 more between each pair when interpolating."""
+    return (request.num_frames - 1) * 2 ** _interp_exp(request) + 1
 
 
 class TenantRegistry:
@@ -323,8 +361,8 @@ class TenantRegistry:
 
     @classmethod
     def open(cls, *, clock: Clock = time.monotonic) -> TenantRegistry:
-        """The registry without a tenants file: one tenant, 'default', no key needed, no quotas."""
-        tenant = Tenant(name=DEFAULT_TENANT_NAME)
+        """The registry without a tenants file: one tenant, 'default', no key needed, admin, default quotas."""
+        tenant = Tenant(name=DEFAULT_TENANT_NAME, admin=True)
         return cls([tenant], open_tenant=tenant, clock=clock)
 
     @classmethod
@@ -388,6 +426,22 @@ class TenantRegistry:
         if quotas.max_pixels is not None and pixels > quotas.max_pixels:
             raise refuse(
                 "height*width", pixels, quotas.max_pixels, f"{request.height}x{request.width} = {pixels} pixels"
+            )
+        frames_out = output_frames(request)
+        if quotas.max_output_frames is not None and frames_out > quotas.max_output_frames:
+            raise refuse(
+                "output frames",
+                frames_out,
+                quotas.max_output_frames,
+                f"{frames_out} ({request.num_frames} frames, interpolation.exp {_interp_exp(request)})",
+            )
+        pixels_out = frames_out * pixels
+        if quotas.max_output_pixels is not None and pixels_out > quotas.max_output_pixels:
+            raise refuse(
+                "output pixels",
+                pixels_out,
+                quotas.max_output_pixels,
+                f"{frames_out} frames of {request.height}x{request.width} = {pixels_out} pixels",
             )
 
     def check_rate(self, tenant: Tenant) -> None:

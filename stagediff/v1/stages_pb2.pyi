@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StageInfo(_message.Message):
-    __slots__ = ("stage", "model", "family", "device", "parallel_config", "parameter_bytes", "limits", "version")
+    __slots__ = ("stage", "model", "family", "device", "parallel_config", "parameter_bytes", "limits", "version", "weights_path")
     class ParallelConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class StageInfo(_message.Message):
     PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
     stage: str
     model: str
     family: str
@@ -39,7 +40,8 @@ class StageInfo(_message.Message):
     parameter_bytes: _containers.ScalarMap[str, int]
     limits: ModelLimits
     version: str
-    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., device: _Optional[str] = ..., parallel_config: _Optional[_Mapping[str, str]] = ..., parameter_bytes: _Optional[_Mapping[str, int]] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., version: _Optional[str] = ...) -> None: ...
+    weights_path: str
+    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., device: _Optional[str] = ..., parallel_config: _Optional[_Mapping[str, str]] = ..., parameter_bytes: _Optional[_Mapping[str, int]] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., version: _Optional[str] = ..., weights_path: _Optional[str] = ...) -> None: ...
 
 class ModelLimits(_message.Message):
     __slots__ = ("height_multiple", "width_multiple", "temporal_factor", "max_height", "max_width", "max_frames", "max_inference_steps", "max_sequence_length", "max_prompt_chars", "default_height", "default_width", "default_num_frames", "default_inference_steps", "default_guidance_scale", "default_fps", "min_height")
@@ -82,14 +84,16 @@ class GetStageInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("model", "texts", "max_sequence_length")
+    __slots__ = ("model", "texts", "max_sequence_length", "cache_namespace")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     model: str
     texts: _containers.RepeatedScalarFieldContainer[str]
     max_sequence_length: int
-    def __init__(self, model: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., max_sequence_length: _Optional[int] = ...) -> None: ...
+    cache_namespace: bytes
+    def __init__(self, model: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., max_sequence_length: _Optional[int] = ..., cache_namespace: _Optional[bytes] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("tensor", "cache_hit")

@@ -1,0 +1,149 @@
+"""Length limits on every string and repeated field of the public requests, checked before anything else.
+
+A field's value can reach a log line, a metric label, the job store or an
+error message; a caller who may send megabytes in one field must be refused
+before any of them sees it. Each public request type lists the limit of every
+string, bytes and repeated field it has (nested messages included);
+`check_bounds` walks the message and refuses the first field over its limit
+with a RequestError (INVALID_ARGUMENT) that names the field and the limit,
+never the value. A field with no entry in `FIELD_LIMITS` is refused too, so a
+field added to the proto without a limit fails loudly (and a test checks
+that every field has one). Unknown fields (bytes a newer or hostile client
+added) are dropped, so that they are neither stored nor echoed back.
+
+The limits are generous upper bounds on what any valid request needs; the
+model's own limits (e.g. `ModelLimits.max_prompt_chars`) are checked later,
+once the model is known.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import grpc
+from google.protobuf.descriptor import FieldDescriptor, ServiceDescriptor
+from google.protobuf.message import Message
+
+from services.errors import RequestError
+
+MAX_MODEL_ID_CHARS = 128
+MAX_TEXT_CHARS = 65_536  # above any model's max_prompt_chars (10,000 for the families served today)
+MAX_REQUEST_ID_CHARS = 128
+MAX_JOB_ID_CHARS = 64  # job ids are 32 hex digits
+MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
+
+# Full message name -> field name -> the most characters (strings), bytes (bytes) or entries (repeated).
+FIELD_LIMITS: dict[str, dict[str, int]] = {
+    "stagediff.v1.GenerateRequest": {
+        "model": MAX_MODEL_ID_CHARS,
+        "prompt": MAX_TEXT_CHARS,
+        "negative_prompt": MAX_TEXT_CHARS,
+        "request_id": MAX_REQUEST_ID_CHARS,
+    },
+    "stagediff.v1.InterpolationParams": {"model_path": MAX_PATH_CHARS},
+    "stagediff.v1.GetJobRequest": {"job_id": MAX_JOB_ID_CHARS},
+    "stagediff.v1.WatchJobRequest": {"job_id": MAX_JOB_ID_CHARS},
+    "stagediff.v1.CancelJobRequest": {"job_id": MAX_JOB_ID_CHARS},
+    "stagediff.v1.ListJobsRequest": {},
+    "stagediff.v1.ListModelsRequest": {},
+    "stagediff.v1.GetClusterInfoRequest": {},
+}
+
+_SIZED_TYPES = (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
+
+
+def _is_repeated(field: FieldDescriptor) -> bool:
+    return field.is_repeated
+
+
+def sized_fields(descriptor) -> list[tuple[str, FieldDescriptor]]:
+    """(path, field) of every string, bytes and repeated field under a message type, nested ones included."""
+    found: list[tuple[str, FieldDescriptor]] = []
+
+    def walk(message_descriptor, prefix: str) -> None:
+        for field in message_descriptor.fields:
+            path = f"{prefix}{field.name}"
+            if _is_repeated(field) or field.type in _SIZED_TYPES:
+                found.append((path, field))
+            if field.type == FieldDescriptor.TYPE_MESSAGE and not _is_repeated(field):
+                walk(field.message_type, f"{path}.")
+
+    walk(descriptor, "")
+    return found
+
+
+def check_bounds(request: Message, prefix: str = "") -> None:
+    """Raises RequestError naming the first field of `request` over its limit; drops unknown fields."""
+    request.DiscardUnknownFields()
+    name = request.DESCRIPTOR.full_name
+    limits = FIELD_LIMITS.get(name)
+    if limits is None:
+        raise RequestError(f"request: {name} has no field limits; it cannot be accepted")
+    for field in request.DESCRIPTOR.fields:
+        path = f"{prefix}{field.name}"
+        if _is_repeated(field) or field.type in _SIZED_TYPES:
+            limit = limits.get(field.name)
+            if limit is None:
+                raise RequestError(f"{path}: this field has no length limit here; leave it empty")
+            size = len(getattr(request, field.name))
+            if size > limit:
+                unit = "characters" if field.type == FieldDescriptor.TYPE_STRING else "bytes"
+                if _is_repeated(field):
+                    unit = "entries"
+                raise RequestError(f"{path}: {size} {unit}; at most {limit} are allowed")
+        if field.type != FieldDescriptor.TYPE_MESSAGE or field.message_type.GetOptions().map_entry:
+            continue
+        if _is_repeated(field):
+            for index, item in enumerate(getattr(request, field.name)):
+                check_bounds(item, f"{path}[{index}].")
+        elif request.HasField(field.name):
+            check_bounds(getattr(request, field.name), f"{path}.")
+
+
+class RequestBoundsInterceptor(grpc.aio.ServerInterceptor):
+    """Runs `check_bounds` on every request of `services` before its handler, answering INVALID_ARGUMENT.
+
+    For unary-request methods (every method of the public API). Put it after the authentication
+    interceptor, so that an unauthenticated call is refused before its request is looked at.
+    """
+
+    def __init__(self, services: Iterable[ServiceDescriptor]) -> None:
+        services = list(services)
+        for service in services:
+            for method in service.methods:
+                if method.client_streaming:
+                    raise ValueError(f"{method.full_name}: request streams are not checked; bound them elsewhere")
+        self.services = frozenset(service.full_name for service in services)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        service = handler_call_details.method.lstrip("/").partition("/")[0]
+        if handler is None or service not in self.services:
+            return handler
+        deserializer, serializer = handler.request_deserializer, handler.response_serializer
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary_unary(request, context):
+                await _check(request, context)
+                return await inner(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, serializer)
+        inner_stream = handler.unary_stream
+
+        async def unary_stream(request, context):
+            await _check(request, context)
+            async for response in inner_stream(request, context):
+                yield response
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, serializer)
+
+
+async def _check(request, context: grpc.aio.ServicerContext) -> None:
+    # Bytes that did not parse arrive as a placeholder, which the request-decoding interceptor refuses.
+    if not isinstance(request, Message):
+        return
+    try:
+        check_bounds(request)
+    except RequestError as error:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))

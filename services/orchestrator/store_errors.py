@@ -1,0 +1,71 @@
+"""What can go wrong with the job store, and how failed file and database operations map to it.
+
+Every failure is a `StoreError` with a one-line message; running out of space
+(ENOSPC, EDQUOT, SQLite's SQLITE_FULL) is the subclass `StoreFull`, which the
+orchestrator answers with RESOURCE_EXHAUSTED rather than INTERNAL.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sqlite3
+from pathlib import Path
+
+OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class StoreError(Exception):
+    """The state directory cannot be used as asked."""
+
+
+class StoreFull(StoreError):
+    """The state directory's volume (or the database in it) is out of space."""
+
+
+class StateDirLocked(StoreError):
+    """Another process owns the state directory."""
+
+
+class UnknownJob(KeyError):
+    """No record with that job id."""
+
+
+class InvalidTransition(StoreError):
+    """The job's current state does not allow the change (e.g. it already finished)."""
+
+
+class ResultGone(StoreError):
+    """A result's file is no longer there: the job failed before it was complete, or it was deleted."""
+
+
+class DuplicateRequestId(StoreError):
+    """The tenant already has a job with this request id; `job_id` names it."""
+
+    def __init__(self, message: str, job_id: str) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+
+
+def io_error(error: OSError, what: str, *, with_path: bool = False) -> StoreError:
+    """A one-line StoreError (StoreFull when out of space) for a failed file operation.
+
+    Job-level messages may reach clients, so they name no server path; `with_path` is for the operator's.
+    """
+    kind = StoreFull if error.errno in OUT_OF_SPACE else StoreError
+    where = f" ({error.filename})" if with_path and error.filename else ""
+    return kind(f"{what}: {error.strerror or error}{where}")
+
+
+def db_error(error: sqlite3.Error) -> StoreError:
+    code = getattr(error, "sqlite_errorcode", None)
+    kind = StoreFull if code is not None and code & 0xFF == sqlite3.SQLITE_FULL else StoreError
+    return kind(f"the job database failed: {error}")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
