@@ -9,6 +9,7 @@ itself (dit_svc/group.py).
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import os
 import queue
@@ -21,12 +22,20 @@ import torch
 import torch.distributed as dist
 
 
+def _as_bytes(value: Any) -> bytes:
+    """`value` serialized with torch.save: tensors put on a queue as they are travel as file descriptors
+    that the receiver fetches from the sending process, which may have exited by then."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
 def _worker(rank: int, world_size: int, threads: int, init_file: str, fn: Callable, args: tuple, results) -> None:
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         try:
-            results.put((rank, "ok", fn(rank, world_size, *args)))
+            results.put((rank, "ok", _as_bytes(fn(rank, world_size, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:
@@ -57,7 +66,8 @@ def run_ranks(
                     raise TimeoutError(f"ranks {missing} did not finish within {timeout} s") from None
                 if status == "error":
                     raise RuntimeError(f"rank {rank} failed:\n{value}")
-                collected[rank] = value
+                # Our own child's output, so a full unpickle is safe.
+                collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
         finally:
             for process in processes:
                 process.join(timeout=30)
