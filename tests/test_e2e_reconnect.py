@@ -9,6 +9,7 @@ attaches to the job and receives its whole log. The frames equal an uninterrupte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Iterator
 
@@ -48,14 +49,12 @@ class DroppingProxy:
         self.writers += [client_writer, upstream_writer]
 
         async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
+            # A reset by `drop` (or by either end) ends the pipe; the other direction sees it too.
+            with contextlib.suppress(ConnectionError, OSError):
                 while data := await reader.read(1 << 16):
                     writer.write(data)
                     await writer.drain()
-            except (ConnectionError, OSError):
-                pass
-            finally:
-                writer.close()
+            writer.close()
 
         await asyncio.gather(pipe(client_reader, upstream_writer), pipe(upstream_reader, client_writer))
 
