@@ -1,5 +1,5 @@
-# Development entry points. torch is installed first and pinned, so that
-# installing the project does not pull another torch build.
+# Development entry points. The venv holds the client, the servers and the test tools; torch is installed
+# first and pinned, so that installing the project does not pull another torch build.
 
 PYTHON ?= python3
 VENV := .venv
@@ -14,7 +14,7 @@ venv: $(INSTALLED)
 $(INSTALLED): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install torch==$(TORCH_VERSION)
-	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install -e '.[server,dev]'
 	touch $@
 
 demo: venv

@@ -23,10 +23,12 @@ from pathlib import Path
 
 import torch
 
-from dit_svc.denoise import DenoiseSpec, WanDenoiser
+from dit_svc.denoise import DenoiseSpec
 from dit_svc.parallel import ParallelConfig
 from dit_svc.parallel.launch import run_ranks
-from stagediff.init_model import DEFAULT_REQUESTS, init_model
+from families.init_model import init_model
+from families.wan.denoise import WanDenoiser
+from families.wan.init_model import DEFAULT_REQUESTS
 
 LAYOUTS = {
     "ulysses2": ParallelConfig(ulysses_degree=2),
@@ -52,11 +54,14 @@ def _spec(preset: str, steps: int, size: tuple[int, int, int] | None = None) -> 
 def _step_seconds(denoiser: WanDenoiser, spec: DenoiseSpec) -> list[float]:
     """Seconds of each step after the first."""
     generator = torch.Generator().manual_seed(0)
-    prompt = torch.randn(1, 512, denoiser.text_dim, generator=generator)
-    negative = torch.randn(1, 512, denoiser.text_dim, generator=generator)
+    conditioning = {
+        "prompt_embeds": torch.randn(1, 512, denoiser.text_dim, generator=generator),
+        "negative_prompt_embeds": torch.randn(1, 512, denoiser.text_dim, generator=generator),
+    }
     stamps = [time.perf_counter()]
-    denoiser.denoise(spec, prompt, negative, on_step=lambda s, t: stamps.append(time.perf_counter()),
-                     cancelled=lambda: False)
+    denoiser.denoise(
+        spec, conditioning, on_step=lambda s, t: stamps.append(time.perf_counter()), cancelled=lambda: False
+    )
     return [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]
 
 

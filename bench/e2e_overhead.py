@@ -25,9 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from families.init_model import init_model
+from families.wan.init_model import DEFAULT_REQUESTS
 from stagediff import Client
-from stagediff.init_model import DEFAULT_REQUESTS, init_model
-from stagediff.local_cluster import LocalCluster
+from stagediff.local.supervisor import LocalCluster
 
 
 def main() -> None:

@@ -58,7 +58,7 @@ from pathlib import Path
 
 import grpc
 
-from stagediff.local_cluster import LocalCluster
+from stagediff.local.supervisor import LocalCluster
 from stagediff.v1 import generation_pb2, generation_pb2_grpc
 
 REPOSITORY = Path(__file__).resolve().parent.parent
@@ -67,7 +67,7 @@ SAMPLE_INTERVAL_S = 0.01
 # A client that sends 16 MiB strings and reads whole results: far above any size used here.
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
 PROMPT = "a red fox running through fresh snow"
-# The tiny preset's default size and steps (stagediff.init_model.DEFAULT_REQUESTS["tiny"]).
+# The tiny preset's default size and steps (families.wan.init_model.DEFAULT_REQUESTS["tiny"]).
 HEIGHT, WIDTH, STEPS, GUIDANCE = 64, 64, 2, 5.0
 TARGETS_MIB = {"refused_delta": 32, "replays_stored_peak_growth": 64}
 SERVE_ORCHESTRATOR = ("stagediff.cli", "serve", "orchestrator")

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
+from families.init_model import init_model
+from families.wan.init_model import DEFAULT_REQUESTS
 from stagediff import AsyncClient
-from stagediff.init_model import DEFAULT_REQUESTS, init_model
-from stagediff.local_cluster import LocalCluster
+from stagediff.local.supervisor import LocalCluster
 
 PROMPTS = ("a red fox running through fresh snow", "a lighthouse in a storm at night", "waves on a pebble beach")
 

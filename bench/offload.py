@@ -24,14 +24,14 @@ from pathlib import Path
 import torch
 from diffusers import WanTransformer3DModel
 
-from services.offload import (
+from dit_svc.offload import (
     ModuleOffloader,
     ResidencyCounter,
     apply_offload,
     group_offload_units,
     parameter_bytes,
 )
-from stagediff.init_model import DEFAULT_REQUESTS, build_transformer
+from families.wan.init_model import DEFAULT_REQUESTS, build_transformer
 
 
 def load_experts(path: Path, device: torch.device) -> list[torch.nn.Module]:

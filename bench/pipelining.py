@@ -78,10 +78,11 @@ from typing import Any
 
 import torch
 
+from families.init_model import init_model
+from families.wan.init_model import DEFAULT_REQUESTS
 from stagediff import AsyncClient
 from stagediff.client import Event, Progress
-from stagediff.init_model import DEFAULT_REQUESTS, init_model
-from stagediff.local_cluster import LocalCluster
+from stagediff.local.supervisor import LocalCluster
 
 PROMPTS = (
     "a red fox running through fresh snow, cinematic",

@@ -21,10 +21,12 @@ from pathlib import Path
 
 import torch
 
-from dit_svc.denoise import DenoiseSpec, WanDenoiser
+from dit_svc.denoise import DenoiseSpec
 from dit_svc.quantization import METHODS, parameter_bytes, quantize_transformer, torchao_available
-from stagediff.init_model import DEFAULT_REQUESTS, init_model
-from vae_svc.decode import WanStreamingDecoder
+from families.init_model import init_model
+from families.wan.decode import WanStreamingDecoder
+from families.wan.denoise import WanDenoiser
+from families.wan.init_model import DEFAULT_REQUESTS
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CPU = torch.device("cpu")
@@ -39,10 +41,12 @@ def generate(model: Path, spec: DenoiseSpec, dtype: torch.dtype, method: str | N
     denoiser = WanDenoiser(model, CPU, dtype)
     report = quantize_transformer(denoiser.transformer, method, [], backend=backend) if method else None
     generator = torch.Generator().manual_seed(1)
-    embeds = torch.randn(1, 32, denoiser.text_dim, generator=generator)
-    negative = torch.randn(1, 32, denoiser.text_dim, generator=generator)
+    conditioning = {
+        "prompt_embeds": torch.randn(1, 32, denoiser.text_dim, generator=generator),
+        "negative_prompt_embeds": torch.randn(1, 32, denoiser.text_dim, generator=generator),
+    }
     started = time.perf_counter()
-    latents = denoiser.denoise(spec, embeds, negative, on_step=lambda i, n: None, cancelled=lambda: False)
+    latents = denoiser.denoise(spec, conditioning, on_step=lambda i, n: None, cancelled=lambda: False)
     seconds = time.perf_counter() - started
     session = WanStreamingDecoder(model, CPU, torch.float32).session()
     frames = torch.cat([session.decode_next(latents[:, :, t : t + 1]) for t in range(latents.shape[2])])

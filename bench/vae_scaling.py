@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from dit_svc.parallel.launch import run_ranks
-from stagediff.init_model import DEFAULT_REQUESTS, init_model
-from vae_svc.decode import WanStreamingDecoder
+from families.init_model import init_model
+from families.wan.decode import WanStreamingDecoder
+from families.wan.init_model import DEFAULT_REQUESTS
 from vae_svc.patch_parallel import PatchParallelDecodeSession
 
 

@@ -1,30 +1,25 @@
-"""The Wan denoising loop, step for step as WanPipeline runs it.
+"""What every family's denoising loop shares: the request's arguments, the stage's view of a denoiser, and
+the two pieces of a step that do not depend on the model (agreeing to go on, running the guidance branches).
 
-The initial noise, the scheduler (the checkpoint's own, fresh per request since
-multistep schedulers keep state), classifier-free guidance with the negative
-prompt and the per-step dtype casts all follow WanPipeline, so that the latents
-equal what the in-process pipeline computes for the same arguments.
+A family's denoiser (families/<family>/denoise.py) follows its diffusers pipeline step for step, so that
+its latents equal the pipeline's for the same arguments. The stage constructs it with `make_denoiser`, which
+asks the checkpoint's family in the registry which class that is.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
+from typing import Protocol
 
-import diffusers
 import torch
-from diffusers import WanTransformer3DModel
-from diffusers.utils.torch_utils import randn_tensor
 
-from dit_svc.model_options import ModelOptions, apply_model_options
-from dit_svc.parallel import ParallelConfig, build_mesh, parallelize_transformer
+from dit_svc.model_options import ModelOptions
+from dit_svc.parallel import ParallelConfig
 from dit_svc.parallel.cfg import agree_to_continue, cfg_parallel_predictions
-from dit_svc.parallel.mesh import device_type_for
+from services.checkpoint import read_checkpoint
 from services.stage import Cancelled
-from services.weights import load_pretrained
 
 
 @dataclass(frozen=True)
@@ -43,137 +38,67 @@ class DenoiseSpec:
         return self.guidance_scale > 1.0
 
 
-class WanDenoiser:
-    """The denoising loop on one rank; with a parallel layout, every rank of the group runs it in step."""
+class Denoiser(Protocol):
+    """What the DiT stage asks of a family's denoiser."""
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        device: torch.device,
-        dtype: torch.dtype,
-        parallel: ParallelConfig | None = None,
-        options: ModelOptions | None = None,
-        load_threads: int = 4,
-    ) -> None:
-        model_dir = Path(model_dir)
-        index = json.loads((model_dir / "model_index.json").read_text())
-        self.device = device
-        self.parallel = parallel if parallel is not None and parallel.total_ranks > 1 else None
-        mesh = build_mesh(self.parallel, device_type_for(device)) if self.parallel is not None else None
-        load = partial(load_pretrained, device=device, dtype=dtype, num_threads=load_threads)
-        if self.parallel is not None and self.parallel.shards_weights:
-            # Tensor parallelism and HSDP are applied to the empty model, so that each rank reads only its shards.
-            load = partial(
-                load, shard_model=partial(parallelize_transformer, config=self.parallel, mesh=mesh, device=device)
-            )
-        self.transformer = load(WanTransformer3DModel, model_dir / "transformer").eval()
-        # Wan2.2 A14B: a second expert takes the low-noise steps, below boundary_ratio * num_train_timesteps.
-        self.transformer_2: WanTransformer3DModel | None = None
-        if index.get("transformer_2", [None, None])[1] is not None and (model_dir / "transformer_2").is_dir():
-            self.transformer_2 = load(WanTransformer3DModel, model_dir / "transformer_2").eval()
-        self.boundary_ratio: float | None = index.get("boundary_ratio")
-        if options is not None:
-            apply_model_options(self.experts, options, device)
-        scheduler_class = getattr(diffusers, index["scheduler"][1])
-        self.scheduler_config = scheduler_class.load_config(model_dir / "scheduler")
-        self.scheduler_class = scheduler_class
-        self.expand_timesteps = bool(index.get("expand_timesteps", False))
-        vae_config = json.loads((model_dir / "vae" / "config.json").read_text())
-        self.vae_scale_spatial = vae_config.get("scale_factor_spatial", 8)
-        self.vae_scale_temporal = vae_config.get("scale_factor_temporal", 4)
-        self.cfg_group = None
-        if self.parallel is not None:
-            if not self.parallel.shards_weights:
-                for expert in self.experts:
-                    parallelize_transformer(expert, self.parallel, mesh, device)
-            if self.parallel.cfg_degree > 1:
-                self.cfg_group = mesh["cfg"].get_group()
+    transformer: torch.nn.Module
 
     @property
-    def experts(self) -> list[WanTransformer3DModel]:
-        return [self.transformer] if self.transformer_2 is None else [self.transformer, self.transformer_2]
-
-    def expert_for(self, t: torch.Tensor, boundary_timestep: float | None) -> WanTransformer3DModel:
-        """WanPipeline's switch: the first expert at and above the boundary, the second below it."""
-        if boundary_timestep is None or self.transformer_2 is None or t >= boundary_timestep:
-            return self.transformer
-        return self.transformer_2
+    def experts(self) -> list[torch.nn.Module]:
+        """Every transformer the loop runs (Wan2.2 A14B has two), as their stage reports them."""
+        ...
 
     @property
     def text_dim(self) -> int:
-        return self.transformer.config.text_dim
+        """The width of the embeddings the transformer takes."""
+        ...
 
-    def latent_shape(self, spec: DenoiseSpec) -> tuple[int, int, int, int, int]:
-        return (
-            1,
-            self.transformer.config.in_channels,
-            (spec.num_frames - 1) // self.vae_scale_temporal + 1,
-            spec.height // self.vae_scale_spatial,
-            spec.width // self.vae_scale_spatial,
-        )
-
-    def initial_noise(self, spec: DenoiseSpec) -> torch.Tensor:
-        """The seed's noise, drawn as WanPipeline draws it with generator=torch.Generator('cpu').manual_seed(seed)."""
-        generator = torch.Generator("cpu").manual_seed(spec.seed)
-        return randn_tensor(self.latent_shape(spec), generator=generator, device=self.device, dtype=torch.float32)
-
-    @staticmethod
-    def _predict(
-        model: WanTransformer3DModel, latents: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor
-    ) -> torch.Tensor:
-        return model(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, return_dict=False)[0]
-
-    @torch.no_grad()
     def denoise(
         self,
         spec: DenoiseSpec,
-        prompt_embeds: torch.Tensor,
-        negative_prompt_embeds: torch.Tensor | None,
+        conditioning: dict[str, torch.Tensor],
         on_step: Callable[[int, int], None],
         cancelled: Callable[[], bool],
     ) -> torch.Tensor:
-        """Runs every step and returns float32 latents [1, C, T, h, w]; on_step(step, total) after each."""
-        transformer_dtype = self.transformer.dtype
-        prompt_embeds = prompt_embeds.to(self.device, transformer_dtype)
-        if spec.do_classifier_free_guidance:
-            if negative_prompt_embeds is None:
-                raise ValueError("negative_prompt_embeds are required when guidance_scale > 1")
-            negative_prompt_embeds = negative_prompt_embeds.to(self.device, transformer_dtype)
+        """Runs every step and returns float32 latents [1, C, T, h, w]; on_step(step, total) after each.
 
-        scheduler = self.scheduler_class.from_config(self.scheduler_config)
-        scheduler.set_timesteps(spec.num_inference_steps, device=self.device)
-        scheduler.set_begin_index(0)
-        timesteps = scheduler.timesteps
-        latents = self.initial_noise(spec)
-        mask = torch.ones(latents.shape, dtype=torch.float32, device=self.device)
-        boundary_timestep = None
-        if self.boundary_ratio is not None:
-            boundary_timestep = self.boundary_ratio * scheduler.config.num_train_timesteps
+        `conditioning` holds the tensors the family declares (families/base.py TensorSlot), by name.
+        """
+        ...
 
-        for i, t in enumerate(timesteps):
-            keep_going = not cancelled()
-            if self.parallel is not None:
-                keep_going = agree_to_continue(keep_going, self.device)
-            if not keep_going:
-                raise Cancelled()
-            latent_model_input = latents.to(transformer_dtype)
-            if self.expand_timesteps:
-                timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(latents.shape[0], -1)
-            else:
-                timestep = t.expand(latents.shape[0])
-            # guidance_scale_2 of WanPipeline is not exposed: both experts use the request's guidance scale.
-            predict = partial(self._predict, self.expert_for(t, boundary_timestep), latent_model_input, timestep)
-            if not spec.do_classifier_free_guidance:
-                noise_pred = predict(prompt_embeds)
-            else:
-                if self.cfg_group is not None:
-                    noise_pred, noise_uncond = cfg_parallel_predictions(
-                        predict, prompt_embeds, negative_prompt_embeds, self.cfg_group
-                    )
-                else:
-                    noise_pred = predict(prompt_embeds)
-                    noise_uncond = predict(negative_prompt_embeds)
-                noise_pred = noise_uncond + spec.guidance_scale * (noise_pred - noise_uncond)
-            latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-            on_step(i + 1, len(timesteps))
-        return latents
+
+def make_denoiser(
+    model_dir: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    parallel: ParallelConfig | None = None,
+    options: ModelOptions | None = None,
+    load_threads: int = 4,
+) -> Denoiser:
+    """The checkpoint's family's denoiser; every rank of a DiT group builds its own with this."""
+    denoiser_class = read_checkpoint(model_dir).traits.load("denoiser")
+    return denoiser_class(model_dir, device, dtype, parallel=parallel, options=options, load_threads=load_threads)
+
+
+def stop_if_cancelled(cancelled: Callable[[], bool], parallel: ParallelConfig | None, device: torch.device) -> None:
+    """Raises Cancelled before a step when the request is cancelled; in a group, rank 0's answer holds for all."""
+    keep_going = not cancelled()
+    if parallel is not None:
+        keep_going = agree_to_continue(keep_going, device)
+    if not keep_going:
+        raise Cancelled()
+
+
+def guidance_predictions(
+    predict: Callable[[object, str], torch.Tensor],
+    positive: object,
+    negative: object,
+    cfg_group: torch.distributed.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (cond, uncond) predictions of a CFG step: both on this rank, or one branch per CFG rank group.
+
+    `predict(conditioning, branch)` runs the transformer; `branch` is "cond" or "uncond".
+    """
+    if cfg_group is not None:
+        return cfg_parallel_predictions(predict, positive, negative, cfg_group)
+    return predict(positive, "cond"), predict(negative, "uncond")

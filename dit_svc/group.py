@@ -1,7 +1,7 @@
 """The DiT stage as a process group (see services/rank_group.py for how the group runs).
 
 The group may span several machines: node 0 is the stage (`DenoiserGroup`), every other node runs
-`serve_dit_node`, which follows it. Every rank holds the family's denoiser (dit_svc/denoisers.py) with
+`serve_dit_node`, which follows it. Every rank holds the family's denoiser (dit_svc/denoise.py make_denoiser) with
 the same parallel layout; for each request rank 0 hands the embeddings to the followers and all ranks
 run the denoising loop in step. At the start of each step rank 0 tells the group whether to go on
 (dit_svc/parallel/cfg.py), so a cancelled request stops every rank within a step.
@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from dit_svc.denoise import DenoiseSpec
-from dit_svc.denoisers import Denoiser, make_denoiser
+from dit_svc.denoise import Denoiser, DenoiseSpec, make_denoiser
 from dit_svc.model_options import ModelOptions
 from dit_svc.parallel import ParallelConfig
 from services.auth import TLSConfigError, server_credentials_from_args
@@ -38,11 +37,9 @@ class DitWorker:
     def __init__(self, denoiser: Denoiser) -> None:
         self.denoiser = denoiser
 
-    def handle(self, message: tuple[DenoiseSpec, torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-        spec, prompt_embeds, negative_prompt_embeds = message
-        return self.denoiser.denoise(
-            spec, prompt_embeds, negative_prompt_embeds, on_step=lambda step, total: None, cancelled=lambda: False
-        )
+    def handle(self, message: tuple[DenoiseSpec, dict[str, torch.Tensor]]) -> torch.Tensor:
+        spec, conditioning = message
+        return self.denoiser.denoise(spec, conditioning, on_step=lambda step, total: None, cancelled=lambda: False)
 
 
 def make_dit_worker(rank: int, device: torch.device, payload: DitPayload) -> DitWorker:
@@ -82,6 +79,10 @@ class DenoiserGroup:
         return self.denoiser.transformer
 
     @property
+    def experts(self) -> list[torch.nn.Module]:
+        return self.denoiser.experts
+
+    @property
     def text_dim(self) -> int:
         return self.denoiser.text_dim
 
@@ -91,8 +92,7 @@ class DenoiserGroup:
     def denoise(
         self,
         spec: DenoiseSpec,
-        prompt_embeds: torch.Tensor,
-        negative_prompt_embeds: torch.Tensor | None,
+        conditioning: dict[str, torch.Tensor],
         on_step: Callable[[int, int], None],
         cancelled: Callable[[], bool],
     ) -> torch.Tensor:
@@ -102,8 +102,8 @@ class DenoiserGroup:
             return cancelled() or self.group.failure() is not None
 
         return self.group.run(
-            (spec, prompt_embeds, negative_prompt_embeds),
-            lambda: self.denoiser.denoise(spec, prompt_embeds, negative_prompt_embeds, on_step, stop),
+            (spec, conditioning),
+            lambda: self.denoiser.denoise(spec, conditioning, on_step, stop),
         )
 
     def close(self) -> None:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dit_svc.offload import ModuleOffloader, apply_offload
 from dit_svc.quantization import QuantizationReport, quantize_transformer
-from services.offload import ModuleOffloader, apply_offload
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,10 @@
 """gRPC servicer of the denoising stage.
 
-The checkpoint's family picks the denoiser (dit_svc/denoisers.py). Wan takes "prompt_embeds" and, with
-CFG, "negative_prompt_embeds", each [1, L, dim]. Qwen-Image takes the same plus, optionally, a mask for
-each ("prompt_embeds_mask", "negative_prompt_embeds_mask": [1, L], 1 for a token, 0 for padding), as
-the text encoder sends them; its `guidance_scale` is QwenImagePipeline's `true_cfg_scale`.
+The checkpoint's family names its denoiser (families/<family>/denoise.py) and the conditioning tensors it
+takes (`Family.conditioning`), by the names the text encoder sends them under: embeddings [1, L, text_dim]
+("prompt_embeds" and, with CFG, "negative_prompt_embeds") and, where the family declares them, masks
+[1, L] ("<embeddings>_mask", 1 for a token, 0 for padding). The servicer checks each against its slot and
+hands them to the denoiser by name.
 """
 
 from __future__ import annotations
@@ -18,33 +19,26 @@ import diffusers
 import grpc
 import torch
 
-from dit_svc.denoise import DenoiseSpec
-from dit_svc.denoisers import Denoiser, make_denoiser
+from dit_svc.denoise import Denoiser, DenoiseSpec, make_denoiser
 from dit_svc.group import DenoiserGroup, serve_dit_node
 from dit_svc.model_options import ModelOptions
+from dit_svc.offload import validate_offload_flags
+from dit_svc.options import DEFAULT_MASTER_PORT, build_parser
 from dit_svc.parallel import ParallelConfig, ParallelConfigError
 from dit_svc.parallel.hsdp import local_parameter_bytes
+from dit_svc.parallel.mesh import refuse_unsupported_methods
 from dit_svc.quantization import linear_layer_names, parse_ignored_layers, validate_quantization_flags
-from dit_svc.qwen_denoise import QwenTextEmbeds, check_qwen_parallel
 from services.auth import CLUSTER_SECRET_ENV, ClusterSecretError, load_cluster_secret
 from services.checkpoint import CheckpointError, read_checkpoint
 from services.environment_options import parse_args
-from services.offload import validate_offload_flags
 from services.rank_group import ControlChannel, GroupFailure, NodeLayout, group_authkey
 from services.server import is_loopback
 from services.stage import RequestError, StageRuntime, abort_for
-from services.stage_main import StageServicer, add_stage_arguments, run_stage
-from services.tensor_codec import TensorAssembler, WireError, WireTensor, encode_tensor, expect_tensor
+from services.stage_main import StageServicer, run_stage
+from services.torch_wire import encode_tensor, to_torch
 from services.validation import validate_sampling, validate_seed, validate_size
+from stagediff.tensor_codec import TensorAssembler, WireError, WireTensor, expect_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
-
-EMBEDDING_DATATYPES = ("FP32", "BF16", "FP16")
-MASK_DATATYPES = ("INT64", "INT32", "BOOL")
-EMBEDDING_NAMES = ("prompt_embeds", "negative_prompt_embeds")
-MASK_NAMES = ("prompt_embeds_mask", "negative_prompt_embeds_mask")
-# torchrun's defaults for the store; the control channel of a multi-node group takes the next port.
-DEFAULT_MASTER_PORT = 29500
-DEFAULT_GROUP_PORT = 29501
 
 
 class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
@@ -57,7 +51,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         self.layout = node_layout_from(args)
         self.options = model_options_from(args) if Path(args.model, "model_index.json").is_file() else ModelOptions()
         self.denoiser: Denoiser | DenoiserGroup | None = None
-        self.takes_masks = runtime.spec.family == "qwen-image"
+        self.slots = {slot.name: slot for slot in runtime.spec.traits.conditioning}
         if self.parallel.total_ranks > 1:
             runtime.parallel_config = {**self.parallel.describe(), "nnodes": str(self.layout.nnodes)}
 
@@ -100,7 +94,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         runtime.parallel_config = {**runtime.parallel_config, **self.options.describe()}
         # With TP or HSDP a rank holds a shard: report what rank 0 holds (quantized weights at their stored size).
         local = self.denoiser.denoiser if isinstance(self.denoiser, DenoiserGroup) else self.denoiser
-        experts = getattr(local, "experts", [local.transformer])
+        experts = local.experts
         names = ("transformer", "transformer_2")[: len(experts)]
         runtime.parameter_bytes = {
             name: local_parameter_bytes(expert) for name, expert in zip(names, experts, strict=True)
@@ -128,17 +122,24 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
             seed=params.seed,
         )
 
-    def _check_embeds(self, tensor: WireTensor, max_length: int) -> None:
-        expect_tensor(tensor, name=tensor.name, datatypes=EMBEDDING_DATATYPES, ndim=3)
-        batch, length, dim = tensor.shape
-        if batch != 1 or not 1 <= length <= max_length or dim != self.denoiser.text_dim:
+    def _check_conditioning(self, tensor: WireTensor, received: dict[str, torch.Tensor]) -> None:
+        """Checks a conditioning tensor against the family's slot for its name (families/base.py TensorSlot)."""
+        slot = self.slots.get(tensor.name)
+        if slot is None or tensor.name in received:
             raise WireError(
-                f"tensor '{tensor.name}': shape {list(tensor.shape)} is not allowed; "
-                f"expected [1, L, {self.denoiser.text_dim}] with 1 <= L <= {max_length}"
+                f"tensor '{tensor.name}': expected each of {', '.join(repr(name) for name in self.slots)} at most "
+                "once ('prompt_embeds' always; 'negative_prompt_embeds' with guidance_scale > 1)"
             )
-
-    def _check_mask(self, tensor: WireTensor, max_length: int) -> None:
-        expect_tensor(tensor, name=tensor.name, datatypes=MASK_DATATYPES, ndim=2)
+        max_length = self.runtime.spec.sequence_length_limit
+        expect_tensor(tensor, name=tensor.name, datatypes=slot.datatypes, ndim=3 if slot.kind == "embeds" else 2)
+        if slot.kind == "embeds":
+            batch, length, dim = tensor.shape
+            if batch != 1 or not 1 <= length <= max_length or dim != self.denoiser.text_dim:
+                raise WireError(
+                    f"tensor '{tensor.name}': shape {list(tensor.shape)} is not allowed; "
+                    f"expected [1, L, {self.denoiser.text_dim}] with 1 <= L <= {max_length}"
+                )
+            return
         batch, length = tensor.shape
         if batch != 1 or not 1 <= length <= max_length:
             raise WireError(
@@ -146,14 +147,31 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
                 f"1 <= L <= {max_length}, L as in its embeddings"
             )
 
+    def _check_complete(self, spec: DenoiseSpec, received: dict[str, torch.Tensor]) -> None:
+        """Every slot the request needs arrived, and each mask matches its embeddings' length."""
+        for slot in self.slots.values():
+            needed = slot.needed == "always" or (slot.needed == "cfg" and spec.do_classifier_free_guidance)
+            if needed and slot.name not in received:
+                when = "required when guidance_scale > 1 (CFG)" if slot.needed == "cfg" else "missing"
+                raise RequestError(f"{slot.name}: {when}; send it after params")
+            if slot.of is not None and slot.name in received:
+                embeds = received.get(slot.of)
+                if embeds is None:
+                    raise RequestError(f"{slot.name}: sent without {slot.of}")
+                if received[slot.name].shape[1] != embeds.shape[1]:
+                    raise WireError(
+                        f"tensor '{slot.name}': length {received[slot.name].shape[1]} differs from the "
+                        f"{embeds.shape[1]} of '{slot.of}'"
+                    )
+                if not bool(received[slot.name].bool().any()):
+                    raise WireError(f"tensor '{slot.name}': the embeddings' mask marks no token")
+
     async def _receive(
         self, requests: AsyncIterator[stages_pb2.DenoiseRequest]
-    ) -> tuple[DenoiseSpec, torch.Tensor | QwenTextEmbeds, torch.Tensor | QwenTextEmbeds | None]:
+    ) -> tuple[DenoiseSpec, dict[str, torch.Tensor]]:
         spec: DenoiseSpec | None = None
         assembler = TensorAssembler()
-        embeds: dict[str, torch.Tensor] = {}
-        max_length = self.runtime.spec.sequence_length_limit
-        names = EMBEDDING_NAMES + MASK_NAMES if self.takes_masks else EMBEDDING_NAMES
+        received: dict[str, torch.Tensor] = {}
         async for request in requests:
             if request.HasField("params"):
                 if spec is not None:
@@ -165,53 +183,21 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
                 tensor = assembler.feed(request.tensor)
                 if tensor is None:
                     continue
-                if tensor.name not in names or tensor.name in embeds:
-                    masks = ", each optionally with its '<name>_mask'" if self.takes_masks else ""
-                    raise WireError(
-                        f"tensor '{tensor.name}': expected 'prompt_embeds' and, with guidance_scale > 1, "
-                        f"'negative_prompt_embeds', each once{masks}"
-                    )
-                if tensor.name in MASK_NAMES:
-                    self._check_mask(tensor, max_length)
-                else:
-                    self._check_embeds(tensor, max_length)
-                embeds[tensor.name] = tensor.to_torch()
+                self._check_conditioning(tensor, received)
+                received[tensor.name] = to_torch(tensor)
             else:
                 raise RequestError("part: each message must set params or tensor")
         assembler.finish()
         if spec is None:
             raise RequestError("params: missing; the first message must carry DenoiseParams")
-        if "prompt_embeds" not in embeds:
-            raise RequestError("prompt_embeds: missing; send the prompt's embeddings after params")
-        negative = embeds.get("negative_prompt_embeds")
-        if spec.do_classifier_free_guidance and negative is None:
-            raise RequestError("negative_prompt_embeds: required when guidance_scale > 1 (CFG)")
-        if not self.takes_masks:
-            return spec, embeds["prompt_embeds"], negative
-        return spec, *(self._text_embeds(name, embeds) for name in EMBEDDING_NAMES)
-
-    @staticmethod
-    def _text_embeds(name: str, received: dict[str, torch.Tensor]) -> QwenTextEmbeds | None:
-        """One text's embeddings with its mask, padding dropped; None when the text was not sent."""
-        embeds, mask = received.get(name), received.get(f"{name}_mask")
-        if embeds is None:
-            if mask is not None:
-                raise RequestError(f"{name}_mask: sent without {name}")
-            return None
-        if mask is not None and mask.shape[1] != embeds.shape[1]:
-            raise WireError(
-                f"tensor '{name}_mask': length {mask.shape[1]} differs from the {embeds.shape[1]} of '{name}'"
-            )
-        try:
-            return QwenTextEmbeds.from_wire(embeds, mask)
-        except ValueError as error:
-            raise WireError(f"tensor '{name}_mask': {error}") from None
+        self._check_complete(spec, received)
+        return spec, received
 
     async def Denoise(self, request_iterator, context):
         if self.denoiser is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "dit: still loading its model")
         try:
-            spec, prompt_embeds, negative_embeds = await self._receive(request_iterator)
+            spec, conditioning = await self._receive(request_iterator)
         except Exception as error:
             await abort_for(error, context, self.runtime.stage)
 
@@ -220,8 +206,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         def work(emit: Callable[[object], None], cancel: threading.Event) -> None:
             latents = denoiser.denoise(
                 spec,
-                prompt_embeds,
-                negative_embeds,
+                conditioning,
                 on_step=lambda step, total: emit(stages_pb2.DenoiseProgress(step=step, total=total)),
                 cancelled=cancel.is_set,
             )
@@ -240,37 +225,6 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"dit: {error}")
         except Exception as error:
             await abort_for(error, context, self.runtime.stage)
-
-
-def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("parallelism", "the world size is cfg x ring x ulysses x tp")
-    group.add_argument("--ulysses-degree", "--usp", type=int, default=1, help="Ulysses sequence parallel degree")
-    group.add_argument("--ring-degree", "--ring", type=int, default=1, help="Ring attention degree")
-    group.add_argument("--cfg-parallel-size", type=int, default=1, choices=[1, 2], help="one rank group per branch")
-    group.add_argument("--tensor-parallel-size", type=int, default=1, help="attention heads and MLP sharded")
-    group.add_argument("--use-hsdp", action="store_true", help="shard each block's weights with FSDP2")
-    group.add_argument("--hsdp-shard-size", type=int, default=None, help="ranks a weight is sharded over")
-    group.add_argument("--hsdp-replicate-size", type=int, default=1, help="replicas of the sharded weights")
-    nodes = parser.add_argument_group(
-        "nodes",
-        "one group over several machines, as torchrun's static rendezvous: start the same command on each with "
-        "its --node-rank; node r runs ranks r*L..r*L+L-1 (L = world size / nnodes); node 0 serves the stage",
-    )
-    nodes.add_argument("--nnodes", type=int, default=1, help="machines the group spans (default 1)")
-    nodes.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1 (default 0)")
-    nodes.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (default 127.0.0.1)")
-    nodes.add_argument(
-        "--master-port",
-        type=int,
-        default=None,
-        help=f"torch.distributed's TCP store on node 0 (default {DEFAULT_MASTER_PORT}; on one node a free port)",
-    )
-    nodes.add_argument(
-        "--group-port",
-        type=int,
-        default=DEFAULT_GROUP_PORT,
-        help=f"node 0's control channel, which the other nodes connect to (default {DEFAULT_GROUP_PORT})",
-    )
 
 
 def parallel_config_from(args: argparse.Namespace) -> ParallelConfig:
@@ -299,7 +253,7 @@ def check_parallel_layout(args: argparse.Namespace) -> None:
         else None
     )
     try:
-        family = read_checkpoint(args.model).family
+        family = read_checkpoint(args.model).traits
     except CheckpointError:
         family = None  # the stage itself reports what is wrong with the checkpoint
     check_node_layout(args, config, devices)
@@ -309,8 +263,8 @@ def check_parallel_layout(args: argparse.Namespace) -> None:
             transformer_config["num_attention_heads"],
             available_devices=None if devices is None else devices * args.nnodes,
         )
-        if family == "qwen-image":
-            check_qwen_parallel(config)
+        if family is not None:
+            refuse_unsupported_methods(config, family)
     except ParallelConfigError as error:
         raise SystemExit(f"stagediff serve dit: {error}") from None
 
@@ -381,19 +335,6 @@ def node_layout_from(args: argparse.Namespace) -> NodeLayout:
     )
 
 
-def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("memory", "quantization and CPU offload of the transformer(s)")
-    group.add_argument("--quantization", choices=["fp8", "int8"], default=None, help="weight-only, per output channel")
-    group.add_argument(
-        "--ignored-layers", default="", help="comma-separated linear layer names or patterns kept in full precision"
-    )
-    group.add_argument("--enable-cpu-offload", action="store_true", help="experts wait in CPU memory when not in use")
-    group.add_argument(
-        "--enable-layerwise-offload", action="store_true", help="blocks stream to the device one group at a time"
-    )
-    group.add_argument("--offload-blocks", type=int, default=1, help="blocks resident at once with layerwise offload")
-
-
 def model_options_from(args: argparse.Namespace) -> ModelOptions:
     """The memory options, refusing combinations that cannot work (a SystemExit naming the valid choices)."""
     try:
@@ -429,11 +370,7 @@ def _meta_transformer(model: str) -> torch.nn.Module:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="stagediff serve dit", description=__doc__)
-    add_stage_arguments(parser, default_port=50062)
-    add_parallel_arguments(parser)
-    add_memory_arguments(parser)
-    args = parse_args(parser, argv)
+    args = parse_args(build_parser(), argv)
     if Path(args.model, "transformer", "config.json").is_file():
         check_parallel_layout(args)
     else:

@@ -7,11 +7,14 @@ import argparse
 import grpc
 
 from interp_svc.interpolate import StreamingInterpolator
+from interp_svc.options import build_parser
 from interp_svc.rife import SUPPORTED_SCALES, IFNet, StreamingRifeInterpolator, load_rife
+from services.checkpoint import CheckpointSpec
 from services.environment_options import parse_args
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
-from services.stage_main import StageServicer, add_stage_arguments, run_stage
-from services.tensor_codec import TensorAssembler, WireError, encode_tensor, expect_tensor
+from services.stage_main import StageServicer, run_stage
+from services.torch_wire import encode_tensor
+from stagediff.tensor_codec import TensorAssembler, WireError, expect_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 
 MAX_EXP = 4
@@ -23,6 +26,9 @@ class InterpolatorServicer(stages_pb2_grpc.InterpolatorServicer, StageServicer):
     def __init__(self, args: argparse.Namespace, runtime: StageRuntime) -> None:
         self.runtime = runtime
         self.model_path = args.interp_model_path
+        # The largest frames taken: the checkpoint's limits, or without --model those every checkpoint has.
+        bounds = runtime.spec if runtime.spec is not None else CheckpointSpec
+        self.max_height, self.max_width = bounds.max_height, bounds.max_width
         self.rife: IFNet | None = None
         self.loaded = False
 
@@ -62,7 +68,6 @@ class InterpolatorServicer(stages_pb2_grpc.InterpolatorServicer, StageServicer):
     async def Interpolate(self, request_iterator, context):
         if not self.loaded:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "interp: still starting")
-        spec = self.runtime.spec
         try:
             interpolator: StreamingInterpolator | None = None
             assembler = TensorAssembler()
@@ -83,10 +88,10 @@ class InterpolatorServicer(stages_pb2_grpc.InterpolatorServicer, StageServicer):
                     continue
                 expect_tensor(tensor, name="frames", datatypes=("UINT8",), ndim=4)
                 count, height, width, channels = tensor.shape
-                if count < 1 or channels != 3 or not (1 <= height <= spec.max_height and 1 <= width <= spec.max_width):
+                if count < 1 or channels != 3 or not (1 <= height <= self.max_height and 1 <= width <= self.max_width):
                     raise WireError(
                         f"tensor 'frames': shape {list(tensor.shape)} is not allowed; expected [n >= 1, H, W, 3] "
-                        f"with H <= {spec.max_height} and W <= {spec.max_width}"
+                        f"with H <= {self.max_height} and W <= {self.max_width}"
                     )
                 if frame_shape is not None and tensor.shape[1:] != frame_shape:
                     raise WireError(
@@ -106,12 +111,7 @@ class InterpolatorServicer(stages_pb2_grpc.InterpolatorServicer, StageServicer):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="stagediff serve interp", description=__doc__)
-    add_stage_arguments(parser, default_port=50064)
-    parser.add_argument(
-        "--interp-model-path", default="", help="RIFE 4.22.lite or 4.25 flownet.pkl (default: optical flow, no weights)"
-    )
-    run_stage("interp", parse_args(parser, argv), InterpolatorServicer)
+    run_stage("interp", parse_args(build_parser(), argv), InterpolatorServicer)
 
 
 if __name__ == "__main__":

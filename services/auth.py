@@ -1,10 +1,8 @@
-"""Who may call: tenants on the public port, the cluster's shared secret between services, TLS.
+"""Who may call a cluster's services: the cluster's shared secret between services, and TLS.
 
-Three independent pieces, each opt-in:
+Two independent pieces, each opt-in (tenants' API keys on the orchestrator's
+public port are services/orchestrator/tenant_auth.py, which builds on this):
 
-* `TenantAuthInterceptor` (public port): every call but health and reflection
-  must present a tenant's API key (`authorization: Bearer <key>`); others get
-  UNAUTHENTICATED. The handler reads the caller with `current_tenant()`.
 * `ClusterSecretInterceptor` (stage ports) and `cluster_channel` or
   `cluster_secret_interceptors` (the orchestrator's channels to them): internal calls carry the cluster's shared
   secret in `x-stagediff-cluster-secret` metadata, so a stage answers only
@@ -28,20 +26,17 @@ kind that aborts.
 from __future__ import annotations
 
 import argparse
-import contextvars
 import hmac
-import inspect
 import logging
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from services.orchestrator.tenants import AuthenticationError, Tenant, TenantRegistry
 from services.server import GRPC_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -56,8 +51,6 @@ _SECRET_CHARS = re.compile(r"^[\x21-\x7e]+$")
 
 # A refusal of each kind is logged at most this often; the next line says how many were not.
 REFUSAL_LOG_INTERVAL_S = 1.0
-
-_tenant: contextvars.ContextVar[Tenant] = contextvars.ContextVar("stagediff_tenant")
 
 
 class RateLimitedLog:
@@ -101,98 +94,34 @@ class RateLimitedLog:
         return True
 
 
-def current_tenant() -> Tenant:
-    """The tenant of the call being handled, set by TenantAuthInterceptor.
-
-    Each call runs in its own asyncio task, so the value is the caller's for
-    the whole handler, including inside the async generators of streaming RPCs
-    and in tasks the handler creates (they copy the context). Raises
-    LookupError outside a call that went through the interceptor.
-    """
-    return _tenant.get()
-
-
-def _service_of(method: str) -> str:
+def service_of(method: str) -> str:
     """'/pkg.Service/Method' -> 'pkg.Service'."""
     return method.lstrip("/").partition("/")[0]
 
 
-def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that aborts at once, without parsing the request."""
+def refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that aborts at once, without parsing the request.
+
+    Streamed responses come from an async generator, as in every servicer here: the interceptors
+    that wrap it (tracing among them) iterate what a response-streaming handler returns.
+    """
 
     async def abort(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(code, message)
 
+    async def abort_stream(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await context.abort(code, message)
+        yield  # never reached: abort raises; the yield makes this an async generator
+
     serializer = handler.response_serializer
     # No deserializer: the bytes of a refused call are never parsed.
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort, None, serializer)
+        return grpc.stream_stream_rpc_method_handler(abort_stream, None, serializer)
     if handler.request_streaming:
         return grpc.stream_unary_rpc_method_handler(abort, None, serializer)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort, None, serializer)
+        return grpc.unary_stream_rpc_method_handler(abort_stream, None, serializer)
     return grpc.unary_unary_rpc_method_handler(abort, None, serializer)
-
-
-def _with_tenant(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMethodHandler:
-    """`handler`, with `current_tenant()` set to `tenant` while it runs."""
-    deserializer, serializer = handler.request_deserializer, handler.response_serializer
-    if not handler.response_streaming:
-        inner: Callable[..., Awaitable[Any]] = handler.stream_unary or handler.unary_unary
-
-        async def unary_response(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-            _tenant.set(tenant)
-            return await inner(request_or_iterator, context)
-
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(unary_response, deserializer, serializer)
-        return grpc.unary_unary_rpc_method_handler(unary_response, deserializer, serializer)
-
-    inner_stream = handler.stream_stream or handler.unary_stream
-
-    async def streaming_response(request_or_iterator: Any, context: grpc.aio.ServicerContext):
-        _tenant.set(tenant)
-        result = inner_stream(request_or_iterator, context)
-        if inspect.isasyncgen(result):
-            async for response in result:
-                yield response
-        else:  # a coroutine that answers with context.write()
-            await result
-
-    if handler.request_streaming:
-        return grpc.stream_stream_rpc_method_handler(streaming_response, deserializer, serializer)
-    return grpc.unary_stream_rpc_method_handler(streaming_response, deserializer, serializer)
-
-
-class TenantAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Authenticates every call on the public port with the tenant registry.
-
-    A call with no key or a wrong one ends with UNAUTHENTICATED before its
-    handler runs; otherwise the handler runs with `current_tenant()` set.
-    Health and reflection stay open (`exempt_services`), so load balancers and
-    grpcurl need no key. Put it first in the server's interceptors: a refused
-    call then runs none of the handlers the later ones wrap. Handlers must be
-    coroutines or async generators, as on every aio servicer here.
-    """
-
-    def __init__(
-        self, registry: TenantRegistry, exempt_services: Iterable[str] = (HEALTH_SERVICE, *REFLECTION_SERVICES)
-    ) -> None:
-        self.registry = registry
-        self.exempt_services = frozenset(exempt_services)
-        self.refusals = RateLimitedLog(logger, logging.INFO)
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None or _service_of(handler_call_details.method) in self.exempt_services:
-            return handler
-        try:
-            tenant = self.registry.authenticate(handler_call_details.invocation_metadata)
-        except AuthenticationError as error:
-            # The method is one this server serves (handler is not None): a bounded set.
-            self.refusals.log("api-key", "refused %s: %s", handler_call_details.method, error.message)
-            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, error.message)
-        return _with_tenant(handler, tenant)
 
 
 # -------------------------------------------------------- cluster secret --
@@ -265,13 +194,13 @@ class ClusterSecretInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or _service_of(handler_call_details.method) in self.exempt_services:
+        if handler is None or service_of(handler_call_details.method) in self.exempt_services:
             return handler
         reason = self._refusal_reason(handler_call_details.invocation_metadata)
         if reason is None:
             return handler
         self.refusals.log("cluster-secret", "refused %s: %s", handler_call_details.method, reason)
-        return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, reason)
+        return refusing_handler(handler, grpc.StatusCode.UNAUTHENTICATED, reason)
 
 
 class _SecretMetadata:

@@ -13,33 +13,16 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from families.base import Family, RequestDefaults
+from families.registry import REGISTRY, family_for_index, family_named
 from stagediff.v1 import stages_pb2
 
-# model_index.json `_class_name` -> family name. A WanPipeline with two experts is its own family
-# (see family_of).
-FAMILY_OF_PIPELINE = {"WanPipeline": "wan-t2v", "QwenImagePipeline": "qwen-image"}
-# Families whose stages run the Wan compute (UMT5 encoder, WanDenoiser, streaming Wan VAE).
-WAN_FAMILIES = ("wan-t2v", "wan2.2-a14b")
-# Families that make one image per request.
-IMAGE_FAMILIES = ("qwen-image",)
 # Optional file written by `stagediff init-model` with the request a preset is sized for.
 DEFAULTS_FILE = "stagediff.json"
 
 
 class CheckpointError(ValueError):
     """The directory is not a checkpoint this build can serve."""
-
-
-@dataclass(frozen=True)
-class RequestDefaults:
-    """Used for fields a request leaves unset; the Wan2.1 reference values unless the checkpoint says otherwise."""
-
-    height: int = 480
-    width: int = 832
-    num_frames: int = 81
-    num_inference_steps: int = 50
-    guidance_scale: float = 5.0
-    fps: float = 16.0
 
 
 @dataclass(frozen=True)
@@ -63,8 +46,9 @@ class CheckpointSpec:
     sequence_length_limit: int = 2048
 
     @property
-    def is_wan(self) -> bool:
-        return self.family in WAN_FAMILIES
+    def traits(self) -> Family:
+        """The family's declarations (families/): its chain, conditioning, features and compute."""
+        return family_named(self.family)
 
     @property
     def height_multiple(self) -> int:
@@ -105,75 +89,33 @@ def _read_json(path: Path) -> dict:
         raise CheckpointError(f"{path} is not valid JSON: {error}") from None
 
 
-def family_of(index: dict) -> str | None:
-    """The family of a model_index.json, or None when this build cannot serve it.
-
-    Wan2.2-T2V-A14B is a WanPipeline with a second expert: model_index.json names `transformer_2` and
-    sets the pipeline config entry `boundary_ratio`.
-    """
-    family = FAMILY_OF_PIPELINE.get(index.get("_class_name", ""))
-    if family == "wan-t2v" and index.get("boundary_ratio") is not None and _names_component(index, "transformer_2"):
-        return "wan2.2-a14b"
-    return family
-
-
-def _names_component(index: dict, name: str) -> bool:
-    entry = index.get(name)
-    return isinstance(entry, list) and len(entry) == 2 and entry[1] is not None
-
-
-# Request defaults of real checkpoints (without a stagediff.json): each family's reference values.
-# Qwen-Image: QwenImagePipeline's defaults (1024x1024, 50 steps, true_cfg_scale 4).
-FAMILY_DEFAULTS = {
-    "qwen-image": RequestDefaults(height=1024, width=1024, num_frames=1, num_inference_steps=50, guidance_scale=4.0),
-}
-
-
 def read_checkpoint(path: str | Path, model_id: str | None = None) -> CheckpointSpec:
     """Reads a checkpoint's configs; raises CheckpointError naming what is wrong."""
     root = Path(path).expanduser().resolve()
     if not root.is_dir():
         raise CheckpointError(f"model directory {root} does not exist")
     index = _read_json(root / "model_index.json")
-    pipeline = index.get("_class_name", "")
-    family = family_of(index)
+    family = family_for_index(index)
     if family is None:
         raise CheckpointError(
-            f"{root}: pipeline '{pipeline}' is not supported; supported: {', '.join(FAMILY_OF_PIPELINE)}"
+            f"{root}: pipeline '{index.get('_class_name', '')}' is not supported; supported: {', '.join(REGISTRY)}"
         )
-    vae = _read_json(root / "vae" / "config.json")
-    transformer = _read_json(root / "transformer" / "config.json")
-    scheduler = _read_json(root / "scheduler" / "scheduler_config.json")
-    temporal_downsample = vae.get("temperal_downsample", [False, True, True])
-    defaults = FAMILY_DEFAULTS.get(family, RequestDefaults())
+    configs = {
+        "vae": _read_json(root / "vae" / "config.json"),
+        "transformer": _read_json(root / "transformer" / "config.json"),
+        "scheduler": _read_json(root / "scheduler" / "scheduler_config.json"),
+    }
+    defaults = family.defaults
     defaults_path = root / DEFAULTS_FILE
     if defaults_path.exists():
         defaults = RequestDefaults(**_read_json(defaults_path).get("default_request", {}))
-    if family == "qwen-image":
-        # An image model: 2x2 patches over the latent image (an int patch_size), VAE latents of z_dim
-        # channels, one frame; QwenImagePipeline refuses max_sequence_length above 1024.
-        patch = transformer.get("patch_size", 2)
-        return CheckpointSpec(
-            path=root,
-            model_id=model_id or root.name,
-            family=family,
-            vae_scale_spatial=2 ** len(temporal_downsample),
-            vae_scale_temporal=2 ** sum(temporal_downsample),
-            patch_size=(1, patch, patch),
-            latent_channels=vae.get("z_dim", 16),
-            num_train_timesteps=scheduler.get("num_train_timesteps", 1000),
-            defaults=defaults,
-            max_frames=1,
-            sequence_length_limit=1024,
-        )
+    # The family reads its geometry (VAE and patch factors, latent channels, its limits) from the configs.
+    geometry = family.load("checkpoint_reader")(configs)
     return CheckpointSpec(
         path=root,
         model_id=model_id or root.name,
-        family=family,
-        vae_scale_spatial=vae.get("scale_factor_spatial", 2 ** len(temporal_downsample)),
-        vae_scale_temporal=vae.get("scale_factor_temporal", 2 ** sum(temporal_downsample)),
-        patch_size=tuple(transformer.get("patch_size", (1, 2, 2))),
-        latent_channels=transformer.get("in_channels", vae.get("z_dim", 16)),
-        num_train_timesteps=scheduler.get("num_train_timesteps", 1000),
+        family=family.name,
+        num_train_timesteps=configs["scheduler"].get("num_train_timesteps", 1000),
         defaults=defaults,
+        **geometry,
     )

@@ -28,7 +28,7 @@ from wsgiref.simple_server import WSGIServer
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
-from services.tracing import PROBE_SERVICES, observed_call, wrap_rpc_handler
+from services.call_scope import PROBE_SERVICES, observed_call, wrap_rpc_handler
 
 PREFIX = "stagediff_"
 DEFAULT_LABEL = "default"  # for a tenant or priority class the request does not name

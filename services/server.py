@@ -23,11 +23,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from services.call_scope import PROBE_SERVICES, observed_call, wrap_rpc_handler
 from services.errors import RequestError
 from services.logging_setup import configure_logging as _configure_logging
 from services.metrics import MetricsServerInterceptor, ServerMetrics
-from services.status_details import abort_with_retry
-from services.tracing import PROBE_SERVICES, TracingServerInterceptor, observed_call, wrap_rpc_handler
+from services.tracing import server_interceptor as tracing_server_interceptor
+from stagediff.status_details import abort_with_retry
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +282,7 @@ async def serve(
     `max_health_watchers` of those slots. `options` are grpc channel arguments that replace those of
     GRPC_OPTIONS with the same name (a public port that takes no tensors lowers its receive limit).
     """
-    observing: list[grpc.aio.ServerInterceptor] = [TracingServerInterceptor(), AccessLogInterceptor()]
+    observing: list[grpc.aio.ServerInterceptor] = [tracing_server_interceptor(), AccessLogInterceptor()]
     if metrics is not None:
         observing.append(MetricsServerInterceptor(metrics))
     server = grpc.aio.server(

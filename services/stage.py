@@ -23,8 +23,8 @@ import torch
 
 from services.checkpoint import CheckpointSpec
 from services.errors import RequestError, bounded
-from services.tensor_codec import WireError
 from stagediff import __version__
+from stagediff.tensor_codec import WireError
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -70,8 +70,9 @@ _DONE = object()
 class StageRuntime:
     """The stage's identity, its compute thread, and its info for GetStageInfo."""
 
-    def __init__(self, stage: str, spec: CheckpointSpec, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, stage: str, spec: CheckpointSpec | None, device: torch.device, dtype: torch.dtype) -> None:
         self.stage = stage
+        # None for a stage started without a checkpoint (one that does not read it: the interpolator).
         self.spec = spec
         self.device = device
         self.dtype = dtype
@@ -86,12 +87,12 @@ class StageRuntime:
         self.weights_path = ""
 
     def info(self) -> stages_pb2.StageInfo:
-        limits = self.spec.limits()
+        limits = self.spec.limits() if self.spec is not None else stages_pb2.ModelLimits()
         limits.min_height = max(limits.min_height, self.min_height)
         return stages_pb2.StageInfo(
             stage=self.stage,
-            model=self.spec.model_id,
-            family=self.spec.family,
+            model=self.spec.model_id if self.spec is not None else "",
+            family=self.spec.family if self.spec is not None else "",
             device=str(self.device),
             parallel_config=self.parallel_config,
             parameter_bytes=self.parameter_bytes,

@@ -1,4 +1,4 @@
-"""Command-line options and startup shared by the four stage services."""
+"""Startup shared by the stage services (their options: services/stage_options.py)."""
 
 from __future__ import annotations
 
@@ -16,47 +16,18 @@ from services.auth import (
     ClusterSecretError,
     ClusterSecretInterceptor,
     TLSConfigError,
-    add_cluster_secret_argument,
-    add_tls_arguments,
     load_cluster_secret,
     server_credentials_from_args,
 )
 from services.checkpoint import CheckpointSpec, read_checkpoint
-from services.logging_setup import add_logging_arguments, bind_log_fields
-from services.metrics import ServerMetrics, add_metrics_arguments, start_metrics_server
-from services.server import add_server_arguments, check_server_arguments, configure_logging, serve
+from services.logging_setup import bind_log_fields
+from services.metrics import ServerMetrics, start_metrics_server
+from services.server import check_server_arguments, configure_logging, serve
 from services.stage import StageControlServicer, StageRuntime, resolve_device, resolve_dtype
 from services.tracing import configure_tracing
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-
-def add_stage_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
-    parser.add_argument("--model", required=True, help="diffusers checkpoint directory")
-    parser.add_argument("--model-name", default=None, help="model id to serve under (default: directory name)")
-    add_server_arguments(parser)
-    parser.add_argument("--port", type=int, default=default_port)
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument(
-        "--num-weight-load-threads", type=int, default=4, help="threads reading safetensors shards (default 4)"
-    )
-    parser.add_argument(
-        "--disable-multithread-weight-load", action="store_true", help="read shards one at a time, in one thread"
-    )
-    add_cluster_secret_argument(parser)
-    parser.add_argument(
-        "--insecure",
-        action="store_true",
-        help="serve without a cluster secret, answering any caller that reaches the port "
-        "(default: refuse to start without one)",
-    )
-    add_tls_arguments(parser)
-    add_logging_arguments(parser)
-    add_metrics_arguments(parser)
 
 
 class StageServicer(abc.ABC):
@@ -84,15 +55,18 @@ class StageServicer(abc.ABC):
         """Releases what load() started (worker ranks); called once the server has drained."""
 
 
-def prepare_stage_process(stage: str, args: argparse.Namespace) -> tuple[CheckpointSpec, torch.device, torch.dtype]:
-    """Logging, intra-op threads, and the checkpoint, device and dtype the options name; a bad one exits
-    with a one-line message instead of a traceback."""
+def prepare_stage_process(
+    stage: str, args: argparse.Namespace
+) -> tuple[CheckpointSpec | None, torch.device, torch.dtype]:
+    """Logging, intra-op threads, and the checkpoint (None for a stage started without --model, which only
+    a stage that does not read it allows), device and dtype the options name; a bad one exits with a
+    one-line message instead of a traceback."""
     configure_logging(args.log_level, args.log_format)
     bind_log_fields(stage=stage)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     try:
-        spec = read_checkpoint(args.model, args.model_name)
+        spec = read_checkpoint(args.model, args.model_name) if args.model is not None else None
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
     except ValueError as error:  # CheckpointError included: say what is wrong, without a traceback

@@ -13,8 +13,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    """The client classes, imported on first use: services import `stagediff.v1` without pulling the client in
-    (the client itself uses services.tensor_codec, which would otherwise import it half-initialised)."""
+    """The client classes, imported on first use: servers import `stagediff.v1`, `stagediff.tensor_codec` and
+    `stagediff.status_details` without loading the client and its event-loop machinery."""
     if name in ("AsyncClient", "Client", "GenerationResult", "StageDiffError"):
         from stagediff import client
 

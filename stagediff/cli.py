@@ -1,21 +1,23 @@
-"""The `stagediff` command line: init-model, up, serve, generate, health, info."""
+"""The `stagediff` command line: init-model, up, serve, generate, health, info.
+
+The client commands (generate, health, info) and `--help` load the client alone. The server commands
+(init-model, up, serve) are declared here by name and help only; each imports its module, which brings torch
+and the server packages, and parses its own options once it is chosen.
+"""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
+from collections.abc import Callable
 
-SERVE_TARGETS = {
-    "orchestrator": "services.orchestrator.service",
-    "text-encoder": "text_encoder_svc.service",
-    "dit": "dit_svc.service",
-    "vae": "vae_svc.service",
-    "interp": "interp_svc.service",
-}
+from stagediff import client_cli
 
 
 def _serve(argv: list[str]) -> int:
+    # The orchestrator and every stage kind of services/stage_table.py (a server command: loaded when run).
+    from services.stage_table import SERVE_TARGETS
+
     if not argv or argv[0] not in SERVE_TARGETS:
         print(f"usage: stagediff serve {{{','.join(SERVE_TARGETS)}}} [options]", file=sys.stderr)
         return 2
@@ -25,44 +27,62 @@ def _serve(argv: list[str]) -> int:
     return 0
 
 
-def _init_model(args: argparse.Namespace) -> int:
-    from stagediff.init_model import init_model
+def _up(argv: list[str]) -> int:
+    from stagediff.local.up import main as up
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    path = init_model(args.family, args.preset, args.out, seed=args.seed)
-    print(path)
-    return 0
+    return up(argv)
 
 
-def _add_init_model_parser(commands: argparse._SubParsersAction) -> None:
-    from stagediff.init_model import FAMILIES, PRESETS
+def _init_model(argv: list[str]) -> int:
+    import logging
 
-    parser = commands.add_parser("init-model", help="write a random-weight checkpoint with the real classes")
-    parser.add_argument("--family", required=True, choices=FAMILIES)
+    from families.init_model import PRESETS, init_model
+    from families.registry import FAMILY_NAMES
+
+    parser = argparse.ArgumentParser(
+        prog="stagediff init-model",
+        description="Writes a random-weight diffusers checkpoint with the real classes, config keys and a tokenizer.",
+    )
+    parser.add_argument("--family", required=True, choices=FAMILY_NAMES)
     parser.add_argument("--preset", required=True, choices=PRESETS)
     parser.add_argument("--out", required=True, help="directory to write the checkpoint to")
     parser.add_argument("--seed", type=int, default=0)
-    parser.set_defaults(func=_init_model)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(init_model(args.family, args.preset, args.out, seed=args.seed))
+    return 0
+
+
+# name -> (help, handler of the arguments after the name)
+SERVER_COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+    "init-model": ("write a random-weight checkpoint with the real classes", _init_model),
+    "up": ("run the docker-compose topology as local processes", _up),
+    "serve": ("run one service: the orchestrator or a stage (`stagediff serve` lists them)", _serve),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stagediff", description="Serve diffusion models as gRPC stage services.")
     commands = parser.add_subparsers(dest="command", required=True)
-
-    from stagediff import client_cli, local_cluster
-
-    _add_init_model_parser(commands)
-    local_cluster.add_parser(commands)
-    commands.add_parser("serve", help="run one service: " + ", ".join(SERVE_TARGETS), add_help=False)
+    for name, (help_text, _) in SERVER_COMMANDS.items():
+        # Listed for --help only: main() hands these commands their arguments before this parser sees them.
+        commands.add_parser(name, help=help_text, add_help=False)
     client_cli.add_parsers(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # `serve` hands every remaining option to the service's own parser.
-    if argv and argv[0] == "serve":
-        return _serve(argv[1:])
+    if argv and argv[0] in SERVER_COMMANDS:
+        try:
+            return SERVER_COMMANDS[argv[0]][1](argv[1:])
+        except ModuleNotFoundError as error:
+            # The plain install is the client alone; the server commands need the `server` extra.
+            print(
+                f"stagediff {argv[0]}: {error} (the server commands need pip install 'stagediff[server]')",
+                file=sys.stderr,
+            )
+            return 2
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

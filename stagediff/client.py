@@ -29,10 +29,10 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.status_details import retry_after
-from services.tensor_codec import TensorAssembler
-from services.tracing import tracing_client_interceptors
+from stagediff._tracing import trace_context_interceptors
 from stagediff.protocol import API_KEY_ENV, JOB_FAILED_METADATA_KEY
+from stagediff.status_details import retry_after
+from stagediff.tensor_codec import TensorAssembler
 from stagediff.v1 import generation_pb2, generation_pb2_grpc
 
 CHANNEL_OPTIONS = [
@@ -233,7 +233,7 @@ class AsyncClient:
         if api_key:
             self.metadata.append(("authorization", f"Bearer {api_key}"))
         # Each call carries the caller's trace context (W3C traceparent), so its trace spans every stage.
-        interceptors = tracing_client_interceptors()
+        interceptors = trace_context_interceptors()
         if tls or ca_cert is not None:
             credentials = grpc.ssl_channel_credentials(
                 root_certificates=_read_optional(ca_cert),

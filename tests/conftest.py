@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
-from unittest import mock
 
 import grpc
 import numpy as np
 import pytest
 import torch
 
+from families.init_model import init_model
 from services.auth import CLUSTER_SECRET_ENV, CLUSTER_SECRET_METADATA_KEY
-from stagediff.cli import SERVE_TARGETS
-from stagediff.init_model import init_model
+from services.environment_options import options_module, parse_args
+from services.stage_table import SERVE_TARGETS
 
 # One thread per stage process: the machine has few cores and five processes share them.
 THREADS_PER_STAGE = 1
@@ -95,7 +94,7 @@ def qwen_pipeline(qwen_model: Path):
 @pytest.fixture(scope="session")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """The local cluster every end-to-end test shares (tests that kill stages start their own)."""
-    from stagediff.local_cluster import LocalCluster
+    from stagediff.local.supervisor import LocalCluster
 
     local = LocalCluster(
         tiny_model, threads_per_stage=THREADS_PER_STAGE, log_dir=tmp_path_factory.mktemp("cluster-logs")
@@ -137,25 +136,11 @@ def assert_status(error: grpc.RpcError, code: grpc.StatusCode, *words: str) -> N
         assert word in (error.details() or ""), f"'{word}' not named in: {error.details()}"
 
 
-class _Parsed(Exception):
-    def __init__(self, namespace: argparse.Namespace) -> None:
-        super().__init__()
-        self.namespace = namespace
-
-
 def parse_serve(argv: list[str]) -> argparse.Namespace:
-    """`stagediff serve <stage> ...` parsed by the stage's own parser (its main() is stopped right after parsing)."""
+    """`stagediff serve <stage> ...` parsed as its main() parses it: by the stage's own parser, over the STAGEDIFF_*
+    environment (services/environment_options.py)."""
     assert argv and argv[0] in SERVE_TARGETS, f"not a serve target: {argv[:1]}"
-    parse_args = argparse.ArgumentParser.parse_args
-
-    def capture(parser, args=None, namespace=None):
-        raise _Parsed(parse_args(parser, args, namespace))
-
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture):
-        try:
-            importlib.import_module(SERVE_TARGETS[argv[0]]).main(argv[1:])
-        except _Parsed as parsed:
-            return parsed.namespace
-        except SystemExit as error:
-            pytest.fail(f"stagediff serve {shlex.join(argv)}: rejected by its parser (exit {error.code})")
-    pytest.fail(f"stagediff serve {argv[0]}: main() returned without parsing its arguments")
+    try:
+        return parse_args(options_module(argv[0]).build_parser(), argv[1:])
+    except SystemExit as error:
+        pytest.fail(f"stagediff serve {shlex.join(argv)}: rejected by its parser (exit {error.code})")

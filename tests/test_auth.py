@@ -24,22 +24,22 @@ from services.auth import (
     CLUSTER_SECRET_ENV,
     ClusterSecretError,
     ClusterSecretInterceptor,
-    TenantAuthInterceptor,
     TLSConfigError,
     add_stage_tls_arguments,
     add_tls_arguments,
     channel_credentials,
     cluster_channel,
-    current_tenant,
     load_cluster_secret,
     server_credentials,
     server_credentials_from_args,
     stage_channel_credentials_from_args,
 )
 from services.orchestrator.stage_clients import STAGE_ORDER, StagePool
+from services.orchestrator.tenant_auth import TenantAuthInterceptor, current_tenant
 from services.orchestrator.tenants import TenantRegistry, hash_api_key
 from services.server import serve
-from stagediff.local_cluster import is_serving, wait_for_serving
+from services.tracing import server_interceptor as tracing_server_interceptor
+from stagediff.local.supervisor import is_serving, wait_for_serving
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 from tests.conftest import assert_status
 
@@ -280,13 +280,18 @@ def test_the_cluster_secret_channel_passes_on_every_call_kind(kind: str) -> None
     ("secret", "words"),
     [(None, ["missing cluster secret", "x-stagediff-cluster-secret"]), (SECRET + "x", ["wrong cluster secret"])],
 )
-@pytest.mark.parametrize("kind", ["Unary", "BidiStream"])
-def test_a_stage_refuses_calls_without_the_right_secret(secret: str | None, words, kind: str) -> None:
+@pytest.mark.parametrize("kind", ["Unary", "ServerStream", "BidiStream"])
+@pytest.mark.parametrize("traced", [False, True], ids=["plain", "traced"])
+def test_a_stage_refuses_calls_without_the_right_secret(secret: str | None, words, kind: str, traced: bool) -> None:
+    """Also behind the tracing interceptor, which comes first on every server and wraps the refusal."""
     echo = Echo()
+    interceptors = [ClusterSecretInterceptor(SECRET)]
+    if traced:
+        interceptors.insert(0, tracing_server_interceptor())
 
     async def scenario():
         async with (
-            _server(ClusterSecretInterceptor(SECRET), echo) as target,
+            _server(interceptors, echo) as target,
             cluster_channel(target, secret) as channel,
         ):
             with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -356,6 +361,24 @@ def test_unusable_secret_files_are_refused(tmp_path: Path, content: str | None, 
     assert "--cluster-secret-file" in str(caught.value)
     for word in words:
         assert word in str(caught.value)
+
+
+STAGE_BOOTSTRAP = ("services.server", "services.auth", "services.stage_main")
+# What only the orchestrator's tenants need.
+ORCHESTRATOR_ONLY = ("pydantic", "yaml", "services.orchestrator")
+
+
+def test_a_stage_process_loads_no_orchestrator_code() -> None:
+    script = (
+        "import sys\n"
+        + "".join(f"import {module}\n" for module in STAGE_BOOTSTRAP)
+        + f"prefixes = {ORCHESTRATOR_ONLY!r}\n"
+        + "print(sorted(m for m in sys.modules if any(m == p or m.startswith(p + '.') for p in prefixes)))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", f"a stage process imports {result.stdout.strip()}"
 
 
 def test_stage_main_requires_the_secret_unless_insecure(monkeypatch, caplog, tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.tensor_codec import encode_tensor
+from services.torch_wire import encode_tensor
 from stagediff.client import build_request
 from stagediff.v1 import generation_pb2_grpc, stages_pb2, stages_pb2_grpc, tensor_pb2
 from tests.conftest import assert_status, stage_channel

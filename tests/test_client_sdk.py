@@ -1,19 +1,29 @@
-"""The SDK against an in-process fake Generation service: retries, typed events, errors."""
+"""The SDK against an in-process fake Generation service: retries, typed events, errors, trace context; and the
+CLI's `generate` against the shared local cluster from a process that cannot import torch."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from services.tensor_codec import encode_tensor
 from stagediff import Client, StageDiffError
 from stagediff.client import AsyncClient, FramesReceived, GenerationResult, Progress, Queued, RetryPolicy
+from stagediff.media import read_video_frames
 from stagediff.protocol import JOB_FAILED_METADATA_KEY
+from stagediff.tensor_codec import encode_tensor
 from stagediff.v1 import generation_pb2, generation_pb2_grpc
+from tests.test_client_only import REPOSITORY, client_only_environment
 
 FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.05)
 FRAMES = np.arange(3 * 4 * 5 * 3, dtype=np.uint8).reshape(3, 4, 5, 3)
@@ -189,3 +199,68 @@ def test_cancelling_an_async_generate_cancels_its_job() -> None:
         assert server.servicer.cancelled == ["slow"]
     finally:
         server.stop()
+
+
+class MetadataRecorder(generation_pb2_grpc.GenerationServicer):
+    """Records the metadata of every ListModels and Generate call."""
+
+    def __init__(self) -> None:
+        self.metadata: list[dict[str, str]] = []
+
+    async def ListModels(self, request, context):
+        self.metadata.append(dict(context.invocation_metadata()))
+        return generation_pb2.ListModelsResponse()
+
+    async def Generate(self, request, context):
+        self.metadata.append(dict(context.invocation_metadata()))
+        for chunk in encode_tensor("frames", FRAMES, index=0):
+            yield generation_pb2.GenerateEvent(job_id="j", result=generation_pb2.ResultChunk(tensor=chunk, fps=8))
+        yield generation_pb2.GenerateEvent(job_id="j", completed=generation_pb2.JobCompleted(num_frames=3, fps=8))
+
+
+TRACE_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736
+SPAN_ID = 0x00F067AA0BA902B7
+
+
+def test_calls_carry_the_callers_trace_context() -> None:
+    """Inside the caller's span, every call (the blocking client runs them on its own thread) sends its
+    traceparent; outside any span, none."""
+    server = FakeServer(MetadataRecorder())
+    parent = SpanContext(trace_id=TRACE_ID, span_id=SPAN_ID, is_remote=False, trace_flags=TraceFlags(1))
+    try:
+        with Client(f"127.0.0.1:{server.port}") as client:
+            client.list_models()
+            token = otel_context.attach(trace.set_span_in_context(NonRecordingSpan(parent)))
+            try:
+                client.list_models()
+                client.generate("a fox")
+            finally:
+                otel_context.detach(token)
+
+        async def in_async_span() -> None:
+            async with AsyncClient(f"127.0.0.1:{server.port}") as client:
+                with trace.use_span(NonRecordingSpan(parent)):
+                    await client.generate("a fox")
+
+        asyncio.run(in_async_span())
+    finally:
+        server.stop()
+    traceparent = f"00-{TRACE_ID:032x}-{SPAN_ID:016x}-01"
+    assert [call.get("traceparent") for call in server.servicer.metadata] == [None, *[traceparent] * 3]
+
+
+@pytest.mark.e2e
+def test_generate_writes_an_mp4_from_a_process_that_cannot_import_torch(cluster, tmp_path: Path) -> None:
+    """`stagediff generate` as a plain install runs it: torch, the server packages and opentelemetry are not
+    importable in its process."""
+    env = client_only_environment(tmp_path / "client-only")
+    out = tmp_path / "fox.mp4"
+    command = [
+        sys.executable, "-m", "stagediff.cli", "generate", "--endpoint", cluster.endpoint, "--prompt", "a red fox",
+        "--height", "64", "--width", "64", "--frames", "9", "--steps", "2", "--seed", "3", "--quiet", "--out", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=REPOSITORY, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["out"] == str(out) and summary["frames"] == 9
+    assert read_video_frames(out).shape == (9, 64, 64, 3)

@@ -15,11 +15,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.auth import ClusterSecretInterceptor, RateLimitedLog, TenantAuthInterceptor
+from services.auth import ClusterSecretInterceptor, RateLimitedLog
+from services.orchestrator.tenant_auth import TenantAuthInterceptor
 from services.orchestrator.tenants import TenantRegistry, hash_api_key
 from services.server import check_server_arguments, serve
-from services.status_details import retry_after
-from stagediff.cli import SERVE_TARGETS
+from services.stage_table import SERVE_TARGETS
+from stagediff.status_details import retry_after
 from tests.conftest import assert_status
 from tests.test_secure_defaults import serve_defaults
 
@@ -256,7 +257,7 @@ def test_refused_callers_are_logged_at_a_bounded_rate(kind: str, caplog) -> None
         metadata = (("authorization", "Bearer sd_wrong-0123456789abcdefghijklmnopqrstuvwxyzABCD"),)
     clock = FakeClock()
     interceptor.refusals.clock = clock  # every refusal below falls within one second, then one more after it
-    with caplog.at_level(logging.INFO, logger="services.auth"):
+    with caplog.at_level(logging.INFO, logger="services"):
         codes = _refused_calls(interceptor, 40, metadata)
         clock.now += 1.0
         codes += _refused_calls(interceptor, 1, metadata)

@@ -36,16 +36,17 @@ from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from torch import nn
 from transformers import UMT5EncoderModel
 
+from dit_svc.offload import ModuleOffloader, ResidencyCounter, apply_offload, group_offload_units
 from dit_svc.parallel.attention import (
     _gather_sequence,
-    _heads_to_ranks,
     _merge_block,
-    _ranks_to_heads,
     attention_with_lse,
+    heads_to_ranks,
+    ranks_to_heads,
     usp_attention,
 )
 from dit_svc.parallel.mesh import ParallelConfig, build_mesh, device_type_for
-from dit_svc.parallel.sequence_parallel import SequenceParallelState, WanSequenceParallelAttnProcessor
+from dit_svc.parallel.sequence_parallel import SequenceParallelState
 from dit_svc.quantization import (
     METHODS,
     WeightOnlyQuantizedLinear,
@@ -56,9 +57,10 @@ from dit_svc.quantization import (
     torchao_available,
     weight_storage_dtype,
 )
-from services.offload import ModuleOffloader, ResidencyCounter, apply_offload, group_offload_units
+from families.init_model import init_model
+from families.wan.init_model import build_transformer
+from families.wan.parallel import WanSequenceParallelAttnProcessor
 from services.weights import load_pretrained, load_stats
-from stagediff.init_model import build_transformer, init_model
 from tests.conftest import reference_frames
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
@@ -369,12 +371,16 @@ def denoise_inputs(text_dim: int):
 
     generator = torch.Generator().manual_seed(5)
     spec = DenoiseSpec(height=64, width=64, num_frames=9, num_inference_steps=3, guidance_scale=5.0, seed=11)
-    return spec, torch.randn(1, 16, text_dim, generator=generator), torch.randn(1, 16, text_dim, generator=generator)
+    conditioning = {
+        "prompt_embeds": torch.randn(1, 16, text_dim, generator=generator),
+        "negative_prompt_embeds": torch.randn(1, 16, text_dim, generator=generator),
+    }
+    return spec, conditioning
 
 
 def denoise(denoiser, text_dim: int) -> torch.Tensor:
-    spec, prompt, negative = denoise_inputs(text_dim)
-    return denoiser.denoise(spec, prompt, negative, on_step=lambda step, total: None, cancelled=lambda: False)
+    spec, conditioning = denoise_inputs(text_dim)
+    return denoiser.denoise(spec, conditioning, on_step=lambda step, total: None, cancelled=lambda: False)
 
 
 # A whole denoising loop (3 steps, CFG) in bf16 against float32, errors compounding over the steps. The
@@ -397,8 +403,8 @@ def test_wan_denoiser_on_cuda_matches_cpu_float32(case: str, request: pytest.Fix
     """The DiT stage's denoising loop (WanDenoiser with its memory options, as `stagediff serve dit` builds
     it) on the GPU in bf16, against the same loop on the CPU in float32: scheduler, CFG, the experts of
     Wan2.2 A14B switching at the boundary, quantization then offload applied on the device."""
-    from dit_svc.denoise import WanDenoiser
     from dit_svc.model_options import ModelOptions
+    from families.wan.denoise import WanDenoiser
 
     device = cuda_device()
     fixture, options, tolerance = DENOISE_CASES[case]
@@ -712,7 +718,7 @@ def test_cluster_on_cuda_matches_wan_pipeline_on_cpu(tiny_model: Path, reference
     with `--interp-exp 1` the interpolator keeps the originals in place. On the CPU the same comparison in
     bf16 measured a mean of 0.4 levels (of 255) and a maximum of 5."""
     from stagediff import Client
-    from stagediff.local_cluster import LocalCluster
+    from stagediff.local.supervisor import LocalCluster
 
     device = cuda_device()
     # The default compose file is the CPU variant, whose env file hides every GPU from its stages
@@ -773,10 +779,10 @@ def test_single_rank_nccl_group_runs_the_dit(tiny_model: Path) -> None:
     picks NCCL, builds the DeviceMesh on cuda, and the collectives the parallel DiT uses (broadcast of the
     go-on flag, all-gather of sequence shards, the Ulysses all-to-all) run on it; the group's denoising
     equals the CPU's."""
-    from dit_svc.denoise import WanDenoiser
     from dit_svc.group import DenoiserGroup
     from dit_svc.model_options import ModelOptions
     from dit_svc.parallel.cfg import agree_to_continue
+    from families.wan.denoise import WanDenoiser
 
     device = cuda_device()
     reference = WanDenoiser(tiny_model, CPU, torch.float32)
@@ -790,8 +796,8 @@ def test_single_rank_nccl_group_runs_the_dit(tiny_model: Path) -> None:
         shard = torch.randn(2, 6, 4, 8, device=rank_device)
         ulysses = mesh["ulysses"].get_group()
         gathered = _gather_sequence(shard, ulysses)
-        (scattered,) = _heads_to_ranks([shard], ulysses)
-        round_trip = _ranks_to_heads(scattered, ulysses)
+        (scattered,) = heads_to_ranks([shard], ulysses)
+        round_trip = ranks_to_heads(scattered, ulysses)
         latents = denoise(group, group.text_dim)
     finally:
         group.close()

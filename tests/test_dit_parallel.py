@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dit_svc.denoise import DenoiseSpec, WanDenoiser
+from dit_svc.denoise import DenoiseSpec
 from dit_svc.parallel import ParallelConfig, ParallelConfigError
 from dit_svc.parallel.launch import run_ranks
+from families.wan.denoise import WanDenoiser
 
 TOLERANCE = 1e-4
 
@@ -37,14 +38,17 @@ SPECS = [
 ]
 
 
-def _embeds(seed: int, text_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _conditioning(seed: int, text_dim: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(1, 24, text_dim, generator=generator), torch.randn(1, 24, text_dim, generator=generator)
+    return {
+        "prompt_embeds": torch.randn(1, 24, text_dim, generator=generator),
+        "negative_prompt_embeds": torch.randn(1, 24, text_dim, generator=generator),
+    }
 
 
 def _latents(denoiser: WanDenoiser, spec: DenoiseSpec) -> torch.Tensor:
-    prompt, negative = _embeds(spec.seed, denoiser.text_dim)
-    return denoiser.denoise(spec, prompt, negative, on_step=lambda s, t: None, cancelled=lambda: False)
+    conditioning = _conditioning(spec.seed, denoiser.text_dim)
+    return denoiser.denoise(spec, conditioning, on_step=lambda s, t: None, cancelled=lambda: False)
 
 
 def _run_layouts(rank: int, world_size: int, model_dir: str, layouts) -> dict[str, list[torch.Tensor]]:

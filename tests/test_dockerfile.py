@@ -38,7 +38,8 @@ def test_the_dependency_layer_installs_exactly_the_projects_dependencies(tmp_pat
     script = shlex.split(run)[2]  # python3 -c SCRIPT > /tmp/requirements.txt && ...
     (tmp_path / "pyproject.toml").write_bytes((REPOSITORY / "pyproject.toml").read_bytes())
     printed = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, check=True)
-    expected = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())["project"]["dependencies"]
+    project = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())["project"]
+    expected = project["dependencies"] + project["optional-dependencies"]["server"]
     assert printed.stdout.splitlines() == expected
 
 

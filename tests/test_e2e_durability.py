@@ -26,7 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.orchestrator.tenants import hash_api_key, new_api_key
 from stagediff.client import AsyncClient, FramesReceived, GenerationResult, Progress, Queued, RetryPolicy
-from stagediff.local_cluster import LocalCluster, free_ports
+from stagediff.local.launch import free_ports
+from stagediff.local.supervisor import LocalCluster
 from stagediff.v1 import generation_pb2
 from tests.conftest import THREADS_PER_STAGE
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from stagediff import Client, StageDiffError
-from stagediff.local_cluster import LocalCluster
+from stagediff.local.supervisor import LocalCluster
 from tests.conftest import THREADS_PER_STAGE
 
 pytestmark = pytest.mark.e2e

@@ -18,7 +18,7 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from stagediff import Client
-from stagediff.local_cluster import LocalCluster
+from stagediff.local.supervisor import LocalCluster
 from tests.conftest import THREADS_PER_STAGE
 
 pytestmark = pytest.mark.e2e

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from stagediff import Client, StageDiffError
-from stagediff.local_cluster import LocalCluster
+from stagediff.local.supervisor import LocalCluster
 from tests.conftest import THREADS_PER_STAGE, reference_frames
 
 pytestmark = pytest.mark.e2e

@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from services.orchestrator.tenants import hash_api_key, new_api_key
 from stagediff import Client, StageDiffError
 from stagediff.client import AsyncClient, GenerationResult, Progress
-from stagediff.local_cluster import LocalCluster
+from stagediff.local.supervisor import LocalCluster
 from stagediff.v1 import generation_pb2, generation_pb2_grpc
 from tests.conftest import THREADS_PER_STAGE, assert_status
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stagediff import Client, StageDiffError
-from stagediff.local_cluster import LocalCluster
+from stagediff.local.supervisor import LocalCluster
 from tests.conftest import THREADS_PER_STAGE, reference_frames, stage_channel
 from tests.test_rife import random_state_dict
 
@@ -94,8 +94,8 @@ def test_patch_parallel_vae_refuses_too_few_rows(tiny_model, tmp_path) -> None:
 
     import grpc
 
-    from services.tensor_codec import encode_tensor
-    from stagediff.local_cluster import wait_for_serving
+    from services.torch_wire import encode_tensor
+    from stagediff.local.supervisor import wait_for_serving
     from stagediff.v1 import stages_pb2, stages_pb2_grpc
 
     with socket.socket() as sock:

@@ -18,20 +18,20 @@ import numpy as np
 import pytest
 import torch
 
+from families.base import FEATURES
+from families.qwen_image.family import QWEN_IMAGE
+from families.qwen_image.init_model import DEFAULT_REQUESTS as QWEN_DEFAULT_REQUESTS
+from families.qwen_image.init_model import PROMPT_DROP_TOKENS as QWEN_PROMPT_DROP_TOKENS
+from families.qwen_image.init_model import PROMPT_TEMPLATE_PREFIX as QWEN_PROMPT_TEMPLATE_PREFIX
+from families.qwen_image.init_model import SCHEDULER_CONFIG as QWEN_SCHEDULER_CONFIG
+from families.qwen_image.init_model import TEXT_ENCODER_CONFIGS as QWEN_TEXT_ENCODER_CONFIGS
+from families.qwen_image.init_model import TRANSFORMER_CONFIGS as QWEN_TRANSFORMER_CONFIGS
+from families.qwen_image.init_model import VAE_CONFIGS as QWEN_VAE_CONFIGS
+from families.registry import FAMILIES
+from families.wan.init_model import A14B_BOUNDARY_RATIO
 from services.checkpoint import read_checkpoint
-from services.families import FAMILIES, FEATURES, QWEN_REASONS
 from stagediff import Client, StageDiffError
-from stagediff.init_model import (
-    A14B_BOUNDARY_RATIO,
-    QWEN_DEFAULT_REQUESTS,
-    QWEN_PROMPT_DROP_TOKENS,
-    QWEN_PROMPT_TEMPLATE_PREFIX,
-    QWEN_SCHEDULER_CONFIG,
-    QWEN_TEXT_ENCODER_CONFIGS,
-    QWEN_TRANSFORMER_CONFIGS,
-    QWEN_VAE_CONFIGS,
-)
-from stagediff.local_cluster import LocalCluster
+from stagediff.local.supervisor import LocalCluster
 from tests.conftest import THREADS_PER_STAGE, reference_frames
 
 # ------------------------------------------------------------------------------------------- fixtures
@@ -120,12 +120,10 @@ def test_every_refusal_in_the_registry_names_existing_tests() -> None:
 
 
 def test_qwen_refusals_in_the_registry() -> None:
-    """qwen-image refuses ring, TP, HSDP and VAE patch parallelism with the reasons the DiT's refusal names."""
-    qwen = FAMILIES["qwen-image"]
-    refused = {feature for feature in FEATURES if qwen.support(feature).refused_at_startup}
-    assert refused == {"ring", "tensor_parallel", "hsdp", "vae_patch_parallel"} == set(QWEN_REASONS)
-    for feature, reason in QWEN_REASONS.items():
-        assert qwen.support(feature).reason == reason
+    """qwen-image refuses ring, TP, HSDP, VAE patch parallelism and tiling at startup; the Wan families run all."""
+    assert FAMILIES["qwen-image"] is QWEN_IMAGE
+    refused = {feature for feature in FEATURES if QWEN_IMAGE.support(feature).refused_at_startup}
+    assert refused == {"ring", "tensor_parallel", "hsdp", "vae_patch_parallel", "vae_tiling"}
     for name in ("wan-t2v", "wan2.2-a14b"):
         unsupported = [feature for feature in FEATURES if not FAMILIES[name].support(feature).supported]
         assert unsupported == [], f"{name}: {unsupported}"
@@ -211,7 +209,7 @@ def test_qwen_preset_configs_fit_together(preset: str) -> None:
 
 
 def test_qwen_embeddings_drop_padding_like_the_pipeline() -> None:
-    from dit_svc.qwen_denoise import QwenTextEmbeds
+    from families.qwen_image.denoise import QwenTextEmbeds
 
     embeds = torch.arange(2 * 5 * 3, dtype=torch.float32).view(2, 5, 3)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
@@ -221,6 +219,16 @@ def test_qwen_embeddings_drop_padding_like_the_pipeline() -> None:
     assert torch.equal(full.embeds, embeds[1:2]) and full.mask is None
     holes = QwenTextEmbeds.from_wire(embeds[0:1], torch.tensor([[1, 0, 1, 0, 0]]))
     assert holes.embeds.shape[1] == 3 and holes.mask.tolist() == [[1, 0, 1]]
+    # As the DiT stage hands them over: each text's embeddings by name, its mask under "<name>_mask" when sent.
+    conditioning = {
+        "prompt_embeds": embeds[1:2],
+        "negative_prompt_embeds": embeds[0:1],
+        "negative_prompt_embeds_mask": torch.tensor([[1, 0, 1, 0, 0]]),
+    }
+    prompt = QwenTextEmbeds.from_conditioning(conditioning, "prompt_embeds")
+    assert torch.equal(prompt.embeds, embeds[1:2]) and prompt.mask is None
+    negative = QwenTextEmbeds.from_conditioning(conditioning, "negative_prompt_embeds")
+    assert torch.equal(negative.embeds, embeds[0:1, :3]) and negative.mask.tolist() == [[1, 0, 1]]
 
 
 # ------------------------------------------------------------------------------------------- qwen-image e2e
@@ -354,12 +362,13 @@ def test_qwen_ulysses_equals_pipeline(qwen_model, qwen_pipeline, tmp_path: Path)
 def _qwen_ulysses_ranks(rank: int, world_size: int, config: dict, cases: list) -> list[torch.Tensor]:
     from diffusers import QwenImageTransformer2DModel
 
-    from dit_svc.parallel import ParallelConfig, build_mesh, parallelize_transformer
+    from dit_svc.parallel import ParallelConfig, build_mesh
+    from families.qwen_image.parallel import parallelize
 
     torch.manual_seed(0)
     model = QwenImageTransformer2DModel(**config).eval()
     parallel = ParallelConfig(ulysses_degree=world_size)
-    parallelize_transformer(model, parallel, build_mesh(parallel, "cpu"), torch.device("cpu"))
+    parallelize(model, parallel, build_mesh(parallel, "cpu"), torch.device("cpu"))
     with torch.no_grad():
         return [model(**inputs, return_dict=False)[0] for inputs in cases]
 
@@ -406,8 +415,9 @@ def test_qwen_ulysses_transformer_equals_one_rank(zero_cond_t: bool) -> None:
 def test_qwen_dit_layout_check_refuses_ring_tensor_and_hsdp(qwen_model, flags, refused) -> None:
     import argparse
 
-    from dit_svc.service import add_parallel_arguments, check_parallel_layout
-    from services.stage_main import add_stage_arguments
+    from dit_svc.options import add_parallel_arguments
+    from dit_svc.service import check_parallel_layout
+    from services.stage_options import add_stage_arguments
 
     parser = argparse.ArgumentParser()
     add_stage_arguments(parser, default_port=0)
@@ -421,8 +431,9 @@ def test_qwen_dit_layout_check_refuses_ring_tensor_and_hsdp(qwen_model, flags, r
 def test_qwen_dit_layout_check_accepts_ulysses(qwen_model) -> None:
     import argparse
 
-    from dit_svc.service import add_parallel_arguments, check_parallel_layout
-    from services.stage_main import add_stage_arguments
+    from dit_svc.options import add_parallel_arguments
+    from dit_svc.service import check_parallel_layout
+    from services.stage_options import add_stage_arguments
 
     parser = argparse.ArgumentParser()
     add_stage_arguments(parser, default_port=0)
@@ -431,52 +442,43 @@ def test_qwen_dit_layout_check_accepts_ulysses(qwen_model) -> None:
         check_parallel_layout(parser.parse_args(["--model", str(qwen_model), "--device", "cpu", *flags]))
 
 
-@pytest.mark.e2e
-def test_qwen_dit_refuses_ring_at_startup(qwen_model) -> None:
+def _serve_refused(stage: str, model: Path, flags: list[str]) -> str:
+    """`stagediff serve STAGE` with the flags; it must exit at startup with an error. Returns its stderr."""
     completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "stagediff.cli",
-            "serve",
-            "dit",
-            "--model",
-            str(qwen_model),
-            "--port",
-            "0",
-            "--ring-degree",
-            "2",
-        ],
+        [sys.executable, "-m", "stagediff.cli", "serve", stage, "--model", str(model), "--port", "0", *flags],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert completed.returncode != 0
-    assert "qwen-image does not support --ring-degree" in completed.stderr.replace("family ", ""), completed.stderr
+    assert completed.returncode != 0, completed.stderr
+    return completed.stderr
+
+
+@pytest.mark.e2e
+def test_qwen_dit_refuses_ring_at_startup(qwen_model) -> None:
+    stderr = _serve_refused("dit", qwen_model, ["--ring-degree", "2"])
+    assert "the qwen-image family does not support --ring-degree" in stderr, stderr
+    assert QWEN_IMAGE.support("ring").reason in stderr, stderr
 
 
 @pytest.mark.e2e
 def test_qwen_vae_refuses_patch_parallel_at_startup(qwen_model) -> None:
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "stagediff.cli",
-            "serve",
-            "vae",
-            "--model",
-            str(qwen_model),
-            "--port",
-            "0",
-            "--vae-patch-parallel-size",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    stderr = _serve_refused("vae", qwen_model, ["--vae-patch-parallel-size", "2"])
+    expected = (
+        "stagediff serve vae: the qwen-image family does not support --vae-patch-parallel-size: "
+        + QWEN_IMAGE.support("vae_patch_parallel").reason
     )
-    assert completed.returncode != 0
-    assert "qwen-image" in completed.stderr and "--vae-patch-parallel-size" in completed.stderr, completed.stderr
+    assert expected in stderr, stderr
+
+
+@pytest.mark.e2e
+def test_qwen_vae_refuses_tiling_at_startup(qwen_model) -> None:
+    stderr = _serve_refused("vae", qwen_model, ["--vae-use-tiling"])
+    expected = (
+        "stagediff serve vae: the qwen-image family does not support --vae-use-tiling: "
+        + QWEN_IMAGE.support("vae_tiling").reason
+    )
+    assert expected in stderr, stderr
 
 
 # ------------------------------------------------------------------------------------------- wan2.2-a14b e2e

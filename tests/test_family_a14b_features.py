@@ -15,18 +15,19 @@ import numpy as np
 import pytest
 import torch
 
-from dit_svc.denoise import DenoiseSpec, WanDenoiser
+from dit_svc.denoise import DenoiseSpec
 from dit_svc.model_options import ModelOptions
+from dit_svc.offload import ModuleOffloader, ResidencyCounter, apply_offload, group_offload_units
 from dit_svc.parallel import ParallelConfig
 from dit_svc.parallel.hsdp import local_parameter_bytes
 from dit_svc.parallel.launch import run_ranks
 from dit_svc.quantization import expected_storage_dtype, linear_layer_names, parameter_bytes, weight_storage_dtype
+from families.wan.decode import WanStreamingDecoder
+from families.wan.denoise import WanDenoiser
 from interp_svc.interpolate import StreamingInterpolator, interpolate_sequence, output_frame_count
 from interp_svc.rife import RifeInterpolator, StreamingRifeInterpolator, load_rife
-from services.offload import ModuleOffloader, ResidencyCounter, apply_offload, group_offload_units
 from services.weights import load_stats
 from tests.test_rife import random_state_dict
-from vae_svc.decode import WanStreamingDecoder
 from vae_svc.patch_parallel import PatchParallelDecodeSession
 
 CPU = torch.device("cpu")
@@ -43,9 +44,12 @@ LAYOUTS = [
 IGNORED = ("proj_out", "blocks.0.*", "condition_embedder.*")
 
 
-def _embeds(text_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _conditioning(text_dim: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return torch.randn(1, 24, text_dim, generator=generator), torch.randn(1, 24, text_dim, generator=generator)
+    return {
+        "prompt_embeds": torch.randn(1, 24, text_dim, generator=generator),
+        "negative_prompt_embeds": torch.randn(1, 24, text_dim, generator=generator),
+    }
 
 
 def denoise_counting_experts(denoiser: WanDenoiser) -> tuple[torch.Tensor, list[int]]:
@@ -56,9 +60,9 @@ def denoise_counting_experts(denoiser: WanDenoiser) -> tuple[torch.Tensor, list[
         expert.register_forward_pre_hook(lambda module, args, index=index: calls.__setitem__(index, calls[index] + 1))
         for index, expert in enumerate(denoiser.experts)
     ]
-    prompt, negative = _embeds(denoiser.text_dim)
+    conditioning = _conditioning(denoiser.text_dim)
     try:
-        latents = denoiser.denoise(SPEC, prompt, negative, on_step=lambda step, total: None, cancelled=lambda: False)
+        latents = denoiser.denoise(SPEC, conditioning, on_step=lambda step, total: None, cancelled=lambda: False)
     finally:
         for handle in handles:
             handle.remove()

@@ -16,9 +16,9 @@ import torch
 from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from dit_svc.denoise import DenoiseSpec
-from dit_svc.denoisers import make_denoiser
+from dit_svc.denoise import DenoiseSpec, make_denoiser
 from dit_svc.model_options import ModelOptions
+from dit_svc.offload import ModuleOffloader, ResidencyCounter, apply_offload, group_offload_units
 from dit_svc.parallel import ParallelConfig, ParallelConfigError
 from dit_svc.quantization import (
     expected_storage_dtype,
@@ -27,13 +27,12 @@ from dit_svc.quantization import (
     quantize_transformer,
     weight_storage_dtype,
 )
-from dit_svc.qwen_denoise import QwenImageDenoiser, QwenTextEmbeds
-from services.families import QWEN_REASONS
-from services.offload import ModuleOffloader, ResidencyCounter, apply_offload, group_offload_units
+from families.init_model import init_model
+from families.qwen_image.decode import QwenImageDecoder
+from families.qwen_image.denoise import QwenImageDenoiser, QwenTextEmbeds
+from families.qwen_image.encode import QwenPromptEncoder
+from families.qwen_image.family import QWEN_IMAGE
 from services.weights import load_pretrained, load_stats
-from stagediff.init_model import init_model
-from text_encoder_svc.qwen_encoder import QwenPromptEncoder
-from vae_svc.qwen_decode import QwenImageDecoder
 
 CPU = torch.device("cpu")
 # 64x48 -> 4 x 3 packed image tokens; two steps with true CFG: four transformer forwards.
@@ -47,24 +46,26 @@ COMPONENTS = {
 }
 
 
-def _texts(dim: int) -> tuple[QwenTextEmbeds, QwenTextEmbeds]:
-    """A prompt with a hole in its mask (so the mask reaches the transformer) and an unmasked negative prompt."""
+def _conditioning(dim: int) -> dict[str, torch.Tensor]:
+    """A prompt with a hole in its mask (so the mask reaches the transformer) and an unmasked negative prompt,
+    as the DiT stage receives them."""
     generator = torch.Generator().manual_seed(0)
-    prompt = QwenTextEmbeds.from_wire(
-        torch.randn(1, 7, dim, generator=generator), torch.tensor([[1, 1, 0, 1, 1, 1, 1]])
-    )
-    negative = QwenTextEmbeds.from_wire(torch.randn(1, 5, dim, generator=generator), None)
-    assert prompt.mask is not None
-    return prompt, negative
+    conditioning = {
+        "prompt_embeds": torch.randn(1, 7, dim, generator=generator),
+        "prompt_embeds_mask": torch.tensor([[1, 1, 0, 1, 1, 1, 1]]),
+        "negative_prompt_embeds": torch.randn(1, 5, dim, generator=generator),
+    }
+    assert QwenTextEmbeds.from_conditioning(conditioning, "prompt_embeds").mask is not None
+    return conditioning
 
 
 def denoise_counting_forwards(denoiser: QwenImageDenoiser) -> tuple[torch.Tensor, int]:
     """The final latents [1, C, 1, h, w] of SPEC, and how many transformer forwards ran."""
     calls = [0]
     handle = denoiser.transformer.register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
-    prompt, negative = _texts(denoiser.text_dim)
+    conditioning = _conditioning(denoiser.text_dim)
     try:
-        latents = denoiser.denoise(SPEC, prompt, negative, on_step=lambda step, total: None, cancelled=lambda: False)
+        latents = denoiser.denoise(SPEC, conditioning, on_step=lambda step, total: None, cancelled=lambda: False)
     finally:
         handle.remove()
     return latents, calls[0]
@@ -180,8 +181,9 @@ def test_qwen_quantized_denoiser_stays_close(qwen_model: Path, method: str) -> N
 
 def test_qwen_ignored_layers_are_checked_against_qwen_layer_names(qwen_model: Path) -> None:
     """The DiT's startup check reads QwenImage's own layer names: Wan's `blocks.*` matches nothing there."""
-    from dit_svc.service import add_memory_arguments, add_parallel_arguments, model_options_from
-    from services.stage_main import add_stage_arguments
+    from dit_svc.options import add_memory_arguments, add_parallel_arguments
+    from dit_svc.service import model_options_from
+    from services.stage_options import add_stage_arguments
 
     parser = argparse.ArgumentParser()
     add_stage_arguments(parser, default_port=0)
@@ -298,13 +300,14 @@ def test_qwen_denoiser_refuses_ring_tensor_and_hsdp(tmp_path: Path, config, flag
         QwenImageDenoiser(tmp_path / "no-checkpoint-here", CPU, torch.float32, parallel=config)
     message = str(raised.value)
     print(message)
-    assert f"does not support {flag}" in message and QWEN_REASONS[feature] in message, message
+    assert f"does not support {flag}" in message and QWEN_IMAGE.support(feature).reason in message, message
     assert "--ulysses-degree N" in message and "--cfg-parallel-size 2" in message, message
 
 
 def test_qwen_vae_decode_check_refuses_patch_parallel(qwen_model: Path, tiny_model: Path) -> None:
-    from services.stage_main import add_stage_arguments
-    from vae_svc.service import add_decode_arguments, check_decode_arguments
+    from services.stage_options import add_stage_arguments
+    from vae_svc.options import add_decode_arguments
+    from vae_svc.service import check_decode_arguments
 
     parser = argparse.ArgumentParser()
     add_stage_arguments(parser, default_port=0)
@@ -312,8 +315,9 @@ def test_qwen_vae_decode_check_refuses_patch_parallel(qwen_model: Path, tiny_mod
     with pytest.raises(SystemExit) as raised:
         check_decode_arguments(parser.parse_args(["--model", str(qwen_model), "--vae-patch-parallel-size", "2"]))
     message = str(raised.value)
-    assert "qwen-image" in message and "--vae-patch-parallel-size" in message, message
-    assert "decode whole on one device" in message and "Wan VAE only" in message, message
+    reason = QWEN_IMAGE.support("vae_patch_parallel").reason
+    assert "the qwen-image family does not support --vae-patch-parallel-size: " + reason in message, message
+    assert "Wan VAE only" in reason and "whole on one device" in reason, reason
     # The same flag is accepted for a Wan checkpoint, and a Qwen-Image VAE stage without it starts.
     check_decode_arguments(parser.parse_args(["--model", str(tiny_model), "--vae-patch-parallel-size", "2"]))
     check_decode_arguments(parser.parse_args(["--model", str(qwen_model)]))

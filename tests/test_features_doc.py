@@ -7,14 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from services.families import FAMILIES, FEATURES, render_markdown
+from families.base import FEATURES
+from families.registry import FAMILIES, render_markdown
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_committed_table_matches_the_registry() -> None:
     committed = (REPO / "docs" / "features.md").read_text()
-    assert committed == render_markdown(), "docs/features.md is stale: `python -m services.families > docs/features.md`"
+    assert committed == render_markdown(), "docs/features.md is stale: `python -m families.registry > docs/features.md`"
 
 
 def _test_names(path: Path) -> set[str]:

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from stagediff.init_model import (
+from families.init_model import PRESETS, init_model
+from families.registry import FAMILIES, FAMILY_NAMES, family_for_index
+from families.wan.init_model import (
     DEFAULT_REQUESTS,
-    FAMILIES,
-    PRESETS,
     TEXT_ENCODER_CONFIGS,
     TOKENIZER_CONFIGS,
     TRANSFORMER_CONFIGS,
@@ -19,25 +20,20 @@ from stagediff.init_model import (
     build_text_encoder,
     build_transformer,
     build_vae,
-    init_model,
 )
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_model("wan-t2v", "tiny", tmp_path_factory.mktemp("tiny"), seed=0)
+from services.checkpoint import DEFAULTS_FILE
 
 
 def _weight_files(checkpoint: Path) -> dict[str, bytes]:
     return {str(p.relative_to(checkpoint)): p.read_bytes() for p in sorted(checkpoint.rglob("*.safetensors"))}
 
 
-def test_wan_pipeline_loads_and_generates(tiny_checkpoint: Path) -> None:
+def test_wan_pipeline_loads_and_generates(tiny_model: Path) -> None:
     from diffusers import WanPipeline
 
-    pipe = WanPipeline.from_pretrained(tiny_checkpoint)
+    pipe = WanPipeline.from_pretrained(tiny_model)
     pipe.set_progress_bar_config(disable=True)
-    index = json.loads((tiny_checkpoint / "model_index.json").read_text())
+    index = json.loads((tiny_model / "model_index.json").read_text())
     assert index["_class_name"] == "WanPipeline"
     for name in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"):
         assert type(getattr(pipe, name)).__name__ == index[name][1]
@@ -59,8 +55,8 @@ def test_wan_pipeline_loads_and_generates(tiny_checkpoint: Path) -> None:
     assert frames.std() > 1e-3
 
 
-def test_weights_are_deterministic_in_seed(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    reference = _weight_files(tiny_checkpoint)
+def test_weights_are_deterministic_in_seed(tiny_model: Path, tmp_path: Path) -> None:
+    reference = _weight_files(tiny_model)
     assert {Path(name).parent.name for name in reference} == {"transformer", "vae", "text_encoder"}
 
     assert _weight_files(init_model("wan-t2v", "tiny", tmp_path / "same", seed=0)) == reference
@@ -71,14 +67,14 @@ def test_weights_are_deterministic_in_seed(tiny_checkpoint: Path, tmp_path: Path
         assert other[name] != reference[name], name
 
 
-def test_tokenizer_behaves_like_umt5(tiny_checkpoint: Path) -> None:
+def test_tokenizer_behaves_like_umt5(tiny_model: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint / "tokenizer")
-    index = json.loads((tiny_checkpoint / "model_index.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model / "tokenizer")
+    index = json.loads((tiny_model / "model_index.json").read_text())
     assert type(tokenizer).__name__ == index["tokenizer"][1]
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
-    text_encoder_config = AutoConfig.from_pretrained(tiny_checkpoint / "text_encoder")
+    text_encoder_config = AutoConfig.from_pretrained(tiny_model / "text_encoder")
     assert text_encoder_config.vocab_size == len(tokenizer)
 
     # The call WanPipeline makes.
@@ -114,9 +110,38 @@ def test_unknown_family_or_preset_is_rejected(tmp_path: Path) -> None:
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_every_family_sizes_every_preset(name: str) -> None:
+    tables = importlib.import_module(FAMILIES[name].load("writer").__module__)
+    for table in (
+        "TRANSFORMER_CONFIGS",
+        "VAE_CONFIGS",
+        "TEXT_ENCODER_CONFIGS",
+        "TOKENIZER_CONFIGS",
+        "DEFAULT_REQUESTS",
+    ):
+        assert tuple(getattr(tables, table)) == PRESETS, (name, table)
+
+
+@pytest.mark.parametrize(
+    ("fixture", "name"), [("tiny_model", "wan-t2v"), ("a14b_model", "wan2.2-a14b"), ("qwen_model", "qwen-image")]
+)
+def test_the_registry_recognises_each_written_family(fixture: str, name: str, request: pytest.FixtureRequest) -> None:
+    checkpoint: Path = request.getfixturevalue(fixture)
+    family = family_for_index(json.loads((checkpoint / "model_index.json").read_text()))
+    assert family is FAMILIES[name]
+    components = {"tokenizer", "text_encoder", "transformer", "vae", "scheduler"}
+    if name == "wan2.2-a14b":
+        components.add("transformer_2")
+    assert {path.name for path in checkpoint.iterdir() if path.is_dir()} == components
+
+    tables = importlib.import_module(family.load("writer").__module__)
+    defaults = json.loads((checkpoint / DEFAULTS_FILE).read_text())["default_request"]
+    assert defaults == {**tables.DEFAULT_REQUESTS["tiny"], "fps": 16.0}
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_configs_build_and_fit_together(preset: str) -> None:
-    assert FAMILIES == ("wan-t2v", "wan2.2-a14b", "qwen-image")
     transformer, vae, text = TRANSFORMER_CONFIGS[preset], VAE_CONFIGS[preset], TEXT_ENCODER_CONFIGS[preset]
     assert transformer["in_channels"] == transformer["out_channels"] == vae["z_dim"]
     assert transformer["text_dim"] == text["d_model"]

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from dit_svc.service import parallel_config_from
+from services.stage_table import STAGES as STAGE_KINDS
 from tests.conftest import parse_serve
 from tests.test_secure_defaults import startup_refusal
 
@@ -259,6 +260,9 @@ def test_cluster_secret_model_and_shm(component: str | None, objects: list[dict[
         mounts = {m["mountPath"]: m for m in container.get("volumeMounts", [])}
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
         if stage == "orchestrator":
+            continue
+        if not STAGE_KINDS[stage].reads_checkpoint:  # the interpolator: no checkpoint to mount
+            assert args.model is None and MODEL_DIR not in mounts, stage
             continue
         assert args.model == MODEL_DIR and mounts[MODEL_DIR].get("readOnly"), stage
         claim = volumes[mounts[MODEL_DIR]["name"]]["persistentVolumeClaim"]

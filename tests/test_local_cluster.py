@@ -1,13 +1,21 @@
-"""The compose topology and how `stagediff up` turns it into local commands (no processes started)."""
+"""The compose topology and how `stagediff up` turns it into local commands.
+
+No processes are started, except by the one end-to-end test at the end: `stagediff up` serving an image model,
+whose chain has no interpolator.
+"""
 
 from __future__ import annotations
 
-import argparse
 import functools
+import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import textwrap
+import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -15,23 +23,55 @@ import pytest
 import yaml
 
 from services.auth import CLUSTER_SECRET_ENV
-from stagediff import local_cluster
-from stagediff.local_cluster import DEFAULT_COMPOSE_FILE, LocalCluster, interpolate, load_compose, read_env_file
+from services.stage_table import STAGES as STAGE_KINDS
+from stagediff import Client
+from stagediff.local import up
+from stagediff.local.compose import DEFAULT_COMPOSE_FILE, interpolate, load_compose, read_env_file
+from stagediff.local.launch import free_ports
+from stagediff.local.supervisor import LocalCluster, wait_for_serving
 from tests.test_secure_defaults import parse_serve, startup_refusal
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+REPOSITORY = Path(__file__).resolve().parent.parent
+DEPLOY = REPOSITORY / "deploy"
 GPU_COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 CPU_COMPOSE_FILE = DEPLOY / "docker-compose.cpu.yml"
 SINGLE_GPU_COMPOSE_FILE = DEPLOY / "docker-compose.single-gpu.yml"
 STAGE_TLS_OVERRIDE = DEPLOY / "docker-compose.stage-tls.yml"
+IMAGE_OVERRIDE = DEPLOY / "docker-compose.image.yml"
 COMMON_SERVICES = DEPLOY / "common-services.yml"
 VARIANTS = [GPU_COMPOSE_FILE, SINGLE_GPU_COMPOSE_FILE, CPU_COMPOSE_FILE]
 STAGES = {"text-encoder": 50061, "dit": 50062, "vae": 50063, "interp": 50064}
+# The stages every chain needs; the interpolator is optional (families/).
+REQUIRED_STAGES = ("text-encoder", "dit", "vae")
 LOCAL_PORTS = {"text-encoder": 41001, "dit": 41002, "vae": 41003, "interp": 41004, "orchestrator": 41000}
 
 
+def _checkpoint(directory: Path, pipeline: str = "WanPipeline") -> Path:
+    """A directory `stagediff up` takes for a checkpoint of `pipeline`: its model_index.json names the family."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
+    return directory
+
+
 def test_default_compose_file_is_the_cpu_variant() -> None:
-    assert DEFAULT_COMPOSE_FILE == CPU_COMPOSE_FILE
+    assert DEFAULT_COMPOSE_FILE.resolve() == CPU_COMPOSE_FILE
+
+
+def test_the_wheel_names_every_package_and_ships_the_compose_files() -> None:
+    """pyproject.toml lists the packages by name, so that deploy/ ships as the package `stagediff.deploy`
+    (`stagediff up` from an installed wheel): the list names every package of the tree, and the package
+    data every compose and env file."""
+    setuptools = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())["tool"]["setuptools"]
+    tree = {
+        ".".join(init.parent.relative_to(REPOSITORY).parts)
+        for top in REPOSITORY.iterdir()
+        if (top / "__init__.py").is_file() and top.name != "tests"
+        for init in top.rglob("__init__.py")
+    }
+    assert sorted(setuptools["packages"]) == sorted([*tree, "stagediff.deploy"])
+    assert setuptools["package-dir"] == {"stagediff.deploy": "deploy"}
+    shipped = {path for pattern in setuptools["package-data"]["stagediff.deploy"] for path in DEPLOY.glob(pattern)}
+    assert shipped == {*DEPLOY.glob("*.yml"), *DEPLOY.glob("env/*.env")}
 
 
 # -- the topology itself, as docker-compose resolves it -----------------------
@@ -64,9 +104,13 @@ def _resolved(*files: Path) -> dict[str, Any]:
     return yaml.safe_load(result.stdout)["services"]
 
 
-@pytest.mark.parametrize("file", [*VARIANTS, COMMON_SERVICES], ids=lambda f: f.name)
-def test_docker_compose_config_accepts_every_file(file: Path) -> None:
-    result = _config(file, quiet=True)
+@pytest.mark.parametrize(
+    "files",
+    [*((file,) for file in [*VARIANTS, COMMON_SERVICES]), *((file, IMAGE_OVERRIDE) for file in VARIANTS)],
+    ids=lambda files: "+".join(file.name for file in files),
+)
+def test_docker_compose_config_accepts_every_file(files: tuple[Path, ...]) -> None:
+    result = _config(*files, quiet=True)
     assert result.returncode == 0, result.stderr
 
 
@@ -82,7 +126,9 @@ def test_every_stage_reserves_its_gpus_and_has_a_health_check() -> None:
         health = services[name]["healthcheck"]
         assert health["test"] == ["CMD", "stagediff", "health", "--endpoint", f"localhost:{port}"]
         assert health["start_period"] == "10m", "model loading takes minutes before the stage serves"
-        assert any(v.endswith(":/models/model:ro") for v in services[name]["volumes"]), "the model is read-only"
+        model_volumes = [v for v in services[name].get("volumes", []) if v.endswith(":/models/model:ro")]
+        # The model is mounted read-only where it is read; the interpolator reads no checkpoint.
+        assert len(model_volumes) == int(STAGE_KINDS[name].reads_checkpoint), name
         assert services[name]["secrets"] == [{"source": "cluster_secret"}]
         assert services[name]["environment"]["STAGEDIFF_CLUSTER_SECRET_FILE"] == "/run/secrets/cluster_secret"
     assert sorted(gpu for gpus in gpus_of.values() for gpu in gpus) == [str(g) for g in range(8)], (
@@ -96,10 +142,13 @@ def test_every_stage_reserves_its_gpus_and_has_a_health_check() -> None:
 
 
 def test_the_depends_on_chain_ends_at_the_orchestrator() -> None:
+    """The orchestrator starts once every stage a chain needs is healthy; not after the optional interpolator,
+    which the image override leaves out (an override cannot take a dependency away)."""
     for file in VARIANTS:
         services = _resolved(file)
         orchestrator = services["orchestrator"]
-        assert orchestrator["depends_on"] == {name: {"condition": "service_healthy"} for name in STAGES}, file.name
+        expected = {name: {"condition": "service_healthy"} for name in REQUIRED_STAGES}
+        assert orchestrator["depends_on"] == expected, file.name
         assert all(not services[name].get("depends_on") for name in STAGES), "stages start independently"
         assert orchestrator["healthcheck"]["test"][-1] == "localhost:50051"
         assert [target for _, target in _published(orchestrator)] == ["50051"]
@@ -243,7 +292,9 @@ def test_gpu_reservations_become_cuda_visible_devices_and_secrets_host_paths(tmp
     secrets_dir.mkdir()
     (secrets_dir / "cluster_secret").write_text("s3cret-from-the-file\n")
     (secrets_dir / "tenants.yaml").write_text("tenants: []\n")
-    cluster = LocalCluster(tmp_path, compose_file=GPU_COMPOSE_FILE, env={"STAGEDIFF_SECRETS_DIR": str(secrets_dir)})
+    cluster = LocalCluster(
+        _checkpoint(tmp_path), compose_file=GPU_COMPOSE_FILE, env={"STAGEDIFF_SECRETS_DIR": str(secrets_dir)}
+    )
     plans = cluster.plan(local_ports=LOCAL_PORTS)
     visible = {name: plans[name].environment.get("CUDA_VISIBLE_DEVICES") for name in plans}
     assert visible == {"text-encoder": "6", "dit": "0,1,2,3", "vae": "4,5", "interp": "7", "orchestrator": None}
@@ -255,7 +306,9 @@ def test_gpu_reservations_become_cuda_visible_devices_and_secrets_host_paths(tmp
 
 
 def test_a_missing_secret_file_is_refused_naming_it(tmp_path: Path) -> None:
-    cluster = LocalCluster(tmp_path, compose_file=GPU_COMPOSE_FILE, env={"STAGEDIFF_SECRETS_DIR": str(tmp_path)})
+    cluster = LocalCluster(
+        _checkpoint(tmp_path), compose_file=GPU_COMPOSE_FILE, env={"STAGEDIFF_SECRETS_DIR": str(tmp_path)}
+    )
     with pytest.raises(ValueError, match=r"secret 'cluster_secret' reads .*cluster_secret, which does not exist"):
         cluster.plan(local_ports=LOCAL_PORTS)
 
@@ -264,13 +317,14 @@ def test_a_missing_secret_file_is_refused_naming_it(tmp_path: Path) -> None:
 
 
 def test_commands_get_local_ports_hosts_references_and_model_path(tmp_path: Path) -> None:
-    cluster = LocalCluster(tmp_path, port=0)
+    cluster = LocalCluster(_checkpoint(tmp_path), port=0)
     plans = cluster.plan(local_ports=LOCAL_PORTS)
     assert list(plans) == [*STAGES, "orchestrator"], "stages first: the orchestrator depends on all of them"
     model = str(tmp_path.resolve())
     for name in STAGES:
+        checkpoint = ["--model", model] if STAGE_KINDS[name].reads_checkpoint else []
         assert plans[name].args == [
-            "serve", name, "--model", model, "--host", "127.0.0.1", "--port", str(LOCAL_PORTS[name])
+            "serve", name, *checkpoint, "--host", "127.0.0.1", "--port", str(LOCAL_PORTS[name])
         ]  # fmt: skip
         assert plans[name].endpoint == f"127.0.0.1:{LOCAL_PORTS[name]}"
         assert plans[name].waits_for == []
@@ -283,13 +337,13 @@ def test_commands_get_local_ports_hosts_references_and_model_path(tmp_path: Path
         "--state-dir", "/var/lib/stagediff", "--metrics-port", "0",
         "--state-dir", str(cluster.state_dir),
     ]  # fmt: skip
-    assert orchestrator.waits_for == list(STAGES)
+    assert orchestrator.waits_for == list(REQUIRED_STAGES), "the compose file's depends_on: service_healthy"
     # Every process gets the cluster's secret: stages refuse to start without one, and need no --insecure.
     assert {plan.environment[CLUSTER_SECRET_ENV] for plan in plans.values()} == {cluster.cluster_secret}
 
 
 def test_free_ports_are_distinct_and_the_orchestrator_takes_the_requested_one(tmp_path: Path) -> None:
-    free = LocalCluster(tmp_path, port=0).plan()
+    free = LocalCluster(_checkpoint(tmp_path), port=0).plan()
     ports = [plan.port for plan in free.values()]
     assert len(set(ports)) == len(ports) and all(port > 0 for port in ports)
     fixed = LocalCluster(tmp_path, port=43210).plan()
@@ -299,7 +353,7 @@ def test_free_ports_are_distinct_and_the_orchestrator_takes_the_requested_one(tm
 
 
 def test_a_wildcard_host_is_bound_but_reached_through_loopback(tmp_path: Path) -> None:
-    plans = LocalCluster(tmp_path, host="0.0.0.0").plan(local_ports=LOCAL_PORTS)
+    plans = LocalCluster(_checkpoint(tmp_path), host="0.0.0.0").plan(local_ports=LOCAL_PORTS)
     assert plans["dit"].args[plans["dit"].args.index("--host") + 1] == "0.0.0.0"
     assert plans["dit"].endpoint == "127.0.0.1:41002"
     assert "127.0.0.1:41002" in plans["orchestrator"].args
@@ -307,25 +361,87 @@ def test_a_wildcard_host_is_bound_but_reached_through_loopback(tmp_path: Path) -
 
 def test_threads_and_extra_args_go_to_the_stages_they_concern(tmp_path: Path) -> None:
     extra_args = {"dit": ["--ulysses-degree", "2"], "vae": ["--vae-patch-parallel-size", "2"]}
-    cluster = LocalCluster(tmp_path, threads_per_stage=2, extra_args=extra_args)
+    cluster = LocalCluster(_checkpoint(tmp_path), threads_per_stage=2, extra_args=extra_args)
     plans = cluster.plan(local_ports=LOCAL_PORTS)
     assert plans["dit"].args[-4:] == ["--threads", "2", "--ulysses-degree", "2"]
     assert plans["vae"].args[-4:] == ["--threads", "2", "--vae-patch-parallel-size", "2"]
     assert plans["text-encoder"].args[-2:] == ["--threads", "2"]
     assert "--threads" not in plans["orchestrator"].args
-    with pytest.raises(ValueError, match="not in"):
+    with pytest.raises(ValueError, match="options for ditt, which this cluster does not run"):
         LocalCluster(tmp_path, extra_args={"ditt": ["--usp", "2"]})
 
 
 def test_up_routes_stage_flags_to_their_stage() -> None:
-    parser = argparse.ArgumentParser()
-    local_cluster.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["up", "--model", "m", "--embedding-cache-size", "16"])
-    assert args.func is local_cluster._up
+    args = up.build_parser().parse_args(
+        ["--model", "m", "--embedding-cache-size", "16", "--usp", "2", "--use-hsdp", "--vae-use-tiling"]
+    )
     assert args.port == 50051 and args.file == str(DEFAULT_COMPOSE_FILE) and args.host == "127.0.0.1"
-    assert local_cluster.stage_flags(args) == {
+    assert up.stage_flags(args) == {
         "text-encoder": ["--embedding-cache-size", "16"],
+        "dit": ["--ulysses-degree", "2", "--use-hsdp"],
+        "vae": ["--vae-use-tiling"],
     }
+
+
+def test_an_image_model_runs_without_the_interpolator(tmp_path: Path) -> None:
+    """qwen-image's chain is text-encoder -> dit -> vae: the file's interp service does not start, and the
+    orchestrator is given no --interp endpoint and waits for no interpolator."""
+    qwen = LocalCluster(_checkpoint(tmp_path / "qwen", "QwenImagePipeline"))
+    plans = qwen.plan(local_ports=LOCAL_PORTS)
+    assert list(plans) == [*REQUIRED_STAGES, "orchestrator"]
+    orchestrator = plans["orchestrator"]
+    assert "--interp" not in orchestrator.args and orchestrator.waits_for == list(REQUIRED_STAGES)
+    assert orchestrator.args[orchestrator.args.index("--vae") + 1] == "127.0.0.1:41003"
+    with pytest.raises(ValueError, match=r"options for interp, which this cluster does not run"):
+        LocalCluster(qwen.model_dir, extra_args=up.stage_flags(up.build_parser().parse_args(
+            ["--model", "m", "--interp-model-path", "rife.pkl"]
+        )))  # fmt: skip
+    # Wan's chain ends in the optional interpolator: it runs when the file has it, and only then.
+    wan = LocalCluster(_checkpoint(tmp_path / "wan")).plan(local_ports=LOCAL_PORTS)
+    assert list(wan) == [*STAGES, "orchestrator"]
+    compose = _write(
+        tmp_path / "no-interp.yml",
+        """
+        services:
+          dit: {command: ["serve", "dit", "--model", "/m", "--port", "7002"]}
+          vae: {command: ["serve", "vae", "--model", "/m", "--port", "7003"]}
+          text-encoder: {command: ["serve", "text-encoder", "--model", "/m", "--port", "7001"]}
+          orchestrator:
+            command: ["serve", "orchestrator", "--port", "7000", "--dit", "dit:7002", "--vae", "vae:7003",
+                      "--text-encoder", "text-encoder:7001"]
+        """,
+    )
+    assert list(LocalCluster(tmp_path / "wan", compose_file=compose).plan()) == [
+        "dit", "vae", "text-encoder", "orchestrator"
+    ]  # fmt: skip
+
+
+def test_a_chain_the_compose_file_cannot_run_and_a_directory_that_is_no_checkpoint_are_refused(tmp_path: Path) -> None:
+    compose = _write(
+        tmp_path / "no-vae.yml",
+        """
+        services:
+          dit: {command: ["serve", "dit", "--model", "/m", "--port", "7002"]}
+          text-encoder: {command: ["serve", "text-encoder", "--model", "/m", "--port", "7001"]}
+          orchestrator: {command: ["serve", "orchestrator", "--port", "7000", "--dit", "dit:7002"]}
+        """,
+    )
+    with pytest.raises(ValueError, match=r"wan-t2v runs through .* no service of the compose file runs `serve vae`"):
+        LocalCluster(_checkpoint(tmp_path / "wan"), compose_file=compose)
+    with pytest.raises(ValueError, match=r"--model .*empty.*model_index.json"):
+        LocalCluster(tmp_path / "empty")
+    with pytest.raises(ValueError, match=r"names the pipeline 'FluxPipeline', which this build does not serve"):
+        LocalCluster(_checkpoint(tmp_path / "flux", "FluxPipeline"))
+
+
+def test_the_image_override_drops_the_interpolator_and_only_its_endpoint() -> None:
+    for file in VARIANTS:
+        full, image = _resolved(file), _resolved(file, IMAGE_OVERRIDE)
+        assert image["interp"]["profiles"], f"{file.name}: the interpolator would start with an image model"
+        command = full["orchestrator"]["command"]
+        at = command.index("--interp")
+        assert image["orchestrator"]["command"] == command[:at] + command[at + 2 :], file.name
+        assert image["orchestrator"]["depends_on"] == full["orchestrator"]["depends_on"], file.name
 
 
 def _write(path: Path, text: str) -> Path:
@@ -350,6 +466,8 @@ def test_volumes_variables_and_environment_of_another_compose_file(tmp_path: Pat
             environment:
               - GREETING=hello ${WHO:-world}
               - FROM_HOST
+          dit: {command: ["serve", "dit", "--model", "/m", "--port", "7002"]}
+          vae: {command: ["serve", "vae", "--model", "/m", "--port", "7003"]}
           front:
             command: ["serve", "orchestrator", "--port=7000", "--text-encoder=enc:7001"]
             depends_on: [enc]
@@ -358,7 +476,7 @@ def test_volumes_variables_and_environment_of_another_compose_file(tmp_path: Pat
         """,
     )
     env = {"CACHE_DIR": "/var/cache/x", "FROM_HOST": "1"}
-    cluster = LocalCluster(tmp_path / "model", compose_file=compose, env=env)
+    cluster = LocalCluster(_checkpoint(tmp_path / "model"), compose_file=compose, env=env)
     plans = cluster.plan(local_ports={"enc": 9001, "front": 9000})
     assert plans["enc"].args == [
         "serve", "text-encoder", "--model", str((tmp_path / "model").resolve()), "--port", "9001",
@@ -380,12 +498,14 @@ def test_a_reference_to_a_port_the_service_does_not_serve_is_refused(tmp_path: P
         services:
           dit:
             command: ["serve", "dit", "--model", "/m", "--port", "7002"]
+          text-encoder: {command: ["serve", "text-encoder", "--model", "/m", "--port", "7001"]}
+          vae: {command: ["serve", "vae", "--model", "/m", "--port", "7003"]}
           orchestrator:
             command: ["serve", "orchestrator", "--port", "7000", "--dit", "dit:9999"]
         """,
     )
     with pytest.raises(ValueError, match="dit:9999"):
-        LocalCluster(tmp_path, compose_file=compose).plan()
+        LocalCluster(_checkpoint(tmp_path), compose_file=compose).plan()
 
 
 def test_a_dependency_cycle_is_refused(tmp_path: Path) -> None:
@@ -399,10 +519,12 @@ def test_a_dependency_cycle_is_refused(tmp_path: Path) -> None:
           b:
             command: ["serve", "orchestrator", "--port", "2"]
             depends_on: [a]
+          text-encoder: {command: ["serve", "text-encoder", "--port", "3"]}
+          vae: {command: ["serve", "vae", "--port", "4"]}
         """,
     )
     with pytest.raises(ValueError, match="cycle"):
-        LocalCluster(tmp_path, compose_file=compose).plan()
+        LocalCluster(_checkpoint(tmp_path), compose_file=compose).plan()
 
 
 def test_interpolation_follows_compose() -> None:
@@ -413,9 +535,9 @@ def test_interpolation_follows_compose() -> None:
 
 
 def test_wait_for_serving_gives_up_on_a_closed_port() -> None:
-    port = local_cluster.free_ports(1, "127.0.0.1")[0]
+    port = free_ports(1, "127.0.0.1")[0]
     with pytest.raises(TimeoutError, match=str(port)):
-        local_cluster.wait_for_serving(f"127.0.0.1:{port}", timeout=0.5)
+        wait_for_serving(f"127.0.0.1:{port}", timeout=0.5)
 
 
 def test_extends_env_files_and_secrets_resolve_against_the_file_that_writes_them(tmp_path: Path) -> None:
@@ -445,6 +567,8 @@ def test_extends_env_files_and_secrets_resolve_against_the_file_that_writes_them
             env_file: [top.env]
             secrets: [key, {source: key, target: /etc/key}]
             deploy: {resources: {reservations: {devices: [{driver: nvidia, device_ids: ["2"], capabilities: [gpu]}]}}}
+          text-encoder: {command: ["serve", "text-encoder", "--model", "/m", "--port", "7001"]}
+          vae: {command: ["serve", "vae", "--model", "/m", "--port", "7003"]}
           orchestrator:
             command: ["serve", "orchestrator", "--port", "7000", "--dit", "dit:7002", "--key", "/run/secrets/key"]
             secrets: [key]
@@ -463,7 +587,8 @@ def test_extends_env_files_and_secrets_resolve_against_the_file_that_writes_them
     assert dit.volumes == [
         (str((tmp_path / "base" / "data").resolve()), "/data"), (key, "/run/secrets/key"), (key, "/etc/key")
     ]  # fmt: skip
-    plans = LocalCluster(tmp_path / "model", compose_file=compose).plan(local_ports={"dit": 9002, "orchestrator": 9000})
+    cluster = LocalCluster(_checkpoint(tmp_path / "model"), compose_file=compose)
+    plans = cluster.plan(local_ports={"dit": 9002, "orchestrator": 9000})
     assert plans["dit"].args[-2:] == ["--data", str((tmp_path / "base" / "data").resolve())]
     assert plans["dit"].environment["CUDA_VISIBLE_DEVICES"] == "2"
     assert plans["orchestrator"].args[-4:-2] == ["--key", key]
@@ -494,3 +619,35 @@ def test_bad_extends_and_env_files_are_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="secret 'nowhere' is not declared"):
         load_compose(undeclared, {})
+
+
+@pytest.mark.e2e
+def test_stagediff_up_serves_an_image_model_without_an_interpolator(qwen_model: Path, tmp_path: Path) -> None:
+    """The default compose file has an interp service; qwen-image's chain has none, so it never starts."""
+    up_process = subprocess.Popen(
+        [sys.executable, "-m", "stagediff.cli", "up", "--model", str(qwen_model), "--port", "0",
+         "--threads-per-stage", "1", "--log-dir", str(tmp_path / "logs"), "--state-dir", str(tmp_path / "state"),
+         "--startup-timeout", "300"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        assert up_process.stdout is not None
+        deadline = time.monotonic() + 360
+        for line in up_process.stdout:
+            lines.append(line)
+            if line.startswith("ready ") or time.monotonic() > deadline:
+                break
+        assert lines and lines[-1].startswith("ready "), "stagediff up did not get ready:\n" + "".join(lines[-40:])
+        started = [line.split()[1] for line in lines if line.startswith("started ")]
+        assert started == [*REQUIRED_STAGES, "orchestrator"]
+        with Client(lines[-1].split()[1]) as client:
+            result = client.generate("a fox", height=32, width=32, num_inference_steps=2, guidance_scale=1.0, seed=0)
+        assert result.frames.shape == (1, 32, 32, 3)
+    finally:
+        up_process.send_signal(signal.SIGTERM)
+        try:
+            up_process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            up_process.kill()
+            up_process.wait()

@@ -13,6 +13,7 @@ from pathlib import PurePosixPath
 
 import pytest
 from opentelemetry import trace
+from opentelemetry.propagate import extract
 from opentelemetry.sdk.trace import TracerProvider
 
 from services.logging_setup import (
@@ -23,7 +24,7 @@ from services.logging_setup import (
     log_fields,
     make_handler,
 )
-from services.tracing import extract_context, start_span_under
+from services.tracing import start_span_under
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
@@ -139,7 +140,7 @@ def test_bind_log_fields_sets_and_removes(capture) -> None:
 def test_trace_and_span_ids_of_the_current_span(capture) -> None:
     logger, stream, _ = capture
     # No SDK: the span extracted from an incoming traceparent is current and carries its ids.
-    with start_span_under(extract_context([("traceparent", TRACEPARENT)]), "handler"):
+    with start_span_under(extract({"traceparent": TRACEPARENT}), "handler"):
         logger.info("propagated")
     provider = TracerProvider()
     with provider.get_tracer("test").start_as_current_span("recorded") as span:

@@ -22,7 +22,7 @@ from services.metrics import (
     start_metrics_server,
 )
 from services.orchestrator.stage_clients import StageError
-from services.tracing import TracingServerInterceptor
+from services.tracing import server_interceptor as tracing_server_interceptor
 
 SERVICE = "test.Work"
 
@@ -160,7 +160,7 @@ class WorkServer:
     def __init__(self, metrics: ServerMetrics) -> None:
         self.entered = asyncio.Event()
         self.release = asyncio.Event()
-        self.server = grpc.aio.server(interceptors=[TracingServerInterceptor(), MetricsServerInterceptor(metrics)])
+        self.server = grpc.aio.server(interceptors=[tracing_server_interceptor(), MetricsServerInterceptor(metrics)])
         handlers = {
             "Run": grpc.unary_unary_rpc_method_handler(self.run),
             "Watch": grpc.unary_stream_rpc_method_handler(self.watch),

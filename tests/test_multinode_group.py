@@ -25,8 +25,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dit_svc.denoise import DenoiseSpec, WanDenoiser
-from dit_svc.service import add_parallel_arguments, check_parallel_layout
+from dit_svc.denoise import DenoiseSpec
+from dit_svc.options import add_parallel_arguments
+from dit_svc.service import check_parallel_layout
+from families.wan.denoise import WanDenoiser
 from services.auth import CLUSTER_SECRET_ENV
 from services.rank_group import (
     ControlChannel,
@@ -36,9 +38,10 @@ from services.rank_group import (
     connect_to_node0,
     group_authkey,
 )
-from services.stage_main import add_stage_arguments
-from services.tensor_codec import TensorAssembler, encode_tensor
-from stagediff.local_cluster import free_ports
+from services.stage_options import add_stage_arguments
+from services.torch_wire import encode_tensor, to_torch
+from stagediff.local.launch import free_ports
+from stagediff.tensor_codec import TensorAssembler
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 from tests.conftest import CLUSTER_SECRET, stage_channel
 
@@ -113,7 +116,7 @@ def _latents(responses) -> torch.Tensor:
     assembler, frames = TensorAssembler(), []
     for response in responses:
         if response.HasField("tensor") and (tensor := assembler.feed(response.tensor)) is not None:
-            frames.append(tensor.to_torch())
+            frames.append(to_torch(tensor))
     return torch.cat(frames, dim=2)
 
 
@@ -144,7 +147,8 @@ def two_nodes(tiny_model, tmp_path_factory) -> Iterator[dict]:
 def test_two_nodes_denoise_as_one_rank_does(two_nodes, tiny_model) -> None:
     reference = WanDenoiser(tiny_model, torch.device("cpu"), torch.float32)
     prompt, negative = _embeds(reference.text_dim)
-    expected = reference.denoise(SPEC, prompt, negative, on_step=lambda s, t: None, cancelled=lambda: False)
+    conditioning = {"prompt_embeds": prompt, "negative_prompt_embeds": negative}
+    expected = reference.denoise(SPEC, conditioning, on_step=lambda s, t: None, cancelled=lambda: False)
     _wait_for_health(two_nodes["endpoint1"], "SERVING", 30)
     with stage_channel(two_nodes["endpoint0"]) as channel:
         denoise = channel.stream_stream(

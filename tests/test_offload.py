@@ -15,15 +15,15 @@ import torch
 from diffusers import WanTransformer3DModel
 from torch import nn
 
-from dit_svc.quantization import quantize_transformer, torchao_available
-from services.offload import (
+from dit_svc.offload import (
     ModuleOffloader,
     ResidencyCounter,
     apply_offload,
     group_offload_units,
     validate_offload_flags,
 )
-from vae_svc.decode import WanStreamingDecoder
+from dit_svc.quantization import quantize_transformer, torchao_available
+from families.wan.decode import WanStreamingDecoder
 
 CPU = torch.device("cpu")
 

@@ -17,8 +17,8 @@ from services.orchestrator.scheduler import FairScheduler
 from services.orchestrator.stage_clients import StagePool
 from services.orchestrator.store import JobStore
 from services.orchestrator.tenants import TenantRegistry
-from services.tensor_codec import TensorAssembler
 from stagediff import Client
+from stagediff.tensor_codec import TensorAssembler
 from stagediff.v1 import generation_pb2, stages_pb2_grpc
 from tests.conftest import CLUSTER_SECRET
 

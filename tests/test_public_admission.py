@@ -17,13 +17,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.auth import TenantAuthInterceptor
 from services.metrics import OrchestratorMetrics
 from services.orchestrator.jobs import JobManager, JobState
 from services.orchestrator.request_bounds import FIELD_LIMITS, RequestBoundsInterceptor, sized_fields
 from services.orchestrator.scheduler import FairScheduler
 from services.orchestrator.service import PUBLIC_PORT_OPTIONS, UNKNOWN_MODEL_LABEL, GenerationServicer
 from services.orchestrator.store import JobStore
+from services.orchestrator.tenant_auth import TenantAuthInterceptor
 from services.orchestrator.tenants import (
     DEFAULT_MAX_OUTPUT_FRAMES,
     LimitExceeded,

@@ -18,7 +18,7 @@ from dit_svc.quantization import (
     validate_quantization_flags,
     weight_storage_dtype,
 )
-from stagediff.init_model import build_transformer
+from families.wan.init_model import build_transformer
 
 BACKENDS = [
     "native",

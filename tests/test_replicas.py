@@ -23,10 +23,12 @@ from services.orchestrator.jobs import Job, JobState, ResultPiece
 from services.orchestrator.pipeline import Pipeline, ResultPublisher
 from services.orchestrator.stage_clients import STAGE_ORDER, Stage, StageError, StagePool
 from services.orchestrator.store import JobRecord, JobStore
-from services.tensor_codec import encode_tensor
-from stagediff import Client, local_cluster
+from stagediff import Client
 from stagediff.client import FramesReceived, GenerationResult, Progress
-from stagediff.local_cluster import LocalCluster, parse_replicas, with_replicas
+from stagediff.local import up
+from stagediff.local.compose import with_replicas
+from stagediff.local.supervisor import LocalCluster
+from stagediff.tensor_codec import encode_tensor
 from stagediff.v1 import generation_pb2, stages_pb2, stages_pb2_grpc
 from tests.conftest import THREADS_PER_STAGE
 
@@ -312,17 +314,18 @@ def test_a_retry_rewrites_a_tensor_that_was_cut_half_way_and_publishes_it_once(t
 
 
 def test_replicas_flag_and_dash_n_services_become_endpoint_lists(tmp_path) -> None:
-    parser = argparse.ArgumentParser()
-    local_cluster.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["up", "--model", "m", "--replicas", "text-encoder=1,dit=2,vae=2,interp=1"])
+    args = up.build_parser().parse_args(["--model", "m", "--replicas", "text-encoder=1,dit=2,vae=2,interp=1"])
     assert args.replicas == {"text-encoder": 1, "dit": 2, "vae": 2, "interp": 1}
     for wrong in ("dit=0", "dit", "dit=two"):
         with pytest.raises(argparse.ArgumentTypeError, match="STAGE=COUNT"):
-            parse_replicas(wrong)
+            up.parse_replicas(wrong)
+    (tmp_path / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
     compose = tmp_path / "compose.yml"
     compose.write_text(
         """
 services:
+  text-encoder:
+    command: ["serve", "text-encoder", "--model", "/m", "--port", "7001"]
   dit:
     command: ["serve", "dit", "--model", "/m", "--port", "7002"]
   dit-2:
@@ -337,7 +340,7 @@ services:
 """
     )
     declared = LocalCluster(tmp_path, compose_file=compose)
-    ports = {"dit": 9002, "dit-2": 9012, "vae": 9003, "orchestrator": 9000}
+    ports = {"text-encoder": 9001, "dit": 9002, "dit-2": 9012, "vae": 9003, "orchestrator": 9000}
     plans = declared.plan(local_ports=ports)
     assert plans["dit-2"].args[-2:] == ["--device", "cuda:1"], "a declared replica keeps its own command"
     orchestrator = plans["orchestrator"].args
@@ -345,8 +348,8 @@ services:
     assert plans["orchestrator"].waits_for == ["dit", "dit-2", "vae"]
 
     cloned = LocalCluster(tmp_path, compose_file=compose, replicas={"dit": 1, "vae": 3}, extra_args={"vae": ["-x"]})
-    assert list(cloned.compose) == ["dit", "vae", "vae-2", "vae-3", "orchestrator"]
-    ports = {"dit": 9002, "vae": 9003, "vae-2": 9013, "vae-3": 9023, "orchestrator": 9000}
+    assert list(cloned.compose) == ["text-encoder", "dit", "vae", "vae-2", "vae-3", "orchestrator"]
+    ports = {"text-encoder": 9001, "dit": 9002, "vae": 9003, "vae-2": 9013, "vae-3": 9023, "orchestrator": 9000}
     plans = cloned.plan(local_ports=ports)
     assert plans["vae-3"].args == ["serve", "vae", "--model", "/m", "--port", "9023", "-x"]
     orchestrator = plans["orchestrator"].args
@@ -469,7 +472,10 @@ def test_killing_a_dit_and_a_vae_replica_mid_run_loses_no_job(replicated_cluster
             assert time.monotonic() < give_up_at, {e: (r.health, r.detail) for e, r in served.items()}
             time.sleep(0.2)
         before = {name: served[cluster.services[name].endpoint].calls for name in victims.values()}
-        assert all(replica.info.model == "tiny" for replica in served.values())
+        # The interpolator does not read the diffusers checkpoint: its weights are its own.
+        assert all(
+            replica.info.model == ("" if replica.info.stage == "interp" else "tiny") for replica in served.values()
+        )
         jobs = [client.submit("again", seed=seed, **{**SMALL, "num_inference_steps": 2}) for seed in SEEDS[:2]]
         for job in jobs:
             assert client.wait(job.job_id).frames.shape == (9, 64, 64, 3)

@@ -22,7 +22,7 @@ from services.orchestrator.pipeline import Pipeline, ResultPublisher
 from services.orchestrator.scheduler import FairScheduler
 from services.orchestrator.store import RESULT_FILE, JobStore, StoreError
 from services.orchestrator.tenants import Tenant
-from services.tensor_codec import TensorAssembler, encode_tensor
+from stagediff.tensor_codec import TensorAssembler, encode_tensor
 from stagediff.v1 import generation_pb2
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ from services.auth import CLUSTER_SECRET_ENV
 from services.orchestrator.service import check_exposure
 from services.orchestrator.tenants import TenantRegistry, hash_api_key
 from services.server import is_loopback
-from stagediff.cli import SERVE_TARGETS
+from services.stage_table import SERVE_TARGETS
 from tests.conftest import parse_serve
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"

@@ -161,7 +161,7 @@ def _transformer_worker(
     from diffusers import WanTransformer3DModel
 
     from dit_svc.parallel.mesh import ParallelConfig, build_mesh
-    from dit_svc.parallel.sequence_parallel import apply_sequence_parallel, remove_sequence_parallel
+    from families.wan.parallel import apply_sequence_parallel, remove_sequence_parallel
 
     built = [
         (name, build_mesh(ParallelConfig(ulysses_degree=ulysses, ring_degree=ring), "cpu"))

@@ -10,7 +10,7 @@ import sys
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from stagediff.local_cluster import wait_for_serving
+from stagediff.local.supervisor import wait_for_serving
 from tests.conftest import stage_channel
 
 

@@ -14,10 +14,11 @@ import torch
 from diffusers import WanTransformer3DModel
 from torch.distributed.tensor import DTensor
 
-from dit_svc.parallel import ParallelConfig, build_mesh, parallelize_transformer
+from dit_svc.parallel import ParallelConfig, build_mesh
 from dit_svc.parallel.launch import run_ranks
+from families.init_model import init_model
+from families.wan.parallel import parallelize
 from services.weights import load_pretrained, load_stats
-from stagediff.init_model import init_model
 
 LAYOUTS = {
     "tp2": ParallelConfig(tp_degree=2),
@@ -36,7 +37,7 @@ def _load_on_rank(rank: int, world_size: int, model_dir: str, layout: str, dtype
     config = LAYOUTS[layout]
     device = torch.device("cpu")
     mesh = build_mesh(config, "cpu")
-    shard = partial(parallelize_transformer, config=config, mesh=mesh, device=device)
+    shard = partial(parallelize, config=config, mesh=mesh, device=device)
     model = load_pretrained(
         WanTransformer3DModel, f"{model_dir}/transformer", dtype=dtype, num_threads=2, shard_model=shard
     )

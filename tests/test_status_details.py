@@ -10,7 +10,7 @@ import pytest
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from services.orchestrator.tenants import RateLimited, TenantRegistry, hash_api_key
-from services.status_details import DETAILS_METADATA_KEY, abort_with_retry, retry_after, retry_status, rich_status
+from stagediff.status_details import DETAILS_METADATA_KEY, abort_with_retry, retry_after, retry_status, rich_status
 
 SERVICE = "test.Limited"
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from services.orchestrator.store import (
     RESULT_FILE,
@@ -30,12 +29,10 @@ from services.orchestrator.store import (
     StoreError,
     UnknownJob,
     Usage,
-    pack_wire_tensors,
     parse_size,
-    unpack_wire_tensors,
 )
-from services.tensor_codec import TensorAssembler, encode_tensor
-from stagediff.v1 import generation_pb2
+from stagediff.tensor_codec import TensorAssembler, encode_tensor
+from stagediff.v1 import generation_pb2, tensor_pb2
 
 REPO = Path(__file__).resolve().parents[1]
 QUEUED, RUNNING = JobState.JOB_STATE_QUEUED, JobState.JOB_STATE_RUNNING
@@ -76,6 +73,10 @@ def _frames(count: int, value: int = 7) -> np.ndarray:
     frames = np.full((count, 8, 16, 3), value, np.uint8)
     frames[:, 0, 0, 0] = np.arange(count)
     return frames
+
+
+def _chunks(name: str, value: np.ndarray, **options) -> list[tensor_pb2.TensorChunk]:
+    return list(encode_tensor(name, value, **options))
 
 
 def _files(store: JobStore) -> list[str]:
@@ -171,56 +172,53 @@ def test_listing_filters_and_pages(store: JobStore) -> None:
 # --------------------------------------------------------- intermediates --
 
 
-def test_intermediates_round_trip_in_order(store: JobStore) -> None:
+def test_intermediates_round_trip_as_the_chunks_the_stages_sent(store: JobStore) -> None:
     _add(store, "j")
     store.update_state("j", RUNNING)
-    embeds = torch.randn(2, 5, 8).to(torch.bfloat16)
-    mask = np.array([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=np.int64)
-    assert store.mark_stage_done("j", "text-encoder", {"embeds": embeds, "embeds_mask": mask})
-    latents = {f"latents@{t}": torch.randn(1, 4, 1, 2, 2) for t in (0, 1, 2)}
-    # Views of one tensor share storage; the store copies them.
-    latents["z@0"], latents["a@0"] = torch.arange(6.0)[:3], torch.arange(6.0)[3:]
+    rng = np.random.default_rng(0)
+    mask = np.array([[1, 1, 0, 0, 0]], dtype=np.int64)
+    # What a text encoder sends: each text's tensors in several chunks; bf16 travels as its uint16 bits.
+    conditioning = [
+        *_chunks("prompt_embeds", rng.standard_normal((1, 5, 8), dtype=np.float32), chunk_bytes=48),
+        *_chunks("prompt_embeds_mask", mask),
+        *_chunks("negative_prompt_embeds", rng.integers(0, 2**16, (1, 5, 8), dtype=np.uint16), datatype="BF16"),
+    ]
+    assert store.mark_stage_done("j", "text-encoder", conditioning)
+    latents = [chunk for t in (0, 1, 2) for chunk in _chunks("latents", rng.standard_normal((1, 4, 1, 2, 2)), index=t)]
     assert store.mark_stage_done("j", "dit", latents)
     assert store.get("j").last_stage == "dit"
     loaded = store.load_intermediates("j")
     assert list(loaded) == ["text-encoder", "dit"]
-    assert list(loaded["dit"]) == list(latents)  # the order given, not alphabetical
-    assert torch.equal(loaded["text-encoder"]["embeds"], embeds)
-    assert loaded["text-encoder"]["embeds"].dtype == torch.bfloat16
-    assert np.array_equal(loaded["text-encoder"]["embeds_mask"].numpy(), mask)
-    for name, tensor in latents.items():
-        assert torch.equal(loaded["dit"][name], tensor)
+    # The same messages, in the order they were sent: headers, offsets and bytes.
+    assert loaded == {"text-encoder": conditioning, "dit": latents}
+    assert len(conditioning) > 3
     with pytest.raises(ValueError, match="stage"):
-        store.mark_stage_done("j", "../x", {})
+        store.mark_stage_done("j", "../x", [])
+
+
+def test_an_unreadable_saved_output_is_a_store_error_naming_the_stage(store: JobStore) -> None:
+    _add(store, "j")
+    store.update_state("j", RUNNING)
+    store.mark_stage_done("j", "dit", _chunks("latents", np.ones((1, 4, 1, 8, 8), np.float32)))
+    path = store.jobs_dir / "j" / "stage-dit.chunks"
+    path.write_bytes(path.read_bytes()[:-7])
+    with pytest.raises(StoreError, match="job j: the saved output of stage dit cannot be read"):
+        store.load_intermediates("j")
 
 
 def test_finishing_a_job_drops_its_intermediates(store: JobStore) -> None:
     for job_id in ("ok", "bad"):
         _add(store, job_id)
         store.update_state(job_id, RUNNING)
-        store.mark_stage_done(job_id, "text-encoder", {"embeds": torch.ones(2)})
-    assert _files(store) == ["bad/stage-text-encoder.safetensors", "ok/stage-text-encoder.safetensors"]
+        store.mark_stage_done(job_id, "text-encoder", _chunks("prompt_embeds", np.ones((1, 2), np.float32)))
+    assert _files(store) == ["bad/stage-text-encoder.chunks", "ok/stage-text-encoder.chunks"]
     store.save_result("ok", _frames(3), 16.0)
     store.update_state("bad", FAILED, error_code=13)
     assert _files(store) == [f"ok/{RESULT_FILE}"]
     assert store.load_intermediates("ok") == {} and store.load_intermediates("bad") == {}
     # A stage that ends after its job was cancelled keeps nothing.
-    assert store.mark_stage_done("bad", "dit", {"latents@0": torch.ones(1)}) is False
+    assert store.mark_stage_done("bad", "dit", _chunks("latents", np.ones(1, np.float32))) is False
     assert _files(store) == [f"ok/{RESULT_FILE}"]
-
-
-def test_wire_tensors_pack_and_unpack_to_the_same_chunks() -> None:
-    chunks = []
-    for t in range(3):
-        chunks.extend(encode_tensor("latents", torch.randn(1, 16, 1, 8, 8), index=t, chunk_bytes=1000))
-    bf16 = list(encode_tensor("other", torch.randn(3).to(torch.bfloat16), index=5))
-    packed = pack_wire_tensors(chunks + bf16)
-    assert list(packed) == ["latents@0", "latents@1", "latents@2", "other@5"]
-    assert packed["other@5"].dtype == torch.bfloat16
-    unpacked = unpack_wire_tensors(packed)
-    assert pack_wire_tensors(unpacked).keys() == packed.keys()
-    assert b"".join(c.data for c in unpacked) == b"".join(c.data for c in chunks + bf16)
-    assert [c.header.index for c in unpacked if c.HasField("header")] == [0, 1, 2, 5]
 
 
 # --------------------------------------------------------------- results --
@@ -408,7 +406,7 @@ def test_prune_keeps_each_tenant_within_its_own_limits(store: JobStore, clock: F
     # Bytes: the files of acme's running job and what it will still write count first, then its newest results.
     _add(store, "a-running", "acme")
     store.update_state("a-running", RUNNING)
-    store.mark_stage_done("a-running", "text-encoder", {"embeds": torch.ones(8)})
+    store.mark_stage_done("a-running", "text-encoder", _chunks("prompt_embeds", np.ones(8, np.float32)))
     embeds = store.usage("acme").active
     assert embeds > 0
     assert store.prune(tenant="acme", max_bytes=embeds + 2 * size) == []
@@ -426,24 +424,37 @@ def test_prune_keeps_each_tenant_within_its_own_limits(store: JobStore, clock: F
     assert [r.job_id for r in store.finished_jobs()] == ["b-new"]
 
 
-def test_a_version_1_state_dir_is_migrated_with_its_files_measured(tmp_path: Path) -> None:
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_state_dir_is_migrated(tmp_path: Path, version: int) -> None:
+    """Version 1 lacked the sizes (the files are measured); versions 1 and 2 kept stage outputs as safetensors
+    files of decoded tensors, which are dropped: the job they belong to runs again from its first stage."""
     with JobStore.open(tmp_path) as store:
         clock_free = FakeClock()
         store.clock = clock_free
         size = _finish(store, clock_free, "done", "acme", frames=3)
         _add(store, "running", "acme")
         store.update_state("running", RUNNING)
-        store.mark_stage_done("running", "text-encoder", {"embeds": torch.ones(8)})
-        embeds = (store.jobs_dir / "running" / "stage-text-encoder.safetensors").stat().st_size
-    with sqlite3.connect(tmp_path / "jobs.sqlite3") as db:  # what version 1 wrote
-        db.execute("DROP INDEX jobs_by_tenant")
-        db.execute("ALTER TABLE results DROP COLUMN bytes")
-        db.execute("ALTER TABLE intermediates DROP COLUMN bytes")
-        db.execute("PRAGMA user_version = 1")
+    old_output = tmp_path / "jobs" / "running" / "stage-text-encoder.safetensors"
+    old_output.parent.mkdir()
+    old_output.write_bytes(b"safetensors of the text encoder's embeddings")
+    with sqlite3.connect(tmp_path / "jobs.sqlite3") as db:  # what the older version wrote
+        db.execute(
+            "INSERT INTO intermediates (job_id, stage, file, done_at, bytes) VALUES (?, ?, ?, ?, ?)",
+            ("running", "text-encoder", old_output.name, 1.0, old_output.stat().st_size),
+        )
+        db.execute("UPDATE jobs SET last_stage = 'text-encoder' WHERE job_id = 'running'")
+        if version == 1:
+            db.execute("DROP INDEX jobs_by_tenant")
+            db.execute("ALTER TABLE results DROP COLUMN bytes")
+            db.execute("ALTER TABLE intermediates DROP COLUMN bytes")
+        db.execute(f"PRAGMA user_version = {version}")
     with JobStore.open(tmp_path) as store:
-        assert store.usage("acme") == Usage(finished=size, active=embeds)
-        assert store._connection().execute("PRAGMA user_version").fetchone()[0] == 2
+        assert store._connection().execute("PRAGMA user_version").fetchone()[0] == 3
+        assert store.usage("acme") == Usage(finished=size, active=0)
         assert np.array_equal(store.load_result("done").frames, _frames(3))
+        assert store.load_intermediates("running") == {} and store.get("running").last_stage == ""
+        assert [r.job_id for r in store.recoverable()] == ["running"]
+        assert _files(store) == [f"done/{RESULT_FILE}"]
 
 
 def test_sizes_and_free_space_on_flags() -> None:
@@ -573,17 +584,17 @@ def test_open_sweeps_what_a_crash_leaves(tmp_path: Path) -> None:
         store.save_result("done", _frames(2), 16.0)
         _add(store, "running")
         store.update_state("running", RUNNING)
-        store.mark_stage_done("running", "text-encoder", {"embeds": torch.ones(3)})
+        store.mark_stage_done("running", "text-encoder", _chunks("prompt_embeds", np.ones(3, np.float32)))
         jobs = store.jobs_dir
     # What a crash can leave: a half-written temporary file, a complete file whose
     # row was never committed, and the folder of a job whose insert never committed.
     (jobs / "running" / f".{RESULT_FILE}.abc.tmp").write_bytes(b"\x93NUMPY partial")
     np.save(jobs / "running" / RESULT_FILE, _frames(2))
-    (jobs / "running" / "stage-dit.safetensors").write_bytes(b"not committed")
+    (jobs / "running" / "stage-dit.chunks").write_bytes(b"not committed")
     (jobs / "ghost").mkdir()
     (jobs / "ghost" / RESULT_FILE).write_bytes(b"x")
     with JobStore.open(tmp_path) as store:
-        assert _files(store) == [f"done/{RESULT_FILE}", "running/stage-text-encoder.safetensors"]
+        assert _files(store) == [f"done/{RESULT_FILE}", "running/stage-text-encoder.chunks"]
         assert store.load_result("running") is None
         assert list(store.load_intermediates("running")) == ["text-encoder"]
         assert [r.job_id for r in store.recoverable()] == ["running"]
@@ -601,7 +612,7 @@ def test_calls_from_several_threads(tmp_path: Path) -> None:
                     job_id = f"w{worker}-{i}"
                     _add(store, job_id, tenant=f"t{worker}", request_id=f"r{i}")
                     store.update_state(job_id, RUNNING)
-                    store.mark_stage_done(job_id, "text-encoder", {"embeds": torch.full((4,), float(i))})
+                    store.mark_stage_done(job_id, "text-encoder", _chunks("prompt_embeds", np.full(4, float(i))))
                     if i % 3:
                         store.save_result(job_id, _frames(2, value=worker), 16.0)
                     else:
@@ -630,9 +641,9 @@ import sys
 
 import stagediff  # noqa: F401  (imports the generated modules in a working order)
 import numpy as np
-import torch
 
 from services.orchestrator.store import JobRecord, JobState, JobStore
+from stagediff.tensor_codec import encode_tensor
 from stagediff.v1 import generation_pb2
 
 store = JobStore.open(sys.argv[1])
@@ -642,7 +653,7 @@ for i in range(1000):
     store.insert(JobRecord.new(job_id, f"tenant{i % 3}", request))
     print("inserted", i, flush=True)
     store.update_state(job_id, JobState.JOB_STATE_RUNNING)
-    store.mark_stage_done(job_id, "text-encoder", {"embeds": torch.full((2, 64), float(i))})
+    store.mark_stage_done(job_id, "text-encoder", encode_tensor("prompt_embeds", np.full((1, 64), float(i))))
     print("stage", i, flush=True)
     frames = np.full((24, 256, 256, 3), i % 251, np.uint8)
     print("saving", i, flush=True)
@@ -693,8 +704,8 @@ def test_sigkill_loses_no_committed_record_and_no_half_result(tmp_path: Path) ->
         for i in seen["stage"]:
             record = records[f"job{i:04d}"]
             if record.state != SUCCEEDED:
-                embeds = store.load_intermediates(record.job_id)["text-encoder"]["embeds"]
-                assert torch.equal(embeds, torch.full((2, 64), float(i)))
+                chunks = store.load_intermediates(record.job_id)["text-encoder"]
+                assert chunks == list(encode_tensor("prompt_embeds", np.full((1, 64), float(i))))
         assert {int(job_id[3:]) for job_id, r in records.items() if r.state == SUCCEEDED} >= seen["saved"]
         # A job has a result exactly when it succeeded, and every result is whole.
         for job_id, record in records.items():

@@ -7,7 +7,8 @@ import queue
 import pytest
 import torch
 
-from services.tensor_codec import TensorAssembler, encode_tensor
+from services.torch_wire import encode_tensor
+from stagediff.tensor_codec import TensorAssembler
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 from tests.conftest import stage_channel
 

@@ -1,5 +1,6 @@
 """Prompt encoding matches WanPipeline's; the embedding cache is an LRU bounded in bytes and entries, split by
-an opaque per-tenant namespace; the stage bounds every field of EncodeRequest."""
+an opaque per-tenant namespace; the stage bounds every field of EncodeRequest and names each text's tensors as
+the DiT takes them, which the orchestrator relays untouched."""
 
 from __future__ import annotations
 
@@ -12,57 +13,55 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from families.registry import family_named
+from families.wan.encode import WanPromptEncoder
 from services.checkpoint import read_checkpoint
 from services.orchestrator.cache_namespace import cache_namespace_key, tenant_cache_namespace
 from services.orchestrator.jobs import Job
 from services.orchestrator.pipeline import Pipeline
 from services.orchestrator.stage_clients import STAGE_ORDER, StagePool
 from services.stage import StageControlServicer, StageRuntime
-from services.tensor_codec import TensorAssembler
+from services.torch_wire import to_torch
+from stagediff.tensor_codec import TensorAssembler
 from stagediff.v1 import generation_pb2, stages_pb2, stages_pb2_grpc
 from text_encoder_svc import service as text_encoder_service
-from text_encoder_svc.encoder import (
-    DEFAULT_CACHE_BYTES,
-    DEFAULT_CACHE_ENTRIES,
-    EmbeddingCache,
-    PromptEncoder,
-    entry_bytes,
-)
+from text_encoder_svc.encoder import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES, EmbeddingCache, entry_bytes
 from text_encoder_svc.service import MAX_CACHE_NAMESPACE_BYTES, TextEncoderServicer
 
 
 def test_embeddings_equal_wan_pipeline(tiny_model, reference_pipeline) -> None:
-    encoder = PromptEncoder(tiny_model, "tiny", torch.device("cpu"), torch.float32)
+    encoder = WanPromptEncoder(tiny_model, "tiny", torch.device("cpu"), torch.float32)
     prompt, negative = "  a red   fox &amp; a hare ", "blurry"
     with torch.no_grad():  # as inside WanPipeline.__call__, which picks the same attention kernel
         expected_prompt, expected_negative = reference_pipeline.encode_prompt(
             prompt, negative, do_classifier_free_guidance=True, max_sequence_length=512
         )
-    embeds, cached = encoder.encode([prompt, negative], 512)
-    assert not cached
+    batched, cached = encoder.encode([prompt, negative], 512)
+    assert not cached and list(batched) == ["embeds"]
+    embeds = batched["embeds"]
     assert torch.equal(embeds[0], expected_prompt[0]) and torch.equal(embeds[1], expected_negative[0])
     assert embeds.shape == (2, 512, encoder.hidden_size)
 
 
 def test_repeated_texts_come_from_the_cache(tiny_model) -> None:
-    encoder = PromptEncoder(tiny_model, "tiny", torch.device("cpu"), torch.float32, cache_entries=8)
+    encoder = WanPromptEncoder(tiny_model, "tiny", torch.device("cpu"), torch.float32, cache_entries=8)
     first, hit = encoder.encode(["a fox", "blurry"], 64)
     assert not hit and encoder.cache.misses == 2
     again, hit = encoder.encode(["a fox", "blurry"], 64)
-    assert hit and encoder.cache.hits == 2 and torch.equal(first, again)
+    assert hit and encoder.cache.hits == 2 and torch.equal(first["embeds"], again["embeds"])
     # The max length is part of the key.
     _, hit = encoder.encode(["a fox"], 32)
     assert not hit
 
 
 def test_namespaces_never_share_entries(tiny_model) -> None:
-    encoder = PromptEncoder(tiny_model, "tiny", torch.device("cpu"), torch.float32)
+    encoder = WanPromptEncoder(tiny_model, "tiny", torch.device("cpu"), torch.float32)
     first, hit = encoder.encode(["a fox"], 64, namespace=b"tenant-a")
     assert not hit
     # The same text from another namespace is computed again, with the same result.
     second, hit = encoder.encode(["a fox"], 64, namespace=b"tenant-b")
     assert not hit and encoder.cache.misses == 2 and encoder.cache.hits == 0
-    assert torch.equal(first, second)
+    assert torch.equal(first["embeds"], second["embeds"])
     # Requests without a namespace share the empty one, apart from both.
     _, hit = encoder.encode(["a fox"], 64)
     assert not hit and encoder.cache.misses == 3
@@ -156,16 +155,17 @@ def test_negative_cache_flags_are_refused(capsys: pytest.CaptureFixture[str]) ->
 
 async def _encode(
     stub: stages_pb2_grpc.TextEncoderStub, request: stages_pb2.EncodeRequest
-) -> tuple[torch.Tensor, bool]:
+) -> tuple[dict[str, torch.Tensor], bool]:
+    """The tensors the stage sent, by name in the order sent, and whether it said they came from its cache."""
     assembler = TensorAssembler()
-    embeds, hit = None, False
+    tensors, hit = {}, False
     async for response in stub.Encode(request):
         hit = hit or response.cache_hit
         tensor = assembler.feed(response.tensor)
         if tensor is not None:
-            embeds = tensor.to_torch()
+            tensors[tensor.name] = to_torch(tensor)
     assembler.finish()
-    return embeds, hit
+    return tensors, hit
 
 
 async def _refusal(stub: stages_pb2_grpc.TextEncoderStub, request: stages_pb2.EncodeRequest) -> grpc.aio.AioRpcError:
@@ -209,24 +209,32 @@ def test_service_bounds_fields_and_keeps_tenants_apart(tiny_model) -> None:
                 # Directly: a namespace as long as allowed is taken; namespaces never share a hit.
                 longest = b"y" * MAX_CACHE_NAMESPACE_BYTES
                 first, hit = await _encode(stub, stages_pb2.EncodeRequest(texts=["a fox"], cache_namespace=longest))
-                assert not hit
+                assert not hit and list(first) == ["prompt_embeds"]
                 second, hit = await _encode(stub, stages_pb2.EncodeRequest(texts=["a fox"], cache_namespace=b"other"))
-                assert not hit and torch.equal(first, second)
+                assert not hit and torch.equal(first["prompt_embeds"], second["prompt_embeds"])
                 _, hit = await _encode(stub, stages_pb2.EncodeRequest(texts=["a fox"], cache_namespace=longest))
                 assert hit
-            # Through the orchestrator's pipeline: each tenant's requests carry their own namespace.
-            text_encoder = pool["text-encoder"]
-            await text_encoder.probe(text_encoder.replicas[0])
+                # Each text's tensors are named as the DiT takes them: [1, L, dim] slices of the batched encoding.
+                both, _ = await _encode(stub, stages_pb2.EncodeRequest(texts=["a fox", "blurry"]))
+                assert list(both) == ["prompt_embeds", "negative_prompt_embeds"]
+                batched, _ = servicer.encoder.encode(["a fox", "blurry"], runtime.spec.max_sequence_length)
+                assert torch.equal(both["prompt_embeds"], batched["embeds"][:1])
+                assert torch.equal(both["negative_prompt_embeds"], batched["embeds"][1:])
+            # Through the orchestrator's pipeline: each tenant's requests carry their own namespace, and the
+            # stage's chunks are kept as they came, to go to the DiT untouched.
+            await pool.probe_all()
             pipeline = Pipeline(pool, cluster_secret="cluster-secret")
+            family = family_named(runtime.spec.family)
             request = generation_pb2.GenerateRequest(prompt="a hare", guidance_scale=1.0)
             hits, misses = cache.hits, cache.misses
-            embeds = {}
+            conditioning = {}
             for i, tenant in enumerate(("acme", "globex", "acme")):
                 job = Job(job_id=f"job-{i}", request=request, tenant=tenant)
-                await pipeline._encode(job)
-                embeds[tenant] = job.intermediates["embeds"]
+                await pipeline._encode(job, family)
+                conditioning[tenant] = job.intermediates["outputs"]["text-encoder"]
             assert (cache.hits - hits, cache.misses - misses) == (1, 2)  # only acme's second request hit
-            assert torch.equal(embeds["acme"], embeds["globex"])
+            assert conditioning["acme"] == conditioning["globex"]
+            assert [c.header.name for c in conditioning["acme"] if c.HasField("header")] == ["prompt_embeds"]
         finally:
             await pool.close()
             await server.stop(None)
@@ -235,3 +243,39 @@ def test_service_bounds_fields_and_keeps_tenants_apart(tiny_model) -> None:
         asyncio.run(scenario())
     finally:
         runtime.executor.shutdown(wait=False)
+
+
+def test_qwen_texts_answer_with_their_masks(qwen_model) -> None:
+    """Qwen-Image's texts keep their own length: each text's embeddings come with its mask, named for the DiT."""
+    runtime = StageRuntime("text-encoder", read_checkpoint(qwen_model), torch.device("cpu"), torch.float32)
+    args = argparse.Namespace(embedding_cache_bytes=DEFAULT_CACHE_BYTES, embedding_cache_size=DEFAULT_CACHE_ENTRIES)
+    servicer = TextEncoderServicer(args, runtime)
+    servicer.load()
+    texts = ["a red fox runs through the snow at dawn", "blurry"]
+
+    async def scenario() -> dict[str, torch.Tensor]:
+        server = grpc.aio.server()
+        servicer.add_to_server(server)
+        endpoint = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(endpoint) as channel:
+                tensors, _ = await _encode(
+                    stages_pb2_grpc.TextEncoderStub(channel), stages_pb2.EncodeRequest(texts=texts)
+                )
+        finally:
+            await server.stop(None)
+        return tensors
+
+    try:
+        tensors = asyncio.run(scenario())
+    finally:
+        runtime.executor.shutdown(wait=False)
+    names = ["prompt_embeds", "prompt_embeds_mask", "negative_prompt_embeds", "negative_prompt_embeds_mask"]
+    assert list(tensors) == names
+    batched, _ = servicer.encoder.encode(texts, runtime.spec.max_sequence_length)
+    for i, role in enumerate(("prompt", "negative_prompt")):
+        assert torch.equal(tensors[f"{role}_embeds"], batched["embeds"][i : i + 1])
+        assert torch.equal(tensors[f"{role}_embeds_mask"], batched["embeds_mask"][i : i + 1])
+        assert tensors[f"{role}_embeds_mask"].dtype == torch.int64
+    assert tensors["prompt_embeds_mask"].sum() > tensors["negative_prompt_embeds_mask"].sum() > 0

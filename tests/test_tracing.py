@@ -1,11 +1,12 @@
 """Trace context across real grpc.aio servers: client -> A -> B -> C, one trace end to end.
 
-Each hop is a server with TracingServerInterceptor whose handler calls the next
-hop through a channel with the tracing client interceptors; the last hop
-answers with the traceparent it received and the trace id current in its
-handler. Runs once with no SDK (the API's no-op tracer, which must still carry
-the trace id through) and once with an SDK TracerProvider and an in-memory
-exporter, where the spans' parent links are checked.
+Each hop is a server with the tracing server interceptor whose handler calls the
+next hop through a channel with the tracing client interceptors, as the
+orchestrator calls its stages; the last hop answers with the traceparent it
+received and the trace id current in its handler. Runs once with no SDK (the
+API's no-op tracer, which must still carry the trace id through) and once with
+an SDK TracerProvider and an in-memory exporter, where the spans' parent links
+are checked.
 """
 
 from __future__ import annotations
@@ -13,18 +14,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import subprocess
 import sys
-import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -33,16 +33,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from services.tracing import (
-    TracingServerInterceptor,
-    TracingSyncClientInterceptor,
-    current_trace_id,
-    extract_context,
-    inject_metadata,
+    client_interceptors,
+    server_interceptor,
     set_grpc_status,
     span_exporter_names,
     span_exporters_from_env,
     start_span_under,
-    tracing_client_interceptors,
 )
 
 SERVICE = "test.Chain"
@@ -53,7 +49,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def method(kind: str) -> str:
+    """The full method name, which is also the name of its spans."""
     return f"/{SERVICE}/{kind}"
+
+
+def current_trace_id() -> str | None:
+    span_context = trace.get_current_span().get_span_context()
+    return trace.format_trace_id(span_context.trace_id) if span_context.is_valid else None
 
 
 def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -68,9 +70,8 @@ class Hop:
     def __init__(self, next_target: str | None, provider: TracerProvider | None) -> None:
         self.next = None
         if next_target is not None:
-            interceptors = tracing_client_interceptors(provider, {"test.hop": next_target})
-            self.next = grpc.aio.insecure_channel(next_target, interceptors=interceptors)
-        self.server = grpc.aio.server(interceptors=[TracingServerInterceptor(provider)])
+            self.next = grpc.aio.insecure_channel(next_target, interceptors=client_interceptors(provider))
+        self.server = grpc.aio.server(interceptors=[server_interceptor(provider)])
         handlers = {
             "Unary": grpc.unary_unary_rpc_method_handler(self.unary),
             "ServerStream": grpc.unary_stream_rpc_method_handler(self.server_stream),
@@ -171,10 +172,10 @@ def in_memory_provider() -> tuple[TracerProvider, InMemorySpanExporter]:
     return provider, exporter
 
 
-async def spans_when(exporter: InMemorySpanExporter, count: int) -> list[ReadableSpan]:
-    """The finished spans once there are `count` (client spans end in a done callback, just after the call)."""
+async def spans_when(exporter: InMemorySpanExporter, count: int, kind: SpanKind | None = None) -> list[ReadableSpan]:
+    """The finished spans (of `kind`, default any) once there are `count` (a span may end just after its call)."""
     for _ in range(500):
-        spans = list(exporter.get_finished_spans())
+        spans = [span for span in exporter.get_finished_spans() if kind is None or span.kind == kind]
         if len(spans) >= count:
             return spans
         await asyncio.sleep(0.01)
@@ -211,8 +212,7 @@ def test_spans_form_one_tree_from_client_to_the_last_stage(kind: str) -> None:
 
     async def main() -> tuple[dict, trace.Span, list[ReadableSpan]]:
         async with chain(3, provider) as first:
-            interceptors = tracing_client_interceptors(provider, {"test.hop": first})
-            async with grpc.aio.insecure_channel(first, interceptors=interceptors) as channel:
+            async with grpc.aio.insecure_channel(first, interceptors=client_interceptors(provider)) as channel:
                 with provider.get_tracer("test").start_as_current_span("request") as root:
                     seen = await call(channel, kind)
             return seen, root, await spans_when(exporter, 7)
@@ -238,7 +238,7 @@ def test_spans_form_one_tree_from_client_to_the_last_stage(kind: str) -> None:
     assert kinds == [SpanKind.INTERNAL] + [SpanKind.CLIENT, SpanKind.SERVER] * 3
     for span_id in path[1:]:
         span = by_id[span_id]
-        assert span.name == f"{SERVICE}/{kind}"
+        assert span.name == method(kind)
         assert span.attributes["rpc.system"] == "grpc"
         assert (span.attributes["rpc.service"], span.attributes["rpc.method"]) == (SERVICE, kind)
         assert span.attributes["rpc.grpc.status_code"] == 0
@@ -249,8 +249,6 @@ def test_spans_form_one_tree_from_client_to_the_last_stage(kind: str) -> None:
     _, seen_trace_id, seen_parent_id, flags = seen["traceparent"].split("-")
     assert (seen_trace_id, seen_parent_id) == (trace.format_trace_id(trace_id), parent_id)
     assert int(flags, 16) & 1, "sampled flag"
-    hops = [by_id[span_id].attributes["test.hop"] for span_id in path[1::2]]
-    assert len(set(hops)) == 3
 
 
 def test_span_status_follows_the_grpc_status() -> None:
@@ -259,8 +257,7 @@ def test_span_status_follows_the_grpc_status() -> None:
     async def main() -> tuple[grpc.StatusCode, grpc.StatusCode, list[ReadableSpan]]:
         codes = []
         async with chain(1, provider) as first:
-            interceptors = tracing_client_interceptors(provider)
-            async with grpc.aio.insecure_channel(first, interceptors=interceptors) as channel:
+            async with grpc.aio.insecure_channel(first, interceptors=client_interceptors(provider)) as channel:
                 for payload in (b"missing", b"crash"):
                     with pytest.raises(grpc.aio.AioRpcError) as raised:
                         await channel.unary_unary(method("Unary"))(payload)
@@ -269,31 +266,29 @@ def test_span_status_follows_the_grpc_status() -> None:
 
     missing, crash, spans = asyncio.run(main())
     assert (missing, crash) == (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNKNOWN)
+    client = {span.attributes["rpc.grpc.status_code"]: span for span in spans if span.kind == SpanKind.CLIENT}
+    assert sorted(client) == [2, 5]
+    assert all(span.status.status_code == StatusCode.ERROR for span in client.values())
+    assert "no such thing" in client[5].status.description
     server = [span for span in spans if span.kind == SpanKind.SERVER]
-    client = [span for span in spans if span.kind == SpanKind.CLIENT]
-    by_code = {span.attributes["rpc.grpc.status_code"]: span for span in server}
-    # NOT_FOUND is the caller's doing: the server span is not an error; an unhandled exception is.
-    assert by_code[5].status.status_code == StatusCode.UNSET
-    assert by_code[2].status.status_code == StatusCode.ERROR
-    assert by_code[2].status.description == "UNKNOWN: RuntimeError: the handler broke"
-    assert any(event.name == "exception" for event in by_code[2].events)
-    assert sorted(span.attributes["rpc.grpc.status_code"] for span in client) == [2, 5]
-    assert all(span.status.status_code == StatusCode.ERROR for span in client)
-    assert "no such thing" in next(s for s in client if s.attributes["rpc.grpc.status_code"] == 5).status.description
+    (aborted,) = [span for span in server if span.attributes["rpc.grpc.status_code"] == 5]
+    # NOT_FOUND is the caller's doing: the server span is not an error.
+    assert aborted.status.status_code == StatusCode.UNSET
+    # The exception a handler did not handle is recorded on its server span.
+    (crashed,) = [span for span in server if span is not aborted]
+    recorded = {(e.attributes["exception.type"], e.attributes["exception.message"]) for e in crashed.events}
+    assert recorded == {("RuntimeError", "the handler broke")}
 
 
 @pytest.mark.parametrize("mode", ["hang", "flood"])
-def test_a_cancelled_stream_ends_its_spans_as_cancelled(mode: str, caplog: pytest.LogCaptureFixture) -> None:
-    """Cancelled while the handler awaits (hang) or while grpc waits to send what it yielded (flood).
-
-    In the second case asyncio closes the abandoned handler generator from
-    another task, where the span must still end and the context must not be
-    restored.
-    """
+def test_a_cancelled_stream_ends_the_server_spans(mode: str) -> None:
+    """Cancelled while the handlers await (hang) or while grpc waits to send what they yielded (flood): the
+    span of every server the call reached ends. A hop that was waiting on the call it made, as the
+    orchestrator waits on a stage, sees its wait cancelled, and the span of that call ends too."""
     provider, exporter = in_memory_provider()
 
-    async def main() -> list[ReadableSpan]:
-        interceptors = tracing_client_interceptors(provider)
+    async def main() -> tuple[list[ReadableSpan], list[ReadableSpan]]:
+        interceptors = client_interceptors(provider)
         async with chain(2, provider) as first, grpc.aio.insecure_channel(first, interceptors=interceptors) as channel:
             stream = channel.unary_stream(method("ServerStream"))(mode.encode())
             first_answer = json.loads(await stream.read())
@@ -301,35 +296,44 @@ def test_a_cancelled_stream_ends_its_spans_as_cancelled(mode: str, caplog: pytes
             if mode == "flood":
                 await stream.read()  # the server is streaming megabytes now
             stream.cancel()
-            return await spans_when(exporter, 4)
+            server = await spans_when(exporter, 2, SpanKind.SERVER)
+            forwarded = await spans_when(exporter, 1, SpanKind.CLIENT) if mode == "hang" else []
+            return server, forwarded
 
-    with caplog.at_level(logging.ERROR):
-        spans = asyncio.run(main())
-    assert {span.attributes["rpc.grpc.status_code"] for span in spans} == {grpc.StatusCode.CANCELLED.value[0]}
-    assert sorted(span.kind.name for span in spans) == ["CLIENT", "CLIENT", "SERVER", "SERVER"]
-    assert not [r for r in caplog.records if r.name.startswith("opentelemetry")], "context restored in the wrong task"
+    server, forwarded = asyncio.run(main())
+    assert [span.name for span in server] == [method("ServerStream")] * 2
+    assert len({span.context.trace_id for span in server}) == 1
+    if mode == "hang":
+        (call,) = forwarded
+        assert (call.name, call.context.trace_id) == (method("ServerStream"), server[0].context.trace_id)
 
 
-def test_health_checks_make_no_spans() -> None:
+def test_health_checks_and_reflection_make_no_spans() -> None:
     """Probes run every second outside any request; traced, each would be a trace of its own."""
     provider, exporter = in_memory_provider()
 
-    async def main() -> int:
+    async def main() -> tuple[int, list[str]]:
         hop = Hop(None, provider)
         health_pb2_grpc.add_HealthServicer_to_server(health_aio.HealthServicer(), hop.server)
+        reflection.enable_server_reflection([SERVICE, reflection.SERVICE_NAME], hop.server)
         await hop.server.start()
         try:
-            interceptors = tracing_client_interceptors(provider)
-            async with grpc.aio.insecure_channel(hop.target, interceptors=interceptors) as channel:
+            async with grpc.aio.insecure_channel(hop.target, interceptors=client_interceptors(provider)) as channel:
                 response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+                listing = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+                )
+                services = [s.name async for answer in listing for s in answer.list_services_response.service]
                 await call(channel, "Unary")
                 await spans_when(exporter, 2)
         finally:
             await hop.stop()
-        return response.status
+        return response.status, services
 
-    assert asyncio.run(main()) == health_pb2.HealthCheckResponse.SERVING
-    assert sorted(span.name for span in exporter.get_finished_spans()) == [f"{SERVICE}/Unary"] * 2
+    status, services = asyncio.run(main())
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    assert SERVICE in services
+    assert sorted(span.name for span in exporter.get_finished_spans()) == [method("Unary")] * 2
 
 
 def test_a_job_runs_under_the_request_that_submitted_it() -> None:
@@ -371,63 +375,6 @@ def test_a_job_runs_under_the_request_that_submitted_it() -> None:
     assert jobs["b"].attributes["rpc.grpc.status_code"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 
 
-@pytest.fixture
-def threaded_server() -> Iterator[tuple[str, TracerProvider, InMemorySpanExporter]]:
-    """An echoing aio server on its own event-loop thread, for blocking clients."""
-    provider, exporter = in_memory_provider()
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    async def start() -> Hop:
-        hop = Hop(None, provider)
-        await hop.server.start()
-        return hop
-
-    hop = asyncio.run_coroutine_threadsafe(start(), loop).result()
-    try:
-        yield hop.target, provider, exporter
-    finally:
-        asyncio.run_coroutine_threadsafe(hop.stop(), loop).result()
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-        loop.close()
-
-
-def test_blocking_channel_with_the_sync_interceptor(threaded_server) -> None:
-    target, provider, exporter = threaded_server
-    with grpc.insecure_channel(target) as raw:
-        channel = grpc.intercept_channel(raw, TracingSyncClientInterceptor(provider, {"test.hop": "sync"}))
-        with provider.get_tracer("test").start_as_current_span("request") as root:
-            unary = json.loads(channel.unary_unary(method("Unary"))(b"one"))
-            streamed = [json.loads(r) for r in channel.unary_stream(method("ServerStream"))(b"two")]
-    trace_id = trace.format_trace_id(root.get_span_context().trace_id)
-    assert unary["trace_id"] == trace_id and streamed[0]["trace_id"] == trace_id
-    spans = asyncio.run(spans_when(exporter, 5))
-    client = {s.name: s for s in spans if s.kind == SpanKind.CLIENT}
-    assert set(client) == {f"{SERVICE}/Unary", f"{SERVICE}/ServerStream"}
-    for span in client.values():
-        assert span.parent.span_id == root.get_span_context().span_id
-        assert span.attributes["test.hop"] == "sync" and span.attributes["rpc.grpc.status_code"] == 0
-    assert unary["traceparent"].split("-")[2] == trace.format_span_id(client[f"{SERVICE}/Unary"].context.span_id)
-
-
-def test_inject_and_extract_metadata() -> None:
-    context = extract_context([("traceparent", TRACEPARENT), ("other", "x")])
-    span_context = trace.get_current_span(context).get_span_context()
-    assert trace.format_trace_id(span_context.trace_id) == TRACE_ID and span_context.is_remote
-
-    old = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-    metadata = inject_metadata([("traceparent", old), ("authorization", "Bearer t"), ("blob-bin", b"\x00")], context)
-    assert metadata[:2] == [("authorization", "Bearer t"), ("blob-bin", b"\x00")]
-    assert dict(metadata)["traceparent"] == TRACEPARENT
-    assert [key for key, _ in metadata].count("traceparent") == 1
-
-    assert not trace.get_current_span(extract_context(None)).get_span_context().is_valid
-    assert not trace.get_current_span(extract_context([("traceparent", "garbage")])).get_span_context().is_valid
-    assert inject_metadata([("a", "b")]) == [("a", "b")]  # nothing current: nothing added
-
-
 def test_exporters_named_by_the_environment() -> None:
     assert span_exporter_names({}) == []
     assert span_exporter_names({"OTEL_TRACES_EXPORTER": "otlp, console"}) == ["otlp", "console"]
@@ -441,12 +388,12 @@ def test_exporters_named_by_the_environment() -> None:
 
 
 CONFIGURE_SCRIPT = f"""
-from opentelemetry import context as otel_context
 from opentelemetry import trace
-from services.tracing import configure_tracing, extract_context, start_span_under
+from opentelemetry.propagate import extract
+from services.tracing import configure_tracing, start_span_under
 provider = configure_tracing("stagediff-test")
 print("provider:", type(provider).__name__, type(trace.get_tracer_provider()).__name__)
-with start_span_under(extract_context([("traceparent", "{TRACEPARENT}")]), "job") as span:
+with start_span_under(extract({{"traceparent": "{TRACEPARENT}"}}), "job") as span:
     print("recording:", span.is_recording())
 if provider is not None:
     provider.shutdown()

@@ -8,8 +8,8 @@ import torch
 from diffusers import AutoencoderKLWan
 
 from dit_svc.parallel.launch import run_ranks
-from stagediff.init_model import build_vae
-from vae_svc.decode import DecodeSession, WanStreamingDecoder
+from families.wan.decode import WanDecodeSession, WanStreamingDecoder
+from families.wan.init_model import build_vae
 from vae_svc.patch_parallel import (
     PatchParallelDecodeSession,
     band_rows,
@@ -159,7 +159,7 @@ def test_single_device_session_and_shared_model(vae_dirs) -> None:
     assert session.frames_decoded == expected.shape[2]
 
     assert enable_patch_parallel(decoder.vae.decoder) > 0  # already installed: idempotent
-    plain = DecodeSession(decoder)
+    plain = WanDecodeSession(decoder)
     video = torch.from_numpy(latents)
     frames = torch.cat([plain.decode_next(video[:, :, k : k + 1]) for k in range(LATENT_FRAMES)])
     expected_uint8 = ((expected[0].permute(1, 2, 3, 0) / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)

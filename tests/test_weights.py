@@ -17,8 +17,8 @@ from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from safetensors.torch import load_file, save_file
 from transformers import UMT5EncoderModel
 
+from families.init_model import init_model
 from services.weights import load_pretrained, load_stats
-from stagediff.init_model import init_model
 
 COMPONENTS = {
     "transformer": WanTransformer3DModel,

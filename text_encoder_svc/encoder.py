@@ -1,4 +1,4 @@
-"""Prompt encoding exactly as WanPipeline does it, with an LRU cache of embeddings.
+"""What every family's prompt encoder shares: an LRU cache of embeddings and the loop around it.
 
 Serving traffic repeats itself (the same negative prompt on every request, the
 same prompt retried or re-run with another seed), so each encoded text is kept
@@ -19,20 +19,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from pathlib import Path
 
 import torch
-from diffusers.pipelines.wan.pipeline_wan import prompt_clean
-from transformers import AutoTokenizer, UMT5EncoderModel
 
-from services.weights import load_pretrained
+from text_encoder_svc.options import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES
 
 logger = logging.getLogger(__name__)
-
-# `--embedding-cache-bytes`: 32 of Wan's largest fp32 embeddings (512 tokens x 4096 x 4 bytes = 8 MiB each).
-DEFAULT_CACHE_BYTES = 256 * 2**20
-# `--embedding-cache-size`: bounds the entries too, for models whose embeddings are small.
-DEFAULT_CACHE_ENTRIES = 1024
 
 # (namespace, model id, text, max sequence length)
 CacheKey = tuple[bytes, str, str, int]
@@ -92,62 +84,53 @@ class EmbeddingCache:
 
 
 class PromptEncoder:
-    """UMT5 prompt encoder with WanPipeline's tokenization, truncation and zero padding."""
+    """A family's text encoder with the cache in front of it.
+
+    A family subclasses it with `embed_uncached(text, max_sequence_length) -> [L, dim]` (one text, exactly
+    as its diffusers pipeline encodes it) and `batch(embeddings) -> {name: [N, ...]}` (the tensors the
+    text encoder stage sends, batched over the request's texts; see families/base.py).
+    """
 
     def __init__(
         self,
-        model_dir: str | Path,
         model_id: str,
         device: torch.device,
-        dtype: torch.dtype,
+        tokenizer: object,
+        text_encoder: torch.nn.Module,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         cache_entries: int = DEFAULT_CACHE_ENTRIES,
-        load_threads: int = 4,
     ) -> None:
-        model_dir = Path(model_dir)
         self.model_id = model_id
         self.device = device
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
-        self.text_encoder = load_pretrained(
-            UMT5EncoderModel, model_dir / "text_encoder", device=device, dtype=dtype, num_threads=load_threads
-        ).eval()
+        self.tokenizer = tokenizer
+        self.text_encoder = text_encoder.eval()
         self.cache = EmbeddingCache(cache_bytes, cache_entries)
 
-    @property
-    def hidden_size(self) -> int:
-        return self.text_encoder.config.d_model
+    def embed_uncached(self, text: str, max_sequence_length: int) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must define embed_uncached")
+
+    def batch(self, embeddings: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} must define batch")
 
     @torch.no_grad()
     def encode_one(self, text: str, max_sequence_length: int, namespace: bytes = b"") -> tuple[torch.Tensor, bool]:
-        """Returns the [max_sequence_length, dim] embedding of one text and whether it was cached.
-
-        Texts are encoded one at a time, as WanPipeline encodes prompt and
-        negative prompt in separate batches of one, so results match it exactly.
-        Only an entry put with the same `namespace` is a hit.
-        """
+        """Returns one text's embedding and whether it was cached; only an entry put with the same
+        `namespace` is a hit."""
         key = (namespace, self.model_id, text, max_sequence_length)
         cached = self.cache.get(key)
         if cached is not None:
             return cached, True
-        inputs = self.tokenizer(
-            [prompt_clean(text)],
-            padding="max_length",
-            max_length=max_sequence_length,
-            truncation=True,
-            add_special_tokens=True,
-            return_attention_mask=True,
-            return_tensors="pt",
-        )
-        mask = inputs.attention_mask
-        length = int(mask.gt(0).sum())
-        hidden = self.text_encoder(inputs.input_ids.to(self.device), mask.to(self.device)).last_hidden_state[0]
-        embedding = torch.zeros_like(hidden)
-        embedding[:length] = hidden[:length]  # zero past the text, as WanPipeline does
-        embedding = embedding.cpu()
+        embedding = self.embed_uncached(text, max_sequence_length)
         self.cache.put(key, embedding)
         return embedding, False
 
-    def encode(self, texts: list[str], max_sequence_length: int, namespace: bytes = b"") -> tuple[torch.Tensor, bool]:
-        """Returns [len(texts), max_sequence_length, dim] and whether every text came from `namespace`'s cache."""
+    def encode(
+        self, texts: list[str], max_sequence_length: int, namespace: bytes = b""
+    ) -> tuple[dict[str, torch.Tensor], bool]:
+        """Returns the batched tensors of `texts` and whether every text came from `namespace`'s cache.
+
+        Texts are encoded one at a time, as the pipelines encode prompt and negative prompt in separate
+        batches of one, so that results match them exactly.
+        """
         results = [self.encode_one(text, max_sequence_length, namespace) for text in texts]
-        return torch.stack([embedding for embedding, _ in results]), all(hit for _, hit in results)
+        return self.batch([embedding for embedding, _ in results]), all(hit for _, hit in results)

@@ -1,9 +1,12 @@
 """gRPC servicer of the text-encoding stage.
 
-The family read from the checkpoint picks the compute. Wan's UMT5 embeddings answer as one tensor
-"embeds" [N, 512, dim] (zero past each text, as WanPipeline makes them). Qwen-Image's have each text's
-own length: they answer as "embeds" [N, L, dim], zero-padded to the longest text, then "embeds_mask"
-[N, L] (INT64, 1 for a token, 0 for padding), which the DiT needs as `encoder_hidden_states_mask`.
+The family read from the checkpoint picks the compute, which encodes the request's texts into batched
+tensors: "embeds" [N, L, dim] and, for families whose texts keep their own length (Qwen-Image, zero-padded
+to the longest text), "embeds_mask" [N, L] (INT64, 1 for a token, 0 for padding). The stage answers with
+each text's tensors named as the DiT takes them, so that the orchestrator relays them untouched: texts[0],
+the prompt, as "prompt_embeds" [1, L, dim] (then "prompt_embeds_mask" [1, L]), texts[1], the negative
+prompt, as "negative_prompt_embeds" (then "negative_prompt_embeds_mask"). Wan's embeddings are zero past
+each text and padded to max_sequence_length, as WanPipeline makes them.
 
 Embeddings are cached per `cache_namespace` (text_encoder_svc/encoder.py says why), within
 `--embedding-cache-bytes` and `--embedding-cache-size` entries. Every field of a request is bounded
@@ -18,14 +21,16 @@ import grpc
 
 from services.environment_options import parse_args
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
-from services.stage_main import StageServicer, add_stage_arguments, run_stage
-from services.tensor_codec import encode_tensor
+from services.stage_main import StageServicer, run_stage
+from services.torch_wire import encode_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
-from text_encoder_svc.encoder import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES, PromptEncoder
-from text_encoder_svc.qwen_encoder import QwenPromptEncoder
+from text_encoder_svc.encoder import PromptEncoder
+from text_encoder_svc.options import build_parser
 
-# The orchestrator sends the prompt, and the negative prompt when guidance is on.
-MAX_TEXTS = 2
+# The orchestrator sends the prompt, and the negative prompt when guidance is on; each text's tensors are
+# named after its role (the DiT's "prompt_embeds", "negative_prompt_embeds").
+TEXT_ROLES = ("prompt", "negative_prompt")
+MAX_TEXTS = len(TEXT_ROLES)
 # Longer than any served model id (a directory name or --model-name) is ever meant to be.
 MAX_MODEL_CHARS = 256
 # The orchestrator's namespaces are 32-byte HMAC-SHA256 digests.
@@ -38,34 +43,23 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
     def __init__(self, args: argparse.Namespace, runtime: StageRuntime) -> None:
         self.args = args
         self.runtime = runtime
-        self.encoder: PromptEncoder | QwenPromptEncoder | None = None
+        self.encoder: PromptEncoder | None = None
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         stages_pb2_grpc.add_TextEncoderServicer_to_server(self, server)
 
     def load(self) -> None:
-        spec = self.runtime.spec
-        runtime = self.runtime
-        if spec.family == "qwen-image":
-            self.encoder = QwenPromptEncoder(
-                spec.path,
-                spec.model_id,
-                runtime.device,
-                runtime.dtype,
-                cache_bytes=self.args.embedding_cache_bytes,
-                cache_entries=self.args.embedding_cache_size,
-                load_threads=runtime.load_threads,
-            )
-        else:
-            self.encoder = PromptEncoder(
-                spec.path,
-                spec.model_id,
-                runtime.device,
-                runtime.dtype,
-                cache_bytes=self.args.embedding_cache_bytes,
-                cache_entries=self.args.embedding_cache_size,
-                load_threads=runtime.load_threads,
-            )
+        spec, runtime = self.runtime.spec, self.runtime
+        encoder_class = spec.traits.load("text_encoder")
+        self.encoder = encoder_class(
+            spec.path,
+            spec.model_id,
+            runtime.device,
+            runtime.dtype,
+            cache_bytes=self.args.embedding_cache_bytes,
+            cache_entries=self.args.embedding_cache_size,
+            load_threads=runtime.load_threads,
+        )
         self.runtime.parameter_bytes = {"text_encoder": parameter_bytes(self.encoder.text_encoder)}
 
     def _validate(self, request: stages_pb2.EncodeRequest) -> int:
@@ -95,36 +89,22 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "text-encoder: still loading its model")
         try:
             length = self._validate(request)
-            mask = None
             texts, namespace = list(request.texts), request.cache_namespace
-            if isinstance(self.encoder, QwenPromptEncoder):
-                embeds, mask, cache_hit = await self.runtime.run(self.encoder.encode, texts, length, namespace)
-            else:
-                embeds, cache_hit = await self.runtime.run(self.encoder.encode, texts, length, namespace)
+            batched, cache_hit = await self.runtime.run(self.encoder.encode, texts, length, namespace)
         except Exception as error:
             await abort_for(error, context, self.runtime.stage)
-        for i, chunk in enumerate(encode_tensor("embeds", embeds)):
-            yield stages_pb2.EncodeResponse(tensor=chunk, cache_hit=cache_hit and i == 0)
-        if mask is not None:
-            for chunk in encode_tensor("embeds_mask", mask):
-                yield stages_pb2.EncodeResponse(tensor=chunk)
+        first = True
+        # Each text's tensors, named as the DiT takes them: "embeds" -> "prompt_embeds", "embeds_mask" ->
+        # "prompt_embeds_mask" for texts[0]; "negative_prompt_embeds"(+"_mask") for texts[1].
+        for i, role in enumerate(TEXT_ROLES[: len(texts)]):
+            for name, tensor in batched.items():
+                for chunk in encode_tensor(f"{role}_{name}", tensor[i : i + 1]):
+                    yield stages_pb2.EncodeResponse(tensor=chunk, cache_hit=cache_hit and first)
+                    first = False
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="stagediff serve text-encoder", description=__doc__)
-    add_stage_arguments(parser, default_port=50061)
-    parser.add_argument(
-        "--embedding-cache-bytes",
-        type=int,
-        default=DEFAULT_CACHE_BYTES,
-        help="bytes of embeddings kept in the LRU cache; 0 disables it (default: %(default)s, 256 MiB)",
-    )
-    parser.add_argument(
-        "--embedding-cache-size",
-        type=int,
-        default=DEFAULT_CACHE_ENTRIES,
-        help="texts kept in the LRU cache, within --embedding-cache-bytes; 0 disables it (default: %(default)s)",
-    )
+    parser = build_parser()
     args = parse_args(parser, argv)
     for flag, value in (
         ("--embedding-cache-bytes", args.embedding_cache_bytes),

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from families.wan.decode import WanStreamingDecoder
 from services.rank_group import GroupSettings, RankGroup, free_port
-from vae_svc.decode import WanStreamingDecoder
 from vae_svc.patch_parallel import PatchParallelDecodeSession
 
 OUTPUT_RANK = 0

@@ -53,7 +53,8 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import (
 )
 from torch import nn
 
-from vae_svc.decode import WanStreamingDecoder, denormalize_latents, to_uint8_frames
+from families.wan.decode import WanStreamingDecoder
+from vae_svc.decode import denormalize_latents, to_uint8_frames
 
 # Module types that only mix channels or act on each row on its own (checked when enabling, so a
 # future decoder with a new whole-frame op fails loudly instead of decoding wrong seams).

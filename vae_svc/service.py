@@ -1,7 +1,9 @@
 """gRPC servicer of the decoding stage.
 
-The checkpoint's family picks the decoder: the streaming causal Wan VAE (with patch parallelism or
-tiling) for the Wan families, AutoencoderKLQwenImage for qwen-image (one latent frame, one image).
+The checkpoint's family names its decoder (families/<family>/decode.py: the streaming causal Wan VAE,
+AutoencoderKLQwenImage for one image). Patch parallelism and tiling run on the Wan VAE's causal decoder
+(vae_svc/group.py, vae_svc/tiled.py); a family that does not support them refuses the flags at startup with
+the registry's reason.
 """
 
 from __future__ import annotations
@@ -11,16 +13,18 @@ import argparse
 import grpc
 import torch
 
+from families.base import Family
 from services.checkpoint import CheckpointError, read_checkpoint
 from services.environment_options import parse_args
 from services.rank_group import GroupFailure
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
-from services.stage_main import StageServicer, add_stage_arguments, run_stage
-from services.tensor_codec import TensorAssembler, WireError, WireTensor, encode_tensor, expect_tensor
+from services.stage_main import StageServicer, run_stage
+from services.torch_wire import encode_tensor, to_torch
+from stagediff.tensor_codec import TensorAssembler, WireError, WireTensor, expect_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
-from vae_svc.decode import DecodeSession, WanStreamingDecoder
+from vae_svc.decode import DecodeSession, LatentDecoder
 from vae_svc.group import GroupDecodeSession, PatchParallelDecoder
-from vae_svc.qwen_decode import QwenDecodeSession, QwenImageDecoder
+from vae_svc.options import build_parser
 from vae_svc.tiled import TiledDecodeSession
 
 LATENT_DATATYPES = ("FP32", "BF16", "FP16")
@@ -33,7 +37,7 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
         self.runtime = runtime
         self.args = args
         self.patch_parallel_size = args.vae_patch_parallel_size
-        self.decoder: WanStreamingDecoder | PatchParallelDecoder | QwenImageDecoder | None = None
+        self.decoder: LatentDecoder | PatchParallelDecoder | None = None
         # Each rank needs at least one latent row: the smallest height that splits over every rank.
         multiple = runtime.spec.height_multiple
         rows = self.patch_parallel_size * runtime.spec.vae_scale_spatial
@@ -44,11 +48,7 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
 
     def load(self) -> None:
         runtime, args = self.runtime, self.args
-        if runtime.spec.family == "qwen-image":
-            self.decoder = QwenImageDecoder(
-                runtime.spec.path, runtime.device, runtime.dtype, load_threads=runtime.load_threads
-            )
-        elif self.patch_parallel_size > 1:
+        if self.patch_parallel_size > 1:
             self.decoder = PatchParallelDecoder(
                 runtime.spec.path, runtime.device, runtime.dtype, args.threads, self.patch_parallel_size
             )
@@ -64,7 +64,8 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
                 "devices": devices,
             }
         else:
-            self.decoder = WanStreamingDecoder(
+            decoder_class = runtime.spec.traits.load("decoder")
+            self.decoder = decoder_class(
                 runtime.spec.path, runtime.device, runtime.dtype, load_threads=runtime.load_threads
             )
             if args.vae_use_tiling:
@@ -76,8 +77,6 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
         runtime.parameter_bytes = {"vae": parameter_bytes(self.decoder.vae)}
 
     def _open_session(self):
-        if isinstance(self.decoder, (PatchParallelDecoder, QwenImageDecoder)):
-            return self.decoder.session()
         if self.args.vae_use_tiling:
             args = self.args
             return TiledDecodeSession(
@@ -128,7 +127,7 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
         try:
             params: stages_pb2.DecodeParams | None = None
             assembler = TensorAssembler()
-            session: DecodeSession | TiledDecodeSession | GroupDecodeSession | QwenDecodeSession | None = None
+            session: DecodeSession | TiledDecodeSession | GroupDecodeSession | None = None
             first: WireTensor | None = None
             received = 0
             async for request in request_iterator:
@@ -157,7 +156,7 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
                 first = first or tensor
                 received += 1
                 first_frame = session.frames_decoded
-                frames = await self.runtime.run(session.decode_next, tensor.to_torch())
+                frames = await self.runtime.run(session.decode_next, to_torch(tensor))
                 for chunk in encode_tensor("frames", frames, index=first_frame):
                     yield stages_pb2.DecodeResponse(tensor=chunk)
             assembler.finish()
@@ -173,20 +172,6 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
             # A group session holds state on every rank until it is closed.
             if isinstance(session, GroupDecodeSession) and self.failure() is None:
                 await self.runtime.run(session.close)
-
-
-def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("decoding")
-    group.add_argument(
-        "--vae-patch-parallel-size", type=int, default=1, help="ranks the rows of each frame are split over (exact)"
-    )
-    group.add_argument(
-        "--vae-use-tiling", action="store_true", help="decode in overlapping tiles on one device (approximate)"
-    )
-    group.add_argument("--vae-tile-sample-min-height", type=int, default=256, help="tile height in pixels")
-    group.add_argument("--vae-tile-sample-min-width", type=int, default=256, help="tile width in pixels")
-    group.add_argument("--vae-tile-sample-stride-height", type=int, default=192, help="vertical tile stride")
-    group.add_argument("--vae-tile-sample-stride-width", type=int, default=192, help="horizontal tile stride")
 
 
 def check_decode_arguments(args: argparse.Namespace) -> None:
@@ -206,13 +191,15 @@ def check_decode_arguments(args: argparse.Namespace) -> None:
                 f"stagediff serve vae: --vae-tile-sample-stride-{name} {stride} must be in 1..{size} "
                 f"(the tile {name}), so that tiles overlap or touch"
             )
-    if args.vae_patch_parallel_size > 1 or args.vae_use_tiling:
-        family = _family_of(args.model)
-        if family == "qwen-image":
-            flag = "--vae-patch-parallel-size" if args.vae_patch_parallel_size > 1 else "--vae-use-tiling"
+    family = _family_of(args.model)
+    for used, flag, feature in (
+        (args.vae_patch_parallel_size > 1, "--vae-patch-parallel-size", "vae_patch_parallel"),
+        (args.vae_use_tiling, "--vae-use-tiling", "vae_tiling"),
+    ):
+        if used and family is not None and not family.support(feature).supported:
             raise SystemExit(
-                f"stagediff serve vae: the qwen-image family does not support {flag} yet; its images decode whole "
-                "on one device (patch parallelism and tiling are implemented for the Wan VAE only)"
+                f"stagediff serve vae: the {family.name} family does not support {flag}: "
+                f"{family.support(feature).reason}"
             )
     if args.device.startswith("cuda") and args.vae_patch_parallel_size > torch.cuda.device_count():
         raise SystemExit(
@@ -221,18 +208,15 @@ def check_decode_arguments(args: argparse.Namespace) -> None:
         )
 
 
-def _family_of(model: str) -> str | None:
+def _family_of(model: str) -> Family | None:
     try:
-        return read_checkpoint(model).family
+        return read_checkpoint(model).traits
     except CheckpointError:
         return None  # the stage itself reports what is wrong with the checkpoint
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="stagediff serve vae", description=__doc__)
-    add_stage_arguments(parser, default_port=50063)
-    add_decode_arguments(parser)
-    args = parse_args(parser, argv)
+    args = parse_args(build_parser(), argv)
     check_decode_arguments(args)
     run_stage("vae", args, VaeDecoderServicer)
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
-from vae_svc.decode import WanStreamingDecoder, denormalize_latents, to_uint8_frames
+from families.wan.decode import WanStreamingDecoder
+from vae_svc.decode import denormalize_latents, to_uint8_frames
 
 
 class TiledDecodeSession:

@@ -114,7 +114,7 @@ def attention_with_lse(
 # Ulysses: trade the sequence split for a head split and back.
 
 
-def _heads_to_ranks(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+def heads_to_ranks(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
     """[B, S_local, H, D] each (same shape) -> [B, u * S_local, H / u, D] each, in one all-to-all.
 
     The received tokens are ordered by group rank, so Ulysses ranks must hold consecutive sequence shards.
@@ -138,8 +138,8 @@ def _heads_to_ranks(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> li
     return list(recv.unbind(0))
 
 
-def _ranks_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """[B, u * S_local, H / u, D] -> [B, S_local, H, D]: the inverse of _heads_to_ranks."""
+def ranks_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[B, u * S_local, H / u, D] -> [B, S_local, H, D]: the inverse of heads_to_ranks."""
     world_size = dist.get_world_size(group)
     batch_size, full_len, local_heads, head_dim = x.shape
     local_len = full_len // world_size
@@ -155,9 +155,9 @@ def _scatter_heads(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q, K and V travel in one all-to-all when they have one shape (self-attention), else one each."""
     if query.shape == key.shape == value.shape:
-        query, key, value = _heads_to_ranks([query, key, value], group)
+        query, key, value = heads_to_ranks([query, key, value], group)
     else:
-        query, key, value = (_heads_to_ranks([x], group)[0] for x in (query, key, value))
+        query, key, value = (heads_to_ranks([x], group)[0] for x in (query, key, value))
     return query, key, value
 
 
@@ -182,7 +182,7 @@ def ulysses_attention(
     if key_padding_mask is not None:
         key_padding_mask = _gather_sequence(key_padding_mask, group)
     out, _ = attention_with_lse(query, key, value, key_padding_mask)
-    return _ranks_to_heads(out, group)
+    return ranks_to_heads(out, group)
 
 
 # Ring: pass K/V blocks around the group and merge the partial results through their LSE.
@@ -270,5 +270,5 @@ def usp_attention(
             key_padding_mask = _gather_sequence(key_padding_mask, ulysses_group)
     out = ring_attention(query, key, value, ring_group, key_padding_mask)
     if use_ulysses:
-        out = _ranks_to_heads(out, ulysses_group)
+        out = ranks_to_heads(out, ulysses_group)
     return out

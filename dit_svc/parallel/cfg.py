@@ -17,14 +17,20 @@ import torch.distributed as dist
 
 
 def cfg_parallel_predictions(
-    predict: Callable[[torch.Tensor], torch.Tensor],
-    prompt_embeds: torch.Tensor,
-    negative_prompt_embeds: torch.Tensor,
+    predict: Callable[[object, str], torch.Tensor],
+    prompt_embeds: object,
+    negative_prompt_embeds: object,
     group: dist.ProcessGroup,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (cond, uncond) noise predictions; this rank computes only its own branch."""
+    """Returns (cond, uncond) noise predictions; this rank computes only its own branch.
+
+    `predict(conditioning, branch)` runs the transformer; `branch` is "cond" or "uncond".
+    """
     branch = dist.get_rank(group)
-    local = predict(prompt_embeds if branch == 0 else negative_prompt_embeds).contiguous()
+    if branch == 0:
+        local = predict(prompt_embeds, "cond").contiguous()
+    else:
+        local = predict(negative_prompt_embeds, "uncond").contiguous()
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
     return gathered[0], gathered[1]

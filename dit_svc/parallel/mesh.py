@@ -18,7 +18,17 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from families.base import Family
+
 MESH_DIMS = ("replica", "cfg", "ring", "ulysses", "tp")
+# Each parallel method's flag, by its feature in the registry (families/base.py FEATURES).
+METHOD_FLAGS = {
+    "ulysses": "--ulysses-degree N",
+    "ring": "--ring-degree N",
+    "cfg_parallel": "--cfg-parallel-size 2",
+    "tensor_parallel": "--tensor-parallel-size N",
+    "hsdp": "--use-hsdp",
+}
 
 
 class ParallelConfigError(ValueError):
@@ -145,3 +155,23 @@ def build_hsdp_mesh(config: ParallelConfig, device_type: str) -> DeviceMesh:
 
 def device_type_for(device: torch.device) -> str:
     return "cuda" if device.type == "cuda" else "cpu"
+
+
+def refuse_unsupported_methods(config: ParallelConfig, family: Family) -> None:
+    """Refuses the parallel methods a family does not run, with the registry's reasons, naming what it runs."""
+    used = {
+        "ulysses": config.ulysses_degree > 1,
+        "ring": config.ring_degree > 1,
+        "cfg_parallel": config.cfg_degree > 1,
+        "tensor_parallel": config.tp_degree > 1,
+        "hsdp": config.use_hsdp,
+    }
+    refused = [feature for feature, on in used.items() if on and not family.support(feature).supported]
+    if not refused:
+        return
+    flag = {feature: METHOD_FLAGS[feature].split()[0] for feature in refused}
+    runs = " and ".join(METHOD_FLAGS[f] for f in METHOD_FLAGS if family.support(f).supported) or "on one rank only"
+    reasons = "; ".join(f"{flag[feature]}: {family.support(feature).reason}" for feature in refused)
+    raise ParallelConfigError(
+        f"the {family.name} family does not support {', '.join(flag.values())}; it runs {runs} ({reasons})"
+    )

@@ -1,12 +1,12 @@
-"""Sequence parallelism (Ulysses, Ring, USP) for diffusers' WanTransformer3DModel.
+"""Sequence parallelism (Ulysses, Ring, USP): the executor of a diffusers model's `_cp_plan`.
 
-The model ships its own plan, `_cp_plan`: which submodule inputs or outputs to
+A model ships its own plan, `_cp_plan`: which submodule inputs or outputs to
 split along the token sequence (ContextParallelInput) and which output to gather
 back (ContextParallelOutput). diffusers' executor for it needs an accelerator and
 an LSE-returning attention kernel, so we execute the same plan with plain
-PyTorch module hooks and install a self-attention processor that calls
-`usp_attention` (dit_svc/parallel/attention.py). Cross-attention to the text
-stays whole: each rank's queries attend to every text token.
+PyTorch module hooks (`register_plan_hooks`). Each family installs its own
+attention processor that calls `usp_attention` (dit_svc/parallel/attention.py)
+in its `parallelize` (families/<family>/parallel.py).
 
 Token counts the degree does not divide are padded with zeros up to a multiple
 of it; the padded keys are masked out of self-attention and the padded tokens
@@ -28,11 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
-from diffusers.models.transformers.transformer_wan import WanAttention, WanTransformer3DModel, _get_qkv_projections
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
-from dit_svc.parallel.attention import usp_attention
 from dit_svc.parallel.mesh import ParallelConfigError
 
 _STATE_ATTRIBUTE = "_sequence_parallel_state"
@@ -108,7 +106,7 @@ def _gather_sequence(x: torch.Tensor, gather: ContextParallelOutput, state: Sequ
 # One hook per kind of plan entry.
 
 
-def _reset_hook(state: SequenceParallelState) -> Callable:
+def reset_hook(state: SequenceParallelState) -> Callable:
     """Forward pre-hook on the model: a new forward may have another token count."""
 
     def hook(module: torch.nn.Module, args: tuple) -> None:
@@ -173,7 +171,7 @@ def _plan_modules(model: torch.nn.Module, name: str) -> list[torch.nn.Module]:
     return [model.get_submodule(name)]
 
 
-def _register_plan_hooks(model: torch.nn.Module, plan: dict[str, Any], state: SequenceParallelState) -> None:
+def register_plan_hooks(model: torch.nn.Module, plan: dict[str, Any], state: SequenceParallelState) -> None:
     for name, entry in plan.items():
         for module in _plan_modules(model, name):
             if isinstance(entry, dict):
@@ -189,115 +187,59 @@ def _register_plan_hooks(model: torch.nn.Module, plan: dict[str, Any], state: Se
                 state.handles.append(module.register_forward_hook(_output_gather_hook(gathers, state)))
 
 
-# Self-attention over the split sequence.
+# Installing a family's plan and attention processor on a model, and removing them.
 
 
-def _apply_rotary_emb(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
-    # Same as the function inside WanAttnProcessor.__call__.
-    x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
-    cos = freqs_cos[..., 0::2]
-    sin = freqs_sin[..., 1::2]
-    out = torch.empty_like(hidden_states)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(hidden_states)
-
-
-class WanSequenceParallelAttnProcessor:
-    """WanAttnProcessor's self-attention step by step, with usp_attention instead of dispatch_attention_fn.
-
-    Heads come from `attn.heads` and the norms from `attn.norm_q/norm_k`, so a model whose attention
-    tensor parallelism already narrowed to its local heads works unchanged.
-    """
-
-    def __init__(self, state: SequenceParallelState) -> None:
-        self.state = state
-
-    def __call__(
-        self,
-        attn: WanAttention,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        if encoder_hidden_states is not None or attention_mask is not None:
-            raise ValueError("the sequence-parallel processor handles self-attention without a mask only")
-
-        query, key, value = _get_qkv_projections(attn, hidden_states, None)
-
-        query = attn.norm_q(query)
-        key = attn.norm_k(key)
-
-        query = query.unflatten(2, (attn.heads, -1))
-        key = key.unflatten(2, (attn.heads, -1))
-        value = value.unflatten(2, (attn.heads, -1))
-
-        if rotary_emb is not None:
-            query = _apply_rotary_emb(query, *rotary_emb)
-            key = _apply_rotary_emb(key, *rotary_emb)
-
-        batch_size, local_len = hidden_states.shape[:2]
-        key_padding_mask = self.state.key_padding_mask(batch_size, local_len, hidden_states.device)
-        hidden_states = usp_attention(
-            query, key, value, self.state.ulysses_group, self.state.ring_group, key_padding_mask
-        )
-        hidden_states = hidden_states.flatten(2, 3)
-        hidden_states = hidden_states.type_as(query)
-
-        hidden_states = attn.to_out[0](hidden_states)
-        hidden_states = attn.to_out[1](hidden_states)
-        return hidden_states
-
-
-def apply_sequence_parallel(transformer: torch.nn.Module, mesh: DeviceMesh) -> None:
-    """Splits the token sequence over the mesh's ring x ulysses ranks, in place; a no-op when both are 1.
-
-    Every rank must call it (and then the model) with the same inputs: each takes its shard locally.
-    """
-    ulysses_mesh = mesh["ulysses"]
-    ring_mesh = mesh["ring"]
-    ulysses_size = ulysses_mesh.size()
-    ring_size = ring_mesh.size()
+def sequence_parallel_state(mesh: DeviceMesh) -> SequenceParallelState | None:
+    """The state of this rank's split over the mesh's ring x ulysses ranks; None when both degrees are 1."""
+    ulysses_mesh, ring_mesh = mesh["ulysses"], mesh["ring"]
+    ulysses_size, ring_size = ulysses_mesh.size(), ring_mesh.size()
     if ulysses_size * ring_size == 1:
-        return
-    if not isinstance(transformer, WanTransformer3DModel):
-        raise TypeError(f"sequence parallelism supports WanTransformer3DModel, not {type(transformer).__name__}")
-    if hasattr(transformer, _STATE_ATTRIBUTE):
-        raise RuntimeError("sequence parallelism is already applied to this model")
-    for block in transformer.blocks:
-        if block.attn1.heads % ulysses_size != 0:
-            raise ParallelConfigError(
-                f"--ulysses-degree {ulysses_size} must divide the {block.attn1.heads} attention heads per rank"
-            )
-
-    ulysses_group = ulysses_mesh.get_group()
-    ring_group = ring_mesh.get_group()
-    state = SequenceParallelState(
+        return None
+    ulysses_group, ring_group = ulysses_mesh.get_group(), ring_mesh.get_group()
+    return SequenceParallelState(
         ulysses_group=ulysses_group,
         ring_group=ring_group,
         ulysses_size=ulysses_size,
         ring_size=ring_size,
         shard_index=dist.get_rank(ring_group) * ulysses_size + dist.get_rank(ulysses_group),
     )
-    # Registered before the plan's hooks on the model itself, so it runs first.
-    state.handles.append(transformer.register_forward_pre_hook(_reset_hook(state)))
-    _register_plan_hooks(transformer, transformer._cp_plan, state)
 
-    processor = WanSequenceParallelAttnProcessor(state)
-    for index, block in enumerate(transformer.blocks):
-        state.original_processors[index] = block.attn1.processor
-        block.attn1.set_processor(processor)
+
+def install_sequence_parallel(
+    transformer: torch.nn.Module,
+    state: SequenceParallelState,
+    plan: dict[str, Any],
+    attentions: list[torch.nn.Module],
+    processor: Any,
+) -> None:
+    """Registers the plan's split and gather hooks and sets `processor` on every attention module, in place.
+
+    Every rank must call it (and then the model) with the same inputs: each takes its shard locally.
+    """
+    if hasattr(transformer, _STATE_ATTRIBUTE):
+        raise RuntimeError("sequence parallelism is already applied to this model")
+    for attention in attentions:
+        if attention.heads % state.ulysses_size != 0:
+            raise ParallelConfigError(
+                f"--ulysses-degree {state.ulysses_size} must divide the {attention.heads} attention heads per rank"
+            )
+    # Registered before the plan's hooks on the model itself, so it runs first.
+    state.handles.append(transformer.register_forward_pre_hook(reset_hook(state)))
+    register_plan_hooks(transformer, plan, state)
+    for index, attention in enumerate(attentions):
+        state.original_processors[index] = attention.processor
+        attention.set_processor(processor)
     setattr(transformer, _STATE_ATTRIBUTE, state)
 
 
-def remove_sequence_parallel(transformer: torch.nn.Module) -> None:
-    """Undoes apply_sequence_parallel: removes the hooks and restores the original processors."""
+def remove_sequence_parallel(transformer: torch.nn.Module, attentions: list[torch.nn.Module]) -> None:
+    """Undoes install_sequence_parallel: removes the hooks and restores the original processors."""
     state = getattr(transformer, _STATE_ATTRIBUTE, None)
     if state is None:
         return
     for handle in state.handles:
         handle.remove()
     for index, processor in state.original_processors.items():
-        transformer.blocks[index].attn1.set_processor(processor)
+        attentions[index].set_processor(processor)
     delattr(transformer, _STATE_ATTRIBUTE)

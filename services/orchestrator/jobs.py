@@ -73,9 +73,9 @@ from services.orchestrator.store import (
     StoreFull,
 )
 from services.orchestrator.tenants import LimitExceeded, Tenant, output_frames
-from services.tensor_codec import DEFAULT_CHUNK_BYTES
 from services.tracing import set_grpc_status, start_span_under
-from stagediff.v1 import generation_pb2
+from stagediff.tensor_codec import DEFAULT_CHUNK_BYTES
+from stagediff.v1 import generation_pb2, tensor_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -316,8 +316,8 @@ def _status_code(value: int) -> grpc.StatusCode:
 
 
 RunJob = Callable[[Job], Awaitable[None]]
-# Puts a recovered job's stored intermediates (stage -> name -> tensor) back where the pipeline resumes from them.
-RestoreJob = Callable[[Job, dict[str, dict[str, object]]], None]
+# Puts a recovered job's stored stage outputs (stage -> the chunks it sent) back where the pipeline resumes from them.
+RestoreJob = Callable[[Job, dict[str, list[tensor_pb2.TensorChunk]]], None]
 
 
 class JobManager:

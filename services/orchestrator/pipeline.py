@@ -1,9 +1,21 @@
-"""One job's trip through the stages: text encoder, DiT, VAE, interpolator.
+"""One job's trip through the stages of its family's chain: text encoder, DiT, VAE, and interpolator.
 
-The DiT, VAE and interpolator calls run at the same time, joined by queues:
-each latent-frame chunk the DiT sends is forwarded to the VAE as it arrives,
-each frame chunk the VAE sends goes on to the interpolator (or straight to the
-client), and nothing waits for the whole video.
+The stages a job runs are the served family's chain, less the optional stages
+its request leaves off (services/orchestrator/chain.py): Wan runs the
+interpolator only when a request asks for interpolation, Qwen-Image never. The
+text encoder runs to its end first, so that no DiT replica is held while prompts
+are encoded. The later stages run at the same time, joined by queues: each
+chunk a stage sends is forwarded to the next stage as it arrives (latent frames
+from the DiT to the VAE, frames from the VAE to the interpolator), the last
+stage's frames go to the result, and nothing waits for the whole video.
+
+The orchestrator relays bytes. What a stage sends travels on as the chunks it
+sent: the text encoder names its tensors as the DiT takes them
+("prompt_embeds", "negative_prompt_embeds", and their masks where the family
+has them), so they go to the DiT verbatim, as the DiT's latent frames go to the
+VAE. The orchestrator reads the chunks' headers, never their data as tensors,
+and never imports torch; only the final frames are checked against the result's
+shape as they are written.
 
 Frames go to disk, not to memory. The result's shape is known when the job
 starts, so its file is preallocated in the store, and the final stage's frame
@@ -15,7 +27,7 @@ event. A job that fails or is cancelled deletes its partial file.
 
 Every stage call runs on one replica of its stage, chosen by the stage pool
 (the serving replica with the fewest calls in flight). Finished stages leave
-their output in `job.intermediates` (the embeddings, the latent chunks), so when
+their output in `job.intermediates` (the conditioning and the latent chunks), so when
 a later stage fails with UNAVAILABLE the job is retried from there, without
 recomputing earlier stages. Frames already published are not written or
 published again on a retry: stages are deterministic, so the frame index says
@@ -30,8 +42,8 @@ job and stage by the stage's replica count. Otherwise the retry spends one of
 `stage_retries` (after a short backoff), and the next call waits a bounded time
 for a replica to come back before the job fails with UNAVAILABLE naming the stage.
 
-Durability: each finished stage's output (the embeddings, the final latents)
-is written to the `JobStore` as the stage ends, and the frames as they stream,
+Durability: each finished stage's output (the conditioning, the final latents)
+is written to the `JobStore`, as the chunks the stage sent, as the stage ends, and the frames as they stream,
 so that an orchestrator restarted at any point resumes the job after its last
 finished stage, or serves its stored result. A store failure (the volume full,
 say) fails the job with RESOURCE_EXHAUSTED or INTERNAL, naming what could not
@@ -45,28 +57,28 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
-import torch
 
+from families.base import Family
 from services.metrics import OrchestratorMetrics
 from services.orchestrator.cache_namespace import cache_namespace_key, tenant_cache_namespace
+from services.orchestrator.chain import served_family, stages_for
 from services.orchestrator.jobs import Job, JobState, result_shape, store_failure
 from services.orchestrator.stage_clients import StageError, StagePool
-from services.orchestrator.store import (
-    InvalidTransition,
-    JobStore,
-    ResultWriter,
-    StoreError,
-    pack_wire_tensors,
-    unpack_wire_tensors,
-)
-from services.tensor_codec import TensorAssembler, WireError, encode_tensor
+from services.orchestrator.store import InvalidTransition, JobStore, ResultWriter, StoreError
+from stagediff.tensor_codec import WireError
 from stagediff.v1 import generation_pb2, stages_pb2, tensor_pb2
 
 logger = logging.getLogger(__name__)
 
 _END = None  # closes a relay queue
+# Stages whose whole output a job keeps (in `job.intermediates["outputs"]` and in the store), so that a retry
+# or a restart resumes after them: the conditioning and the latents, small next to the frames.
+KEPT_OUTPUTS = ("text-encoder", "dit")
+# Where a relayed stage sends each chunk: the next stage's queue, or the result.
+Emit = Callable[[tensor_pb2.TensorChunk], Awaitable[None]]
 
 
 def _first_stage_error(group: BaseExceptionGroup) -> BaseException:
@@ -153,17 +165,13 @@ class ResultPublisher:
         return first, count
 
 
-def restore_intermediates(job: Job, stored: dict[str, dict[str, torch.Tensor]]) -> None:
+def restore_intermediates(job: Job, stored: dict[str, list[tensor_pb2.TensorChunk]]) -> None:
     """Puts the stage outputs a store kept for an unfinished job back where `_run_once` resumes from them."""
-    encoded = stored.get("text-encoder")
-    if encoded is not None:
-        job.intermediates["embeds"] = encoded["embeds"]
-        if "embeds_mask" in encoded:
-            job.intermediates["embeds_mask"] = encoded["embeds_mask"]
-        denoised = stored.get("dit")
-        if denoised is not None:
-            job.intermediates["latent_chunks"] = unpack_wire_tensors(denoised)
-            job.intermediates["latents_complete"] = True
+    job.intermediates["outputs"] = {stage: chunks for stage, chunks in stored.items() if stage in KEPT_OUTPUTS}
+
+
+def _tensor_names(chunks: list[tensor_pb2.TensorChunk]) -> list[str]:
+    return [chunk.header.name for chunk in chunks if chunk.HasField("header")]
 
 
 class Pipeline:
@@ -254,9 +262,21 @@ class Pipeline:
             return False
         return True
 
-    async def _stage_done(self, job: Job, stage: str, tensors: dict[str, torch.Tensor]) -> None:
+    async def _stage_done(self, job: Job, stage: str, chunks: list[tensor_pb2.TensorChunk]) -> None:
+        """Keeps a finished stage's output, in the job and in the store, so that a retry resumes after it."""
+        job.intermediates.setdefault("outputs", {})[stage] = chunks
         if self.store is not None:
-            await asyncio.to_thread(self.store.mark_stage_done, job.job_id, stage, tensors)
+            await asyncio.to_thread(self.store.mark_stage_done, job.job_id, stage, chunks)
+
+    def _family(self) -> Family:
+        """The served family, as the DiT says; its chain is what a job runs through."""
+        dit = self.stages["dit"]
+        family = served_family(dit.info)
+        if family is None:
+            raise StageError(
+                "dit", dit.endpoint, grpc.StatusCode.UNAVAILABLE, "no replica has said which model it serves yet"
+            )
+        return family
 
     async def _run_with_retries(self, job: Job) -> None:
         attempt = 0
@@ -294,25 +314,59 @@ class Pipeline:
 
     async def _run_once(self, job: Job) -> None:
         request = job.request
-        interpolate = request.interpolation.enable and request.interpolation.exp > 0
-        job.fps_out = request.fps * (2**request.interpolation.exp if interpolate else 1)
-        if "embeds" not in job.intermediates:
-            await self._encode(job)
-        latents: asyncio.Queue = asyncio.Queue()
-        frames: asyncio.Queue | None = asyncio.Queue() if interpolate else None
+        family = self._family()
+        stages = stages_for(family, request)
+        job.fps_out = request.fps * (2**request.interpolation.exp if "interp" in stages else 1)
+        outputs: dict[str, list[tensor_pb2.TensorChunk]] = job.intermediates.setdefault("outputs", {})
+        if "text-encoder" not in outputs:
+            await self._encode(job, family)
         publisher = ResultPublisher(job, job.result, job.fps_out, self.metrics)
+        # The DiT's input is the conditioning; each later stage's is the stage before's output.
+        inbox: asyncio.Queue = asyncio.Queue()
+        for chunk in outputs["text-encoder"]:
+            inbox.put_nowait(chunk)
+        inbox.put_nowait(_END)
+        relayed = stages[stages.index("dit") :]
         async with asyncio.TaskGroup() as group:
-            if job.intermediates.get("latents_complete"):
-                for chunk in job.intermediates["latent_chunks"]:
-                    latents.put_nowait(chunk)
-                latents.put_nowait(_END)
-            else:
-                group.create_task(self._denoise(job, latents))
-            group.create_task(self._decode(job, latents, frames, publisher))
-            if frames is not None:
-                group.create_task(self._interpolate(job, frames, publisher))
+            for position, stage in enumerate(relayed):
+                outbox = asyncio.Queue() if position < len(relayed) - 1 else None
+                if stage in outputs and outbox is not None:  # finished before a retry or a restart
+                    for chunk in outputs[stage]:
+                        outbox.put_nowait(chunk)
+                    outbox.put_nowait(_END)
+                else:
+                    group.create_task(self._relay(job, stage, inbox, outbox, publisher))
+                inbox = outbox
 
-    async def _encode(self, job: Job) -> None:
+    async def _relay(
+        self,
+        job: Job,
+        stage: str,
+        inbox: asyncio.Queue,
+        outbox: asyncio.Queue | None,
+        publisher: ResultPublisher,
+    ) -> None:
+        """Runs one stage call: its input from `inbox`, its output on to `outbox`, or, from the last stage of the
+        job's chain, to the result. A stage in KEPT_OUTPUTS has its output kept once it is all sent."""
+        kept: list[tensor_pb2.TensorChunk] | None = [] if stage in KEPT_OUTPUTS else None
+
+        async def emit(chunk: tensor_pb2.TensorChunk) -> None:
+            if kept is not None:
+                kept.append(chunk)
+            if outbox is not None:
+                outbox.put_nowait(chunk)
+            else:
+                await publisher.publish(chunk)
+
+        calls = {"dit": self._denoise, "vae": self._decode, "interp": self._interpolate}
+        await calls[stage](job, inbox, emit)
+        if outbox is not None:
+            outbox.put_nowait(_END)  # first, so that the next stage does not wait for the store
+        if kept is not None:
+            await self._stage_done(job, stage, kept)
+
+    async def _encode(self, job: Job, family: Family) -> None:
+        """Runs the text encoder to its end: the DiT's conditioning, as the chunks the text encoder sent."""
         request = job.request
         stage = self.stages["text-encoder"]
         texts = [request.prompt]
@@ -320,8 +374,7 @@ class Pipeline:
             texts.append(request.negative_prompt)
         job.current_stage = "text-encoder"
         started = time.perf_counter()
-        assembler = TensorAssembler()
-        tensors: dict[str, torch.Tensor] = {}
+        chunks: list[tensor_pb2.TensorChunk] = []
         async with stage.call() as replica:
             call = replica.text_encoder.Encode(
                 stages_pb2.EncodeRequest(
@@ -332,29 +385,26 @@ class Pipeline:
                 timeout=self._remaining(job),
             )
             async for response in call:
-                tensor = assembler.feed(response.tensor)
-                if tensor is not None:
-                    tensors[tensor.name] = tensor.to_torch()
-        assembler.finish()
-        if "embeds" not in tensors:
-            raise StageError("text-encoder", replica.endpoint, grpc.StatusCode.INTERNAL, "sent no embeddings")
-        # Families with variable-length embeddings (Qwen-Image) also send their padding mask.
-        if "embeds_mask" in tensors:
-            job.intermediates["embeds_mask"] = tensors["embeds_mask"]
-        job.intermediates["embeds"] = tensors["embeds"]
+                chunks.append(response.tensor)
+        sent = _tensor_names(chunks)
+        needed = [
+            slot.name
+            for slot in family.conditioning
+            if slot.needed == "always" or (slot.needed == "cfg" and request.guidance_scale > 1.0)
+        ]
+        missing = [name for name in needed if name not in sent]
+        if missing or (chunks and not chunks[-1].last):
+            detail = f"sent no {', '.join(missing)}" if missing else "its stream ended inside a tensor"
+            raise StageError("text-encoder", replica.endpoint, grpc.StatusCode.INTERNAL, f"{detail} (sent {sent})")
         job.timings["text-encoder"] = time.perf_counter() - started
-        await self._stage_done(
-            job, "text-encoder", {name: tensors[name] for name in ("embeds", "embeds_mask") if name in tensors}
-        )
+        await self._stage_done(job, "text-encoder", chunks)
         await job.publish(
             generation_pb2.GenerateEvent(progress=generation_pb2.StageProgress(stage="text-encoder", step=1, total=1))
         )
 
-    async def _denoise(self, job: Job, latents: asyncio.Queue) -> None:
+    async def _denoise(self, job: Job, conditioning: asyncio.Queue, emit: Emit) -> None:
         request = job.request
         stage = self.stages["dit"]
-        embeds = job.intermediates["embeds"]
-        mask = job.intermediates.get("embeds_mask")
 
         async def requests():
             yield stages_pb2.DenoiseRequest(
@@ -368,17 +418,11 @@ class Pipeline:
                     seed=request.seed,
                 )
             )
-            names = ["prompt_embeds", "negative_prompt_embeds"][: embeds.shape[0]]
-            for i, name in enumerate(names):
-                for chunk in encode_tensor(name, embeds[i : i + 1]):
-                    yield stages_pb2.DenoiseRequest(tensor=chunk)
-                if mask is not None:
-                    for chunk in encode_tensor(f"{name}_mask", mask[i : i + 1]):
-                        yield stages_pb2.DenoiseRequest(tensor=chunk)
+            while (chunk := await conditioning.get()) is not _END:
+                yield stages_pb2.DenoiseRequest(tensor=chunk)
 
         job.current_stage = "dit"
         started = time.perf_counter()
-        received: list[tensor_pb2.TensorChunk] = []
         async with stage.call() as replica:
             async for response in replica.denoiser.Denoise(requests(), timeout=self._remaining(job)):
                 if response.HasField("progress"):
@@ -391,17 +435,10 @@ class Pipeline:
                         )
                     )
                 else:
-                    received.append(response.tensor)
-                    latents.put_nowait(response.tensor)
-        job.intermediates["latent_chunks"] = received
-        job.intermediates["latents_complete"] = True
+                    await emit(response.tensor)
         job.timings["dit"] = time.perf_counter() - started
-        latents.put_nowait(_END)  # first, so the VAE does not wait for the store
-        await self._stage_done(job, "dit", pack_wire_tensors(received))
 
-    async def _decode(
-        self, job: Job, latents: asyncio.Queue, frames: asyncio.Queue | None, publisher: ResultPublisher
-    ) -> None:
+    async def _decode(self, job: Job, latents: asyncio.Queue, emit: Emit) -> None:
         request = job.request
         stage = self.stages["vae"]
         temporal = stage.info.limits.temporal_factor if stage.info else 4
@@ -421,10 +458,7 @@ class Pipeline:
                 if started is None:
                     started = time.perf_counter()
                     job.current_stage = "vae"
-                if frames is not None:
-                    frames.put_nowait(response.tensor)
-                else:
-                    await publisher.publish(response.tensor)
+                await emit(response.tensor)
                 if response.tensor.last:
                     decoded += 1
                     await job.publish(
@@ -433,10 +467,8 @@ class Pipeline:
                         )
                     )
         job.timings["vae"] = time.perf_counter() - (started or time.perf_counter())
-        if frames is not None:
-            frames.put_nowait(_END)
 
-    async def _interpolate(self, job: Job, frames: asyncio.Queue, publisher: ResultPublisher) -> None:
+    async def _interpolate(self, job: Job, frames: asyncio.Queue, emit: Emit) -> None:
         request = job.request
         stage = self.stages["interp"]
         total = (request.num_frames - 1) * 2**request.interpolation.exp + 1
@@ -459,7 +491,7 @@ class Pipeline:
                 if started is None:
                     started = time.perf_counter()
                     job.current_stage = "interp"
-                await publisher.publish(response.tensor)
+                await emit(response.tensor)
                 if response.tensor.HasField("header"):
                     sent = response.tensor.header.index + response.tensor.header.shape[0]
                 if response.tensor.last:

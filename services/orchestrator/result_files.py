@@ -23,7 +23,7 @@ from typing import BinaryIO
 import numpy as np
 
 from services.orchestrator.store_errors import ResultGone, StoreError, fsync_dir, io_error
-from services.tensor_codec import DEFAULT_CHUNK_BYTES
+from stagediff.tensor_codec import DEFAULT_CHUNK_BYTES
 from stagediff.v1 import generation_pb2, tensor_pb2
 
 RESULT_FILE = "result-frames.npy"

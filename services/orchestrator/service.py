@@ -1,6 +1,6 @@
 """The orchestrator service: the public Generation API of a StageDiff cluster.
 
-Every call is authenticated (`authorization: Bearer <key>`, see services/auth.py) and
+Every call is authenticated (`authorization: Bearer <key>`, see tenant_auth.py) and
 belongs to a tenant; a tenant sees, fetches and cancels only its own jobs (another
 tenant's job id answers NOT_FOUND, so ids reveal nothing). Admission checks, in order:
 the tenant's request rate, the request itself (INVALID_ARGUMENT), the tenant's size
@@ -15,43 +15,38 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import random
-from pathlib import Path
 
 import grpc
 
 from services.auth import (
     CLUSTER_SECRET_ENV,
     ClusterSecretError,
-    TenantAuthInterceptor,
     TLSConfigError,
-    add_cluster_secret_argument,
-    add_stage_tls_arguments,
-    add_tls_arguments,
-    current_tenant,
     load_cluster_secret,
     server_credentials_from_args,
     stage_channel_credentials_from_args,
 )
 from services.environment_options import parse_args
 from services.errors import RequestError, bounded
-from services.logging_setup import add_logging_arguments
-from services.metrics import OrchestratorMetrics, ServerMetrics, add_metrics_arguments, start_metrics_server
+from services.metrics import OrchestratorMetrics, ServerMetrics, start_metrics_server
+from services.orchestrator.chain import StageNotDeployed, chain_problem, check_request, missing_stages, served_family
 from services.orchestrator.followers import JobFollowers, TooManyWatchers
 from services.orchestrator.jobs import AdmissionRefused, Job, JobManager, JobState
+from services.orchestrator.options import DEFAULT_DETACH_GRACE_S, build_parser
 from services.orchestrator.pipeline import Pipeline, restore_intermediates
 from services.orchestrator.request_bounds import RequestBoundsInterceptor
 from services.orchestrator.scheduler import FairScheduler
-from services.orchestrator.stage_clients import PROBE_INTERVAL_S, REPLICA_WAIT_S, STAGE_ORDER, StagePool
-from services.orchestrator.store import JobStore, MinFree, ResultGone, StoreError, parse_size
+from services.orchestrator.stage_clients import NOT_SERVING, STAGE_ORDER, StagePool
+from services.orchestrator.store import JobStore, ResultGone, StoreError
+from services.orchestrator.tenant_auth import TenantAuthInterceptor, current_tenant
 from services.orchestrator.tenants import LimitExceeded, RateLimited, TenantConfigError, TenantRegistry
-from services.server import add_server_arguments, check_server_arguments, configure_logging, is_loopback, serve
-from services.status_details import abort_with_retry
+from services.server import check_server_arguments, configure_logging, is_loopback, serve
 from services.tracing import configure_tracing
 from services.validation import validate_sampling, validate_seed, validate_size
 from stagediff import __version__
 from stagediff.protocol import JOB_FAILED_METADATA_KEY
+from stagediff.status_details import abort_with_retry
 from stagediff.v1 import generation_pb2, generation_pb2_grpc, stages_pb2
 
 logger = logging.getLogger(__name__)
@@ -62,9 +57,6 @@ MAX_FPS = 240.0
 MAX_LIST_LIMIT = 1000
 # The model label of a request refused before it named a served model: metric labels come from bounded sets.
 UNKNOWN_MODEL_LABEL = "unknown"
-# How long a job whose Generate stream was lost (not cancelled by the client) keeps running, waiting for the
-# client's retry to attach again with the same request id.
-DEFAULT_DETACH_GRACE_S = 60.0
 # When a tenant at its max_watch_streams may try again.
 WATCH_RETRY_AFTER_S = 1.0
 # The public port receives small requests only: the bounded fields of a GenerateRequest need well under
@@ -74,7 +66,6 @@ WATCH_RETRY_AFTER_S = 1.0
 # bench/hostile.py). Responses, where the frames are, flow under the client's window and are unaffected.
 MAX_REQUEST_BYTES = 4 << 20
 PUBLIC_PORT_OPTIONS = (("grpc.max_receive_message_length", MAX_REQUEST_BYTES), ("grpc.http2.bdp_probe", 0))
-DEFAULT_STATE_DIR = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "stagediff"
 
 
 class ModelNotFound(LookupError):
@@ -109,25 +100,59 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # Set once every stage has answered SERVING; requests before that get UNAVAILABLE.
         self.ready = asyncio.Event()
 
+    async def start(self) -> None:
+        """Readies the orchestrator while its health says NOT_SERVING (the `load` of services.server.serve).
+
+        Waits until every stage it has endpoints for serves, then checks that the served family's chain
+        has every stage it cannot do without: if not, it logs why and stays NOT_SERVING (refusing requests
+        with FAILED_PRECONDITION naming the missing flag) until it is stopped. Then the jobs accepted before a
+        restart are queued again, in their order, before any new request is admitted.
+        """
+        await self.stages.wait_until_serving()
+        problem = self.chain_problem()
+        if problem is not None:
+            logger.error("%s; health stays NOT_SERVING", problem)
+            await asyncio.get_running_loop().create_future()  # never set: serve() stops waiting on SIGTERM
+        await self.jobs.recover()
+        self.ready.set()
+
     # ------------------------------------------------------------ requests --
 
+    def _stage_info(self, name: str) -> stages_pb2.StageInfo | None:
+        """The StageInfo of a stage this orchestrator has endpoints for; None without them, or before one answered."""
+        stage = self.stages.stages.get(name)
+        return stage.info if stage is not None else None
+
+    def chain_problem(self) -> str | None:
+        """Why the served model's chain cannot run here (a stage without endpoints), or None."""
+        return chain_problem(self.stages.stages, self._stage_info("dit"))
+
     def _models(self) -> dict[str, stages_pb2.StageInfo]:
-        info = self.stages["dit"].info
+        info = self._stage_info("dit")
         return {info.model: info} if info is not None else {}
 
     def complete_request(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
-        """Validates a request and fills in every default; raises RequestError or ModelNotFound."""
+        """Validates a request and fills in every default; raises RequestError, ModelNotFound, StageNotDeployed
+        or ClusterNotReady."""
+        problem = self.chain_problem()
+        if problem is not None:
+            raise StageNotDeployed(problem)
         if not self.ready.is_set():
-            waiting = [name for name in STAGE_ORDER if self.stages[name].info is None]
-            raise ClusterNotReady(f"the cluster is starting; waiting for stage(s) {', '.join(waiting)} to serve")
+            waiting = [name for name, stage in self.stages.stages.items() if stage.info is None]
+            raise ClusterNotReady(
+                f"the cluster is starting; waiting for stage(s) {', '.join(waiting)} to serve"
+                if waiting
+                else "the cluster is starting; the jobs accepted before a restart are being queued again"
+            )
         models = self._models()
         model = request.model or next(iter(models))
         if model not in models:
             raise ModelNotFound(f"model '{model}' is not served here; available: {', '.join(models)}")
+        family = served_family(models[model])
         limits = stages_pb2.ModelLimits()
         limits.CopyFrom(models[model].limits)
         # A patch-parallel VAE needs enough rows for its ranks: the larger minimum wins.
-        vae = self.stages["vae"].info
+        vae = self._stage_info("vae")
         if vae is not None and vae.limits.min_height > limits.min_height:
             limits.min_height = vae.limits.min_height
         full = generation_pb2.GenerateRequest()
@@ -160,11 +185,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # Ignored fields are not kept: the stored and echoed request holds only what runs.
             full.ClearField("interpolation")
             interpolation = full.interpolation
-        if interpolation.enable and interpolation.exp > 0 and models[model].family == "qwen-image":
-            raise RequestError(
-                f"interpolation: model '{model}' makes single images, so there is nothing to interpolate; "
-                "leave interpolation off"
-            )
         if interpolation.enable and not 0 <= interpolation.exp <= MAX_INTERP_EXP:
             raise RequestError(
                 f"interpolation.exp: {interpolation.exp} is not allowed; use 0 (off) to {MAX_INTERP_EXP} (2**exp x fps)"
@@ -174,7 +194,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 f"interpolation.scale: {interpolation.scale} is not allowed; use one of "
                 f"{list(ALLOWED_INTERP_SCALES[1:])}, or 0 for 1"
             )
-        interp = self.stages["interp"].info
+        # The family's chain and this deployment's stages: a stage the request asks for must be in both.
+        check_request(family, self.stages.stages, full)
+        interp = self._stage_info("interp")
         if interpolation.model_path and (interp is None or interpolation.model_path != interp.weights_path):
             # Checked here, before the DiT runs; the interpolator's own path is not for tenants to read.
             raise RequestError(
@@ -223,6 +245,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await self._refuse(context, tenant.name, model, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except ModelNotFound as error:
             await self._refuse(context, tenant.name, model, grpc.StatusCode.NOT_FOUND, str(error))
+        except StageNotDeployed as error:
+            await self._refuse(context, tenant.name, model, grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except ClusterNotReady as error:
             await self._refuse(context, tenant.name, model, grpc.StatusCode.UNAVAILABLE, str(error))
         except StoreError as error:
@@ -348,10 +372,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"GetClusterInfo: tenant '{tenant.name}' is not an admin tenant (admin: true in the tenants file)",
             )
-        # From the pool's periodic probes (every --health-interval), never a probe per call.
+        # From the pool's periodic probes (every --health-interval), never a probe per call. The stages listed
+        # are those this orchestrator has endpoints for, and any its served chain needs but lacks.
+        missing = missing_stages(self.stages.stages, self._stage_info("dit"))
         stages = []
         for name in STAGE_ORDER:
-            stage = self.stages[name]
+            stage = self.stages.stages.get(name)
+            if stage is None:
+                if name in missing:
+                    stages.append(
+                        generation_pb2.StageStatus(
+                            info=stages_pb2.StageInfo(stage=name),
+                            health=NOT_SERVING,
+                            detail=f"no endpoint: the served chain needs it; give the orchestrator --{name} HOST:PORT",
+                        )
+                    )
+                continue
             replicas = [
                 generation_pb2.ReplicaStatus(
                     endpoint=replica.endpoint,
@@ -373,11 +409,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 )
             )
         return generation_pb2.ClusterInfo(stages=stages, version=__version__)
-
-
-# Every queued job may hold a Generate stream open: the default leaves room for a full queue
-# (--max-queued-jobs 256) and as many watchers and unary calls again.
-MAX_CONCURRENT_RPCS = 1024
 
 
 def check_exposure(
@@ -413,109 +444,7 @@ def check_exposure(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="stagediff serve orchestrator", description=__doc__.splitlines()[0])
-    add_server_arguments(parser, default_max_rpcs=MAX_CONCURRENT_RPCS)
-    parser.add_argument("--port", type=int, default=50051)
-    for stage in STAGE_ORDER:
-        parser.add_argument(
-            f"--{stage}",
-            required=True,
-            metavar="HOST:PORT[,HOST:PORT...]",
-            help=f"endpoints of the {stage} stage's replicas, comma-separated",
-        )
-    parser.add_argument("--max-running-jobs", type=int, default=4, help="jobs in flight across the stages")
-    parser.add_argument("--max-queued-jobs", type=int, default=256, help="jobs waiting, all tenants together")
-    parser.add_argument(
-        "--stage-retries",
-        type=int,
-        default=1,
-        help="retries of a stage that is UNAVAILABLE with no other serving replica "
-        "(failing over to another serving replica spends none)",
-    )
-    parser.add_argument(
-        "--detach-grace",
-        type=float,
-        default=DEFAULT_DETACH_GRACE_S,
-        metavar="SECONDS",
-        help="how long a job with a request id keeps running after its Generate stream is lost, waiting for "
-        "the client to attach again (0: cancel at once; an explicit CancelJob always does; default: %(default)s)",
-    )
-    parser.add_argument(
-        "--health-interval",
-        type=float,
-        default=PROBE_INTERVAL_S,
-        help="seconds between health probes of every stage replica (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--replica-wait",
-        type=float,
-        default=REPLICA_WAIT_S,
-        help="seconds a call waits for a replica of its stage to serve again before failing (default: %(default)s)",
-    )
-    parser.add_argument("--tenants", metavar="FILE", help="tenants YAML (API keys, priorities, quotas); default: open")
-    parser.add_argument(
-        "--state-dir",
-        default=str(DEFAULT_STATE_DIR),
-        help="where job records (SQLite) and results live, so that a restart loses no job (default: %(default)s)",
-    )
-
-    def size_flag(text: str) -> int:
-        try:
-            return parse_size(text)
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-
-    def min_free_flag(text: str) -> MinFree:
-        try:
-            return MinFree.parse(text)
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-
-    parser.add_argument(
-        "--max-kept-jobs",
-        type=int,
-        default=1000,
-        help="finished jobs (and their results) each tenant keeps, unless its max_kept_jobs quota says otherwise; "
-        "its oldest go first (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-stored-bytes-per-tenant",
-        type=size_flag,
-        default="20GiB",
-        metavar="SIZE",
-        help="bytes of results and intermediates each tenant keeps in --state-dir, unless its max_stored_bytes "
-        "quota says otherwise (e.g. 20GiB, 500MiB; default: %(default)s)",
-    )
-    parser.add_argument(
-        "--job-retention",
-        type=float,
-        default=86400.0,
-        metavar="SECONDS",
-        help="seconds a finished job and its result are kept (0: no age limit; default: %(default)s, one day)",
-    )
-    parser.add_argument(
-        "--min-free-bytes",
-        type=min_free_flag,
-        default="1GiB",
-        metavar="SIZE|PERCENT",
-        help="space kept free on the --state-dir volume: below it new jobs are refused with RESOURCE_EXHAUSTED "
-        "(e.g. 1GiB, 5%%; default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-job-attempts", type=int, default=3, help="restarts of a job interrupted by orchestrator restarts"
-    )
-    parser.add_argument("--log-level", default="INFO")
-    add_logging_arguments(parser)
-    add_metrics_arguments(parser)
-    add_tls_arguments(parser)
-    add_stage_tls_arguments(parser)
-    add_cluster_secret_argument(parser)
-    parser.add_argument(
-        "--insecure",
-        action="store_true",
-        help="start anyway without a cluster secret, or with --tenants on a non-loopback --host without TLS "
-        "(default: refuse)",
-    )
+    parser = build_parser()
     args = parse_args(parser, argv)
     for flag, value, least in (
         ("--max-running-jobs", args.max_running_jobs, 1),
@@ -598,12 +527,6 @@ async def _serve(
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         return [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
 
-    async def load() -> None:
-        await stages.wait_until_serving()
-        # Jobs accepted before a restart run first, in their order, before any new request is admitted.
-        await jobs.recover()
-        servicer.ready.set()
-
     async def shutdown() -> None:
         await servicer.followers.close()
         await jobs.shutdown()
@@ -614,7 +537,7 @@ async def _serve(
         host=args.host,
         port=args.port,
         register=register,
-        load=load,
+        load=servicer.start,
         on_shutdown=shutdown,
         interceptors=[
             TenantAuthInterceptor(tenants),

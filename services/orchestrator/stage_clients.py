@@ -1,4 +1,7 @@
-"""Channels to the four stages, each a pool of interchangeable replicas, and how failures reach users.
+"""Channels to the stages, each a pool of interchangeable replicas, and how failures reach users.
+
+The orchestrator has endpoints for the stage kinds it was given (services/stage_table.py lists every kind);
+which of them a request needs is the served family's chain (services/orchestrator/chain.py).
 
 Stages are pure functions of their requests, so any replica of a stage can
 serve any call. A `Stage` picks, for every call, the healthy replica with the
@@ -29,12 +32,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.auth import cluster_secret_interceptors
 from services.metrics import OrchestratorMetrics
 from services.server import GRPC_OPTIONS
-from services.tracing import tracing_client_interceptors
+from services.stage_table import STAGES
+from services.tracing import client_interceptors as tracing_client_interceptors
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-STAGE_ORDER = ("text-encoder", "dit", "vae", "interp")
+# Every stage kind, in the order a chain runs them.
+STAGE_ORDER = tuple(STAGES)
 SERVING = "SERVING"
 NOT_SERVING = "NOT_SERVING"
 UNKNOWN = "UNKNOWN"
@@ -94,9 +99,7 @@ class StageClient:
 
     def __post_init__(self) -> None:
         # The trace context of the job's span goes with every call, so one trace spans every stage.
-        interceptors = tracing_client_interceptors(
-            attributes={"stagediff.stage": self.name, "server.address": self.endpoint}
-        )
+        interceptors = tracing_client_interceptors()
         if self.secret:
             interceptors = [*cluster_secret_interceptors(self.secret), *interceptors]
         if self.credentials is not None:
@@ -313,7 +316,8 @@ class Stage:
 
 
 class StagePool:
-    """The four stages, each a pool of replicas, with a background task that probes every replica."""
+    """The stages this orchestrator has endpoints for, each a pool of replicas, with a background task that
+    probes every replica. A stage kind without endpoints is left out: `stages` holds only those given."""
 
     def __init__(
         self,
@@ -324,12 +328,14 @@ class StagePool:
         metrics: OrchestratorMetrics | None = None,
         credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
+        unknown = sorted(set(endpoints) - set(STAGE_ORDER))
+        if unknown:
+            raise ValueError(f"no stage kind named {', '.join(unknown)}; the kinds are {', '.join(STAGE_ORDER)}")
         lists = {name: parse_endpoints(endpoints.get(name) or []) for name in STAGE_ORDER}
-        missing = [name for name, listed in lists.items() if not listed]
-        if missing:
-            raise ValueError(f"no endpoint for stage(s) {', '.join(missing)}")
         self.stages = {
-            name: Stage(name, lists[name], replica_wait_s, secret, metrics, credentials) for name in STAGE_ORDER
+            name: Stage(name, lists[name], replica_wait_s, secret, metrics, credentials)
+            for name in STAGE_ORDER
+            if lists[name]
         }
         self.probe_interval_s = probe_interval_s
         self._prober: asyncio.Task | None = None

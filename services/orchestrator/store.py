@@ -4,7 +4,7 @@ Layout of `state_dir`:
 
     jobs.sqlite3 (+ -wal, -shm)   job records, which intermediates and results exist, and their sizes
     LOCK                          held (flock) by the one process that owns the directory
-    jobs/<job_id>/stage-<stage>.safetensors   tensors of a finished stage of an unfinished job
+    jobs/<job_id>/stage-<stage>.chunks        what a finished stage of an unfinished job sent
     jobs/<job_id>/.result-frames.npy.<hex>.partial   the result of a running job, written as it streams
     jobs/<job_id>/result-frames.npy           the final frames, uint8 [F, H, W, 3]
 
@@ -30,6 +30,12 @@ stream). A stored result is read back chunk by chunk (`StoredResult.events`),
 never whole. The file format and its reader and writer are in result_files.py;
 the errors, and how OS and SQLite failures map to them, in store_errors.py.
 
+Stage outputs are kept as they came off the wire. A finished stage's output
+(the text encoder's conditioning tensors, the DiT's latent frames) is the list
+of `TensorChunk` messages the stage sent, stored length-prefixed, in order, and
+read back as the same messages: the orchestrator relays bytes and never holds a
+tensor (nor imports torch).
+
 Space. Every file's size is recorded with its row: `usage` says how many bytes
 a tenant's jobs hold, and `prune` keeps each tenant within its own limits on
 kept finished jobs, stored bytes and age; one tenant's jobs are never deleted
@@ -54,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import json
 import os
 import re
@@ -68,9 +75,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-import torch
-from safetensors import safe_open
-from safetensors.torch import save as save_safetensors
+from google.protobuf import proto
+from google.protobuf.message import DecodeError
 
 from services.orchestrator.result_files import (
     RESULT_FILE,
@@ -82,6 +88,7 @@ from services.orchestrator.result_files import (
     npy_header,
     read_npy_header,
 )
+from services.orchestrator.sizes import MinFree, parse_size
 from services.orchestrator.store_errors import (
     DuplicateRequestId,
     InvalidTransition,
@@ -94,7 +101,6 @@ from services.orchestrator.store_errors import (
     fsync_dir,
     io_error,
 )
-from services.tensor_codec import TensorAssembler, encode_tensor
 from stagediff.v1 import generation_pb2, tensor_pb2
 
 # The store's public names, with the errors (store_errors.py) and result files (result_files.py) it uses,
@@ -119,22 +125,20 @@ __all__ = [
     "StoredResult",
     "UnknownJob",
     "Usage",
-    "pack_wire_tensors",
     "parse_size",
-    "unpack_wire_tensors",
 ]
 
 JobState = generation_pb2.JobState
 TERMINAL_STATES = (JobState.JOB_STATE_SUCCEEDED, JobState.JOB_STATE_FAILED, JobState.JOB_STATE_CANCELLED)
 ACTIVE_STATES = (JobState.JOB_STATE_QUEUED, JobState.JOB_STATE_RUNNING)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 DB_NAME = "jobs.sqlite3"
 LOCK_NAME = "LOCK"
 JOBS_DIR = "jobs"
 _TMP_SUFFIX = ".tmp"
 _PARTIAL_SUFFIX = ".partial"
-_ORDER_KEY = "stagediff.order"  # safetensors metadata: the tensors' names in the order they were given
+_CHUNKS_SUFFIX = ".chunks"
 _NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
 
 _SCHEMA = """
@@ -185,6 +189,14 @@ _MIGRATE_1_TO_2 = """
 ALTER TABLE intermediates ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE results ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
 CREATE INDEX jobs_by_tenant ON jobs (tenant, state, finished_at);
+"""
+
+# Version 2 kept stage outputs as safetensors files of the tensors the orchestrator decoded; version 3 keeps
+# the chunks the stages sent. A job that was running resumes from its first stage (stages are deterministic),
+# and `_sweep` removes the old files, which no row names any more.
+_MIGRATE_2_TO_3 = """
+DELETE FROM intermediates;
+UPDATE jobs SET last_stage = '';
 """
 
 
@@ -250,27 +262,6 @@ class Usage:
         return self.finished + self.active
 
 
-def pack_wire_tensors(chunks: Iterable[tensor_pb2.TensorChunk]) -> dict[str, torch.Tensor]:
-    """Assembles wire chunks (e.g. the DiT's latent chunks) into tensors keyed "<name>@<index>", in order."""
-    assembler = TensorAssembler()
-    tensors: dict[str, torch.Tensor] = {}
-    for chunk in chunks:
-        tensor = assembler.feed(chunk)
-        if tensor is not None:
-            tensors[f"{tensor.name}@{tensor.index}"] = tensor.to_torch()
-    assembler.finish()
-    return tensors
-
-
-def unpack_wire_tensors(tensors: Mapping[str, torch.Tensor]) -> list[tensor_pb2.TensorChunk]:
-    """The wire chunks of tensors packed by `pack_wire_tensors`, in the same order."""
-    chunks: list[tensor_pb2.TensorChunk] = []
-    for key, tensor in tensors.items():
-        name, _, index = key.rpartition("@")
-        chunks.extend(encode_tensor(name, tensor, index=int(index)))
-    return chunks
-
-
 def _check_frames(frames: np.ndarray) -> None:
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[3] != 3:
         raise ValueError(f"frames: uint8 [F, H, W, 3] expected, got {frames.dtype} {list(frames.shape)}")
@@ -305,57 +296,6 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
-
-
-def _as_cpu_tensor(value: torch.Tensor | np.ndarray) -> torch.Tensor:
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(np.array(value, copy=True))
-    # A private contiguous copy: safetensors refuses tensors that share storage (views of one batch).
-    return value.detach().to("cpu").contiguous().clone()
-
-
-# ---------------------------------------------------------- sizes on flags --
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '1073741824', '512MiB', '1G' or '1.5GiB' (binary units); raises ValueError."""
-    match = _SIZE.match(str(text))
-    if match is None:
-        raise ValueError(f"'{text}' is not a size; use bytes or a number with K, M, G or T (binary: 1G = 2**30)")
-    unit = (match.group(2) or "").upper()[:1]
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-@dataclass(frozen=True)
-class MinFree:
-    """Space to keep free on the state directory's volume: bytes, or a percentage of the volume."""
-
-    bytes: int = 0
-    percent: float = 0.0
-
-    @classmethod
-    def parse(cls, text: str) -> MinFree:
-        """'1GiB', '1073741824' or '5%'; raises ValueError."""
-        text = str(text).strip()
-        if text.endswith("%"):
-            try:
-                percent = float(text[:-1])
-            except ValueError:
-                percent = -1.0
-            if not 0 <= percent < 100:
-                raise ValueError(f"'{text}' is not a percentage from 0% to below 100%")
-            return cls(percent=percent)
-        return cls(bytes=parse_size(text))
-
-    def of(self, total: int) -> int:
-        """The bytes to keep free on a volume of `total` bytes."""
-        return self.bytes if not self.percent else int(total * self.percent / 100)
-
-    def __str__(self) -> str:
-        return f"{self.percent:g}%" if self.percent else f"{self.bytes} bytes"
 
 
 class JobStore:
@@ -589,18 +529,21 @@ class JobStore:
 
     # ------------------------------------------------------ intermediates --
 
-    def mark_stage_done(self, job_id: str, stage: str, tensors: Mapping[str, torch.Tensor | np.ndarray]) -> bool:
-        """Saves a finished stage's output so a restarted job resumes after it; blocking, use to_thread.
+    def mark_stage_done(self, job_id: str, stage: str, chunks: Iterable[tensor_pb2.TensorChunk]) -> bool:
+        """Saves a finished stage's output, the chunks it sent in order, so that a restarted job resumes after
+        it; blocking, use to_thread.
 
         Returns False (and keeps nothing) if the job finished meanwhile, e.g. it was cancelled.
         """
         _check_name("stage", stage)
         if self._state(job_id) in TERMINAL_STATES:
             return False
-        prepared = {name: _as_cpu_tensor(value) for name, value in tensors.items()}
-        data = save_safetensors(prepared, metadata={_ORDER_KEY: json.dumps(list(prepared))})
+        buffer = io.BytesIO()
+        for chunk in chunks:
+            proto.serialize_length_prefixed(chunk, buffer)
+        data = buffer.getbuffer()
         directory = self._job_dir(job_id, create=True)
-        file = f"stage-{stage}.safetensors"
+        file = f"stage-{stage}{_CHUNKS_SUFFIX}"
         try:
             _atomic_write(directory / file, lambda out: out.write(data))
         except FileNotFoundError:
@@ -623,16 +566,24 @@ class JobStore:
             (directory / file).unlink(missing_ok=True)
         return kept
 
-    def load_intermediates(self, job_id: str) -> dict[str, dict[str, torch.Tensor]]:
-        """{stage: {name: tensor}} of every saved stage, in the order they finished; blocking."""
+    def load_intermediates(self, job_id: str) -> dict[str, list[tensor_pb2.TensorChunk]]:
+        """{stage: the chunks it sent} of every saved stage, in the order they finished; blocking."""
         rows = self._fetchall(
             "SELECT stage, file FROM intermediates WHERE job_id = ? ORDER BY done_at, rowid", (job_id,)
         )
-        loaded: dict[str, dict[str, torch.Tensor]] = {}
+        loaded: dict[str, list[tensor_pb2.TensorChunk]] = {}
         for row in rows:
-            with safe_open(self.jobs_dir / job_id / row["file"], framework="pt") as file:
-                order = json.loads((file.metadata() or {}).get(_ORDER_KEY, "[]")) or sorted(file.keys())
-                loaded[row["stage"]] = {name: file.get_tensor(name) for name in order}
+            path = self.jobs_dir / job_id / row["file"]
+            chunks: list[tensor_pb2.TensorChunk] = []
+            try:
+                with open(path, "rb") as file:
+                    while (chunk := proto.parse_length_prefixed(tensor_pb2.TensorChunk, file)) is not None:
+                        chunks.append(chunk)
+            except (OSError, ValueError, DecodeError) as error:
+                raise StoreError(
+                    f"job {job_id}: the saved output of stage {row['stage']} cannot be read: {error}"
+                ) from None
+            loaded[row["stage"]] = chunks
         return loaded
 
     # ------------------------------------------------------------ results --
@@ -961,9 +912,13 @@ class JobStore:
     def _migrate(self) -> None:
         with self._transaction() as db:
             version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"{self.state_dir / DB_NAME} has schema version {version}; this version reads {SCHEMA_VERSION}"
+                )
             if version == 0:
                 _run_script(db, _SCHEMA)
-            elif version == 1:
+            if version == 1:
                 _run_script(db, _MIGRATE_1_TO_2)
                 for table in ("intermediates", "results"):
                     rows = db.execute(f"SELECT rowid, job_id, file FROM {table}").fetchall()
@@ -971,10 +926,8 @@ class JobStore:
                         path = self.jobs_dir / row["job_id"] / row["file"]
                         size = path.stat().st_size if path.is_file() else 0
                         db.execute(f"UPDATE {table} SET bytes = ? WHERE rowid = ?", (size, row["rowid"]))
-            elif version != SCHEMA_VERSION:
-                raise StoreError(
-                    f"{self.state_dir / DB_NAME} has schema version {version}; this version reads {SCHEMA_VERSION}"
-                )
+            if version in (1, 2):
+                _run_script(db, _MIGRATE_2_TO_3)
             if version != SCHEMA_VERSION:
                 db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 

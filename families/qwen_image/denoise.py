@@ -25,13 +25,12 @@ from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenIm
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
-from dit_svc.denoise import DenoiseSpec
+from dit_svc.denoise import DenoiseSpec, guidance_predictions, stop_if_cancelled
 from dit_svc.model_options import ModelOptions, apply_model_options
-from dit_svc.parallel import ParallelConfig, ParallelConfigError, build_mesh, parallelize_transformer
-from dit_svc.parallel.cfg import agree_to_continue, cfg_parallel_predictions
-from dit_svc.parallel.mesh import device_type_for
-from services.families import QWEN_REASONS
-from services.stage import Cancelled
+from dit_svc.parallel import ParallelConfig, build_mesh
+from dit_svc.parallel.mesh import device_type_for, refuse_unsupported_methods
+from families.qwen_image.family import QWEN_IMAGE
+from families.qwen_image.parallel import parallelize
 from services.weights import load_pretrained
 
 
@@ -59,38 +58,14 @@ class QwenTextEmbeds:
         embeds, mask = embeds[:, :length], mask[:, :length]
         return cls(embeds, None if bool(mask.all()) else mask)
 
+    @classmethod
+    def from_conditioning(cls, conditioning: dict[str, torch.Tensor], name: str) -> QwenTextEmbeds:
+        """One text's embeddings and mask as the DiT stage received them ("<name>", optional "<name>_mask")."""
+        return cls.from_wire(conditioning[name], conditioning.get(f"{name}_mask"))
+
     def to(self, device: torch.device, dtype: torch.dtype) -> QwenTextEmbeds:
         mask = self.mask.to(device) if self.mask is not None else None
         return QwenTextEmbeds(self.embeds.to(device, dtype), mask)
-
-
-# Layouts the Qwen-Image DiT runs; the others are refused at startup, before anything loads.
-SUPPORTED_PARALLEL = "--ulysses-degree N (N dividing the attention heads) and --cfg-parallel-size 2"
-# Flags of the parallel methods this family does not run, with their services/families.py feature.
-REFUSED_PARALLEL_FLAGS = (
-    ("--ring-degree", "ring"),
-    ("--tensor-parallel-size", "tensor_parallel"),
-    ("--use-hsdp", "hsdp"),
-)
-
-
-def check_qwen_parallel(config: ParallelConfig) -> None:
-    """Refuses parallel methods this family does not run, with the registry's reason, naming what it does run.
-
-    CFG-parallel needs nothing from the model; Ulysses splits the image tokens and keeps the text
-    whole (dit_svc/parallel/qwen_sequence_parallel.py). Ring attention would have to merge the
-    joint text + image attention across ranks, and tensor parallelism and HSDP would need the
-    model's `_tp_plan` and block layout; the implementations in dit_svc/parallel/ for those take
-    only WanTransformer3DModel.
-    """
-    used = {"ring": config.ring_degree > 1, "tensor_parallel": config.tp_degree > 1, "hsdp": config.use_hsdp}
-    refused = [(flag, feature) for flag, feature in REFUSED_PARALLEL_FLAGS if used[feature]]
-    if refused:
-        flags = ", ".join(flag for flag, _ in refused)
-        reasons = "; ".join(f"{flag}: {QWEN_REASONS[feature]}" for flag, feature in refused)
-        raise ParallelConfigError(
-            f"the qwen-image family does not support {flags}; it runs {SUPPORTED_PARALLEL} ({reasons})"
-        )
 
 
 class QwenImageDenoiser:
@@ -109,7 +84,7 @@ class QwenImageDenoiser:
         self.device = device
         self.parallel = parallel if parallel is not None and parallel.total_ranks > 1 else None
         if self.parallel is not None:
-            check_qwen_parallel(self.parallel)  # before reading any weight
+            refuse_unsupported_methods(self.parallel, QWEN_IMAGE)  # before reading any weight
         self.transformer = load_pretrained(
             QwenImageTransformer2DModel, model_dir / "transformer", device=device, dtype=dtype, num_threads=load_threads
         ).eval()
@@ -122,9 +97,13 @@ class QwenImageDenoiser:
         self.cfg_group = None
         if self.parallel is not None:
             mesh = build_mesh(self.parallel, device_type_for(device))
-            parallelize_transformer(self.transformer, self.parallel, mesh, device)
+            parallelize(self.transformer, self.parallel, mesh, device)
             if self.parallel.cfg_degree > 1:
                 self.cfg_group = mesh["cfg"].get_group()
+
+    @property
+    def experts(self) -> list[QwenImageTransformer2DModel]:
+        return [self.transformer]
 
     @property
     def text_dim(self) -> int:
@@ -148,37 +127,42 @@ class QwenImageDenoiser:
         return QwenImagePipeline._pack_latents(latents, 1, self.latent_channels, height, width)
 
     def _predict(
-        self, latents: torch.Tensor, timestep: torch.Tensor, img_shapes: list, text: QwenTextEmbeds
+        self, latents: torch.Tensor, timestep: torch.Tensor, img_shapes: list, text: QwenTextEmbeds, branch: str
     ) -> torch.Tensor:
-        return self.transformer(
-            hidden_states=latents,
-            timestep=timestep / 1000,
-            guidance=None,
-            encoder_hidden_states_mask=text.mask,
-            encoder_hidden_states=text.embeds,
-            img_shapes=img_shapes,
-            attention_kwargs={},
-            return_dict=False,
-        )[0]
+        # A cache context per branch, as QwenImagePipeline keeps one (diffusers' cache hooks key on it).
+        with self.transformer.cache_context(branch):
+            return self.transformer(
+                hidden_states=latents,
+                timestep=timestep / 1000,
+                guidance=None,
+                encoder_hidden_states_mask=text.mask,
+                encoder_hidden_states=text.embeds,
+                img_shapes=img_shapes,
+                attention_kwargs={},
+                return_dict=False,
+            )[0]
 
     @torch.no_grad()
     def denoise(
         self,
         spec: DenoiseSpec,
-        prompt_embeds: QwenTextEmbeds,
-        negative_prompt_embeds: QwenTextEmbeds | None,
+        conditioning: dict[str, torch.Tensor],
         on_step: Callable[[int, int], None],
         cancelled: Callable[[], bool],
     ) -> torch.Tensor:
-        """Runs every step and returns the latents unpacked to [1, C, 1, h, w]; on_step(step, total) after each."""
+        """Runs every step and returns the latents unpacked to [1, C, 1, h, w]; on_step(step, total) after each.
+
+        `conditioning`: "prompt_embeds" [1, L, dim] with, optionally, "prompt_embeds_mask" [1, L]; with
+        guidance_scale > 1 also "negative_prompt_embeds" (and its mask).
+        """
         dtype = self.transformer.dtype
-        prompt = prompt_embeds.to(self.device, dtype)
+        prompt = QwenTextEmbeds.from_conditioning(conditioning, "prompt_embeds").to(self.device, dtype)
         do_true_cfg = spec.do_classifier_free_guidance
         negative = None
         if do_true_cfg:
-            if negative_prompt_embeds is None:
+            if conditioning.get("negative_prompt_embeds") is None:
                 raise ValueError("negative_prompt_embeds are required when guidance_scale (true_cfg_scale) > 1")
-            negative = negative_prompt_embeds.to(self.device, dtype)
+            negative = QwenTextEmbeds.from_conditioning(conditioning, "negative_prompt_embeds").to(self.device, dtype)
 
         latents = self.initial_noise(spec, dtype)
         img_shapes = [[(1, spec.height // self.vae_scale_factor // 2, spec.width // self.vae_scale_factor // 2)]]
@@ -197,24 +181,13 @@ class QwenImageDenoiser:
         scheduler.set_begin_index(0)
 
         for i, t in enumerate(timesteps):
-            keep_going = not cancelled()
-            if self.parallel is not None:
-                keep_going = agree_to_continue(keep_going, self.device)
-            if not keep_going:
-                raise Cancelled()
+            stop_if_cancelled(cancelled, self.parallel, self.device)
             timestep = t.expand(latents.shape[0]).to(latents.dtype)
             predict = partial(self._predict, latents, timestep, img_shapes)
             if not do_true_cfg:
-                with self.transformer.cache_context("cond"):
-                    noise_pred = predict(prompt)
+                noise_pred = predict(prompt, "cond")
             else:
-                if self.cfg_group is not None:
-                    noise_pred, neg_noise_pred = cfg_parallel_predictions(predict, prompt, negative, self.cfg_group)
-                else:
-                    with self.transformer.cache_context("cond"):
-                        noise_pred = predict(prompt)
-                    with self.transformer.cache_context("uncond"):
-                        neg_noise_pred = predict(negative)
+                noise_pred, neg_noise_pred = guidance_predictions(predict, prompt, negative, self.cfg_group)
                 comb_pred = neg_noise_pred + spec.guidance_scale * (noise_pred - neg_noise_pred)
                 cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
                 noise_norm = torch.norm(comb_pred, dim=-1, keepdim=True)

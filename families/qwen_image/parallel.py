@@ -1,4 +1,5 @@
-"""Ulysses sequence parallelism for diffusers' QwenImageTransformer2DModel.
+"""The parallel plan of QwenImageTransformer2DModel: `parallelize`, and the Ulysses sequence parallelism it
+applies (the family runs Ulysses and CFG-parallel; families/qwen_image/family.py says why not the others).
 
 Qwen-Image's blocks attend jointly over [text, image] tokens. Only the image
 tokens are split across the Ulysses ranks; every rank keeps the text stream
@@ -30,11 +31,15 @@ from diffusers.models._modeling_parallel import ContextParallelInput, ContextPar
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel, apply_rotary_emb_qwen
 from torch.distributed.device_mesh import DeviceMesh
 
-from dit_svc.parallel.attention import _heads_to_ranks, _ranks_to_heads
-from dit_svc.parallel.mesh import ParallelConfigError
-from dit_svc.parallel.sequence_parallel import SequenceParallelState, _register_plan_hooks, _reset_hook
-
-_STATE_ATTRIBUTE = "_qwen_sequence_parallel_state"
+from dit_svc.parallel.attention import heads_to_ranks, ranks_to_heads
+from dit_svc.parallel.mesh import ParallelConfig, ParallelConfigError, refuse_unsupported_methods
+from dit_svc.parallel.sequence_parallel import (
+    SequenceParallelState,
+    install_sequence_parallel,
+    remove_sequence_parallel,
+    sequence_parallel_state,
+)
+from families.qwen_image.family import QWEN_IMAGE
 
 # Which tensors carry one entry per image token, and where the whole image sequence is gathered back.
 _IMAGE_PLAN = {
@@ -101,7 +106,7 @@ class QwenUlyssesAttnProcessor:
             txt_key = apply_rotary_emb_qwen(txt_key, txt_freqs, use_real=False)
 
         # Image: rank's tokens of every head -> every token of rank's heads. Text: rank's heads.
-        img_query, img_key, img_value = _heads_to_ranks([img_query, img_key, img_value], group)
+        img_query, img_key, img_value = heads_to_ranks([img_query, img_key, img_value], group)
         num_heads = txt_query.shape[2]
         local_heads = num_heads // size
         rank = dist.get_rank(group)
@@ -139,7 +144,7 @@ class QwenUlyssesAttnProcessor:
         parts = [torch.empty_like(txt_out) for _ in range(size)]
         dist.all_gather(parts, txt_out, group=group)
         txt_out = torch.cat(parts, dim=2)
-        img_out = _ranks_to_heads(out[:, seq_txt:], group)
+        img_out = ranks_to_heads(out[:, seq_txt:], group)
 
         img_attn_output = attn.to_out[0](img_out.flatten(2, 3).contiguous())
         if len(attn.to_out) > 1:
@@ -149,51 +154,29 @@ class QwenUlyssesAttnProcessor:
 
 
 def apply_qwen_ulysses(transformer: QwenImageTransformer2DModel, mesh: DeviceMesh) -> None:
-    """Splits the image tokens over the mesh's Ulysses ranks, in place; a no-op at degree 1.
-
-    Every rank must call it (and then the model) with the same inputs: each takes its shard locally.
-    """
-    ulysses_mesh = mesh["ulysses"]
-    ulysses_size = ulysses_mesh.size()
+    """Splits the image tokens over the mesh's Ulysses ranks, in place; a no-op at degree 1."""
     if mesh["ring"].size() > 1:
         raise ParallelConfigError("the qwen-image family runs Ulysses sequence parallelism only, not --ring-degree")
-    if ulysses_size == 1:
+    state = sequence_parallel_state(mesh)
+    if state is None:
         return
     if not isinstance(transformer, QwenImageTransformer2DModel):
         raise TypeError(f"expected QwenImageTransformer2DModel, not {type(transformer).__name__}")
-    if hasattr(transformer, _STATE_ATTRIBUTE):
-        raise RuntimeError("sequence parallelism is already applied to this model")
-    for block in transformer.transformer_blocks:
-        if block.attn.heads % ulysses_size != 0:
-            raise ParallelConfigError(
-                f"--ulysses-degree {ulysses_size} must divide the {block.attn.heads} attention heads"
-            )
-
-    ulysses_group = ulysses_mesh.get_group()
-    state = SequenceParallelState(
-        ulysses_group=ulysses_group,
-        ring_group=mesh["ring"].get_group(),
-        ulysses_size=ulysses_size,
-        ring_size=1,
-        shard_index=dist.get_rank(ulysses_group),
-    )
-    state.handles.append(transformer.register_forward_pre_hook(_reset_hook(state)))
-    _register_plan_hooks(transformer, _IMAGE_PLAN, state)
-
     processor = QwenUlyssesAttnProcessor(state)
-    for index, block in enumerate(transformer.transformer_blocks):
-        state.original_processors[index] = block.attn.processor
-        block.attn.set_processor(processor)
-    setattr(transformer, _STATE_ATTRIBUTE, state)
+    install_sequence_parallel(transformer, state, _IMAGE_PLAN, _attentions(transformer), processor)
 
 
 def remove_qwen_ulysses(transformer: QwenImageTransformer2DModel) -> None:
     """Undoes apply_qwen_ulysses: removes the hooks and restores the original processors."""
-    state = getattr(transformer, _STATE_ATTRIBUTE, None)
-    if state is None:
-        return
-    for handle in state.handles:
-        handle.remove()
-    for index, processor in state.original_processors.items():
-        transformer.transformer_blocks[index].attn.set_processor(processor)
-    delattr(transformer, _STATE_ATTRIBUTE)
+    remove_sequence_parallel(transformer, _attentions(transformer))
+
+
+def _attentions(transformer: QwenImageTransformer2DModel) -> list[torch.nn.Module]:
+    return [block.attn for block in transformer.transformer_blocks]
+
+
+def parallelize(transformer: torch.nn.Module, config: ParallelConfig, mesh: DeviceMesh, device: torch.device) -> None:
+    """Applies the layout to a QwenImageTransformer2DModel in place: Ulysses over the image tokens."""
+    refuse_unsupported_methods(config, QWEN_IMAGE)
+    if config.sequence_parallel:
+        apply_qwen_ulysses(transformer, mesh)

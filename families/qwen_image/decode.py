@@ -9,27 +9,14 @@ to [0, 1] as its image processor does.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from diffusers import AutoencoderKLQwenImage
 
-from services.weights import load_pretrained
-from vae_svc.decode import denormalize_latents, to_uint8_frames
+from vae_svc.decode import LatentDecoder, denormalize_latents, to_uint8_frames
 
 
-class QwenImageDecoder:
-    """AutoencoderKLQwenImage, its weights read with the stage's --num-weight-load-threads."""
-
-    def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype, load_threads: int = 4) -> None:
-        self.device = device
-        self.vae = load_pretrained(
-            AutoencoderKLQwenImage, Path(model_dir) / "vae", device=device, dtype=dtype, num_threads=load_threads
-        ).eval()
-        config = self.vae.config
-        self.latent_channels = config.z_dim
-        self.latents_mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1)
-        self.latents_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1)
+class QwenImageDecoder(LatentDecoder):
+    vae_class = AutoencoderKLQwenImage
 
     def session(self) -> QwenDecodeSession:
         return QwenDecodeSession(self)

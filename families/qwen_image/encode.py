@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from services.weights import load_pretrained
-from text_encoder_svc.encoder import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES, EmbeddingCache
+from text_encoder_svc.encoder import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES, PromptEncoder
 
 # QwenImagePipeline's prompt template and prompt_template_encode_start_idx.
 PROMPT_TEMPLATE = (
@@ -28,7 +28,7 @@ DROP_IDX = 34
 TOKENIZER_MAX_LENGTH = 1024
 
 
-class QwenPromptEncoder:
+class QwenPromptEncoder(PromptEncoder):
     """Qwen2.5-VL prompt encoder with QwenImagePipeline's template, drop_idx and truncation."""
 
     def __init__(
@@ -42,35 +42,26 @@ class QwenPromptEncoder:
         load_threads: int = 4,
     ) -> None:
         model_dir = Path(model_dir)
-        self.model_id = model_id
-        self.device = device
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
-        # The stage's --num-weight-load-threads reads the weights, as for Wan's UMT5 encoder.
-        self.text_encoder = load_pretrained(
+        text_encoder = load_pretrained(
             Qwen2_5_VLForConditionalGeneration,
             model_dir / "text_encoder",
             device=device,
             dtype=dtype,
             num_threads=load_threads,
-        ).eval()
-        self.cache = EmbeddingCache(cache_bytes, cache_entries)
+        )
+        tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
+        super().__init__(model_id, device, tokenizer, text_encoder, cache_bytes, cache_entries)
 
     @property
     def hidden_size(self) -> int:
         return self.text_encoder.config.text_config.hidden_size
 
-    @torch.no_grad()
-    def encode_one(self, text: str, max_sequence_length: int, namespace: bytes = b"") -> tuple[torch.Tensor, bool]:
-        """Returns the [L, dim] embedding of one text (L <= max_sequence_length) and whether it was cached.
+    def embed_uncached(self, text: str, max_sequence_length: int) -> torch.Tensor:
+        """The [L, dim] embedding of one text (L <= max_sequence_length).
 
         One text per batch, as QwenImagePipeline encodes prompt and negative prompt in separate calls:
         with a batch of one there is no padding, so the numbers match the pipeline's exactly.
-        Only an entry put with the same `namespace` is a hit.
         """
-        key = (namespace, self.model_id, text, max_sequence_length)
-        cached = self.cache.get(key)
-        if cached is not None:
-            return cached, True
         tokens = self.tokenizer(
             [PROMPT_TEMPLATE.format(text)],
             max_length=TOKENIZER_MAX_LENGTH + DROP_IDX,
@@ -86,20 +77,14 @@ class QwenPromptEncoder:
         hidden = hidden[tokens.attention_mask[0].bool()][DROP_IDX:]
         # A copy of its own, so that the cache holds (and counts) these rows only, not the template's and
         # the truncated ones that share the view's storage.
-        embedding = hidden[:max_sequence_length].to(self.text_encoder.dtype).cpu().clone()
-        self.cache.put(key, embedding)
-        return embedding, False
+        return hidden[:max_sequence_length].to(self.text_encoder.dtype).cpu().clone()
 
-    def encode(
-        self, texts: list[str], max_sequence_length: int, namespace: bytes = b""
-    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """Returns embeddings [N, L, dim] zero-padded to the longest text, their mask [N, L] (int64, 1 = token)
-        and whether every text came from `namespace`'s cache."""
-        results = [self.encode_one(text, max_sequence_length, namespace) for text in texts]
-        longest = max(embedding.shape[0] for embedding, _ in results)
-        embeds = torch.zeros(len(texts), longest, self.hidden_size, dtype=results[0][0].dtype)
-        mask = torch.zeros(len(texts), longest, dtype=torch.long)
-        for i, (embedding, _) in enumerate(results):
+    def batch(self, embeddings: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """{"embeds": [N, L, dim] zero-padded to the longest text, "embeds_mask": [N, L] (int64, 1 = token)}."""
+        longest = max(embedding.shape[0] for embedding in embeddings)
+        embeds = torch.zeros(len(embeddings), longest, self.hidden_size, dtype=embeddings[0].dtype)
+        mask = torch.zeros(len(embeddings), longest, dtype=torch.long)
+        for i, embedding in enumerate(embeddings):
             embeds[i, : embedding.shape[0]] = embedding
             mask[i, : embedding.shape[0]] = 1
-        return embeds, mask, all(hit for _, hit in results)
+        return {"embeds": embeds, "embeds_mask": mask}

@@ -10,6 +10,10 @@ tensor costs nothing until its bytes come.
 Everything a peer can get wrong (unknown datatype, a shape that does not match
 the bytes, chunks out of order, a stream that stops half-way) raises
 `WireError`, which servers turn into INVALID_ARGUMENT.
+
+This module needs numpy alone: the client decodes with it. Servers hand torch
+tensors to `services.torch_wire`, which converts them to and from the arrays
+this module sends and receives.
 """
 
 from __future__ import annotations
@@ -17,14 +21,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from stagediff.v1 import tensor_pb2
-
-if TYPE_CHECKING:  # torch is imported lazily, so that clients do not pay for it
-    import torch
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 # A generous bound on one tensor, so that a forged header cannot make a server
@@ -46,18 +46,6 @@ _NUMPY_DTYPES: dict[str, np.dtype] = {
     "FP32": np.dtype("<f4"),
     "FP64": np.dtype("<f8"),
 }
-_TORCH_DTYPE_NAMES = {
-    "BOOL": "bool",
-    "UINT8": "uint8",
-    "INT8": "int8",
-    "INT16": "int16",
-    "INT32": "int32",
-    "INT64": "int64",
-    "FP16": "float16",
-    "BF16": "bfloat16",
-    "FP32": "float32",
-    "FP64": "float64",
-}
 DATATYPES = tuple(_NUMPY_DTYPES)
 
 
@@ -73,47 +61,49 @@ class WireTensor:
     datatype: str
     shape: tuple[int, ...]
     index: int
-    array: np.ndarray  # BF16 arrives as its uint16 bits; use to_torch()
-
-    def to_torch(self) -> torch.Tensor:
-        import torch
-
-        tensor = torch.from_numpy(self.array)
-        if self.datatype == "BF16":
-            tensor = tensor.view(torch.bfloat16)
-        return tensor
+    array: np.ndarray  # BF16 arrives as its uint16 bits; services.torch_wire.to_torch() reads them as bfloat16
 
 
-def _as_numpy(value: np.ndarray | torch.Tensor) -> tuple[str, np.ndarray]:
-    """Returns the datatype name and a little-endian, C-contiguous numpy view."""
-    if type(value).__module__.startswith("torch"):
-        import torch
-
-        datatype = next((k for k, v in _TORCH_DTYPE_NAMES.items() if getattr(torch, v) == value.dtype), None)
-        if datatype is None:
-            allowed = list(_TORCH_DTYPE_NAMES.values())
-            raise TypeError(f"dtype {value.dtype} cannot travel on the wire; allowed: {allowed}")
-        tensor = value.detach().cpu().contiguous()
-        if datatype == "BF16":
-            tensor = tensor.view(torch.int16)
-        return datatype, np.ascontiguousarray(tensor.numpy()).view(_NUMPY_DTYPES[datatype])
-    array = np.asarray(value)
-    for name, dtype in _NUMPY_DTYPES.items():
-        if name != "BF16" and array.dtype.kind == dtype.kind and array.dtype.itemsize == dtype.itemsize:
-            return name, np.ascontiguousarray(array, dtype=dtype)
-    raise TypeError(f"numpy dtype {array.dtype} cannot travel on the wire")
+def _wire_array(value: np.ndarray, datatype: str | None) -> tuple[str, np.ndarray]:
+    """Returns the datatype name and `value` as a little-endian, C-contiguous array."""
+    if not isinstance(value, np.ndarray):
+        raise TypeError(
+            f"encode_tensor takes a numpy array, not {type(value).__module__}.{type(value).__name__}; "
+            "torch tensors go through services.torch_wire.encode_tensor"
+        )
+    array = value
+    if datatype is None:
+        for name, dtype in _NUMPY_DTYPES.items():
+            if name != "BF16" and array.dtype.kind == dtype.kind and array.dtype.itemsize == dtype.itemsize:
+                return name, np.ascontiguousarray(array, dtype=dtype)
+        raise TypeError(f"numpy dtype {array.dtype} cannot travel on the wire")
+    dtype = _NUMPY_DTYPES.get(datatype)
+    if dtype is None:
+        raise ValueError(f"datatype '{datatype}' is not one of {', '.join(DATATYPES)}")
+    if array.dtype.kind != dtype.kind or array.dtype.itemsize != dtype.itemsize:
+        raise TypeError(f"datatype {datatype} travels as numpy {dtype}; got an array of {array.dtype}")
+    return datatype, np.ascontiguousarray(array, dtype=dtype)
 
 
 def encode_tensor(
     name: str,
-    value: np.ndarray | torch.Tensor,
+    value: np.ndarray,
     *,
     index: int = 0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    datatype: str | None = None,
 ) -> Iterator[tensor_pb2.TensorChunk]:
-    """Yields the chunks of one tensor; the first carries the header."""
-    datatype, array = _as_numpy(value)
+    """The chunks of one array; the first carries the header. A value that cannot travel raises here, at once.
+
+    The datatype follows from the array's dtype unless `datatype` names it: BF16, which numpy lacks, travels as
+    the uint16 bits of its values.
+    """
+    datatype, array = _wire_array(value, datatype)
     header = tensor_pb2.TensorHeader(name=name, datatype=datatype, shape=list(array.shape), index=index)
+    return _chunks(header, array, chunk_bytes)
+
+
+def _chunks(header: tensor_pb2.TensorHeader, array: np.ndarray, chunk_bytes: int) -> Iterator[tensor_pb2.TensorChunk]:
     data = memoryview(array.reshape(-1)).cast("B")
     total = len(data)
     offset = 0

@@ -1,0 +1,68 @@
+"""The options of `stagediff serve dit` (no torch here: `stagediff up` and the tests read them)."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.environment_options import OptionParser
+from services.stage_options import add_stage_kind_arguments, stage_parser
+
+# torchrun's defaults for the store; the control channel of a multi-node group takes the next port.
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_GROUP_PORT = 29501
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("parallelism", "the world size is cfg x ring x ulysses x tp")
+    group.add_argument("--ulysses-degree", "--usp", type=int, default=1, help="Ulysses sequence parallel degree")
+    group.add_argument("--ring-degree", "--ring", type=int, default=1, help="Ring attention degree")
+    group.add_argument("--cfg-parallel-size", type=int, default=1, choices=[1, 2], help="one rank group per branch")
+    group.add_argument("--tensor-parallel-size", type=int, default=1, help="attention heads and MLP sharded")
+    group.add_argument("--use-hsdp", action="store_true", help="shard each block's weights with FSDP2")
+    group.add_argument("--hsdp-shard-size", type=int, default=None, help="ranks a weight is sharded over")
+    group.add_argument("--hsdp-replicate-size", type=int, default=1, help="replicas of the sharded weights")
+    nodes = parser.add_argument_group(
+        "nodes",
+        "one group over several machines, as torchrun's static rendezvous: start the same command on each with "
+        "its --node-rank; node r runs ranks r*L..r*L+L-1 (L = world size / nnodes); node 0 serves the stage",
+    )
+    nodes.add_argument("--nnodes", type=int, default=1, help="machines the group spans (default 1)")
+    nodes.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1 (default 0)")
+    nodes.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (default 127.0.0.1)")
+    nodes.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help=f"torch.distributed's TCP store on node 0 (default {DEFAULT_MASTER_PORT}; on one node a free port)",
+    )
+    nodes.add_argument(
+        "--group-port",
+        type=int,
+        default=DEFAULT_GROUP_PORT,
+        help=f"node 0's control channel, which the other nodes connect to (default {DEFAULT_GROUP_PORT})",
+    )
+
+
+def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("memory", "quantization and CPU offload of the transformer(s)")
+    group.add_argument("--quantization", choices=["fp8", "int8"], default=None, help="weight-only, per output channel")
+    group.add_argument(
+        "--ignored-layers", default="", help="comma-separated linear layer names or patterns kept in full precision"
+    )
+    group.add_argument("--enable-cpu-offload", action="store_true", help="experts wait in CPU memory when not in use")
+    group.add_argument(
+        "--enable-layerwise-offload", action="store_true", help="blocks stream to the device one group at a time"
+    )
+    group.add_argument("--offload-blocks", type=int, default=1, help="blocks resident at once with layerwise offload")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_stage_kind_arguments(parser, "dit")
+    add_parallel_arguments(parser)
+    add_memory_arguments(parser)
+
+
+def build_parser() -> OptionParser:
+    parser = stage_parser("dit")
+    add_arguments(parser)
+    return parser

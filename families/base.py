@@ -1,0 +1,138 @@
+"""What a model family declares about itself, as data.
+
+A family is one kind of diffusers checkpoint (recognised by model_index.json) together with the code that
+serves it. This module holds the declarations only and imports nothing heavy, so that the orchestrator, the
+CLI and the docs can read every family's traits without loading torch. The compute of a family lives in its
+own folder and is named here by import path ("package.module:Class"); a stage imports it when it loads.
+
+What a stage asks of a family's compute (the protocols beside each stage: text_encoder_svc/encoder.py,
+dit_svc/denoise.py, vae_svc/decode.py):
+- the text encoder: `encode(texts, max_sequence_length, namespace) -> ({name: [N, ...]}, cache_hit)`;
+- the DiT: `denoise(spec, conditioning, on_step, cancelled) -> latents [1, C, T, H, W]`;
+- the VAE: `session().decode_next(latent_frame) -> uint8 frames [F, H, W, 3]`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+# Every serving feature a family may support; docs/features.md is the table of families x features.
+FEATURES = {
+    "ulysses": "Ulysses SP (`--ulysses-degree`)",
+    "ring": "Ring SP (`--ring-degree`)",
+    "cfg_parallel": "CFG-parallel (`--cfg-parallel-size 2`)",
+    "tensor_parallel": "Tensor parallel (`--tensor-parallel-size`)",
+    "hsdp": "HSDP (`--use-hsdp`)",
+    "vae_patch_parallel": "VAE patch parallel (`--vae-patch-parallel-size`)",
+    "vae_tiling": "VAE tiling (`--vae-use-tiling`)",
+    "cpu_offload": "Module-wise CPU offload (`--enable-cpu-offload`)",
+    "layerwise_offload": "Layerwise offload (`--enable-layerwise-offload`)",
+    "fp8": "FP8 weights (`--quantization fp8`)",
+    "int8": "INT8 weights (`--quantization int8`)",
+    "multithread_loading": "Multi-thread loading (`--num-weight-load-threads`)",
+    "interpolation": "Frame interpolation (`--interp-exp`)",
+}
+
+
+@dataclass(frozen=True)
+class Support:
+    """A supported cell names the tests behind it (`path::test_name`); an unsupported one says why.
+
+    An unsupported cell whose flag the stage refuses at startup names the tests of that refusal in
+    `refusal_tests`, so that a user who passes the flag anyway gets an error, never a wrong result.
+    """
+
+    tests: tuple[str, ...] = ()
+    reason: str = ""
+    refusal_tests: tuple[str, ...] = ()
+
+    @property
+    def supported(self) -> bool:
+        return bool(self.tests)
+
+    @property
+    def refused_at_startup(self) -> bool:
+        return not self.supported and bool(self.refusal_tests)
+
+    def cell(self) -> str:
+        """The table cell: "yes", or "no: " with the reason (and how the stage refuses the flag)."""
+        if self.supported:
+            return "yes"
+        return f"no: {self.reason}; refused at startup" if self.refused_at_startup else f"no: {self.reason}"
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """A conditioning tensor the DiT takes, by the name it travels under from the text encoder.
+
+    `of` names the embeddings a mask belongs to (its length must match them). `needed`: "always";
+    "cfg" (only when guidance_scale > 1); "optional".
+    """
+
+    name: str
+    kind: Literal["embeds", "mask"]
+    needed: Literal["always", "cfg", "optional"]
+    of: str | None = None
+
+    @property
+    def datatypes(self) -> tuple[str, ...]:
+        return ("FP32", "BF16", "FP16") if self.kind == "embeds" else ("INT64", "INT32", "BOOL")
+
+
+@dataclass(frozen=True)
+class RequestDefaults:
+    """Used for fields a request leaves unset; the Wan2.1 reference values unless a family says otherwise."""
+
+    height: int = 480
+    width: int = 832
+    num_frames: int = 81
+    num_inference_steps: int = 50
+    guidance_scale: float = 5.0
+    fps: float = 16.0
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    pipeline: str  # the diffusers pipeline class that is the reference for correctness
+    description: str
+    # How the registry recognises the family's checkpoints: model_index.json's `_class_name`, and the
+    # components and config entries it must name (the most specific family of a class is tried first).
+    class_name: str
+    requires: tuple[str, ...]
+    output: Literal["video", "image"]
+    # The stages a request runs through, in order. A stage in `optional_stages` runs only when the request
+    # asks for it (interpolation); a deployment may leave it out.
+    chain: tuple[str, ...]
+    optional_stages: tuple[str, ...]
+    conditioning: tuple[TensorSlot, ...]
+    defaults: RequestDefaults
+    # Import paths ("module:attribute") of the family's compute, loaded by the stage that runs it.
+    checkpoint_reader: str  # (root, model_index, configs) -> CheckpointSpec fields
+    text_encoder: str
+    denoiser: str
+    decoder: str
+    writer: str  # init-model: (family, out, preset, seed, save_kwargs) -> None
+    features: dict[str, Support] = field(default_factory=dict)
+
+    def support(self, feature: str) -> Support:
+        return self.features.get(feature, Support(reason="not implemented for this family yet"))
+
+    def refuse_unsupported(self, feature: str) -> None:
+        """Raises ValueError with the reason when the family cannot serve a feature."""
+        support = self.support(feature)
+        if not support.supported:
+            raise ValueError(f"{FEATURES[feature]} is not supported for {self.name}: {support.reason}")
+
+    def uses_stage(self, stage: str) -> bool:
+        return stage in self.chain
+
+    def required_stages(self) -> tuple[str, ...]:
+        return tuple(stage for stage in self.chain if stage not in self.optional_stages)
+
+    def load(self, part: Literal["checkpoint_reader", "text_encoder", "denoiser", "decoder", "writer"]) -> Any:
+        """The family's compute for one part, imported now (it may import torch)."""
+        module, _, attribute = getattr(self, part).partition(":")
+        return getattr(importlib.import_module(module), attribute)

@@ -1,0 +1,97 @@
+"""Qwen-Image text-to-image with true CFG (Qwen2.5-VL text encoder, QwenImageTransformer2DModel).
+
+Declarations only (no torch); the compute is beside this file: encode.py, denoise.py, parallel.py (Ulysses
+for the joint text+image attention), decode.py, checkpoint.py and init_model.py.
+"""
+
+from __future__ import annotations
+
+from families.base import Family, RequestDefaults, Support, TensorSlot
+
+_QWEN = "tests/test_family_qwen_features.py::"
+_LAYOUT_REFUSAL = "tests/test_families.py::test_qwen_dit_layout_check_refuses_ring_tensor_and_hsdp"
+_DENOISER_REFUSAL = _QWEN + "test_qwen_denoiser_refuses_ring_tensor_and_hsdp"
+_VAE_REFUSAL = (
+    "tests/test_families.py::test_qwen_vae_refuses_patch_parallel_at_startup",
+    _QWEN + "test_qwen_vae_decode_check_refuses_patch_parallel",
+)
+_QUANTIZATION = (
+    _QWEN + "test_qwen_quantized_parameter_bytes_and_ignored_layers",
+    _QWEN + "test_qwen_quantized_denoiser_stays_close",
+    _QWEN + "test_qwen_ignored_layers_are_checked_against_qwen_layer_names",
+)
+
+QWEN_IMAGE = Family(
+    name="qwen-image",
+    pipeline="QwenImagePipeline",
+    description="Qwen-Image text-to-image with true CFG (Qwen2.5-VL text encoder, QwenImageTransformer2DModel)",
+    class_name="QwenImagePipeline",
+    requires=(),
+    output="image",
+    chain=("text-encoder", "dit", "vae"),
+    optional_stages=(),
+    # Each text has its own length: the text encoder pads to the longest and sends a mask per text.
+    conditioning=(
+        TensorSlot("prompt_embeds", "embeds", "always"),
+        TensorSlot("prompt_embeds_mask", "mask", "optional", of="prompt_embeds"),
+        TensorSlot("negative_prompt_embeds", "embeds", "cfg"),
+        TensorSlot("negative_prompt_embeds_mask", "mask", "optional", of="negative_prompt_embeds"),
+    ),
+    # QwenImagePipeline's defaults: 1024x1024, 50 steps, true_cfg_scale 4.
+    defaults=RequestDefaults(height=1024, width=1024, num_frames=1, num_inference_steps=50, guidance_scale=4.0),
+    checkpoint_reader="families.qwen_image.checkpoint:read_geometry",
+    text_encoder="families.qwen_image.encode:QwenPromptEncoder",
+    denoiser="families.qwen_image.denoise:QwenImageDenoiser",
+    decoder="families.qwen_image.decode:QwenImageDecoder",
+    writer="families.qwen_image.init_model:write_checkpoint",
+    features={
+        "cfg_parallel": Support(tests=("tests/test_families.py::test_qwen_cfg_parallel_equals_pipeline",)),
+        "ulysses": Support(
+            tests=(
+                "tests/test_families.py::test_qwen_ulysses_equals_pipeline",
+                "tests/test_families.py::test_qwen_ulysses_transformer_equals_one_rank",
+            )
+        ),
+        "ring": Support(
+            reason="the joint text+image attention has a Ulysses processor only (image tokens split, text whole)",
+            refusal_tests=(
+                _LAYOUT_REFUSAL,
+                "tests/test_families.py::test_qwen_dit_refuses_ring_at_startup",
+                _DENOISER_REFUSAL,
+            ),
+        ),
+        "tensor_parallel": Support(
+            reason="the tensor-parallel plan covers WanTransformer3DModel blocks only, not QwenImage's",
+            refusal_tests=(_LAYOUT_REFUSAL, _DENOISER_REFUSAL),
+        ),
+        "hsdp": Support(
+            reason="HSDP shards WanTransformer3DModel blocks only, not QwenImage's",
+            refusal_tests=(_LAYOUT_REFUSAL, _DENOISER_REFUSAL),
+        ),
+        "vae_patch_parallel": Support(
+            reason="patch-parallel decode is implemented for the Wan VAE only; AutoencoderKLQwenImage decodes each "
+            "image whole on one device",
+            refusal_tests=_VAE_REFUSAL,
+        ),
+        "vae_tiling": Support(
+            reason="tiled decode is implemented for the Wan VAE only; AutoencoderKLQwenImage decodes each image "
+            "whole on one device",
+            refusal_tests=("tests/test_families.py::test_qwen_vae_refuses_tiling_at_startup",),
+        ),
+        "cpu_offload": Support(tests=(_QWEN + "test_qwen_module_offload_leaves_latents_unchanged",)),
+        "layerwise_offload": Support(tests=(_QWEN + "test_qwen_layerwise_offload_keeps_at_most_n_blocks_resident",)),
+        "fp8": Support(tests=_QUANTIZATION),
+        "int8": Support(tests=_QUANTIZATION),
+        "multithread_loading": Support(
+            tests=(
+                _QWEN + "test_qwen_components_load_like_from_pretrained",
+                _QWEN + "test_qwen_stages_read_weights_with_their_load_threads",
+            )
+        ),
+        "interpolation": Support(
+            reason="single images: nothing to interpolate; a request asking for it is refused with INVALID_ARGUMENT"
+        ),
+    },
+)
+
+FAMILIES = (QWEN_IMAGE,)

@@ -1,0 +1,59 @@
+"""Prompt encoding exactly as WanPipeline does it: UMT5, zero past each text, padded to a fixed length."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from transformers import AutoTokenizer, UMT5EncoderModel
+
+from services.weights import load_pretrained
+from text_encoder_svc.encoder import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES, PromptEncoder
+
+
+class WanPromptEncoder(PromptEncoder):
+    """UMT5 prompt encoder with WanPipeline's tokenization, truncation and zero padding."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        model_id: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        cache_entries: int = DEFAULT_CACHE_ENTRIES,
+        load_threads: int = 4,
+    ) -> None:
+        model_dir = Path(model_dir)
+        text_encoder = load_pretrained(
+            UMT5EncoderModel, model_dir / "text_encoder", device=device, dtype=dtype, num_threads=load_threads
+        )
+        tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
+        super().__init__(model_id, device, tokenizer, text_encoder, cache_bytes, cache_entries)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_encoder.config.d_model
+
+    def embed_uncached(self, text: str, max_sequence_length: int) -> torch.Tensor:
+        """The [max_sequence_length, dim] embedding of one text: zero past the text, as WanPipeline makes it."""
+        inputs = self.tokenizer(
+            [prompt_clean(text)],
+            padding="max_length",
+            max_length=max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        mask = inputs.attention_mask
+        length = int(mask.gt(0).sum())
+        hidden = self.text_encoder(inputs.input_ids.to(self.device), mask.to(self.device)).last_hidden_state[0]
+        embedding = torch.zeros_like(hidden)
+        embedding[:length] = hidden[:length]
+        return embedding.cpu()
+
+    def batch(self, embeddings: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """{"embeds": [N, max_sequence_length, dim]}: every text has the same length."""
+        return {"embeds": torch.stack(embeddings)}

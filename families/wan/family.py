@@ -1,0 +1,137 @@
+"""Wan text-to-video: Wan2.1 (`wan-t2v`) and Wan2.2 A14B, two experts switched at a boundary timestep.
+
+Declarations only (no torch); the compute is beside this file: encode.py (UMT5), denoise.py (the loop,
+one or two experts), parallel.py (the parallel plan), decode.py (the streaming causal VAE), checkpoint.py
+and init_model.py.
+"""
+
+from __future__ import annotations
+
+from families.base import Family, RequestDefaults, Support, TensorSlot
+
+CHAIN = ("text-encoder", "dit", "vae", "interp")
+CONDITIONING = (
+    TensorSlot("prompt_embeds", "embeds", "always"),
+    TensorSlot("negative_prompt_embeds", "embeds", "cfg"),
+)
+_COMPUTE = {
+    "checkpoint_reader": "families.wan.checkpoint:read_geometry",
+    "text_encoder": "families.wan.encode:WanPromptEncoder",
+    "denoiser": "families.wan.denoise:WanDenoiser",
+    "decoder": "families.wan.decode:WanStreamingDecoder",
+    "writer": "families.wan.init_model:write_checkpoint",
+}
+
+_WAN_TESTS = {
+    "ulysses": (
+        "tests/test_dit_parallel.py::test_parallel_latents_equal_one_rank",
+        "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline",
+    ),
+    "ring": (
+        "tests/test_dit_parallel.py::test_parallel_latents_equal_one_rank",
+        "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline",
+    ),
+    "cfg_parallel": (
+        "tests/test_dit_parallel.py::test_parallel_latents_equal_one_rank",
+        "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline",
+    ),
+    "tensor_parallel": (
+        "tests/test_tensor_parallel_hsdp.py::test_tensor_parallel_2_matches_single_rank",
+        "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline",
+    ),
+    "hsdp": (
+        "tests/test_tensor_parallel_hsdp.py::test_hsdp_shard_2_matches_single_rank_and_halves_parameters",
+        "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline",
+    ),
+    "vae_patch_parallel": (
+        "tests/test_vae_patch_parallel.py::test_patch_parallel_equals_untiled_decode",
+        "tests/test_e2e_vae_interp.py::test_patch_parallel_vae_frames_equal_wan_pipeline",
+    ),
+    "vae_tiling": (
+        "tests/test_vae_patch_parallel.py::test_tiled_session_equals_diffusers_tiled_decode",
+        "tests/test_e2e_vae_interp.py::test_tiled_vae_is_close_but_approximate",
+    ),
+    "interpolation": (
+        "tests/test_e2e_parity.py::test_interpolation_keeps_originals_in_place",
+        "tests/test_e2e_vae_interp.py::test_learned_interpolator_through_the_cluster",
+    ),
+    "cpu_offload": (
+        "tests/test_offload.py::test_transformer_output_unchanged",
+        "tests/test_e2e_memory.py::test_offload_leaves_frames_equal_to_wan_pipeline",
+    ),
+    "layerwise_offload": (
+        "tests/test_offload.py::test_layerwise_keeps_at_most_n_blocks_resident",
+        "tests/test_e2e_memory.py::test_offload_leaves_frames_equal_to_wan_pipeline",
+    ),
+    "fp8": (
+        "tests/test_quantization.py::test_parameter_bytes_at_most_55_percent_of_bf16",
+        "tests/test_e2e_memory.py::test_quantized_dit_serves_close_frames_and_halves_weights",
+    ),
+    "int8": (
+        "tests/test_quantization.py::test_parameter_bytes_at_most_55_percent_of_bf16",
+        "tests/test_e2e_memory.py::test_quantized_dit_serves_close_frames_and_halves_weights",
+    ),
+    "multithread_loading": (
+        "tests/test_weights.py::test_matches_from_pretrained",
+        "tests/test_e2e_parity.py::test_cluster_frames_equal_wan_pipeline",
+    ),
+}
+_A14B_E2E = "tests/test_families.py::test_a14b_parallel_dit_equals_wan_pipeline"
+_A14B = "tests/test_family_a14b_features.py::"
+
+WAN_T2V = Family(
+    name="wan-t2v",
+    pipeline="WanPipeline",
+    description="Wan2.1 text-to-video (UMT5 text encoder, WanTransformer3DModel, AutoencoderKLWan)",
+    class_name="WanPipeline",
+    requires=(),
+    output="video",
+    chain=CHAIN,
+    optional_stages=("interp",),
+    conditioning=CONDITIONING,
+    defaults=RequestDefaults(),
+    features={name: Support(tests=tests) for name, tests in _WAN_TESTS.items()},
+    **_COMPUTE,
+)
+
+WAN22_A14B = Family(
+    name="wan2.2-a14b",
+    pipeline="WanPipeline (transformer_2, boundary_ratio)",
+    description="Wan2.2 A14B text-to-video: two expert transformers switched at a boundary timestep",
+    class_name="WanPipeline",
+    requires=("transformer_2", "boundary_ratio"),
+    output="video",
+    chain=CHAIN,
+    optional_stages=("interp",),
+    conditioning=CONDITIONING,
+    defaults=RequestDefaults(),
+    features={
+        "ulysses": Support(tests=(_A14B_E2E,)),
+        "ring": Support(tests=(_A14B + "test_a14b_ring_latents_equal_one_rank",)),
+        "cfg_parallel": Support(tests=(_A14B_E2E,)),
+        "tensor_parallel": Support(tests=(_A14B + "test_a14b_tensor_parallel_latents_equal_one_rank",)),
+        "hsdp": Support(tests=(_A14B + "test_a14b_hsdp_latents_equal_one_rank_and_halve_each_expert",)),
+        "vae_patch_parallel": Support(tests=(_A14B + "test_a14b_patch_parallel_vae_equals_whole_decode",)),
+        # The same AutoencoderKLWan as Wan2.1, decoded by the same session.
+        "vae_tiling": Support(tests=_WAN_TESTS["vae_tiling"]),
+        "cpu_offload": Support(
+            tests=(
+                "tests/test_offload.py::test_module_offload_keeps_one_expert_resident",
+                _A14B + "test_a14b_module_offload_keeps_one_expert_resident",
+            )
+        ),
+        "layerwise_offload": Support(tests=(_A14B + "test_a14b_layerwise_offload_keeps_n_blocks_per_expert",)),
+        "fp8": Support(tests=(_A14B + "test_a14b_quantized_experts_halve_bytes_and_stay_close",)),
+        "int8": Support(tests=(_A14B + "test_a14b_quantized_experts_halve_bytes_and_stay_close",)),
+        "multithread_loading": Support(
+            tests=(
+                _A14B + "test_a14b_experts_load_like_from_pretrained",
+                "tests/test_families.py::test_a14b_cluster_equals_wan_pipeline",
+            )
+        ),
+        "interpolation": Support(tests=(_A14B + "test_a14b_interpolation_keeps_decoded_frames_in_place",)),
+    },
+    **_COMPUTE,
+)
+
+FAMILIES = (WAN_T2V, WAN22_A14B)

@@ -1,0 +1,150 @@
+"""The options of `stagediff serve orchestrator` (no torch here: `stagediff up` and the tests read them).
+
+One endpoint flag per stage kind (services/stage_table.py), each optional: a cluster runs the stages its
+model's chain uses (families/), so a deployment of an image model has no interpolator to name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from services.auth import add_cluster_secret_argument, add_stage_tls_arguments, add_tls_arguments
+from services.environment_options import OptionParser
+from services.logging_setup import add_logging_arguments
+from services.metrics import add_metrics_arguments
+from services.orchestrator.sizes import MinFree, parse_size
+from services.orchestrator.stage_clients import PROBE_INTERVAL_S, REPLICA_WAIT_S
+from services.server import add_server_arguments
+from services.stage_table import STAGES
+
+DEFAULT_PORT = 50051
+# Every queued job may hold a Generate stream open: the default leaves room for a full queue
+# (--max-queued-jobs 256) and as many watchers and unary calls again.
+MAX_CONCURRENT_RPCS = 1024
+# How long a job whose Generate stream was lost (not cancelled by the client) keeps running, waiting for the
+# client's retry to attach again with the same request id.
+DEFAULT_DETACH_GRACE_S = 60.0
+DEFAULT_STATE_DIR = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "stagediff"
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _min_free(text: str) -> MinFree:
+    try:
+        return MinFree.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_stage_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--<stage> HOST:PORT[,HOST:PORT...]` for every stage kind."""
+    group = parser.add_argument_group("stages", "the replicas of each stage the served model's chain uses")
+    for name, stage in STAGES.items():
+        group.add_argument(
+            f"--{name}",
+            default=None,
+            metavar="HOST:PORT[,HOST:PORT...]",
+            help=f"endpoints of the {name} stage's replicas, comma-separated ({stage.summary})",
+        )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_server_arguments(parser, default_max_rpcs=MAX_CONCURRENT_RPCS)
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    add_stage_endpoint_arguments(parser)
+    parser.add_argument("--max-running-jobs", type=int, default=4, help="jobs in flight across the stages")
+    parser.add_argument("--max-queued-jobs", type=int, default=256, help="jobs waiting, all tenants together")
+    parser.add_argument(
+        "--stage-retries",
+        type=int,
+        default=1,
+        help="retries of a stage that is UNAVAILABLE with no other serving replica "
+        "(failing over to another serving replica spends none)",
+    )
+    parser.add_argument(
+        "--detach-grace",
+        type=float,
+        default=DEFAULT_DETACH_GRACE_S,
+        metavar="SECONDS",
+        help="how long a job with a request id keeps running after its Generate stream is lost, waiting for "
+        "the client to attach again (0: cancel at once; an explicit CancelJob always does; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--health-interval",
+        type=float,
+        default=PROBE_INTERVAL_S,
+        help="seconds between health probes of every stage replica (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--replica-wait",
+        type=float,
+        default=REPLICA_WAIT_S,
+        help="seconds a call waits for a replica of its stage to serve again before failing (default: %(default)s)",
+    )
+    parser.add_argument("--tenants", metavar="FILE", help="tenants YAML (API keys, priorities, quotas); default: open")
+    parser.add_argument(
+        "--state-dir",
+        default=str(DEFAULT_STATE_DIR),
+        help="where job records (SQLite) and results live, so that a restart loses no job (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-kept-jobs",
+        type=int,
+        default=1000,
+        help="finished jobs (and their results) each tenant keeps, unless its max_kept_jobs quota says otherwise; "
+        "its oldest go first (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-stored-bytes-per-tenant",
+        type=_size,
+        default="20GiB",
+        metavar="SIZE",
+        help="bytes of results and intermediates each tenant keeps in --state-dir, unless its max_stored_bytes "
+        "quota says otherwise (e.g. 20GiB, 500MiB; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--job-retention",
+        type=float,
+        default=86400.0,
+        metavar="SECONDS",
+        help="seconds a finished job and its result are kept (0: no age limit; default: %(default)s, one day)",
+    )
+    parser.add_argument(
+        "--min-free-bytes",
+        type=_min_free,
+        default="1GiB",
+        metavar="SIZE|PERCENT",
+        help="space kept free on the --state-dir volume: below it new jobs are refused with RESOURCE_EXHAUSTED "
+        "(e.g. 1GiB, 5%%; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-job-attempts", type=int, default=3, help="restarts of a job interrupted by orchestrator restarts"
+    )
+    parser.add_argument("--log-level", default="INFO")
+    add_logging_arguments(parser)
+    add_metrics_arguments(parser)
+    add_tls_arguments(parser)
+    add_stage_tls_arguments(parser)
+    add_cluster_secret_argument(parser)
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="start anyway without a cluster secret, or with --tenants on a non-loopback --host without TLS "
+        "(default: refuse)",
+    )
+
+
+def build_parser() -> OptionParser:
+    parser = OptionParser(
+        prog="stagediff serve orchestrator",
+        description="The orchestrator: the public Generation API of a StageDiff cluster, in front of its stages.",
+    )
+    add_arguments(parser)
+    return parser

@@ -1,0 +1,422 @@
+"""The compose topology as local processes: started in depends_on order, watched, stopped in reverse.
+
+A service's environment is its env files and `environment`, as in a container: STAGEDIFF_* option variables
+of the calling shell do not leak in. Every process gets the same cluster secret. A service is up once it
+answers SERVING on grpc.health.v1.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from families.base import Family
+from families.registry import REGISTRY, family_for_index
+from stagediff.local.compose import (
+    DEFAULT_COMPOSE_FILE,
+    ComposeService,
+    for_chain,
+    load_compose,
+    replica_groups,
+    start_order,
+    with_replicas,
+)
+from stagediff.local.launch import (
+    LaunchSpec,
+    connect_host,
+    format_endpoint,
+    free_ports,
+    gpu_environment,
+    host_path,
+    rewrite_command,
+)
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+CLUSTER_SECRET_ENV = "STAGEDIFF_CLUSTER_SECRET"  # read by every service (services/auth.py)
+CLUSTER_SECRET_FILE_ENV = "STAGEDIFF_CLUSTER_SECRET_FILE"  # --cluster-secret-file, from the environment
+OPTION_ENV_PREFIX = "STAGEDIFF_"  # every `stagediff serve` option can come from the environment
+MODEL_MOUNT = "/models/model"
+HEALTH_POLL_SECONDS = 0.25
+LOG_TAIL_LINES = 40
+
+
+# ---------------------------------------------------------------------------
+# Health
+# ---------------------------------------------------------------------------
+
+
+def is_serving(endpoint: str, timeout: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> bool:
+    """One grpc.health.v1 check of the whole server (service name ""), over TLS when given `credentials`."""
+    try:
+        with (
+            grpc.secure_channel(endpoint, credentials) if credentials is not None else grpc.insecure_channel(endpoint)
+        ) as channel:
+            request = health_pb2.HealthCheckRequest(service="")
+            response = health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout)
+    except grpc.RpcError:
+        return False
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def wait_for_serving(endpoint: str, timeout: float, credentials: grpc.ChannelCredentials | None = None) -> None:
+    """Waits until `endpoint` answers SERVING on grpc.health.v1 (over TLS with `credentials`); TimeoutError
+    otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"{endpoint} was not SERVING within {timeout:.0f}s")
+        if is_serving(endpoint, timeout=min(1.0, remaining), credentials=credentials):
+            return
+        time.sleep(min(HEALTH_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+
+
+# ---------------------------------------------------------------------------
+# The cluster
+# ---------------------------------------------------------------------------
+
+
+def checkpoint_family(model_dir: Path) -> Family:
+    """The family of the checkpoint in `model_dir` (its model_index.json), which decides the stages to run."""
+    index_file = model_dir / "model_index.json"
+    try:
+        index = json.loads(index_file.read_text())
+    except OSError as error:
+        raise ValueError(f"--model {model_dir}: {error.strerror or error} reading model_index.json") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--model {model_dir}: model_index.json is not valid JSON ({error})") from None
+    family = family_for_index(index) if isinstance(index, dict) else None
+    if family is None:
+        pipeline = index.get("_class_name") if isinstance(index, dict) else None
+        raise ValueError(
+            f"--model {model_dir}: model_index.json names the pipeline {pipeline!r}, which this build does not "
+            f"serve; it serves {', '.join(REGISTRY)}"
+        )
+    return family
+
+
+@dataclass
+class ServiceProcess:
+    """A started service."""
+
+    name: str
+    args: list[str]
+    port: int
+    endpoint: str
+    log_path: Path
+    process: subprocess.Popen[bytes]
+    _log_file: IO[bytes] | None = field(default=None, repr=False)
+    _echo_thread: threading.Thread | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _cluster_secret_of(services: dict[str, ComposeService]) -> str | None:
+    """The secret the services read from a secret file (STAGEDIFF_CLUSTER_SECRET_FILE), if the file says one.
+
+    Each service then reads that file, which wins over the STAGEDIFF_CLUSTER_SECRET this cluster also
+    sets; the cluster's own calls (health checks, tests) must present the same secret."""
+    for service in services.values():
+        container_file = service.environment.get(CLUSTER_SECRET_FILE_ENV)
+        if container_file is None:
+            continue
+        file = Path(host_path(container_file, service.volumes))
+        if file.is_file():
+            return file.read_text().strip()
+    return None
+
+
+class LocalCluster:
+    """The compose topology as local processes, started in depends_on order and stopped in reverse.
+
+    Usable as a context manager: `with LocalCluster(model_dir) as cluster: Client(cluster.endpoint)`.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        compose_file: str | os.PathLike[str] = DEFAULT_COMPOSE_FILE,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        extra_args: dict[str, list[str]] | None = None,
+        threads_per_stage: int | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
+        env: dict[str, str] | None = None,
+        echo_logs: bool = False,
+        replicas: dict[str, int] | None = None,
+        state_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """Runs the services of `compose_file` that the chain of the model's family uses (families/): a Wan
+        model runs the interpolator when the file has one, an image model never does.
+
+        `extra_args` go to the named service, or to every replica when it names a stage;
+        `replicas` sets how many processes a stage runs (`{"dit": 2}`). `state_dir` holds the
+        orchestrator's job store (default: a new temporary directory, so clusters never share one).
+        Every process gets the same cluster secret: $STAGEDIFF_CLUSTER_SECRET, else a new random one."""
+        self.model_dir = Path(model_dir).resolve()
+        self.compose_file = Path(compose_file).resolve()
+        self.port = port
+        self.host = host
+        self.extra_args = {name: list(args) for name, args in (extra_args or {}).items()}
+        self.threads_per_stage = threads_per_stage
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.env = dict(env or {})
+        self.echo_logs = echo_logs
+        self.state_dir = Path(state_dir) if state_dir is not None else Path(tempfile.mkdtemp(prefix="stagediff-state-"))
+        self.family = checkpoint_family(self.model_dir)
+        services = for_chain(load_compose(self.compose_file, {**os.environ, **self.env}), self.family)
+        self.compose = with_replicas(services, replicas or {})
+        self.cluster_secret = (
+            _cluster_secret_of(self.compose)
+            or self.env.get(CLUSTER_SECRET_ENV)
+            or os.environ.get(CLUSTER_SECRET_ENV)
+            or secrets.token_urlsafe(32)
+        )
+        self.stage_of = {name: stage for stage, names in replica_groups(self.compose).items() for name in names}
+        unknown = set(self.extra_args) - set(self.compose)
+        if unknown:
+            raise ValueError(
+                f"options for {', '.join(sorted(unknown))}, which this cluster does not run: it runs the services of "
+                f"{self.compose_file} that {self.family.name} uses ({', '.join(self.compose)})"
+            )
+        self._services: dict[str, ServiceProcess] = {}
+        self._plans: dict[str, LaunchSpec] = {}
+        self._lock = threading.Lock()
+
+    # -- planning -------------------------------------------------------
+
+    def plan(self, local_ports: dict[str, int] | None = None) -> dict[str, LaunchSpec]:
+        """Every service's local command, in start order; free ports are picked unless given."""
+        order = start_order(self.compose)
+        entry = next(name for name, service in self.compose.items() if service.is_entry)
+        ports = dict(local_ports or {})
+        if entry not in ports and self.port:
+            ports[entry] = self.port
+        missing = [name for name in order if name not in ports]
+        ports.update(zip(missing, free_ports(len(missing), self.host, exclude=ports.values()), strict=True))
+
+        plans: dict[str, LaunchSpec] = {}
+        for name in order:
+            service = self.compose[name]
+            path_map = [
+                (str(self.model_dir) if target == MODEL_MOUNT else source, target) for source, target in service.volumes
+            ]
+            args = rewrite_command(service, host=self.host, local_ports=ports, services=self.compose, path_map=path_map)
+            if self.threads_per_stage and not service.is_entry:
+                args += ["--threads", str(self.threads_per_stage)]
+            stage = self.stage_of.get(name, name)
+            if stage != name:
+                args += self.extra_args.get(stage, [])
+            # Fixed metrics ports of the compose file would collide between local clusters: off unless asked for.
+            args = ["0" if index > 0 and args[index - 1] == "--metrics-port" else arg for index, arg in enumerate(args)]
+            if service.is_entry:
+                args += ["--state-dir", str(self.state_dir)]
+            args += self.extra_args.get(name, [])
+            for secret, file in service.secret_files:
+                if not Path(file).is_file():
+                    raise ValueError(
+                        f"{name}: secret {secret!r} reads {file}, which does not exist "
+                        "(create it, or set STAGEDIFF_SECRETS_DIR to the directory holding the secrets)"
+                    )
+            environment = {key: host_path(value, path_map) for key, value in service.environment.items()}
+            plans[name] = LaunchSpec(
+                name=name,
+                args=args,
+                environment={**environment, **gpu_environment(service), CLUSTER_SECRET_ENV: self.cluster_secret},
+                port=ports[name],
+                endpoint=format_endpoint(connect_host(self.host), ports[name]),
+                waits_for=[dep for dep, condition in service.depends_on.items() if condition == "service_healthy"],
+            )
+        return plans
+
+    # -- lifecycle ------------------------------------------------------
+
+    @property
+    def services(self) -> dict[str, ServiceProcess]:
+        return dict(self._services)
+
+    @property
+    def endpoint(self) -> str:
+        """host:port of the orchestrator."""
+        for name, service in self._services.items():
+            if self.compose[name].is_entry:
+                return service.endpoint
+        raise RuntimeError("the cluster is not started")
+
+    def start(self, timeout: float = 600.0, on_started: Callable[[ServiceProcess], None] | None = None) -> LocalCluster:
+        """Starts every service and returns once each answers SERVING; on failure stops them all."""
+        if self._services:
+            raise RuntimeError("the cluster is already started")
+        deadline = time.monotonic() + timeout
+        if self.log_dir is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix="stagediff-cluster-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)
+        try:
+            plans = self._plans = self.plan()
+            for plan in plans.values():
+                self._wait_healthy(plan.waits_for, deadline, timeout)
+                started = self._spawn(plan)
+                if on_started is not None:
+                    on_started(started)
+            self._wait_healthy(list(plans), deadline, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def replicas(self, stage: str) -> list[str]:
+        """The services that run `stage` (`dit`, `dit-2`, ...)."""
+        return [name for name, of in self.stage_of.items() if of == stage]
+
+    def kill(self, name: str, signum: int = signal.SIGKILL) -> None:
+        """Sends `signum` to a service (its whole session, so ranks it spawned go too) and waits for it to exit."""
+        service = self._services[name]
+        _signal(service.process, signum, group=True)
+        service.process.wait()
+
+    def restart(self, name: str, timeout: float = 300.0) -> ServiceProcess:
+        """Starts an exited service again with the same command and port; returns once it is SERVING."""
+        with self._lock:
+            old = self._services[name]
+        if old.process.poll() is None:
+            raise RuntimeError(f"{name} (pid {old.pid}) is still running; stop or kill it first")
+        _close_log(old)
+        service = self._spawn(self._plans[name], log_mode="ab")
+        self._wait_healthy([name], time.monotonic() + timeout, timeout)
+        return service
+
+    def _spawn(self, plan: LaunchSpec, log_mode: str = "wb") -> ServiceProcess:
+        assert self.log_dir is not None
+        log_path = self.log_dir / f"{plan.name}.log"
+        # As in a container, a service's options come from the compose file alone: STAGEDIFF_* variables
+        # of this shell would set options of every service (services/environment_options.py).
+        inherited = {key: value for key, value in os.environ.items() if not key.startswith(OPTION_ENV_PREFIX)}
+        environment = {**inherited, **plan.environment, **self.env}
+        # Children import stagediff from the same tree as this process, whatever their cwd.
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), environment.get("PYTHONPATH")]))
+        log_file = log_path.open(log_mode)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "stagediff.cli", *plan.args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if self.echo_logs else log_file,
+            stderr=subprocess.STDOUT,
+            env=environment,
+            start_new_session=True,
+        )
+        service = ServiceProcess(plan.name, plan.args, plan.port, plan.endpoint, log_path, process, log_file)
+        if self.echo_logs:
+            service._echo_thread = threading.Thread(
+                target=_echo, args=(process.stdout, log_file, f"[{plan.name}] "), name=f"log-{plan.name}", daemon=True
+            )
+            service._echo_thread.start()
+        with self._lock:
+            self._services[plan.name] = service
+        return service
+
+    def _wait_healthy(self, names: list[str], deadline: float, timeout: float) -> None:
+        pending = list(names)
+        while pending:
+            for name in list(pending):
+                service = self._services[name]
+                code = service.process.poll()
+                if code is not None:
+                    raise RuntimeError(
+                        f"{name} exited with code {code} before it was SERVING; "
+                        f"last lines of {service.log_path}:\n{service.log_tail()}"
+                    )
+                remaining = deadline - time.monotonic()
+                if remaining > 0 and is_serving(service.endpoint, timeout=min(1.0, remaining)):
+                    pending.remove(name)
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                service = self._services[pending[0]]
+                raise RuntimeError(
+                    f"{service.name} was not SERVING within {timeout:.0f}s (also waiting for: {pending[1:]}); "
+                    f"last lines of {service.log_path}:\n{service.log_tail()}"
+                )
+            time.sleep(HEALTH_POLL_SECONDS)
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM in reverse start order, a service only after everything that depends on it has
+        exited (so a draining orchestrator can still finish its jobs), and SIGKILL whatever is
+        still running `grace` seconds after its SIGTERM. Idempotent."""
+        with self._lock:
+            remaining = list(reversed(self._services.values()))
+        while remaining:
+            names = {service.name for service in remaining}
+            needed = {dep for service in remaining for dep in self.compose[service.name].depends_on} & names
+            wave = [service for service in remaining if service.name not in needed]
+            for service in wave:
+                if service.process.poll() is None:
+                    _signal(service.process, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            for service in wave:
+                try:
+                    service.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    # The whole session, so that ranks a stage spawned go too.
+                    _signal(service.process, signal.SIGKILL, group=True)
+                    service.process.wait()
+            remaining = [service for service in remaining if service not in wave]
+        for service in self._services.values():
+            _close_log(service)
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> LocalCluster:
+        return self if self._services else self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _close_log(service: ServiceProcess) -> None:
+    if service._echo_thread is not None:
+        service._echo_thread.join(timeout=5.0)
+    if service._log_file is not None and not service._log_file.closed:
+        service._log_file.close()
+
+
+def _signal(process: subprocess.Popen[bytes], signum: int, group: bool = False) -> None:
+    try:
+        if group:
+            os.killpg(process.pid, signum)
+        else:
+            process.send_signal(signum)
+    except ProcessLookupError:
+        pass
+
+
+def _echo(stream: IO[bytes], log_file: IO[bytes], prefix: str) -> None:
+    """Copies a child's output into its log file and, prefixed, onto our stderr."""
+    for line in iter(stream.readline, b""):
+        log_file.write(line)
+        log_file.flush()
+        sys.stderr.write(prefix + line.decode(errors="replace"))
+        sys.stderr.flush()
+    stream.close()

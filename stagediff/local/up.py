@@ -1,0 +1,188 @@
+"""`stagediff up`: runs a compose file's services as local processes until SIGINT or SIGTERM.
+
+It prints `started NAME pid=N endpoint=HOST:PORT` for each service, `ready HOST:PORT` once every one is
+SERVING, and `exited NAME code=N` for a service that ends. `--model DIR` is mounted where the compose file
+mounts the model (/models/model), and decides the stages: those of its family's chain (families/).
+
+The stage options `up` takes (FORWARDED_OPTIONS) are declared by the stages themselves: each is found in
+the one `stagediff serve` parser that declares it (its names, type, choices and help come from there) and
+passed to that stage's processes, over what the compose file's environment says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from services.environment_options import Declaration, declared_options
+from services.orchestrator.options import DEFAULT_PORT, DEFAULT_STATE_DIR
+from services.stage_table import SERVE_TARGETS
+from stagediff.local.compose import DEFAULT_COMPOSE_FILE
+from stagediff.local.supervisor import LocalCluster, ServiceProcess
+
+# Stage options `stagediff up` passes on, each to the stage whose parser declares it.
+FORWARDED_OPTIONS = (
+    "--embedding-cache-bytes",
+    "--embedding-cache-size",
+    "--ulysses-degree",
+    "--ring-degree",
+    "--cfg-parallel-size",
+    "--tensor-parallel-size",
+    "--use-hsdp",
+    "--hsdp-shard-size",
+    "--hsdp-replicate-size",
+    "--quantization",
+    "--ignored-layers",
+    "--enable-cpu-offload",
+    "--enable-layerwise-offload",
+    "--offload-blocks",
+    "--vae-patch-parallel-size",
+    "--vae-use-tiling",
+    "--vae-tile-sample-min-height",
+    "--vae-tile-sample-min-width",
+    "--vae-tile-sample-stride-height",
+    "--vae-tile-sample-stride-width",
+    "--interp-model-path",
+)
+
+
+def forwarded_options() -> dict[str, tuple[str, Declaration]]:
+    """Each forwarded option -> (the serve target it goes to, its declaration there). An option that no
+    parser declares, or that several do, is a mistake in FORWARDED_OPTIONS: ValueError naming it."""
+    declared = {target: declared_options(target) for target in SERVE_TARGETS}
+    forwarded = {}
+    for option in FORWARDED_OPTIONS:
+        targets = [target for target, options in declared.items() if option in options]
+        if len(targets) != 1:
+            raise ValueError(f"`stagediff up {option}` must be declared by exactly one serve target, not {targets}")
+        forwarded[option] = (targets[0], declared[targets[0]][option])
+    return forwarded
+
+
+def parse_replicas(text: str) -> dict[str, int]:
+    """`text-encoder=1,dit=2` -> {"text-encoder": 1, "dit": 2}."""
+    counts: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        stage, equals, count = item.partition("=")
+        if not equals or not count.strip().isdigit() or int(count) < 1:
+            raise argparse.ArgumentTypeError(f"{item!r}: use STAGE=COUNT with COUNT >= 1, e.g. dit=2")
+        counts[stage.strip()] = int(count)
+    return counts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    up = argparse.ArgumentParser(
+        prog="stagediff up",
+        description="Starts the services of a compose file that the model's chain uses as local processes, and "
+        "prints 'ready HOST:PORT' once all are SERVING; SIGINT or SIGTERM stops them.",
+    )
+    up.add_argument("--model", required=True, help="diffusers checkpoint directory (mounted at /models/model)")
+    up.add_argument("--port", type=int, default=DEFAULT_PORT, help="orchestrator port (0: a free port)")
+    up.add_argument("-f", "--file", default=str(DEFAULT_COMPOSE_FILE), help="compose file (default: %(default)s)")
+    up.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    up.add_argument("--threads-per-stage", type=int, default=None, help="torch intra-op threads of each stage")
+    up.add_argument("--log-dir", default=None, help="where SERVICE.log files go (default: a new temporary directory)")
+    up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds until every service is SERVING")
+    up.add_argument("--echo-logs", action="store_true", help="also copy every service's log to stderr")
+    up.add_argument(
+        "--replicas",
+        type=parse_replicas,
+        default=None,
+        metavar="STAGE=N[,STAGE=N...]",
+        help="processes per stage, e.g. text-encoder=1,dit=2,vae=2,interp=1 (default: the compose file's "
+        "services; `<stage>-N` services are replicas of `<stage>`)",
+    )
+    up.add_argument(
+        "--state-dir",
+        default=str(DEFAULT_STATE_DIR),
+        help="the orchestrator's job store: jobs and results survive restarts of `up` (default: %(default)s)",
+    )
+    up.add_argument("--tenants", metavar="FILE", help="tenants YAML for the orchestrator (default: open, no keys)")
+    groups = {}
+    for target, declaration in forwarded_options().values():
+        if target not in groups:
+            groups[target] = up.add_argument_group(f"{target} options", f"passed to the {target} stage")
+        options = {key: value for key, value in declaration.options.items() if key not in ("default", "required")}
+        if "help" in options:  # the stage's default, since here an option left out is not passed at all
+            options["help"] = options["help"].replace("%(default)s", str(declaration.options.get("default")))
+        groups[target].add_argument(*declaration.names, default=None, **options)
+    return up
+
+
+def stage_flags(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The stage options given to `stagediff up`, grouped by the service they go to."""
+    extra: dict[str, list[str]] = {}
+    if args.tenants:
+        extra["orchestrator"] = ["--tenants", str(Path(args.tenants).resolve())]
+    for option, (target, _) in forwarded_options().items():
+        value = getattr(args, option.lstrip("-").replace("-", "_"))
+        if value is None or value is False:
+            continue
+        extra.setdefault(target, []).extend([option] if value is True else [option, str(value)])
+    return extra
+
+
+class _Shutdown(Exception):
+    """SIGINT or SIGTERM reached `stagediff up`."""
+
+
+def _raise_shutdown(signum: int, frame: object) -> None:
+    raise _Shutdown(signum)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cluster = LocalCluster(
+            args.model,
+            compose_file=args.file,
+            port=args.port,
+            host=args.host,
+            extra_args=stage_flags(args),
+            threads_per_stage=args.threads_per_stage,
+            log_dir=args.log_dir,
+            echo_logs=args.echo_logs,
+            replicas=args.replicas,
+            state_dir=args.state_dir,
+        )
+    except (OSError, ValueError, yaml.YAMLError) as error:
+        print(f"stagediff up: {error}", file=sys.stderr, flush=True)
+        return 2
+
+    def started(service: ServiceProcess) -> None:
+        print(f"started {service.name} pid={service.pid} endpoint={service.endpoint}", flush=True)
+
+    previous = {sig: signal.signal(sig, _raise_shutdown) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            cluster.start(timeout=args.startup_timeout, on_started=started)
+        except RuntimeError as error:
+            print(f"stagediff up: {error}", file=sys.stderr, flush=True)
+            return 1
+        print(f"logs in {cluster.log_dir}", file=sys.stderr, flush=True)
+        print(f"ready {cluster.endpoint}", flush=True)
+        exited: set[str] = set()
+        while True:
+            for name, service in cluster.services.items():
+                code = service.process.poll()
+                if code is not None and name not in exited:
+                    exited.add(name)
+                    print(f"exited {name} code={code}", flush=True)
+            time.sleep(0.5)
+    except _Shutdown:
+        return 0
+    finally:
+        # A second signal must not interrupt the stop itself; stop is bounded by its grace period.
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)
+        cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def main(argv: list[str]) -> int:
+    return run(build_parser().parse_args(argv))
