@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 
 import torch
@@ -83,7 +84,7 @@ class EmbeddingCache:
         return len(self._entries)
 
 
-class PromptEncoder:
+class PromptEncoder(ABC):
     """A family's text encoder with the cache in front of it.
 
     A family subclasses it with `embed_uncached(text, max_sequence_length) -> [L, dim]` (one text, exactly
@@ -106,11 +107,13 @@ class PromptEncoder:
         self.text_encoder = text_encoder.eval()
         self.cache = EmbeddingCache(cache_bytes, cache_entries)
 
+    @abstractmethod
     def embed_uncached(self, text: str, max_sequence_length: int) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} must define embed_uncached")
+        """One text's embedding, exactly as the family's pipeline encodes it."""
 
+    @abstractmethod
     def batch(self, embeddings: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        raise NotImplementedError(f"{type(self).__name__} must define batch")
+        """The tensors the stage sends for the request's texts, batched over them."""
 
     @torch.no_grad()
     def encode_one(self, text: str, max_sequence_length: int, namespace: bytes = b"") -> tuple[torch.Tensor, bool]:

@@ -8,6 +8,7 @@ called once per latent frame as the frames arrive from the DiT.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import ClassVar, Protocol
 
@@ -22,7 +23,7 @@ class DecodeSession(Protocol):
     def decode_next(self, latent_frame: torch.Tensor) -> torch.Tensor: ...
 
 
-class LatentDecoder:
+class LatentDecoder(ABC):
     """A family's VAE, its weights read with the stage's --num-weight-load-threads."""
 
     vae_class: ClassVar[type[torch.nn.Module]]
@@ -38,8 +39,9 @@ class LatentDecoder:
         # The pipelines divide by 1/std rather than multiplying by std; do the same for identical rounding.
         self.latents_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1)
 
+    @abstractmethod
     def session(self) -> DecodeSession:
-        raise NotImplementedError(f"{type(self).__name__} must define session")
+        """One request's decode."""
 
 
 def denormalize_latents(latents: torch.Tensor, latents_mean: torch.Tensor, latents_std: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ answers SERVING on grpc.health.v1.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import secrets
@@ -403,13 +404,11 @@ def _close_log(service: ServiceProcess) -> None:
 
 
 def _signal(process: subprocess.Popen[bytes], signum: int, group: bool = False) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # it has exited already
         if group:
             os.killpg(process.pid, signum)
         else:
             process.send_signal(signum)
-    except ProcessLookupError:
-        pass
 
 
 def _echo(stream: IO[bytes], log_file: IO[bytes], prefix: str) -> None:
