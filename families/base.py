@@ -116,6 +116,9 @@ class Family:
     decoder: str
     writer: str  # init-model: (family, out, preset, seed, save_kwargs) -> None
     features: dict[str, Support] = field(default_factory=dict)
+    # init-model presets with trained weights shipped in the package, copied rather than written:
+    # preset name -> "package:directory" of a checkpoint inside that package.
+    trained_presets: dict[str, str] = field(default_factory=dict)
 
     def support(self, feature: str) -> Support:
         return self.features.get(feature, Support(reason="not implemented for this family yet"))

@@ -23,9 +23,11 @@ build its parser) stays cheap.
 from __future__ import annotations
 
 import contextlib
+import importlib.resources
 import json
 import logging
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +43,9 @@ logger = logging.getLogger(__name__)
 # Every family has a table entry for each preset: "tiny" runs a request in well under a second on one CPU
 # thread (for tests), "small" is sized for benchmarks.
 PRESETS = ("tiny", "small")
+# Presets with trained weights that some family ships (`Family.trained_presets`): copied, not written.
+TRAINED_PRESETS = tuple(sorted({preset for family in FAMILIES.values() for preset in family.trained_presets}))
+ALL_PRESETS = PRESETS + TRAINED_PRESETS
 
 
 def init_model(
@@ -53,12 +58,21 @@ def init_model(
     """Write a random-weight `family` checkpoint of size `preset` to `out_dir` and return its path.
 
     The same seed gives byte-identical weight files. `shard_size` (bytes) splits large weight files
-    into shards, as big real checkpoints are.
+    into shards, as big real checkpoints are. A trained preset of the family (`Family.trained_presets`)
+    is copied to `out_dir` instead; seed and shard_size do not apply to it.
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; allowed: {', '.join(FAMILY_NAMES)}")
+    trained = FAMILIES[family].trained_presets
+    if preset in trained:
+        if seed != 0 or shard_size is not None:
+            raise ValueError(
+                f"preset {preset!r} is trained weights, copied as they are: seed and shard size do not apply"
+            )
+        return copy_trained_checkpoint(trained[preset], Path(out_dir))
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; allowed: {', '.join(PRESETS)}")
+        allowed = ", ".join((*PRESETS, *trained))
+        raise ValueError(f"unknown preset {preset!r} for {family}; allowed: {allowed}")
     import torch
 
     write_checkpoint = FAMILIES[family].load("writer")
@@ -69,6 +83,23 @@ def init_model(
     with torch.random.fork_rng(devices=[]), _default_dtype(torch.float32):
         write_checkpoint(FAMILIES[family], out, preset, seed, save_kwargs)
     logger.info("checkpoint written to %s", out)
+    return out
+
+
+def trained_checkpoint_path(location: str) -> Path:
+    """The directory of a trained preset, "package:directory" (Family.trained_presets), where it is installed."""
+    package, _, directory = location.partition(":")
+    path = Path(str(importlib.resources.files(package) / directory))
+    if not (path / "model_index.json").is_file():
+        raise FileNotFoundError(f"the trained checkpoint {location} is not installed at {path}")
+    return path
+
+
+def copy_trained_checkpoint(location: str, out: Path) -> Path:
+    """Copies a trained preset's checkpoint to `out` (merged into it if it exists) and returns `out`."""
+    source = trained_checkpoint_path(location)
+    logger.info("copying the trained checkpoint %s to %s", source, out)
+    shutil.copytree(source, out, dirs_exist_ok=True)
     return out
 
 

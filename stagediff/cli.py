@@ -36,26 +36,41 @@ def _up(argv: list[str]) -> int:
 def _init_model(argv: list[str]) -> int:
     import logging
 
-    from families.init_model import PRESETS, init_model
-    from families.registry import FAMILY_NAMES
+    from families.init_model import ALL_PRESETS, PRESETS, init_model
+    from families.registry import FAMILIES, FAMILY_NAMES
 
+    trained = "; ".join(
+        f"{preset}: trained weights for {family.name}"
+        for family in FAMILIES.values()
+        for preset in family.trained_presets
+    )
     parser = argparse.ArgumentParser(
         prog="stagediff init-model",
-        description="Writes a random-weight diffusers checkpoint with the real classes, config keys and a tokenizer.",
+        description="Writes a random-weight diffusers checkpoint with the real classes, config keys and a tokenizer, "
+        "or copies a trained one.",
     )
     parser.add_argument("--family", required=True, choices=FAMILY_NAMES)
-    parser.add_argument("--preset", required=True, choices=PRESETS)
+    parser.add_argument(
+        "--preset",
+        required=True,
+        choices=ALL_PRESETS,
+        help=f"{', '.join(PRESETS)}: random weights for every family; {trained}",
+    )
     parser.add_argument("--out", required=True, help="directory to write the checkpoint to")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(init_model(args.family, args.preset, args.out, seed=args.seed))
+    try:
+        print(init_model(args.family, args.preset, args.out, seed=args.seed))
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 
 # name -> (help, handler of the arguments after the name)
 SERVER_COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
-    "init-model": ("write a random-weight checkpoint with the real classes", _init_model),
+    "init-model": ("write a random-weight checkpoint with the real classes, or copy a trained one", _init_model),
     "up": ("run the docker-compose topology as local processes", _up),
     "serve": ("run one service: the orchestrator or a stage (`stagediff serve` lists them)", _serve),
 }

@@ -38,9 +38,17 @@ class WanPromptEncoder(PromptEncoder):
 
     def embed_uncached(self, text: str, max_sequence_length: int) -> torch.Tensor:
         """The [max_sequence_length, dim] embedding of one text: zero past the text, as WanPipeline makes it."""
+        return self.embed_many([text], max_sequence_length)[0]
+
+    def embed_many(self, texts: list[str], max_sequence_length: int, pad_to_longest: bool = False) -> torch.Tensor:
+        """[N, max_sequence_length, dim]: each text as `embed_uncached` embeds it, in one batch.
+
+        With `pad_to_longest` the encoder runs on the longest text's length only, and the result is
+        [N, longest, dim]: the same values (the encoder masks padding out), for much less work on short texts.
+        """
         inputs = self.tokenizer(
-            [prompt_clean(text)],
-            padding="max_length",
+            [prompt_clean(text) for text in texts],
+            padding="longest" if pad_to_longest else "max_length",
             max_length=max_sequence_length,
             truncation=True,
             add_special_tokens=True,
@@ -48,11 +56,8 @@ class WanPromptEncoder(PromptEncoder):
             return_tensors="pt",
         )
         mask = inputs.attention_mask
-        length = int(mask.gt(0).sum())
-        hidden = self.text_encoder(inputs.input_ids.to(self.device), mask.to(self.device)).last_hidden_state[0]
-        embedding = torch.zeros_like(hidden)
-        embedding[:length] = hidden[:length]
-        return embedding.cpu()
+        hidden = self.text_encoder(inputs.input_ids.to(self.device), mask.to(self.device)).last_hidden_state
+        return (hidden * mask.to(hidden.device, hidden.dtype).unsqueeze(-1)).cpu()
 
     def batch(self, embeddings: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """{"embeds": [N, max_sequence_length, dim]}: every text has the same length."""

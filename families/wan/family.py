@@ -91,6 +91,8 @@ WAN_T2V = Family(
     conditioning=CONDITIONING,
     defaults=RequestDefaults(),
     features={name: Support(tests=tests) for name, tests in _WAN_TESTS.items()},
+    # A Wan2.1-layout model trained on the shape world (shapeworld/demo_model.py): it draws what its prompts say.
+    trained_presets={"demo": "shapeworld:checkpoint"},
     **_COMPUTE,
 )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import string
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -250,8 +251,10 @@ def build_scheduler() -> Any:
     return UniPCMultistepScheduler(**SCHEDULER_CONFIG)
 
 
-def build_tokenizer(vocab_size: int, corpus_sentences: int, corpus_names: int) -> Any:
-    """A T5-style (sentencepiece Unigram) tokenizer trained on the built-in corpus.
+def build_tokenizer(
+    vocab_size: int, corpus_sentences: int, corpus_names: int, extra_lines: Sequence[str] = ()
+) -> Any:
+    """A T5-style (sentencepiece Unigram) tokenizer trained on the built-in corpus and `extra_lines`.
 
     Like UMT5's: <pad>=0, </s>=1, <unk>=2; NFKC normalisation with runs of whitespace collapsed;
     Metaspace pre-tokenisation ("▁" marks a word start); "</s>" appended to every sequence.
@@ -270,7 +273,8 @@ def build_tokenizer(vocab_size: int, corpus_sentences: int, corpus_names: int) -
         show_progress=False,
     )
     trained = _with_t5_pipeline(Tokenizer(models.Unigram()))
-    trained.train_from_iterator(training_corpus(corpus_sentences, corpus_names), trainer=trainer)
+    corpus = [*training_corpus(corpus_sentences, corpus_names), *extra_lines]
+    trained.train_from_iterator(corpus, trainer=trainer)
     vocab = _canonical_vocab(json.loads(trained.to_str())["model"]["vocab"])
 
     unk_id = SPECIAL_TOKENS.index("<unk>")

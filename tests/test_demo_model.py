@@ -1,0 +1,160 @@
+"""The trained demo model: the committed checkpoint loads unchanged in diffusers, `init-model --preset demo`
+copies it, the cluster serves it frame for frame as diffusers does, and the training script runs end to end."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from families.init_model import init_model
+from shapeworld.demo_model import CHECKPOINT, DEFAULT_REQUEST, FLOW_SHIFT
+from shapeworld.score import ATTRIBUTES, read_video, score
+from shapeworld.world import HELD_OUT_TEMPLATES, Concept, parse_prompt
+from tests.conftest import THREADS_PER_STAGE, reference_frames
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A seen prompt, a held-out phrasing and a held-out combination ("green square moving left" is never shown in
+# training); the seeds are fixed, so the videos are too.
+PROMPTS = (
+    ("a red circle moving right on a dark background", 7),
+    (Concept("triangle", "yellow", "growing", "gray").prompt(HELD_OUT_TEMPLATES[0]), 3),
+    ("green square moving left, light background", 1),
+)
+
+
+@pytest.fixture(scope="module")
+def demo_pipeline():
+    from diffusers import WanPipeline
+
+    pipeline = WanPipeline.from_pretrained(CHECKPOINT)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+def diffusers_frames(pipeline, prompt: str, seed: int) -> np.ndarray:
+    """WanPipeline's uint8 frames at the model's default request (stagediff.json), the empty negative prompt."""
+    return reference_frames(
+        pipeline,
+        prompt=prompt,
+        negative_prompt="",
+        height=DEFAULT_REQUEST["height"],
+        width=DEFAULT_REQUEST["width"],
+        num_frames=DEFAULT_REQUEST["num_frames"],
+        steps=DEFAULT_REQUEST["num_inference_steps"],
+        guidance=DEFAULT_REQUEST["guidance_scale"],
+        seed=seed,
+    )
+
+
+def test_committed_checkpoint_is_a_plain_wan_checkpoint(demo_pipeline) -> None:
+    from diffusers import AutoencoderKLWan
+
+    index = json.loads((CHECKPOINT / "model_index.json").read_text())
+    assert index["_class_name"] == "WanPipeline"
+    for name in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"):
+        assert type(getattr(demo_pipeline, name)).__name__ == index[name][1]
+    assert demo_pipeline.scheduler.config.flow_shift == FLOW_SHIFT
+    # The latent statistics are the trained autoencoder's own, not the class defaults.
+    signature = inspect.signature(AutoencoderKLWan.__init__).parameters
+    assert demo_pipeline.vae.config.latents_mean != signature["latents_mean"].default
+    assert all(std > 0 for std in demo_pipeline.vae.config.latents_std)
+    record = json.loads((CHECKPOINT / "training.json").read_text())
+    assert record["command"].startswith("python scripts/train_demo_model.py") and record["seed"] == 0
+    weights = sum(path.stat().st_size for path in CHECKPOINT.rglob("*.safetensors"))
+    assert weights < 16 * 2**20, f"the committed weights are {weights} bytes"
+
+
+def test_diffusers_video_is_read_by_the_quality_check(demo_pipeline) -> None:
+    """The committed model's video through diffusers is read (it does not yet meet the quality target: the
+    fractions it gets right are in BENCHMARKS.md, measured by bench/demo_quality.py, not asserted here)."""
+    prompt, seed = PROMPTS[0]
+    frames = diffusers_frames(demo_pipeline, prompt, seed)
+    assert frames.shape == (DEFAULT_REQUEST["num_frames"], DEFAULT_REQUEST["height"], DEFAULT_REQUEST["width"], 3)
+    reading = read_video(frames)
+    assert set(score(reading, parse_prompt(prompt))) == set(ATTRIBUTES)
+    # Not noise: neighbouring pixels differ by about 2 levels on average here (85 in uniform noise).
+    assert np.abs(np.diff(frames.astype(int), axis=2)).mean() < 10
+
+
+def test_init_model_demo_preset_copies_the_checkpoint(tmp_path: Path) -> None:
+    out = init_model("wan-t2v", "demo", tmp_path / "demo")
+    for path in CHECKPOINT.rglob("*"):
+        if path.is_file():
+            assert (out / path.relative_to(CHECKPOINT)).read_bytes() == path.read_bytes(), path
+    with pytest.raises(ValueError, match="unknown preset 'demo' for qwen-image; allowed: tiny, small"):
+        init_model("qwen-image", "demo", tmp_path / "qwen")
+    with pytest.raises(ValueError, match="trained weights"):
+        init_model("wan-t2v", "demo", tmp_path / "seeded", seed=3)
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stagediff.cli",
+            "init-model",
+            "--family",
+            "qwen-image",
+            "--preset",
+            "demo",
+            "--out",
+            str(tmp_path / "q"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert cli.returncode == 2 and "allowed: tiny, small" in cli.stderr
+
+
+@pytest.mark.e2e
+def test_cluster_serves_the_demo_model_as_diffusers_does(demo_pipeline, tmp_path: Path) -> None:
+    from stagediff.client import Client
+    from stagediff.local.supervisor import LocalCluster
+
+    cluster = LocalCluster(CHECKPOINT, threads_per_stage=THREADS_PER_STAGE, log_dir=tmp_path / "logs")
+    with cluster, Client(cluster.endpoint) as client:
+        results = [(prompt, seed, client.generate(prompt, seed=seed).frames) for prompt, seed in PROMPTS]
+    for _, _, frames in results:
+        assert frames.shape == (DEFAULT_REQUEST["num_frames"], DEFAULT_REQUEST["height"], DEFAULT_REQUEST["width"], 3)
+    # And the cluster's frames are diffusers' frames (its defaults are the model's: stagediff.json).
+    prompt, seed, frames = results[1]
+    expected = diffusers_frames(demo_pipeline, prompt, seed)
+    assert np.abs(frames.astype(int) - expected.astype(int)).max() <= 1
+
+
+def test_training_script_runs_every_phase_and_writes_a_loadable_checkpoint(tmp_path: Path) -> None:
+    from diffusers import WanPipeline
+
+    out = tmp_path / "quick"
+    run = subprocess.run(
+        [sys.executable, "scripts/train_demo_model.py", "--out", str(out), "--quick", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    phases = {json.loads(line)["phase"] for line in (out / "training_log.jsonl").read_text().splitlines()}
+    assert phases == {"vae", "dit"}
+    record = json.loads((out / "training.json").read_text())
+    assert set(record["final_losses"]) == {"vae", "dit"} and record["command"].endswith("--quick --threads 1")
+    assert all(np.isfinite(value) for value in record["final_losses"]["vae"].values())
+    pipeline = WanPipeline.from_pretrained(out)
+    pipeline.set_progress_bar_config(disable=True)
+    frames = pipeline(
+        prompt="a red circle moving right on a dark background",
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=2,
+        generator=torch.Generator("cpu").manual_seed(0),
+        output_type="np",
+    ).frames
+    assert frames.shape == (1, 5, 32, 32, 3) and np.isfinite(frames).all()
