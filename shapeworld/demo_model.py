@@ -35,7 +35,7 @@ import torch
 
 from families.init_model import save_component, save_tokenizer, write_default_request, write_model_index
 from families.registry import family_named
-from families.wan.init_model import COMPONENT_CLASSES, build_tokenizer
+from families.wan.init_model import COMPONENT_CLASSES, TRANSFORMER_CONFIGS, build_tokenizer
 from shapeworld.train_dit import DitSchedule, PromptBank, encode_scenes, train_dit, training_prompts
 from shapeworld.train_vae import VaeSchedule, train_vae
 from shapeworld.world import training_concepts
@@ -61,20 +61,9 @@ TEXT_ENCODER: dict[str, Any] = dict(
     decoder_start_token_id=0,
 )
 
-# WanTransformer3DModel: 128 wide (4 heads of 32), 4 blocks.
+# WanTransformer3DModel: the tiny preset's layout, 128 wide (4 heads of 32), 4 blocks, reading 64-wide text.
 TRANSFORMER: dict[str, Any] = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=4,
-    attention_head_dim=32,
-    in_channels=16,
-    out_channels=16,
-    text_dim=64,
-    freq_dim=256,
-    ffn_dim=512,
-    num_layers=4,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    rope_max_seq_len=1024,
+    TRANSFORMER_CONFIGS["tiny"], attention_head_dim=32, text_dim=64, ffn_dim=512, num_layers=4
 )
 
 # AutoencoderKLWan in the Wan2.1 layout (8x spatial, 4x temporal), 16 channels wide at full resolution.
