@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                     **reading.as_concept_dict(),
                     "measured": {
                         "hue": reading.hue,
-                        "fill": reading.fill,
+                        "taper": reading.taper,
+                        "diagonal": reading.diagonal,
                         "travel": reading.travel,
                         "growth": reading.growth,
                         "background_level": reading.background_level,
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 "agrees": agrees,
                 "all_agree": all(agrees.values()),
-            }
+            },
+            default=lambda value: round(float(value), 4),  # the readings' numpy floats
         )
     )
     return 0 if all(agrees.values()) else 1

@@ -158,3 +158,33 @@ def test_training_script_runs_every_phase_and_writes_a_loadable_checkpoint(tmp_p
         output_type="np",
     ).frames
     assert frames.shape == (1, 5, 32, 32, 3) and np.isfinite(frames).all()
+
+
+def test_autoencoder_ceiling_benchmark_reads_renders_and_reconstructions() -> None:
+    """bench/demo_autoencoder.py: the rendered scenes read right on every attribute (else the ceiling it
+    reports would be the check's, not the autoencoder's), and every reconstruction is scored."""
+    run = subprocess.run(
+        [
+            sys.executable,
+            "bench/demo_autoencoder.py",
+            "--limit",
+            "3",
+            "--frames",
+            "9",
+            "--seeds",
+            "0",
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout)
+    assert result["rendered"] == {**{name: 1.0 for name in ATTRIBUTES}, "all": 1.0, "videos": 3}
+    assert result["reconstructed"]["videos"] == 3 and result["frames_shape"] == [9, 64, 64, 3]
+    wrong = sum(len(miss["wrong"]) for miss in result["misses"])
+    right = sum(result["reconstructed"][name] * 3 for name in ATTRIBUTES)
+    assert round(right) + wrong == 3 * len(ATTRIBUTES)
