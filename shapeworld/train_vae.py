@@ -72,8 +72,8 @@ class VaeSchedule:
         return self.image_steps + self.video_steps
 
 
-def prepare_for_training(vae: AutoencoderKLWan) -> list[torch.nn.Parameter]:
-    """Initialises `vae` as a per-frame autoencoder and returns the parameters to train (see the module doc)."""
+def prepare_for_training(vae: AutoencoderKLWan) -> None:
+    """Initialises `vae` as a per-frame autoencoder with zero biases (see the module doc); all of it trains."""
     with torch.no_grad():
         for module in vae.modules():
             if isinstance(module, autoencoder_kl_wan.WanResample) and hasattr(module, "time_conv"):
@@ -93,7 +93,6 @@ def prepare_for_training(vae: AutoencoderKLWan) -> list[torch.nn.Parameter]:
         for name, parameter in vae.named_parameters():
             if name.endswith(".bias") and name not in ("decoder.conv_out.bias", "quant_conv.bias"):
                 parameter.zero_()
-    return list(vae.parameters())
 
 
 def encode(vae: AutoencoderKLWan, video: torch.Tensor) -> torch.Tensor:
@@ -180,7 +179,8 @@ def train_vae(
     of the last 50 steps (means)."""
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
-    parameters = prepare_for_training(vae)
+    prepare_for_training(vae)
+    parameters = list(vae.parameters())
     optimizer = torch.optim.AdamW(parameters, lr=schedule.learning_rate, weight_decay=0.0)
     autocast = bf16_autocast_available()
     recent: list[dict[str, float]] = []
