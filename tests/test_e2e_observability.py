@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.request
 from pathlib import Path
 
@@ -58,6 +59,21 @@ def _json_lines(path: Path) -> list[dict]:
     return lines
 
 
+def _scrape_until_present(metrics_port: int, names: list[str], deadline_s: float = 10.0) -> str:
+    """Scrapes /metrics until every name shows, or the deadline passes (then the caller's asserts say which).
+
+    A server records a streamed call's latency when the stream closes, which can be just after the
+    client has read the last event; the other series are written before the client gets its answer.
+    """
+    deadline = time.monotonic() + deadline_s
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+            exposition = response.read().decode()
+        if all(name in exposition for name in names) or time.monotonic() > deadline:
+            return exposition
+        time.sleep(0.05)
+
+
 def test_one_trace_spans_the_client_and_every_stage_and_metrics_count_the_job(observed_cluster) -> None:
     cluster, metrics_port = observed_cluster
     parent = SpanContext(trace_id=TRACE_ID, span_id=0x00F067AA0BA902B7, is_remote=False, trace_flags=TraceFlags(1))
@@ -80,8 +96,6 @@ def test_one_trace_spans_the_client_and_every_stage_and_metrics_count_the_job(ob
     job_lines = [record for record in orchestrator if record.get("job_id") == result.job_id]
     assert job_lines and all(record.get("tenant") == "default" for record in job_lines)
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
-        exposition = response.read().decode()
     expected = [
         'stagediff_requests_total{grpc_code="OK",model="tiny",tenant="default"}',
         'stagediff_frames_generated_total{tenant="default"}',
@@ -91,6 +105,7 @@ def test_one_trace_spans_the_client_and_every_stage_and_metrics_count_the_job(ob
         "stagediff_request_queue_time_seconds_count",
         "stagediff_server_request_latency_seconds_count",
     ]
+    exposition = _scrape_until_present(metrics_port, expected)
     for name in expected:
         assert name in exposition, f"{name} missing from /metrics"
     counted = {
