@@ -1,7 +1,8 @@
 """Trains the demo model on the shape world and writes it as a diffusers checkpoint.
 
-    python scripts/train_demo_model.py --out shapeworld/checkpoint --seed 0     # the committed checkpoint
-    python scripts/train_demo_model.py --out /tmp/demo --quick                  # a few steps of every phase
+    python scripts/train_demo_model.py --out /tmp/demo --seed 0 --vae-from shapeworld/checkpoint  # the committed one
+    python scripts/train_demo_model.py --out /tmp/demo --seed 0      # every phase, the autoencoder too
+    python scripts/train_demo_model.py --out /tmp/demo --quick       # a few steps of every phase
 
 A progress bar per phase on stderr; every 25th step's losses (and every step with --quick) go to
 OUT/training_log.jsonl as they come, and OUT/training.json records the command, seed, wall time per phase
@@ -33,6 +34,11 @@ def main() -> int:
     parser.add_argument("--out", required=True, type=Path, help="directory to write the checkpoint to")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    parser.add_argument(
+        "--vae-from",
+        type=Path,
+        help="keep this checkpoint's trained autoencoder (its latent statistics recomputed), train the rest",
+    )
     parser.add_argument("--quick", action="store_true", help="a few steps of each phase (checks the script runs)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -64,6 +70,7 @@ def main() -> int:
             dit_schedule=dit_schedule,
             on_progress=on_progress,
             command=shlex.join(["python", "scripts/train_demo_model.py", *sys.argv[1:]]),
+            vae_from=args.vae_from,
         )
     print(json.dumps({"out": str(args.out), **{k: record[k] for k in ("wall_seconds", "final_losses")}}, indent=2))
     return 0

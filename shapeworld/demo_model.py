@@ -17,8 +17,10 @@ and the held-out phrasings then measure whether the DiT reads words wherever the
 encoder trained on these few templates memorised them.
 
 The committed checkpoint (`CHECKPOINT`, used by `stagediff init-model --family wan-t2v --preset demo` and
-`make demo`) was made by `python scripts/train_demo_model.py --out shapeworld/checkpoint --seed 0`; its
-training.json records the command, the seed, the wall time and the final losses.
+`make demo`) was made by `python scripts/train_demo_model.py --out DIR --seed 0 --vae-from shapeworld/checkpoint`:
+everything but the autoencoder trained again, the autoencoder kept from the first checkpoint, which was trained
+on the world's earlier, smaller objects (docs/demo_model.md says why). Its training.json records the command,
+the seed, the wall time, the final losses and, under `vae_from`, how that autoencoder was trained.
 """
 
 from __future__ import annotations
@@ -76,13 +78,16 @@ VAE: dict[str, Any] = dict(
     temperal_downsample=[False, True, True],
 )
 
-FLOW_SHIFT = 2.0
+FLOW_SHIFT = 4.0
 DEFAULT_REQUEST: dict[str, Any] = dict(height=64, width=64, num_frames=17, num_inference_steps=20, guidance_scale=5.0)
 SEQUENCE_LENGTH = 512  # WanPipeline's max_sequence_length, which the stages use too
 
 # A few steps of each phase: `--quick`, for the test that the script runs end to end.
 QUICK_VAE = VaeSchedule(image_steps=2, video_steps=2, image_batch=2, video_batch=1, whole_every=2, whole_batch=1)
 QUICK_DIT = DitSchedule(scenes=8, steps=4, batch=2, warmup_steps=2)
+
+# What training.json keeps of the run that trained an autoencoder reused with `vae_from`.
+VAE_PROVENANCE = ("command", "seed", "wall_seconds", "vae_schedule", "torch", "threads", "machine")
 
 Progress = Callable[[str, int, int, dict[str, float]], None]
 
@@ -94,8 +99,13 @@ def train(
     dit_schedule: DitSchedule | None = None,
     on_progress: Progress | None = None,
     command: str = "",
+    vae_from: Path | None = None,
 ) -> dict[str, Any]:
-    """Trains every component and writes the checkpoint to `out`; returns what training.json records."""
+    """Trains every component and writes the checkpoint to `out`; returns what training.json records.
+
+    With `vae_from` (a checkpoint directory), its trained autoencoder is kept instead of training one: only its
+    latent statistics are computed again, on this world's scenes, and its training record is carried over.
+    """
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -104,6 +114,8 @@ def train(
     vae_schedule = vae_schedule or VaeSchedule()
     dit_schedule = dit_schedule or DitSchedule()
     report = on_progress or (lambda phase, step, total, losses: None)
+    if vae_from is not None and vae_from.resolve() == out.resolve():
+        raise ValueError(f"vae_from must be another checkpoint than out ({out}): out's files are rewritten")
     out.mkdir(parents=True, exist_ok=True)
     family = family_named("wan-t2v")
     concepts = training_concepts()
@@ -119,13 +131,20 @@ def train(
     save_component(UMT5EncoderModel(config).eval(), out, "text_encoder", {})
     seconds["text_encoder"] = time.perf_counter() - started
 
-    # The autoencoder.
+    # The autoencoder: trained here, or kept from `vae_from` with the record of how it was trained.
     phase_started = time.perf_counter()
-    torch.manual_seed(seed)
-    vae = AutoencoderKLWan(**VAE)
-    vae_losses = train_vae(
-        vae, concepts, vae_schedule, seed, lambda step, losses: report("vae", step + 1, vae_schedule.steps, losses)
-    )
+    if vae_from is None:
+        torch.manual_seed(seed)
+        vae = AutoencoderKLWan(**VAE)
+        vae_losses = train_vae(
+            vae, concepts, vae_schedule, seed, lambda step, losses: report("vae", step + 1, vae_schedule.steps, losses)
+        )
+        vae_record: dict[str, Any] = {"vae_schedule": asdict(vae_schedule)}
+    else:
+        vae = AutoencoderKLWan.from_pretrained(vae_from / "vae").eval()
+        kept = json.loads((vae_from / "training.json").read_text())
+        vae_losses = kept["final_losses"]["vae"]
+        vae_record = {"vae_from": kept.get("vae_from") or {k: kept[k] for k in VAE_PROVENANCE}}
     seconds["vae"] = time.perf_counter() - phase_started
 
     # Its latents of the training scenes, and their statistics into its config.
@@ -173,7 +192,7 @@ def train(
             name: round(value, 1) for name, value in {**seconds, "total": time.perf_counter() - started}.items()
         },
         "final_losses": {"vae": vae_losses, "dit": dit_losses},
-        "vae_schedule": asdict(vae_schedule),
+        **vae_record,
         "dit_schedule": asdict(dit_schedule),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

@@ -41,7 +41,7 @@ class DitSchedule:
     scenes: int = 2000  # distinct training videos (each at both lengths)
     frames: tuple[int, ...] = (9, 17)
     size: int = 64
-    steps: int = 4000
+    steps: int = 10000
     batch: int = 32
     learning_rate: float = 1e-3
     warmup_steps: int = 100

@@ -61,10 +61,13 @@ TEXTURED = ("checkered", "striped")
 TEXTURE_PERIOD = 32 / 64
 BACKGROUND_JITTER = 8
 
-# Object size: the half-extent of its bounding box, as a fraction of the frame's shorter side.
-SIZE_RANGE = (0.18, 0.2)  # moving and still objects
+# Object size: the half-extent of its bounding box, as a fraction of the frame's shorter side. Large, because a
+# circle and a square of one size differ only at the square's corners: at 64x64 the autoencoder's latent grid
+# is 8x8, and the corners of a smaller object cover too little of a latent pixel for the small DiT to learn
+# the word that tells them apart (at 0.18-0.2 it drew one rounded square for both).
+SIZE_RANGE = (0.25, 0.27)  # moving and still objects
 GROWTH_RANGE = ((0.095, 0.105), (0.26, 0.28))  # growing: from the first range to the second; shrinking: reverse
-TRAVEL_RANGE = (0.38, 0.42)  # how far a moving object goes over the clip, as a fraction of the frame
+TRAVEL_RANGE = (0.30, 0.32)  # how far a moving object goes over the clip, as a fraction of the frame
 # Where the object is: the middle of its path lies within PLACEMENT of the frame's centre across the motion
 # (on both axes for objects that do not move) and within ALONG_PLACEMENT of it along the motion. A narrow
 # world: the demo model is small and trained in minutes, and a prompt's videos differ by a few pixels of place.
@@ -269,7 +272,7 @@ def _coverage(shape: str, x: np.ndarray, y: np.ndarray, half: float) -> np.ndarr
     if shape == "circle":
         distance = np.sqrt(x * x + y * y) - half
     elif shape == "square":
-        distance = np.maximum(np.abs(x), np.abs(y)) - 0.9 * half
+        distance = np.maximum(np.abs(x), np.abs(y)) - half
     else:  # triangle, apex up: base 2 * half at y = +half, apex at y = -half
         # Edges: the base (y = half) and the two sides through the apex (0, -half) and (+-half, half).
         side_normal = np.array([2.0, -1.0]) / np.sqrt(5.0)  # outward normal of the right side

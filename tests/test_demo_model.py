@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from families.init_model import init_model
 from shapeworld.demo_model import CHECKPOINT, DEFAULT_REQUEST, FLOW_SHIFT
@@ -72,14 +73,13 @@ def test_committed_checkpoint_is_a_plain_wan_checkpoint(demo_pipeline) -> None:
     assert weights < 16 * 2**20, f"the committed weights are {weights} bytes"
 
 
-def test_diffusers_video_is_read_by_the_quality_check(demo_pipeline) -> None:
-    """The committed model's video through diffusers is read (it does not yet meet the quality target: the
-    fractions it gets right are in BENCHMARKS.md, measured by bench/demo_quality.py, not asserted here)."""
+def test_diffusers_video_shows_what_the_prompt_says(demo_pipeline) -> None:
+    """The committed model's video through diffusers reads right on every attribute (the fractions over the
+    whole evaluation set are in BENCHMARKS.md, measured by bench/demo_quality.py)."""
     prompt, seed = PROMPTS[0]
     frames = diffusers_frames(demo_pipeline, prompt, seed)
     assert frames.shape == (DEFAULT_REQUEST["num_frames"], DEFAULT_REQUEST["height"], DEFAULT_REQUEST["width"], 3)
-    reading = read_video(frames)
-    assert set(score(reading, parse_prompt(prompt))) == set(ATTRIBUTES)
+    assert score(read_video(frames), parse_prompt(prompt)) == {name: True for name in ATTRIBUTES}
     # Not noise: neighbouring pixels differ by about 2 levels on average here (85 in uniform noise).
     assert np.abs(np.diff(frames.astype(int), axis=2)).mean() < 10
 
@@ -121,26 +121,32 @@ def test_cluster_serves_the_demo_model_as_diffusers_does(demo_pipeline, tmp_path
     cluster = LocalCluster(CHECKPOINT, threads_per_stage=THREADS_PER_STAGE, log_dir=tmp_path / "logs")
     with cluster, Client(cluster.endpoint) as client:
         results = [(prompt, seed, client.generate(prompt, seed=seed).frames) for prompt, seed in PROMPTS]
-    for _, _, frames in results:
+    for prompt, seed, frames in results:
         assert frames.shape == (DEFAULT_REQUEST["num_frames"], DEFAULT_REQUEST["height"], DEFAULT_REQUEST["width"], 3)
+        # Each video shows the object the prompt asks for. Not the background: bench/demo_quality.py reads it
+        # right in 98% of its videos, and the third prompt here (a held-out combination) leaves a dark trail
+        # behind its square that reads as texture on the light background.
+        right = score(read_video(frames), parse_prompt(prompt))
+        assert right["shape"] and right["colour"] and right["motion"], (prompt, seed, right)
     # And the cluster's frames are diffusers' frames (its defaults are the model's: stagediff.json).
     prompt, seed, frames = results[1]
     expected = diffusers_frames(demo_pipeline, prompt, seed)
     assert np.abs(frames.astype(int) - expected.astype(int)).max() <= 1
 
 
+def train_quick(*args: str) -> None:
+    """Runs scripts/train_demo_model.py with `args` and checks it succeeded."""
+    run = subprocess.run(
+        [sys.executable, "scripts/train_demo_model.py", *args], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 def test_training_script_runs_every_phase_and_writes_a_loadable_checkpoint(tmp_path: Path) -> None:
     from diffusers import WanPipeline
 
     out = tmp_path / "quick"
-    run = subprocess.run(
-        [sys.executable, "scripts/train_demo_model.py", "--out", str(out), "--quick", "--threads", "1"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    train_quick("--out", str(out), "--quick", "--threads", "1")
     phases = {json.loads(line)["phase"] for line in (out / "training_log.jsonl").read_text().splitlines()}
     assert phases == {"vae", "dit"}
     record = json.loads((out / "training.json").read_text())
@@ -158,6 +164,18 @@ def test_training_script_runs_every_phase_and_writes_a_loadable_checkpoint(tmp_p
         output_type="np",
     ).frames
     assert frames.shape == (1, 5, 32, 32, 3) and np.isfinite(frames).all()
+
+    # --vae-from keeps that autoencoder (its weights, and where it came from) and trains the rest again.
+    again = tmp_path / "again"
+    train_quick("--out", str(again), "--quick", "--vae-from", str(out))
+    phases = {json.loads(line)["phase"] for line in (again / "training_log.jsonl").read_text().splitlines()}
+    assert phases == {"dit"}
+    kept = json.loads((again / "training.json").read_text())
+    assert kept["vae_from"]["command"] == record["command"] and "vae_schedule" not in kept
+    assert kept["final_losses"]["vae"] == record["final_losses"]["vae"]
+    weights = [load_file(path / "vae" / "diffusion_pytorch_model.safetensors") for path in (out, again)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
 
 
 def test_autoencoder_ceiling_benchmark_reads_renders_and_reconstructions() -> None:
@@ -188,3 +206,11 @@ def test_autoencoder_ceiling_benchmark_reads_renders_and_reconstructions() -> No
     wrong = sum(len(miss["wrong"]) for miss in result["misses"])
     right = sum(result["reconstructed"][name] * 3 for name in ATTRIBUTES)
     assert round(right) + wrong == 3 * len(ATTRIBUTES)
+
+
+def test_training_refuses_to_reuse_the_autoencoder_of_the_checkpoint_it_overwrites(tmp_path: Path) -> None:
+    from shapeworld.demo_model import train
+
+    with pytest.raises(ValueError, match="vae_from must be another checkpoint than out"):
+        train(tmp_path / "demo", vae_from=tmp_path / "demo")
+    assert not (tmp_path / "demo").exists()
