@@ -41,6 +41,10 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true", help="a few steps of each phase (checks the script runs)")
     args = parser.parse_args()
+    if args.vae_from is not None:
+        missing = [name for name in ("vae", "training.json") if not (args.vae_from / name).exists()]
+        if missing:
+            parser.error(f"--vae-from {args.vae_from}: not a trained demo checkpoint (no {' or '.join(missing)})")
     torch.set_num_threads(args.threads)
     vae_schedule, dit_schedule = (QUICK_VAE, QUICK_DIT) if args.quick else (VaeSchedule(), DitSchedule())
     args.out.mkdir(parents=True, exist_ok=True)

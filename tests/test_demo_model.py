@@ -213,3 +213,12 @@ def test_training_refuses_to_reuse_the_autoencoder_of_the_checkpoint_it_overwrit
     with pytest.raises(ValueError, match="vae_from must be another checkpoint than out"):
         train(tmp_path / "demo", vae_from=tmp_path / "demo")
     assert not (tmp_path / "demo").exists()
+    # And the script names the flag when the directory holds no trained autoencoder.
+    run = subprocess.run(
+        [sys.executable, "scripts/train_demo_model.py", "--out", str(tmp_path / "x"), "--vae-from", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "--vae-from" in run.stderr and "no vae or training.json" in run.stderr
