@@ -141,7 +141,7 @@ def train(
         )
         vae_record: dict[str, Any] = {"vae_schedule": asdict(vae_schedule)}
     else:
-        vae = AutoencoderKLWan.from_pretrained(vae_from / "vae").eval()
+        vae = AutoencoderKLWan.from_pretrained(vae_from / "vae")  # in eval mode, as loaded
         kept = json.loads((vae_from / "training.json").read_text())
         vae_losses = kept["final_losses"]["vae"]
         vae_record = {"vae_from": kept.get("vae_from") or {k: kept[k] for k in VAE_PROVENANCE}}

@@ -133,11 +133,16 @@ def test_cluster_serves_the_demo_model_as_diffusers_does(demo_pipeline, tmp_path
     assert np.abs(frames.astype(int) - expected.astype(int)).max() <= 1
 
 
-def train_quick(*args: str) -> None:
-    """Runs scripts/train_demo_model.py with `args` and checks it succeeded."""
-    run = subprocess.run(
+def run_training_script(*args: str) -> subprocess.CompletedProcess:
+    """scripts/train_demo_model.py run with `args`, its output captured."""
+    return subprocess.run(
         [sys.executable, "scripts/train_demo_model.py", *args], capture_output=True, text=True, cwd=ROOT, timeout=300
     )
+
+
+def train_quick(*args: str) -> None:
+    """Runs scripts/train_demo_model.py with `args` and checks it succeeded."""
+    run = run_training_script(*args)
     assert run.returncode == 0, run.stderr[-3000:]
 
 
@@ -214,11 +219,5 @@ def test_training_refuses_to_reuse_the_autoencoder_of_the_checkpoint_it_overwrit
         train(tmp_path / "demo", vae_from=tmp_path / "demo")
     assert not (tmp_path / "demo").exists()
     # And the script names the flag when the directory holds no trained autoencoder.
-    run = subprocess.run(
-        [sys.executable, "scripts/train_demo_model.py", "--out", str(tmp_path / "x"), "--vae-from", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
+    run = run_training_script("--out", str(tmp_path / "x"), "--vae-from", str(tmp_path))
     assert run.returncode == 2 and "--vae-from" in run.stderr and "no vae or training.json" in run.stderr
