@@ -32,6 +32,10 @@ class DenoiseSpec:
     num_inference_steps: int
     guidance_scale: float
     seed: int
+    # Roles of the input images whose tensors condition the request (families/base.py IMAGE_ROLES), in the
+    # model's role order, and the decoded size (width, height) of each, () when the caller sent none.
+    image_roles: tuple[str, ...] = ()
+    image_sizes: tuple[tuple[int, int], ...] = ()
 
     @property
     def do_classifier_free_guidance(self) -> bool:
@@ -51,6 +55,11 @@ class Denoiser(Protocol):
     @property
     def text_dim(self) -> int:
         """The width of the embeddings the transformer takes."""
+        ...
+
+    def image_tensor_shape(self, name: str, spec: DenoiseSpec) -> tuple[int | None, ...] | None:
+        """The shape of a conditioning tensor made from the request's input images (families that take
+        images; see TensorSlot.image), None in place of a token count; None when the request cannot take it."""
         ...
 
     def denoise(

@@ -86,6 +86,9 @@ class DenoiserGroup:
     def text_dim(self) -> int:
         return self.denoiser.text_dim
 
+    def image_tensor_shape(self, name: str, spec: DenoiseSpec) -> tuple[int | None, ...] | None:
+        return self.denoiser.image_tensor_shape(name, spec)
+
     def failure(self) -> str | None:
         return self.group.failure()
 

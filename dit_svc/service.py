@@ -120,9 +120,42 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
             num_inference_steps=params.num_inference_steps,
             guidance_scale=params.guidance_scale,
             seed=params.seed,
+            **self._images(params),
         )
 
-    def _check_conditioning(self, tensor: WireTensor, received: dict[str, torch.Tensor]) -> None:
+    def _images(self, params: stages_pb2.DenoiseParams) -> dict[str, tuple]:
+        """The request's image roles and sizes, checked against the model and put in its role order."""
+        spec = self.runtime.spec
+        roles = list(params.image_roles)
+        # A role may come as many times as the model lists it (services/input_images.py).
+        repeated = any(roles.count(role) > spec.image_roles.count(role) for role in roles)
+        if len(roles) > len(spec.image_roles) or repeated:
+            raise RequestError(
+                f"image_roles: {len(roles)} roles; send each of {', '.join(spec.image_roles) or 'none'} at most "
+                "as many times as the model lists it"
+            )
+        for role in roles:
+            if role not in spec.image_roles:
+                raise RequestError(f"image_roles: '{role[:32]}' is not taken; allowed: {', '.join(spec.image_roles)}")
+        missing = [role for role in spec.required_image_roles if role not in roles]
+        if missing:
+            raise RequestError(f"image_roles: {', '.join(missing)} required by model '{spec.model_id}'")
+        sizes = [(size.width, size.height) for size in params.image_sizes]
+        if sizes and len(sizes) != len(roles):
+            raise RequestError(f"image_sizes: {len(sizes)} sizes for {len(roles)} image_roles; send one per image")
+        for index, (width, height) in enumerate(sizes):
+            if width < 1 or height < 1 or width * height > spec.max_image_pixels:
+                raise RequestError(
+                    f"image_sizes[{index}]: {width}x{height} is not allowed; at most {spec.max_image_pixels} pixels"
+                )
+        # Stable: the images of one role keep the order they were sent in, as the other stages order them.
+        order = sorted(range(len(roles)), key=lambda i: spec.image_roles.index(roles[i]))
+        return {
+            "image_roles": tuple(roles[i] for i in order),
+            "image_sizes": tuple(sizes[i] for i in order) if sizes else (),
+        }
+
+    def _check_conditioning(self, tensor: WireTensor, received: dict[str, torch.Tensor], spec: DenoiseSpec) -> None:
         """Checks a conditioning tensor against the family's slot for its name (families/base.py TensorSlot)."""
         slot = self.slots.get(tensor.name)
         if slot is None or tensor.name in received:
@@ -131,7 +164,28 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
                 "once ('prompt_embeds' always; 'negative_prompt_embeds' with guidance_scale > 1)"
             )
         max_length = self.runtime.spec.sequence_length_limit
-        expect_tensor(tensor, name=tensor.name, datatypes=slot.datatypes, ndim=3 if slot.kind == "embeds" else 2)
+        expect_tensor(tensor, name=tensor.name, datatypes=slot.datatypes, ndim=slot.ndim)
+        if slot.image:
+            # Made from the input images: the denoiser says the shape they have for this request.
+            # A None in the shape is a token count, 1..sequence_length_limit.
+            expected = self.denoiser.image_tensor_shape(tensor.name, spec) if spec.image_roles else None
+            if (
+                expected is None
+                or len(expected) != len(tensor.shape)
+                or not all(
+                    size == want if want is not None else 1 <= size <= max_length
+                    for size, want in zip(tensor.shape, expected, strict=True)
+                )
+            ):
+                allowed = (
+                    [want if want is not None else "L" for want in expected]
+                    if expected is not None
+                    else "none for this request's image_roles and image_sizes"
+                )
+                raise WireError(
+                    f"tensor '{tensor.name}': shape {list(tensor.shape)} is not allowed; expected {allowed}"
+                )
+            return
         if slot.kind == "embeds":
             batch, length, dim = tensor.shape
             if batch != 1 or not 1 <= length <= max_length or dim != self.denoiser.text_dim:
@@ -150,9 +204,10 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
     def _check_complete(self, spec: DenoiseSpec, received: dict[str, torch.Tensor]) -> None:
         """Every slot the request needs arrived, and each mask matches its embeddings' length."""
         for slot in self.slots.values():
-            needed = slot.needed == "always" or (slot.needed == "cfg" and spec.do_classifier_free_guidance)
-            if needed and slot.name not in received:
-                when = "required when guidance_scale > 1 (CFG)" if slot.needed == "cfg" else "missing"
+            if slot.is_needed(spec.do_classifier_free_guidance, bool(spec.image_roles)) and slot.name not in received:
+                when = {"cfg": "required when guidance_scale > 1 (CFG)", "image": "required with input images"}.get(
+                    slot.needed, "missing"
+                )
                 raise RequestError(f"{slot.name}: {when}; send it after params")
             if slot.of is not None and slot.name in received:
                 embeds = received.get(slot.of)
@@ -183,7 +238,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
                 tensor = assembler.feed(request.tensor)
                 if tensor is None:
                     continue
-                self._check_conditioning(tensor, received)
+                self._check_conditioning(tensor, received, spec)
                 received[tensor.name] = to_torch(tensor)
             else:
                 raise RequestError("part: each message must set params or tensor")
@@ -356,9 +411,26 @@ def model_options_from(args: argparse.Namespace) -> ModelOptions:
         if args.quantization:
             names = linear_layer_names(_meta_transformer(args.model))
             validate_quantization_flags(args.quantization, ignored, names)
+        _refuse_unsupported_options(args)
     except ValueError as error:
         raise SystemExit(f"stagediff serve dit: {error}") from None
     return ModelOptions(args.quantization, ignored, offload, args.offload_blocks)
+
+
+def _refuse_unsupported_options(args: argparse.Namespace) -> None:
+    """Refuses a memory option the checkpoint's family does not support, with the registry's reason."""
+    try:
+        family = read_checkpoint(args.model).traits
+    except CheckpointError:
+        return  # the stage itself reports what is wrong with the checkpoint
+    for used, flag, feature in (
+        (args.enable_cpu_offload, "--enable-cpu-offload", "cpu_offload"),
+        (args.enable_layerwise_offload, "--enable-layerwise-offload", "layerwise_offload"),
+        (args.quantization == "fp8", "--quantization fp8", "fp8"),
+        (args.quantization == "int8", "--quantization int8", "int8"),
+    ):
+        if used and not family.support(feature).supported:
+            raise ValueError(f"the {family.name} family does not support {flag}: {family.support(feature).reason}")
 
 
 def _meta_transformer(model: str) -> torch.nn.Module:

@@ -9,12 +9,15 @@ What a stage asks of a family's compute (the protocols beside each stage: text_e
 dit_svc/denoise.py, vae_svc/decode.py):
 - the text encoder: `encode(texts, max_sequence_length, namespace) -> ({name: [N, ...]}, cache_hit)`;
 - the DiT: `denoise(spec, conditioning, on_step, cancelled) -> latents [1, C, T, H, W]`;
-- the VAE: `session().decode_next(latent_frame) -> uint8 frames [F, H, W, 3]`.
+- the VAE: `session().decode_next(latent_frame) -> uint8 frames [F, H, W, 3]`; for a family that takes
+  input images, `image_encoder(model_dir)(decoder, images, height, width, num_frames) -> {name: tensor}`,
+  on the decoder's VAE.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -63,22 +66,83 @@ class Support:
         return f"no: {self.reason}; refused at startup" if self.refused_at_startup else f"no: {self.reason}"
 
 
+# Roles of input images (stagediff.v1.ImageRole without its prefix, lower case).
+IMAGE_ROLES = ("first_frame", "last_frame", "reference")
+
+
 @dataclass(frozen=True)
 class TensorSlot:
-    """A conditioning tensor the DiT takes, by the name it travels under from the text encoder.
+    """A conditioning tensor the DiT takes, by the name it travels under from the stage that makes it.
 
-    `of` names the embeddings a mask belongs to (its length must match them). `needed`: "always";
-    "cfg" (only when guidance_scale > 1); "optional".
+    `kind`: "embeds" [1, L, dim]; "mask" [1, L] of embeddings named by `of` (its length must match them);
+    "latents" [1, C, T, h, w]; "packed" [1, N, channels], latents packed into a token sequence (Qwen-Image's
+    2x2 patches), several images' tokens one after another. `needed`: "always"; "cfg" (only when
+    guidance_scale > 1); "image" (when the request sends input images); "optional". `source`: the stage
+    that sends it, the text encoder (which also encodes images for the families that embed them) or the
+    VAE's Encode.
     """
 
     name: str
-    kind: Literal["embeds", "mask"]
-    needed: Literal["always", "cfg", "optional"]
+    kind: Literal["embeds", "mask", "latents", "packed"]
+    needed: Literal["always", "cfg", "image", "optional"]
     of: str | None = None
+    source: Literal["text-encoder", "vae"] = "text-encoder"
+    # Made from the input images; its shape is the denoiser's `image_tensor_shape(name, spec)`.
+    image: bool = False
 
     @property
     def datatypes(self) -> tuple[str, ...]:
-        return ("FP32", "BF16", "FP16") if self.kind == "embeds" else ("INT64", "INT32", "BOOL")
+        return ("INT64", "INT32", "BOOL") if self.kind == "mask" else ("FP32", "BF16", "FP16")
+
+    @property
+    def ndim(self) -> int:
+        return {"embeds": 3, "mask": 2, "latents": 5, "packed": 3}[self.kind]
+
+    def is_needed(self, guidance: bool, images: bool) -> bool:
+        return self.needed == "always" or (self.needed == "cfg" and guidance) or (self.needed == "image" and images)
+
+
+def calculate_dimensions(area: int, width: int, height: int, multiple: int) -> tuple[int, int]:
+    """(width, height) of about `area` pixels with the aspect ratio of a `width` x `height` image, each side
+    rounded to a multiple of `multiple`: `calculate_dimensions` of diffusers' Qwen-Image edit pipelines,
+    step for step (the height from the unrounded width, Python's rounding). A side may round to 0."""
+    ratio = width / height
+    exact_width = math.sqrt(area * ratio)
+    exact_height = exact_width / ratio
+    return round(exact_width / multiple) * multiple, round(exact_height / multiple) * multiple
+
+
+@dataclass(frozen=True)
+class SizeFromImage:
+    """The output size a request leaves unset, made from one of its input images as the family's pipeline
+    makes it: `calculate_dimensions(area, image width / image height)`, sides multiples of `multiple`."""
+
+    area: int
+    multiple: int
+    # Which image, in the family's role order: 0 the first (QwenImageEditPipeline), -1 the last
+    # (QwenImageEditPlusPipeline).
+    index: int = 0
+
+    def size(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) for an input image of `width` x `height` pixels (as decoded, EXIF orientation applied)."""
+        return calculate_dimensions(self.area, width, height, self.multiple)
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """The input images a family takes: their roles (the first is what an unspecified role means) and the
+    roles a request must send. A role listed n times may be sent up to n times (the reference images of
+    Qwen-Image-Edit-Plus); every other role at most once. A checkpoint may narrow this (checkpoint.py: a
+    first-last-frame Wan model requires the last frame too)."""
+
+    roles: tuple[str, ...] = ()
+    required: tuple[str, ...] = ()
+    # The stages that see the images: the VAE (Encode) always, the text encoder where the family embeds
+    # the image itself (CLIP in Wan2.1 image-to-video, Qwen2.5-VL in Qwen-Image-Edit).
+    encoded_by: tuple[Literal["text-encoder", "vae"], ...] = ()
+    # Where the family's pipeline takes the output size from an input image when the request leaves height
+    # and width unset (None: the request defaults apply).
+    size_from: SizeFromImage | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +179,9 @@ class Family:
     denoiser: str
     decoder: str
     writer: str  # init-model: (family, out, preset, seed, save_kwargs) -> None
+    # The VAE stage's Encode of input images, for families that take them ("" for text-only families).
+    image_encoder: str = ""
+    images: ImageInputs = ImageInputs()
     features: dict[str, Support] = field(default_factory=dict)
     # init-model presets with trained weights shipped in the package, copied rather than written:
     # preset name -> "package:directory" of a checkpoint inside that package.
@@ -135,7 +202,9 @@ class Family:
     def required_stages(self) -> tuple[str, ...]:
         return tuple(stage for stage in self.chain if stage not in self.optional_stages)
 
-    def load(self, part: Literal["checkpoint_reader", "text_encoder", "denoiser", "decoder", "writer"]) -> Any:
+    def load(
+        self, part: Literal["checkpoint_reader", "text_encoder", "denoiser", "decoder", "writer", "image_encoder"]
+    ) -> Any:
         """The family's compute for one part, imported now (it may import torch)."""
         module, _, attribute = getattr(self, part).partition(":")
         return getattr(importlib.import_module(module), attribute)

@@ -19,6 +19,8 @@ from families.base import FEATURES, Family
 _FAMILY_MODULES = (
     "families.wan.family",
     "families.qwen_image.family",
+    "families.wan_i2v.family",
+    "families.qwen_image_edit.family",
 )
 
 FAMILIES: dict[str, Family] = {
@@ -54,6 +56,8 @@ def _names(index: dict, key: str) -> bool:
     entry = index.get(key)
     if isinstance(entry, list):  # a component: [library, class], class None when left out
         return len(entry) == 2 and entry[1] is not None
+    if isinstance(entry, bool):  # a switch (expand_timesteps) names the family only when on
+        return entry
     return entry is not None
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from families.base import Family, RequestDefaults
 from families.registry import REGISTRY, family_for_index, family_named
+from services.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 from stagediff.v1 import stages_pb2
 
 # Optional file written by `stagediff init-model` with the request a preset is sized for.
@@ -44,6 +45,12 @@ class CheckpointSpec:
     max_prompt_chars: int = 10_000
     # The longest embedding sequence a text encoder may be asked for and the DiT accepts.
     sequence_length_limit: int = 2048
+    # Input images: the roles the checkpoint takes and requires (its family's, unless its configs narrow
+    # them), and the bounds on what a request may send (services/images.py).
+    image_roles: tuple[str, ...] = ()
+    required_image_roles: tuple[str, ...] = ()
+    max_image_bytes: int = MAX_IMAGE_BYTES
+    max_image_pixels: int = MAX_IMAGE_PIXELS
 
     @property
     def traits(self) -> Family:
@@ -77,6 +84,11 @@ class CheckpointSpec:
             default_guidance_scale=d.guidance_scale,
             default_fps=d.fps,
             min_height=self.height_multiple,
+            image_roles=self.image_roles,
+            required_image_roles=self.required_image_roles,
+            max_images=len(self.image_roles),
+            max_image_bytes=self.max_image_bytes if self.image_roles else 0,
+            max_image_pixels=self.max_image_pixels if self.image_roles else 0,
         )
 
 
@@ -110,7 +122,11 @@ def read_checkpoint(path: str | Path, model_id: str | None = None) -> Checkpoint
     if defaults_path.exists():
         defaults = RequestDefaults(**_read_json(defaults_path).get("default_request", {}))
     # The family reads its geometry (VAE and patch factors, latent channels, its limits) from the configs.
-    geometry = family.load("checkpoint_reader")(configs)
+    geometry = {
+        "image_roles": family.images.roles,
+        "required_image_roles": family.images.required,
+        **family.load("checkpoint_reader")(configs),
+    }
     return CheckpointSpec(
         path=root,
         model_id=model_id or root.name,

@@ -20,7 +20,7 @@ import contextlib
 import os
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,10 +30,11 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stagediff._tracing import trace_context_interceptors
+from stagediff.media import ImageLike, encode_image
 from stagediff.protocol import API_KEY_ENV, JOB_FAILED_METADATA_KEY
 from stagediff.status_details import retry_after
 from stagediff.tensor_codec import TensorAssembler
-from stagediff.v1 import generation_pb2, generation_pb2_grpc
+from stagediff.v1 import generation_pb2, generation_pb2_grpc, image_pb2
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
@@ -139,11 +140,26 @@ def build_request(
     interp_scale: float = 0.0,
     interp_model_path: str = "",
     request_id: str | None = None,
+    image: ImageLike | None = None,
+    last_image: ImageLike | None = None,
+    reference_images: Sequence[ImageLike] = (),
 ) -> generation_pb2.GenerateRequest:
-    """A GenerateRequest; arguments left None take the model's defaults on the server."""
+    """A GenerateRequest; arguments left None take the model's defaults on the server.
+
+    `image` is the first frame of image-to-video (or, for an editing model, the image to edit: the
+    model's first role), `last_image` the last frame where the model takes one, `reference_images` the
+    images of a model that takes references. Each is a path, bytes, a PIL image or a uint8 array.
+    """
     request = generation_pb2.GenerateRequest(
         model=model, prompt=prompt, negative_prompt=negative_prompt, request_id=request_id or uuid.uuid4().hex
     )
+    for value, role in (
+        (image, image_pb2.IMAGE_ROLE_UNSPECIFIED),
+        (last_image, image_pb2.IMAGE_ROLE_LAST_FRAME),
+        *((reference, image_pb2.IMAGE_ROLE_REFERENCE) for reference in reference_images),
+    ):
+        if value is not None:
+            request.images.add(data=encode_image(value), role=role)
     for name, value in (
         ("height", height),
         ("width", width),

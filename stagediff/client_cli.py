@@ -51,6 +51,12 @@ def _generate(args: argparse.Namespace) -> int:
     if out.suffix not in OUTPUT_SUFFIXES:
         print(f"error: --out {out}: use one of {', '.join(OUTPUT_SUFFIXES)}", file=sys.stderr)
         return 2
+    for flag, path in (("--image", args.image), ("--last-image", args.last_image)) + tuple(
+        ("--reference-image", path) for path in args.reference_image
+    ):
+        if path is not None and not Path(path).is_file():
+            print(f"error: {flag} {path}: no such file", file=sys.stderr)
+            return 2
     started = time.perf_counter()
     try:
         with Client(args.endpoint, retry=RetryPolicy(max_attempts=args.retries + 1), **_connection(args)) as client:
@@ -68,6 +74,9 @@ def _generate(args: argparse.Namespace) -> int:
                 interp_exp=args.interp_exp,
                 interp_scale=args.interp_scale,
                 interp_model_path=args.interp_model_path,
+                image=args.image,
+                last_image=args.last_image,
+                reference_images=args.reference_image,
                 timeout=args.timeout,
                 on_progress=None if args.quiet else _print_event,
             )
@@ -131,6 +140,13 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     generate.add_argument("--interp-exp", type=int, default=0, help="frame interpolation: 2**k x the frames' rate")
     generate.add_argument("--interp-scale", type=float, default=0.0, help="RIFE flow scale: 0.25 .. 4 (0: 1)")
     generate.add_argument("--interp-model-path", default="", help="RIFE weights the cluster must be serving")
+    generate.add_argument(
+        "--image", help="input image (PNG, JPEG, WebP): the first frame of image-to-video, the image to edit"
+    )
+    generate.add_argument("--last-image", help="the last frame, for a model that takes one")
+    generate.add_argument(
+        "--reference-image", action="append", default=[], help="a reference image (repeat for several)"
+    )
     generate.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     generate.add_argument("--retries", type=int, default=3, help="retries when the cluster is unavailable")
     generate.add_argument("--quiet", action="store_true", help="no progress on stderr")

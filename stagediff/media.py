@@ -1,4 +1,5 @@
-"""Writing generated frames to files: H.264 .mp4 for watching, .png for a single image, .npz for exact comparisons.
+"""Writing generated frames to files: H.264 .mp4 for watching, .png for a single image, .npz for exact comparisons;
+and reading input images into the encoded bytes a request carries.
 
 Frames are uint8 RGB [F, H, W, 3] throughout. The .npz form is lossless and holds `frames` and `fps`; it is what
 tests and parity checks compare.
@@ -6,6 +7,7 @@ tests and parity checks compare.
 
 from __future__ import annotations
 
+import io
 import math
 from fractions import Fraction
 from pathlib import Path
@@ -165,3 +167,30 @@ def _check_fps(fps: float) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"fps: {fps!r} is not allowed; use a finite number > 0")
     return value
+
+
+# What `encode_image` takes: a file's path, its bytes, a PIL image, or a uint8 array [H, W], [H, W, 3] or [H, W, 4].
+ImageLike = str | Path | bytes | Image.Image | np.ndarray
+
+
+def encode_image(image: ImageLike) -> bytes:
+    """The encoded bytes of an input image, as a request carries them.
+
+    A file (PNG, JPEG, WebP) is sent as it is, so the server decodes exactly what is on disk; a PIL
+    image or an array is encoded losslessly as PNG. The server checks the format and size.
+    """
+    if isinstance(image, bytes):
+        return image
+    if isinstance(image, (str, Path)):
+        return Path(image).expanduser().read_bytes()
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] not in (3, 4)):
+            raise ValueError(
+                f"image: a {image.dtype} array of shape {list(image.shape)}; use uint8 [H, W], [H, W, 3] or [H, W, 4]"
+            )
+        image = Image.fromarray(image)
+    if isinstance(image, Image.Image):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return buffer.getvalue()
+    raise TypeError(f"image: {type(image).__name__} is not a path, bytes, PIL image or uint8 array")

@@ -10,13 +10,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.torch_wire import encode_tensor
 from stagediff.client import build_request
-from stagediff.v1 import generation_pb2_grpc, stages_pb2, stages_pb2_grpc, tensor_pb2
+from stagediff.media import encode_image
+from stagediff.v1 import generation_pb2_grpc, image_pb2, stages_pb2, stages_pb2_grpc, tensor_pb2
 from tests.conftest import assert_status, stage_channel
 
 pytestmark = pytest.mark.e2e
 
 STAGES = ("text-encoder", "dit", "vae", "interp")
 GOOD = dict(height=64, width=64, num_frames=9, num_inference_steps=2, guidance_scale=5.0, seed=0)
+
+
+def _png() -> bytes:
+    return encode_image(np.full((8, 8, 3), 128, dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +63,8 @@ def assert_everything_serving(channels) -> None:
         (dict(prompt="x" * 10_001), grpc.StatusCode.INVALID_ARGUMENT, ["prompt", "10001", "at most 10000"]),
         (dict(negative_prompt="x" * 20_000), grpc.StatusCode.INVALID_ARGUMENT, ["negative_prompt", "at most 10000"]),
         (dict(model="no-such-model"), grpc.StatusCode.NOT_FOUND, ["no-such-model", "available", "tiny"]),
+        # A text-only model takes no input images.
+        (dict(image=_png()), grpc.StatusCode.INVALID_ARGUMENT, ["images: 1 sent", "text only"]),
     ],
 )
 @pytest.mark.parametrize("rpc", ["Generate", "Submit"])
@@ -188,8 +195,12 @@ def _frames(shape=(2, 8, 8, 3), dtype=np.uint8):
         (lambda: _frames(), ["params", "first message"]),
         (lambda: [_interp_params(exp=9)], ["exp", "0 (pass through) to 4"]),
         (lambda: [_interp_params(scale=3.0)], ["scale", "[0.25, 0.5, 1.0, 2.0, 4.0]"]),
-        (lambda: [stages_pb2.InterpolateRequest(params=stages_pb2.InterpolateParams(exp=1, model_path="/etc/passwd"))],
-         ["model_path", "/etc/passwd", "not served", "optical flow"]),
+        (
+            lambda: [
+                stages_pb2.InterpolateRequest(params=stages_pb2.InterpolateParams(exp=1, model_path="/etc/passwd"))
+            ],
+            ["model_path", "/etc/passwd", "not served", "optical flow"],
+        ),
         (lambda: [_interp_params(), *_frames(dtype=np.float32)], ["frames", "FP32", "UINT8"]),
         (lambda: [_interp_params(), *_frames(shape=(2, 8, 8, 4))], ["frames", "[n >= 1, H, W, 3]"]),
         (lambda: [_interp_params(), *_frames(), *_frames(shape=(1, 8, 6, 3))], ["frames of [8, 6, 3]"]),
@@ -210,6 +221,10 @@ def test_interp_refuses_malformed_input(channels, messages, words) -> None:
         (stages_pb2.EncodeRequest(texts=["a"], model="other"), ["model", "other"]),
         (stages_pb2.EncodeRequest(texts=["x" * 10_001]), ["texts[0]", "at most 10000"]),
         (stages_pb2.EncodeRequest(texts=["a"], max_sequence_length=100_000), ["max_sequence_length"]),
+        (
+            stages_pb2.EncodeRequest(texts=["a"], images=[image_pb2.InputImage(data=_png())]),
+            ["images", "does not see input images"],
+        ),
     ],
 )
 def test_text_encoder_refuses_bad_requests(channels, request_, words) -> None:
@@ -217,6 +232,15 @@ def test_text_encoder_refuses_bad_requests(channels, request_, words) -> None:
     with pytest.raises(grpc.RpcError) as raised:
         list(stub.Encode(request_, timeout=30))
     assert_status(raised.value, grpc.StatusCode.INVALID_ARGUMENT, *words)
+    assert_everything_serving(channels)
+
+
+def test_vae_encode_refuses_images_for_a_text_only_model(channels) -> None:
+    stub = stages_pb2_grpc.VaeDecoderStub(channels["vae"])
+    request = stages_pb2.VaeEncodeRequest(height=64, width=64, num_frames=5, images=[image_pb2.InputImage(data=_png())])
+    with pytest.raises(grpc.RpcError) as raised:
+        list(stub.Encode(request, timeout=30))
+    assert_status(raised.value, grpc.StatusCode.INVALID_ARGUMENT, "images", "takes no input images")
     assert_everything_serving(channels)
 
 

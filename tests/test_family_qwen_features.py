@@ -1,4 +1,4 @@
-"""Qwen-Image: memory features and multi-thread loading on the Qwen components, and the parallel methods it refuses.
+"""Qwen-Image: memory features and multi-thread loading on the Qwen components.
 
 Offload and quantization run through the Qwen denoiser the DiT stage serves (QwenImageDenoiser with the
 stage's ModelOptions) on the tiny checkpoint; loading compares `services.weights.load_pretrained` with each
@@ -19,7 +19,6 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from dit_svc.denoise import DenoiseSpec, make_denoiser
 from dit_svc.model_options import ModelOptions
 from dit_svc.offload import ModuleOffloader, ResidencyCounter, apply_offload, group_offload_units
-from dit_svc.parallel import ParallelConfig, ParallelConfigError
 from dit_svc.quantization import (
     expected_storage_dtype,
     linear_layer_names,
@@ -31,7 +30,6 @@ from families.init_model import init_model
 from families.qwen_image.decode import QwenImageDecoder
 from families.qwen_image.denoise import QwenImageDenoiser, QwenTextEmbeds
 from families.qwen_image.encode import QwenPromptEncoder
-from families.qwen_image.family import QWEN_IMAGE
 from services.weights import load_pretrained, load_stats
 
 CPU = torch.device("cpu")
@@ -280,44 +278,3 @@ def test_qwen_stages_read_weights_with_their_load_threads(qwen_model: Path, qwen
     expected, mask = qwen_pipeline.encode_prompt("a red fox in the snow", device=CPU)
     assert not cached and mask is None  # one text alone: no padding, as the pipeline leaves it
     assert torch.equal(embedding, expected[0])
-
-
-# ------------------------------------------------------------------------------------------- refused
-
-
-@pytest.mark.parametrize(
-    ("config", "flag", "feature"),
-    [
-        (ParallelConfig(ring_degree=2), "--ring-degree", "ring"),
-        (ParallelConfig(ulysses_degree=2, ring_degree=2), "--ring-degree", "ring"),
-        (ParallelConfig(tp_degree=2), "--tensor-parallel-size", "tensor_parallel"),
-        (ParallelConfig(use_hsdp=True, hsdp_shard_size=2), "--use-hsdp", "hsdp"),
-    ],
-)
-def test_qwen_denoiser_refuses_ring_tensor_and_hsdp(tmp_path: Path, config, flag: str, feature: str) -> None:
-    """Every rank of a DiT group refuses the layout with the registry's reason, before reading any weight."""
-    with pytest.raises(ParallelConfigError) as raised:
-        QwenImageDenoiser(tmp_path / "no-checkpoint-here", CPU, torch.float32, parallel=config)
-    message = str(raised.value)
-    print(message)
-    assert f"does not support {flag}" in message and QWEN_IMAGE.support(feature).reason in message, message
-    assert "--ulysses-degree N" in message and "--cfg-parallel-size 2" in message, message
-
-
-def test_qwen_vae_decode_check_refuses_patch_parallel(qwen_model: Path, tiny_model: Path) -> None:
-    from services.stage_options import add_stage_arguments
-    from vae_svc.options import add_decode_arguments
-    from vae_svc.service import check_decode_arguments
-
-    parser = argparse.ArgumentParser()
-    add_stage_arguments(parser, default_port=0)
-    add_decode_arguments(parser)
-    with pytest.raises(SystemExit) as raised:
-        check_decode_arguments(parser.parse_args(["--model", str(qwen_model), "--vae-patch-parallel-size", "2"]))
-    message = str(raised.value)
-    reason = QWEN_IMAGE.support("vae_patch_parallel").reason
-    assert "the qwen-image family does not support --vae-patch-parallel-size: " + reason in message, message
-    assert "Wan VAE only" in reason and "whole on one device" in reason, reason
-    # The same flag is accepted for a Wan checkpoint, and a Qwen-Image VAE stage without it starts.
-    check_decode_arguments(parser.parse_args(["--model", str(tiny_model), "--vae-patch-parallel-size", "2"]))
-    check_decode_arguments(parser.parse_args(["--model", str(qwen_model)]))

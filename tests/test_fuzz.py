@@ -49,7 +49,7 @@ from stagediff import Client
 from stagediff.local.supervisor import LocalCluster
 from stagediff.status_details import retry_after
 from stagediff.tensor_codec import DATATYPES, TensorAssembler, encode_tensor
-from stagediff.v1 import generation_pb2, generation_pb2_grpc, stages_pb2, tensor_pb2
+from stagediff.v1 import generation_pb2, generation_pb2_grpc, image_pb2, stages_pb2, tensor_pb2
 from tests.conftest import CLUSTER_SECRET, THREADS_PER_STAGE, stage_channel
 
 pytestmark = pytest.mark.e2e
@@ -402,6 +402,29 @@ metadata = st.lists(
 ).map(tuple)
 
 
+def _small_png() -> bytes:
+    from io import BytesIO
+
+    from PIL import Image
+
+    buffer = BytesIO()
+    Image.fromarray(np.arange(8 * 8 * 3, dtype=np.uint8).reshape(8, 8, 3)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+SMALL_PNG = _small_png()
+# Input images: a valid one, random bytes, a PNG with bytes changed or cut; any role, known or not.
+input_images = st.lists(
+    st.builds(
+        lambda data, role: image_pb2.InputImage(data=data, role=role),
+        st.one_of(st.just(SMALL_PNG), st.binary(max_size=64), st.deferred(lambda: mangled(SMALL_PNG))),
+        st.one_of(st.integers(0, 3), INT32),
+    ),
+    min_size=1,
+    max_size=5,
+)
+
+
 @st.composite
 def generate_requests(draw) -> generation_pb2.GenerateRequest:
     """A GenerateRequest whose fields are cheap and valid, unset (the model's default), or wrong: out of range,
@@ -424,6 +447,8 @@ def generate_requests(draw) -> generation_pb2.GenerateRequest:
     ):
         if not chance(draw, 25):  # else unset: the model's default
             setattr(request, name, values.draw(draw, corrupt))
+    if chance(draw, 20):
+        request.images.extend(draw(input_images))
     if draw(st.booleans()):
         request.interpolation.enable = draw(st.booleans())
         request.interpolation.exp = INTERP_EXPS.draw(draw, corrupt)

@@ -21,7 +21,12 @@ from services.metrics import OrchestratorMetrics
 from services.orchestrator.jobs import JobManager, JobState
 from services.orchestrator.request_bounds import FIELD_LIMITS, RequestBoundsInterceptor, sized_fields
 from services.orchestrator.scheduler import FairScheduler
-from services.orchestrator.service import PUBLIC_PORT_OPTIONS, UNKNOWN_MODEL_LABEL, GenerationServicer
+from services.orchestrator.service import (
+    MAX_REQUEST_BYTES,
+    PUBLIC_PORT_OPTIONS,
+    UNKNOWN_MODEL_LABEL,
+    GenerationServicer,
+)
 from services.orchestrator.store import JobStore
 from services.orchestrator.tenant_auth import TenantAuthInterceptor
 from services.orchestrator.tenants import (
@@ -190,7 +195,11 @@ def _oversized_requests() -> Iterator[tuple[str, str, object]]:
             target = request
             for parent in parents:
                 target = getattr(target, parent)
-            setattr(target, name, "x" * (FIELD_LIMITS[field.containing_type.full_name][name] + 1))
+            limit = FIELD_LIMITS[field.containing_type.full_name][name]
+            if field.is_repeated:  # one entry too many (input images)
+                getattr(target, name).extend(field.message_type._concrete_class() for _ in range(limit + 1))
+            else:
+                setattr(target, name, "x" * (limit + 1))
             yield method.name, path, request
 
 
@@ -207,6 +216,7 @@ def test_each_field_over_its_limit_is_refused_naming_the_field(orchestrator: Orc
             assert "xxxx" not in raised.value.details(), "the refusal echoed the value"
             checked.append(f"{method}.{path}")
     assert "Generate.interpolation.model_path" in checked and "CancelJob.job_id" in checked
+    assert "Submit.images" in checked
     assert not orchestrator.store.list_jobs(), "a refused request became a job"
 
 
@@ -239,7 +249,10 @@ def test_refused_models_reach_the_metrics_as_a_fixed_label(orchestrator: Orchest
 def test_a_message_over_the_public_limit_is_refused_before_it_is_parsed(orchestrator: Orchestrator) -> None:
     channel, stub = _stub(orchestrator)
     with channel, pytest.raises(grpc.RpcError) as raised:
-        stub.Submit(generation_pb2.GenerateRequest(prompt="a fox", model="m" * (5 << 20)), metadata=_auth("operator"))
+        stub.Submit(
+            generation_pb2.GenerateRequest(prompt="a fox", model="m" * (MAX_REQUEST_BYTES + 1)),
+            metadata=_auth("operator"),
+        )
     assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert not orchestrator.store.list_jobs()
 

@@ -80,9 +80,9 @@ def test_an_unknown_pipeline_has_no_family(index: dict) -> None:
 
 def test_an_unknown_family_name_is_refused_naming_the_known_ones() -> None:
     with pytest.raises(ValueError) as raised:
-        family_named("wan-i2v")
+        family_named("hunyuan-video")
     message = str(raised.value)
-    assert "'wan-i2v' is not known" in message and all(name in message for name in FAMILY_NAMES), message
+    assert "'hunyuan-video' is not known" in message and all(name in message for name in FAMILY_NAMES), message
 
 
 def test_the_registry_lists_each_family_under_its_class_name() -> None:

@@ -20,21 +20,28 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
+from PIL import Image
 
 from text_encoder_svc.options import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES
 
 logger = logging.getLogger(__name__)
 
-# (namespace, model id, text, max sequence length)
-CacheKey = tuple[bytes, str, str, int]
+# (namespace, model id, text, max sequence length); for input images (families whose encoder sees them),
+# (namespace, model id, "image:" and the images' SHA-256 digests, IMAGE_KEY_LENGTH), which no text key has;
+# for a text embedded together with the images (Qwen-Image-Edit), the text's key and the digests, a fifth
+# entry that no other key has.
+CacheKey = tuple[bytes, str, str, int] | tuple[bytes, str, str, int, str]
+IMAGE_KEY_LENGTH = -1
 
 
 def entry_bytes(key: CacheKey, value: torch.Tensor) -> int:
     """What an entry holds: its tensor's whole storage (a view keeps all of it alive) and its key's bytes."""
-    namespace, model, text, _ = key
-    return value.untyped_storage().nbytes() + len(namespace) + len(model.encode()) + len(text.encode())
+    namespace, model, text = key[:3]
+    digests = sum(len(part.encode()) for part in key[4:])
+    return value.untyped_storage().nbytes() + len(namespace) + len(model.encode()) + len(text.encode()) + digests
 
 
 class EmbeddingCache:
@@ -107,6 +114,11 @@ class PromptEncoder(ABC):
         self.text_encoder = text_encoder.eval()
         self.cache = EmbeddingCache(cache_bytes, cache_entries)
 
+    @property
+    def modules(self) -> dict[str, torch.nn.Module]:
+        """The encoder's models by component name, as the stage reports their parameter bytes."""
+        return {"text_encoder": self.text_encoder}
+
     @abstractmethod
     def embed_uncached(self, text: str, max_sequence_length: int) -> torch.Tensor:
         """One text's embedding, exactly as the family's pipeline encodes it."""
@@ -115,25 +127,81 @@ class PromptEncoder(ABC):
     def batch(self, embeddings: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors the stage sends for the request's texts, batched over them."""
 
+    # The name the image embedding travels under, for families whose encoder sees the input images.
+    image_tensor_name = "image_embeds"
+    # True for a family whose encoder embeds each text together with the request's images (Qwen2.5-VL in
+    # Qwen-Image-Edit sees the image in the prompt): `embed_with_images_uncached` makes its embeddings, and
+    # no separate image embedding is sent.
+    texts_see_images = False
+
+    def embed_with_images_uncached(
+        self, text: str, images: list[Image.Image], max_sequence_length: int
+    ) -> torch.Tensor:
+        """One text's embedding made together with the request's images (RGB, in the family's role order),
+        exactly as the family's pipeline makes it; only a family with `texts_see_images` implements it."""
+        raise NotImplementedError(f"{type(self).__name__} does not embed texts with images")
+
+    def embed_images_uncached(self, images: list[Image.Image]) -> torch.Tensor:
+        """The embedding of the request's images (RGB, in the family's role order), as the pipeline makes it.
+
+        Only a family whose conditioning encoder sees images implements it (Wan2.1 image-to-video's CLIP).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not embed images")
+
     @torch.no_grad()
-    def encode_one(self, text: str, max_sequence_length: int, namespace: bytes = b"") -> tuple[torch.Tensor, bool]:
-        """Returns one text's embedding and whether it was cached; only an entry put with the same
-        `namespace` is a hit."""
-        key = (namespace, self.model_id, text, max_sequence_length)
+    def encode_images(
+        self, images: list[Image.Image], digests: list[str], namespace: bytes = b""
+    ) -> tuple[torch.Tensor, bool]:
+        """The images' embedding and whether it came from `namespace`'s cache, keyed on their digests."""
+        key = (namespace, self.model_id, "image:" + ",".join(digests), IMAGE_KEY_LENGTH)
         cached = self.cache.get(key)
         if cached is not None:
             return cached, True
-        embedding = self.embed_uncached(text, max_sequence_length)
+        embedding = self.embed_images_uncached(images)
+        self.cache.put(key, embedding)
+        return embedding, False
+
+    @torch.no_grad()
+    def encode_one(
+        self,
+        text: str,
+        max_sequence_length: int,
+        namespace: bytes = b"",
+        images: Sequence[Image.Image] = (),
+        digests: Sequence[str] = (),
+    ) -> tuple[torch.Tensor, bool]:
+        """Returns one text's embedding and whether it was cached; only an entry put with the same
+        `namespace` is a hit. With `images` (and their SHA-256 `digests`), the text is embedded together with
+        them (`texts_see_images`), and cached on the digests too."""
+        if images:
+            if len(digests) != len(images):
+                raise ValueError(f"{len(images)} images with {len(digests)} digests: one digest per image")
+            key: CacheKey = (namespace, self.model_id, text, max_sequence_length, ",".join(digests))
+        else:
+            key = (namespace, self.model_id, text, max_sequence_length)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached, True
+        if images:
+            embedding = self.embed_with_images_uncached(text, list(images), max_sequence_length)
+        else:
+            embedding = self.embed_uncached(text, max_sequence_length)
         self.cache.put(key, embedding)
         return embedding, False
 
     def encode(
-        self, texts: list[str], max_sequence_length: int, namespace: bytes = b""
+        self,
+        texts: list[str],
+        max_sequence_length: int,
+        namespace: bytes = b"",
+        images: Sequence[Image.Image] = (),
+        digests: Sequence[str] = (),
     ) -> tuple[dict[str, torch.Tensor], bool]:
         """Returns the batched tensors of `texts` and whether every text came from `namespace`'s cache.
 
         Texts are encoded one at a time, as the pipelines encode prompt and negative prompt in separate
-        batches of one, so that results match them exactly.
+        batches of one, so that results match them exactly; each together with `images` when given (a
+        family with `texts_see_images`).
         """
-        results = [self.encode_one(text, max_sequence_length, namespace) for text in texts]
+        results = [self.encode_one(text, max_sequence_length, namespace, images, digests) for text in texts]
         return self.batch([embedding for embedding, _ in results]), all(hit for _, hit in results)

@@ -8,6 +8,12 @@ the prompt, as "prompt_embeds" [1, L, dim] (then "prompt_embeds_mask" [1, L]), t
 prompt, as "negative_prompt_embeds" (then "negative_prompt_embeds_mask"). Wan's embeddings are zero past
 each text and padded to max_sequence_length, as WanPipeline makes them.
 
+A family whose conditioning encoder sees the input images gets the request's `images`, decoded and checked
+against the checkpoint's roles (services/input_images.py). Either its image embedding follows the texts'
+tensors ("image_embeds": Wan2.1 image-to-video's CLIP vision), or, for an encoder that embeds each text
+together with the images (`PromptEncoder.texts_see_images`: Qwen2.5-VL of Qwen-Image-Edit), the texts'
+tensors are made with them and nothing else is sent. A family whose encoder does not see images refuses them.
+
 Embeddings are cached per `cache_namespace` (text_encoder_svc/encoder.py says why), within
 `--embedding-cache-bytes` and `--embedding-cache-size` entries. Every field of a request is bounded
 before it is used, and a field out of bounds is refused with INVALID_ARGUMENT naming it.
@@ -20,6 +26,7 @@ import argparse
 import grpc
 
 from services.environment_options import parse_args
+from services.input_images import DecodedImage, decode_images
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
 from services.stage_main import StageServicer, run_stage
 from services.torch_wire import encode_tensor
@@ -60,7 +67,7 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
             cache_entries=self.args.embedding_cache_size,
             load_threads=runtime.load_threads,
         )
-        self.runtime.parameter_bytes = {"text_encoder": parameter_bytes(self.encoder.text_encoder)}
+        self.runtime.parameter_bytes = {name: parameter_bytes(module) for name, module in self.encoder.modules.items()}
 
     def _validate(self, request: stages_pb2.EncodeRequest) -> int:
         spec = self.runtime.spec
@@ -84,13 +91,50 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
             )
         return length
 
+    def _decode_images(self, request: stages_pb2.EncodeRequest) -> list[DecodedImage]:
+        """The request's images, for a family whose conditioning encoder embeds them (else refused)."""
+        spec = self.runtime.spec
+        if not request.images:
+            return []
+        if "text-encoder" not in spec.traits.images.encoded_by:
+            raise RequestError(
+                f"images: the text encoder of {spec.family} does not see input images; send them to the VAE's "
+                "Encode only"
+            )
+        if len(request.images) > len(spec.image_roles):
+            raise RequestError(f"images: {len(request.images)} sent; at most {len(spec.image_roles)} are allowed")
+        total = sum(len(image.data) for image in request.images)
+        if total > spec.max_image_bytes:
+            raise RequestError(f"images: {total} bytes in all; at most {spec.max_image_bytes} are allowed")
+        return decode_images(
+            request.images, spec.image_roles, spec.required_image_roles, spec.model_id, spec.max_image_pixels
+        )
+
     async def Encode(self, request, context):
         if self.encoder is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "text-encoder: still loading its model")
+        image_embeds = None
         try:
             length = self._validate(request)
+            images = await self.runtime.run(self._decode_images, request)
             texts, namespace = list(request.texts), request.cache_namespace
-            batched, cache_hit = await self.runtime.run(self.encoder.encode, texts, length, namespace)
+            joint = images if self.encoder.texts_see_images else []
+            batched, cache_hit = await self.runtime.run(
+                self.encoder.encode,
+                texts,
+                length,
+                namespace,
+                [item.image for item in joint],
+                [item.sha256 for item in joint],
+            )
+            if images and not joint:
+                image_embeds, images_hit = await self.runtime.run(
+                    self.encoder.encode_images,
+                    [item.image for item in images],
+                    [item.sha256 for item in images],
+                    namespace,
+                )
+                cache_hit = cache_hit and images_hit
         except Exception as error:
             await abort_for(error, context, self.runtime.stage)
         first = True
@@ -101,6 +145,9 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
                 for chunk in encode_tensor(f"{role}_{name}", tensor[i : i + 1]):
                     yield stages_pb2.EncodeResponse(tensor=chunk, cache_hit=cache_hit and first)
                     first = False
+        if image_embeds is not None:
+            for chunk in encode_tensor(self.encoder.image_tensor_name, image_embeds):
+                yield stages_pb2.EncodeResponse(tensor=chunk)
 
 
 def main(argv: list[str] | None = None) -> None:

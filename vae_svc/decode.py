@@ -3,7 +3,9 @@ normalisation, and turning decoded pixels into uint8 frames.
 
 A family's decoder (families/<family>/decode.py) subclasses `LatentDecoder` with its VAE class and a
 `session()`: one request's decode, `decode_next(latent_frame [1, C, 1, h, w]) -> uint8 frames [n, H, W, 3]`,
-called once per latent frame as the frames arrive from the DiT.
+called once per latent frame as the frames arrive from the DiT, and `decode_next_float`, the same decode
+before the uint8 conversion (clamped to [-1, 1], [1, 3, n, H, W]), which patch-parallel decode runs on each
+rank's band of latent rows (vae_svc/patch_parallel.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from services.weights import load_pretrained
 
 class DecodeSession(Protocol):
     frames_decoded: int
+
+    def decode_next_float(self, latent_frame: torch.Tensor) -> torch.Tensor: ...
 
     def decode_next(self, latent_frame: torch.Tensor) -> torch.Tensor: ...
 

@@ -1,12 +1,13 @@
 """The VAE stage as a patch-parallel process group (see services/rank_group.py).
 
-Every rank holds the VAE; each request is a decode session on every rank, keyed
-by a session id, and each latent frame is one unit of group work: rank 0 hands
-the frame to the followers, every rank decodes its band of rows (exchanging halo
-rows with its neighbours), and the bands are gathered on rank 0, which streams
-the frames. Frames of different requests may interleave; each session keeps its
-own causal caches, and rank 0 issues the work units one at a time, in the same
-order on every rank.
+Every rank holds the VAE, with the decoder the checkpoint's family names (the
+streaming causal Wan decoder, or Qwen-Image's, an image being one latent frame);
+each request is a decode session on every rank, keyed by a session id, and each
+latent frame is one unit of group work: rank 0 hands the frame to the followers,
+every rank decodes its band of rows (exchanging halo rows with its neighbours),
+and the bands are gathered on rank 0, which streams the frames. Frames of
+different requests may interleave; each session keeps its own causal caches, and
+rank 0 issues the work units one at a time, in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Any
 
 import torch
 
-from families.wan.decode import WanStreamingDecoder
+from services.checkpoint import read_checkpoint
 from services.rank_group import GroupSettings, RankGroup, free_port
+from vae_svc.decode import LatentDecoder
 from vae_svc.patch_parallel import PatchParallelDecodeSession
 
 OUTPUT_RANK = 0
@@ -29,12 +31,13 @@ OUTPUT_RANK = 0
 class VaePayload:
     model_dir: str
     dtype: torch.dtype
+    decoder_class: type[LatentDecoder]  # the family's (services.checkpoint: traits.load("decoder"))
 
 
 class VaeWorker:
     """Decode sessions of one rank, by session id."""
 
-    def __init__(self, decoder: WanStreamingDecoder) -> None:
+    def __init__(self, decoder: LatentDecoder) -> None:
         self.decoder = decoder
         self.sessions: dict[int, PatchParallelDecodeSession] = {}
 
@@ -50,15 +53,16 @@ class VaeWorker:
 
 
 def make_vae_worker(rank: int, device: torch.device, payload: VaePayload) -> VaeWorker:
-    return VaeWorker(WanStreamingDecoder(payload.model_dir, device, payload.dtype))
+    return VaeWorker(payload.decoder_class(payload.model_dir, device, payload.dtype))
 
 
 class PatchParallelDecoder:
     """Rank 0's decoder: sessions decode on every rank of the group."""
 
     def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype, threads: int, size: int):
+        decoder_class = read_checkpoint(model_dir).traits.load("decoder")
         settings = GroupSettings("vae", size, device.type, threads, free_port())
-        self.group = RankGroup(settings, make_vae_worker, VaePayload(str(model_dir), dtype))
+        self.group = RankGroup(settings, make_vae_worker, VaePayload(str(model_dir), dtype, decoder_class))
         self.size = size
         self._session_ids = itertools.count()
 

@@ -1,9 +1,14 @@
-"""Patch-parallel Wan VAE decode: each rank decodes a band of rows, exactly.
+"""Patch-parallel VAE decode (the Wan and Qwen-Image VAEs): each rank decodes a band of rows, exactly.
 
 Tiled decode (vae_svc/tiled.py) cuts the latent into overlapping tiles that are decoded
 independently and blended: cheap, but the seams differ from the untiled decode. Here the ranks of
 a process group instead split every frame into horizontal bands (split along height) and keep the
 decoder's arithmetic whole:
+
+AutoencoderKLQwenImage is the Wan2.1 VAE under its own class names (`QwenImageCausalConv3d`,
+`QwenImageAttentionBlock`, `QwenImageRMS_norm`, ...), so one set of band forwards serves both; the
+classes they recognise come from `BAND_MODULES`, keyed by the class of the VAE's decoder. Below, the
+Wan names stand for either family's.
 
 - Every spatial convolution (`WanCausalConv3d` with kernel height > 1, and the `nn.Conv2d` after the
   nearest upsampling in `WanResample`) first receives from its neighbours the `kernel // 2` rows it
@@ -30,6 +35,10 @@ resolution) frame but only its own query rows of the attention matrix.
 The halo-exchanging forwards are installed on the decoder's modules once (`enable_patch_parallel`)
 and act only while `row_bands(bands)` is active in the calling thread or task; outside of it the
 modules run their library forward, so single-device sessions on the same model are untouched.
+
+The session runs the family's own decode session (its `decode_next_float`: the streaming causal Wan
+decode, or `AutoencoderKLQwenImage.decode` of an image's one latent frame) on its band of latent
+rows inside `row_bands`, then gathers the bands: the family's arithmetic, in the family's order.
 """
 
 from __future__ import annotations
@@ -43,31 +52,65 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from diffusers.models.autoencoders.autoencoder_kl_qwenimage import (
+    QwenImageAttentionBlock,
+    QwenImageCausalConv3d,
+    QwenImageDecoder3d,
+    QwenImageRMS_norm,
+)
 from diffusers.models.autoencoders.autoencoder_kl_wan import (
     DupUp3D,
     WanAttentionBlock,
     WanCausalConv3d,
+    WanDecoder3d,
     WanRMS_norm,
-    WanUpsample,
-    unpatchify,
 )
 from torch import nn
 
-from families.wan.decode import WanStreamingDecoder
-from vae_svc.decode import denormalize_latents, to_uint8_frames
+from vae_svc.decode import LatentDecoder, to_uint8_frames
 
-# Module types that only mix channels or act on each row on its own (checked when enabling, so a
-# future decoder with a new whole-frame op fails loudly instead of decoding wrong seams).
+
+@dataclass(frozen=True)
+class BandModules:
+    """The module classes of one VAE family's decoder that the band forwards recognise.
+
+    `causal_conv`: the causal 3D convolution (an nn.Conv3d with the library's `_padding`, called as
+    `(x, cache_x)`); `attention`: the single-head attention over a frame's pixels (`norm`, `to_qkv`,
+    `proj`); `row_local`: the family's leaf modules that act on each pixel or row on its own.
+    """
+
+    causal_conv: type[nn.Conv3d]
+    attention: type[nn.Module]
+    row_local: tuple[type[nn.Module], ...]
+
+
+# By the class of the VAE's decoder (`vae.decoder`). Wan2.2's `DupUp3D` shortcut repeats each row.
+BAND_MODULES: dict[type[nn.Module], BandModules] = {
+    WanDecoder3d: BandModules(WanCausalConv3d, WanAttentionBlock, (WanRMS_norm, DupUp3D)),
+    QwenImageDecoder3d: BandModules(QwenImageCausalConv3d, QwenImageAttentionBlock, (QwenImageRMS_norm,)),
+}
+
+# Generic module types that only mix channels or act on each row on its own (checked when enabling, with
+# the family's own, so a future decoder with a new whole-frame op fails loudly instead of decoding wrong
+# seams). `nn.Upsample` is checked separately: nearest by a whole factor.
 _ROW_LOCAL_TYPES: tuple[type[nn.Module], ...] = (
-    WanRMS_norm,
-    WanUpsample,
-    DupUp3D,
     nn.SiLU,
     nn.Dropout,
     nn.Identity,
 )
 
 _ACTIVE_BANDS: contextvars.ContextVar[RowBands | None] = contextvars.ContextVar("vae_row_bands", default=None)
+
+
+def band_modules_for(decoder: nn.Module) -> BandModules:
+    """The band module classes of `decoder` (a VAE's `vae.decoder`); NotImplementedError for other decoders."""
+    for decoder_class, modules in BAND_MODULES.items():
+        if isinstance(decoder, decoder_class):
+            return modules
+    known = ", ".join(cls.__name__ for cls in BAND_MODULES)
+    raise NotImplementedError(
+        f"patch-parallel decode does not know the decoder {type(decoder).__name__}; it splits {known}"
+    )
 
 
 def band_rows(height: int, world_size: int) -> list[int]:
@@ -213,11 +256,12 @@ def _convolve(conv: nn.Conv2d | nn.Conv3d, padded: torch.Tensor) -> torch.Tensor
     return convolve(padded, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
 
 
-def _causal_conv3d_forward(self: WanCausalConv3d, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
-    """WanCausalConv3d.forward with the height padding replaced by neighbour rows (zeros at the image edges)."""
+def _causal_conv3d_forward(self: nn.Conv3d, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+    """The causal conv's forward (WanCausalConv3d, QwenImageCausalConv3d) with the height padding replaced
+    by neighbour rows (zeros at the image edges)."""
     bands = _ACTIVE_BANDS.get()
     if bands is None or bands.world_size == 1:
-        return WanCausalConv3d.forward(self, x, cache_x)
+        return type(self).forward(self, x, cache_x)
     width, _, halo, _, time_front, _ = self._padding
     if cache_x is not None and time_front > 0:
         # As the library does: prepend the cached frames (band rows only), pad the rest of the time window.
@@ -241,11 +285,12 @@ def _conv2d_forward(self: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     return _convolve(self, padded)
 
 
-def _attention_forward(self: WanAttentionBlock, x: torch.Tensor) -> torch.Tensor:
-    """WanAttentionBlock.forward with local query rows against the whole frame's keys and values."""
+def _attention_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The attention block's forward (WanAttentionBlock, QwenImageAttentionBlock: the same arithmetic) with
+    local query rows against the whole frame's keys and values."""
     bands = _ACTIVE_BANDS.get()
     if bands is None or bands.world_size == 1:
-        return WanAttentionBlock.forward(self, x)
+        return type(self).forward(self, x)
     identity = x
     batch_size, channels, time, height, width = x.size()
     x = x.permute(0, 2, 1, 3, 4).reshape(batch_size * time, channels, height, width)
@@ -269,14 +314,16 @@ def _attention_forward(self: WanAttentionBlock, x: torch.Tensor) -> torch.Tensor
 
 def _spatial_modules(decoder: nn.Module) -> Iterator[tuple[nn.Module, types.FunctionType]]:
     """(module, band forward) for every decoder module that needs rows beyond its band."""
+    classes = band_modules_for(decoder)
+    row_local = _ROW_LOCAL_TYPES + classes.row_local
     covered: set[int] = set()
     for name, module in decoder.named_modules():
         if id(module) in covered:
             continue
-        if isinstance(module, WanAttentionBlock):
+        if isinstance(module, classes.attention):
             covered.update(id(m) for m in module.modules())
             yield module, _attention_forward
-        elif isinstance(module, WanCausalConv3d):
+        elif isinstance(module, classes.causal_conv):
             if module.stride[1] != 1 or module.dilation[1] != 1:
                 raise NotImplementedError(f"patch-parallel decode needs height stride and dilation 1 ({name})")
             if module.kernel_size[1] > 1:
@@ -290,11 +337,11 @@ def _spatial_modules(decoder: nn.Module) -> Iterator[tuple[nn.Module, types.Func
                 if module.padding[0] != module.kernel_size[0] // 2:
                     raise NotImplementedError(f"patch-parallel decode needs 'same' height padding ({name})")
                 yield module, _conv2d_forward
-        elif isinstance(module, WanUpsample):
+        elif isinstance(module, nn.Upsample):  # WanUpsample, QwenImageUpsample
             factor = module.scale_factor[0] if isinstance(module.scale_factor, tuple) else module.scale_factor
-            if module.mode not in ("nearest", "nearest-exact") or not float(factor).is_integer():
+            if module.mode not in ("nearest", "nearest-exact") or factor is None or not float(factor).is_integer():
                 raise NotImplementedError(f"patch-parallel decode needs nearest upsampling by a whole factor ({name})")
-        elif not list(module.children()) and not isinstance(module, _ROW_LOCAL_TYPES):
+        elif not list(module.children()) and not isinstance(module, row_local):
             raise NotImplementedError(
                 f"patch-parallel decode does not know whether {type(module).__name__} ({name}) is row-local"
             )
@@ -313,7 +360,8 @@ def enable_patch_parallel(decoder: nn.Module) -> int:
     """Installs the band forwards on `decoder`'s spatial modules (idempotent); returns how many.
 
     The modules behave as before unless `row_bands` is active, so this is safe on a shared model.
-    Raises NotImplementedError if the decoder holds an op this module cannot split by rows, and
+    Raises NotImplementedError if the decoder is not one `BAND_MODULES` knows or holds an op this module
+    cannot split by rows, and
     RuntimeError if a module's forward was already replaced by something else (e.g. an offload hook),
     since the band forward would silently bypass it.
     """
@@ -341,15 +389,17 @@ class PatchParallelDecodeSession:
     """One request's decode on a patch-parallel group: same interface as `DecodeSession`.
 
     Every rank of `group` (None: the default group, or a single device when torch.distributed is not
-    initialised) calls `decode_next` with the same full latent frame, in the same order, and keeps
-    the causal cache of its own band. The full frames come back on every rank, or only on group rank
+    initialised) calls `decode_next` with the same full latent frame, in the same order; each runs the
+    family's decode session (`decoder.session()`) on its band of latent rows, so a Wan session keeps the
+    causal cache of its own band across frames and a Qwen-Image one decodes its image's frame whole
+    but for the band split. The full frames come back on every rank, or only on group rank
     `output_rank` if given (the others get None, and skip holding full frames). Collectives must be
     issued in the same order on every rank, so sessions sharing a group decode one at a time.
     """
 
     def __init__(
         self,
-        decoder: WanStreamingDecoder,
+        decoder: LatentDecoder,
         group: dist.ProcessGroup | None = None,
         output_rank: int | None = None,
     ) -> None:
@@ -368,11 +418,10 @@ class PatchParallelDecodeSession:
             raise ValueError(f"output_rank must be in [0, {self.world_size}), got {output_rank}")
         self.output_rank = output_rank
         enable_patch_parallel(decoder.vae.decoder)
-        self.feature_cache: list = [None] * decoder.num_cached_convs
+        self.band_session = decoder.session()
         self.bands: RowBands | None = None
         self.latent_width: int | None = None
         self.frames_decoded = 0
-        self.latent_frames_seen = 0
 
     def _bands_for(self, latent_frame: torch.Tensor) -> RowBands:
         height, width = latent_frame.shape[-2:]
@@ -390,23 +439,12 @@ class PatchParallelDecodeSession:
     @torch.no_grad()
     def decode_next_float(self, latent_frame: torch.Tensor) -> torch.Tensor | None:
         """Decodes latent frame [1, C, 1, h, w] (normalised) to the clamped decoder output [1, 3, n, H, W]."""
-        owner = self.decoder
-        vae = owner.vae
         bands = self._bands_for(latent_frame)
-        latents = latent_frame[..., bands.latent_start : bands.latent_stop, :].to(owner.device, vae.dtype)
-        latents = denormalize_latents(latents, owner.latents_mean, owner.latents_std)
-        x = vae.post_quant_conv(latents)  # 1x1x1: row-local
-        first = self.latent_frames_seen == 0
+        # Denormalising, the 1x1x1 post-quant conv, unpatchifying and clamping act on each row on its own.
         with row_bands(bands):
-            band = vae.decoder(x, feat_cache=self.feature_cache, feat_idx=[0], first_chunk=first)
-        self.latent_frames_seen += 1
+            band = self.band_session.decode_next_float(latent_frame[..., bands.latent_start : bands.latent_stop, :])
         self.frames_decoded += band.shape[2]
-        out = gather_rows(band, bands, dst=self.output_rank)
-        if out is None:
-            return None
-        if vae.config.patch_size is not None:
-            out = unpatchify(out, patch_size=vae.config.patch_size)
-        return torch.clamp(out, min=-1.0, max=1.0)
+        return gather_rows(band, bands, dst=self.output_rank)
 
     def decode_next(self, latent_frame: torch.Tensor) -> torch.Tensor | None:
         """Decodes latent frame [1, C, 1, h, w] (float32, normalised) to uint8 frames [n, H, W, 3]."""

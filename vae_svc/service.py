@@ -1,9 +1,17 @@
 """gRPC servicer of the decoding stage.
 
 The checkpoint's family names its decoder (families/<family>/decode.py: the streaming causal Wan VAE,
-AutoencoderKLQwenImage for one image). Patch parallelism and tiling run on the Wan VAE's causal decoder
-(vae_svc/group.py, vae_svc/tiled.py); a family that does not support them refuses the flags at startup with
-the registry's reason.
+AutoencoderKLQwenImage for one image). Families that take input images name an image encoder too
+(families/<family>/vae_encode.py), which the Encode RPC runs on the same VAE, on the compute thread
+that decodes, so that encodes and decodes of different requests take turns on it.
+
+Encode runs whole on one device, also in a patch-parallel group (on rank 0, which holds the whole VAE as
+every rank does): the row-band machinery (vae_svc/patch_parallel.py) wraps the decoder's convolutions and
+upsamplers, and the encoder's strided downsampling convolutions would need bands aligned to every stride
+and their own halo widths. Encoding one or two frames is a small part of a request next to decoding the
+whole video. Patch parallelism runs the family's decoder split by rows (vae_svc/group.py: the Wan VAE's causal
+decoder and Qwen-Image's), tiling the Wan VAE's causal decoder (vae_svc/tiled.py); a family that does not
+support them refuses the flags at startup with the registry's reason.
 """
 
 from __future__ import annotations
@@ -16,10 +24,12 @@ import torch
 from families.base import Family
 from services.checkpoint import CheckpointError, read_checkpoint
 from services.environment_options import parse_args
+from services.input_images import DecodedImage, decode_images
 from services.rank_group import GroupFailure
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
 from services.stage_main import StageServicer, run_stage
 from services.torch_wire import encode_tensor, to_torch
+from services.validation import validate_size
 from stagediff.tensor_codec import TensorAssembler, WireError, WireTensor, expect_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 from vae_svc.decode import DecodeSession, LatentDecoder
@@ -38,6 +48,7 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
         self.args = args
         self.patch_parallel_size = args.vae_patch_parallel_size
         self.decoder: LatentDecoder | PatchParallelDecoder | None = None
+        self.image_encoder = None
         # Each rank needs at least one latent row: the smallest height that splits over every rank.
         multiple = runtime.spec.height_multiple
         rows = self.patch_parallel_size * runtime.spec.vae_scale_spatial
@@ -75,6 +86,8 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
                     "stride": f"{args.vae_tile_sample_stride_height}x{args.vae_tile_sample_stride_width}",
                 }
         runtime.parameter_bytes = {"vae": parameter_bytes(self.decoder.vae)}
+        if runtime.spec.traits.image_encoder:
+            self.image_encoder = runtime.spec.traits.load("image_encoder")(runtime.spec.path)
 
     def _open_session(self):
         if self.args.vae_use_tiling:
@@ -172,6 +185,41 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
             # A group session holds state on every rank until it is closed.
             if isinstance(session, GroupDecodeSession) and self.failure() is None:
                 await self.runtime.run(session.close)
+
+    def _encode_inputs(self, request: stages_pb2.VaeEncodeRequest) -> list[DecodedImage]:
+        """Checks an Encode request against the model and decodes its images, in the model's role order."""
+        spec = self.runtime.spec
+        self.runtime.check_model(request.model)
+        if self.image_encoder is None:
+            raise RequestError(f"images: model '{spec.model_id}' ({spec.family}) takes no input images")
+        validate_size(spec.limits(), request.height, request.width, request.num_frames)
+        if not request.images:
+            raise RequestError("images: empty; send the images to encode")
+        if len(request.images) > len(spec.image_roles):
+            raise RequestError(f"images: {len(request.images)} sent; at most {len(spec.image_roles)} are allowed")
+        total = sum(len(image.data) for image in request.images)
+        if total > spec.max_image_bytes:
+            raise RequestError(f"images: {total} bytes in all; at most {spec.max_image_bytes} are allowed")
+        return decode_images(
+            request.images, spec.image_roles, spec.required_image_roles, spec.model_id, spec.max_image_pixels
+        )
+
+    def _encode(self, request: stages_pb2.VaeEncodeRequest) -> dict[str, torch.Tensor]:
+        images = self._encode_inputs(request)
+        # A patch-parallel group's rank 0 holds the whole VAE, and encodes on it alone (see the module's doc).
+        decoder = self.decoder.worker.decoder if isinstance(self.decoder, PatchParallelDecoder) else self.decoder
+        return self.image_encoder(decoder, images, request.height, request.width, request.num_frames)
+
+    async def Encode(self, request, context):
+        if self.decoder is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "vae: still loading its model")
+        try:
+            latents = await self.runtime.run(self._encode, request)
+        except Exception as error:
+            await abort_for(error, context, self.runtime.stage)
+        for name, tensor in latents.items():
+            for chunk in encode_tensor(name, tensor):
+                yield stages_pb2.VaeEncodeResponse(tensor=chunk)
 
 
 def check_decode_arguments(args: argparse.Namespace) -> None:

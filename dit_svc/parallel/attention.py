@@ -13,6 +13,10 @@ change the result.
   partial result is merged exactly through its log-sum-exp.
 - USP runs Ulysses inside (contiguous ranks) and Ring across (strided ranks),
   matching the mesh from dit_svc/parallel/mesh.py.
+- Joint USP (`joint_usp_attention`) adds a context stream that every rank holds
+  whole (Qwen-Image's text, attended jointly with the image tokens): its
+  queries and keys join the split sequence's; it keeps its tokens and takes the
+  rank's head group, and its keys are attended once, with the rank's own block.
 
 Only torch.distributed point-to-point and all-to-all calls are used, so the same
 code runs on gloo (CPU) and NCCL (GPU).
@@ -214,21 +218,45 @@ def _merge_block(
     return out, new_lse
 
 
+def _with_context(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    context: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The context's keys and values before the block's along the sequence, and their padding masks joined."""
+    if context is None:
+        return key, value, key_padding_mask
+    context_key, context_value, context_mask = context
+    mask = None
+    if context_mask is not None or key_padding_mask is not None:
+        batch_size, device = key.shape[0], key.device
+        if context_mask is None:
+            context_mask = torch.zeros(batch_size, context_key.shape[1], dtype=torch.bool, device=device)
+        if key_padding_mask is None:
+            key_padding_mask = torch.zeros(batch_size, key.shape[1], dtype=torch.bool, device=device)
+        mask = torch.cat([context_mask.to(torch.bool), key_padding_mask], dim=1)
+    return torch.cat([context_key, key], dim=1), torch.cat([context_value, value], dim=1), mask
+
+
 def ring_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     group: dist.ProcessGroup | None,
     key_padding_mask: torch.Tensor | None = None,
+    context: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Attention of the local queries over every rank's keys, one K/V block per hop.
 
     The next hop's transfer is started before the block in hand is computed, so that communication
     overlaps compute. key_padding_mask must be given on every rank of the group or on none.
+    `context` = (key, value, key_padding_mask or None) holds keys that every rank has whole: they stay
+    local and are attended on the first hop, together with the rank's own block, so each counts once.
     """
     world_size = _group_size(group)
     if world_size == 1:
-        return attention_with_lse(query, key, value, key_padding_mask)[0]
+        return attention_with_lse(query, *_with_context(key, value, key_padding_mask, context))[0]
     rank = dist.get_rank(group)
     send_to = dist.get_global_rank(group, (rank + 1) % world_size)
     recv_from = dist.get_global_rank(group, (rank - 1) % world_size)
@@ -241,7 +269,10 @@ def ring_attention(
         if hop + 1 < world_size:
             next_block, requests = _start_ring_pass(block, send_to, recv_from, group)
         block_mask = block[2] if key_padding_mask is not None else None
-        block_out, block_lse = attention_with_lse(query, block[0], block[1], block_mask)
+        block_key, block_value = block[0], block[1]
+        if hop == 0:
+            block_key, block_value, block_mask = _with_context(block_key, block_value, block_mask, context)
+        block_out, block_lse = attention_with_lse(query, block_key, block_value, block_mask)
         out, lse = _merge_block(out, lse, block_out, block_lse)
         if hop + 1 < world_size:
             for request in requests:
@@ -272,3 +303,48 @@ def usp_attention(
     if use_ulysses:
         out = ranks_to_heads(out, ulysses_group)
     return out
+
+
+def joint_usp_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    context_query: torch.Tensor,
+    context_key: torch.Tensor,
+    context_value: torch.Tensor,
+    ulysses_group: dist.ProcessGroup | None,
+    ring_group: dist.ProcessGroup | None,
+    key_padding_mask: torch.Tensor | None = None,
+    context_padding_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Joint attention over [context, sequence]: the sequence split as for usp_attention, the context whole.
+
+    query/key/value [B, S_local, H, D] are this rank's shard of the split sequence (shard order as for
+    usp_attention); context_query/key/value [B, T, H, D] are the same on every rank. Every query, of
+    the context and of the shard, attends to every key: the context's and the whole sequence's.
+    context_padding_mask [B, T] (True = padded, or None) masks context keys. Returns (context output
+    [B, T, H, D], the same on every rank up to rounding; shard output [B, S_local, H, D]).
+    """
+    ulysses_size = _group_size(ulysses_group)
+    num_heads = query.shape[2]
+    if ulysses_size > 1:
+        query, key, value = _scatter_heads(query, key, value, ulysses_group)
+        if key_padding_mask is not None:
+            key_padding_mask = _gather_sequence(key_padding_mask, ulysses_group)
+        local_heads = num_heads // ulysses_size
+        first = dist.get_rank(ulysses_group) * local_heads
+        context_query, context_key, context_value = (
+            x.narrow(2, first, local_heads) for x in (context_query, context_key, context_value)
+        )
+    context_len = context_query.shape[1]
+    joint_query = torch.cat([context_query, query], dim=1)
+    context = (context_key, context_value, context_padding_mask)
+    out = ring_attention(joint_query, key, value, ring_group, key_padding_mask, context)
+    context_out, out = out[:, :context_len], out[:, context_len:]
+    if ulysses_size > 1:
+        out = ranks_to_heads(out.contiguous(), ulysses_group)
+        # Every rank computed the context's tokens for its heads: gather the heads back, in rank order.
+        parts = [torch.empty_like(context_out) for _ in range(ulysses_size)]
+        dist.all_gather(parts, context_out.contiguous(), group=ulysses_group)
+        context_out = torch.cat(parts, dim=2)
+    return context_out, out

@@ -1,4 +1,4 @@
-"""HSDP (FSDP2's fully_shard on a (replicate, shard) mesh) for serving diffusers' WanTransformer3DModel.
+"""HSDP (FSDP2's fully_shard on a (replicate, shard) mesh) for serving diffusers' DiTs.
 
 For inference HSDP is purely a memory trade: each rank keeps 1/shard of every
 parameter and all-gathers one transformer block's full weights just before the
@@ -7,7 +7,9 @@ the shards plus a block or two of full weights. Ranks of the replicate
 dimension hold the same shards and exchange nothing in forward; the replicate
 dimension keeps each all-gather inside a node when the group spans several.
 The outputs are exactly the unsharded model's: the gathered weights are
-bit-for-bit the originals.
+bit-for-bit the originals. The blocks are the modules of the classes the
+model lists in diffusers' `_repeated_blocks` (WanTransformerBlock,
+QwenImageTransformerBlock, ...), so any diffusers DiT that declares them works.
 
 Serving needs no gradients, and that matters beyond saving memory: FSDP2
 requires one original dtype per parameter group only among parameters that
@@ -38,6 +40,17 @@ def local_parameter_bytes(module: nn.Module) -> int:
     return total
 
 
+def transformer_blocks(transformer: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks, in order: instances of the classes its `_repeated_blocks` names."""
+    names = set(getattr(transformer, "_repeated_blocks", None) or ())
+    blocks = [module for module in transformer.modules() if type(module).__name__ in names]
+    if not blocks:
+        raise ValueError(
+            f"{type(transformer).__name__} declares no repeated blocks (_repeated_blocks) to shard one by one"
+        )
+    return blocks
+
+
 def apply_hsdp(transformer: nn.Module, hsdp_mesh: DeviceMesh) -> None:
     """Shards the transformer's parameters over `hsdp_mesh`, one group per block and one for the rest, in place.
 
@@ -49,8 +62,9 @@ def apply_hsdp(transformer: nn.Module, hsdp_mesh: DeviceMesh) -> None:
         raise ValueError(f"HSDP needs a 1-D (shard) or 2-D (replicate, shard) mesh, got {hsdp_mesh.ndim} dimensions")
     if hsdp_mesh.size(hsdp_mesh.ndim - 1) == 1:
         return
+    blocks = transformer_blocks(transformer)
     transformer.requires_grad_(False)
-    for block in transformer.blocks:
+    for block in blocks:
         fully_shard(block, mesh=hsdp_mesh, reshard_after_forward=True)
     # The root group (patch and condition embeddings, proj_out, the output modulation) is gathered once per forward
     # and freed after it too: between denoising steps a rank holds shards only.

@@ -69,7 +69,7 @@ class QwenTextEmbeds:
 
 
 class QwenImageDenoiser:
-    """The denoising loop on one rank; with CFG-parallel, both ranks run it in step, one branch each."""
+    """The denoising loop on one rank; with a parallel layout, every rank of the group runs it in step."""
 
     def __init__(
         self,
@@ -83,11 +83,15 @@ class QwenImageDenoiser:
         model_dir = Path(model_dir)
         self.device = device
         self.parallel = parallel if parallel is not None and parallel.total_ranks > 1 else None
+        mesh = None
         if self.parallel is not None:
             refuse_unsupported_methods(self.parallel, QWEN_IMAGE)  # before reading any weight
-        self.transformer = load_pretrained(
-            QwenImageTransformer2DModel, model_dir / "transformer", device=device, dtype=dtype, num_threads=load_threads
-        ).eval()
+            mesh = build_mesh(self.parallel, device_type_for(device))
+        load = partial(load_pretrained, device=device, dtype=dtype, num_threads=load_threads)
+        if self.parallel is not None and self.parallel.shards_weights:
+            # Tensor parallelism and HSDP are applied to the empty model, so that each rank reads only its shards.
+            load = partial(load, shard_model=partial(parallelize, config=self.parallel, mesh=mesh, device=device))
+        self.transformer = load(QwenImageTransformer2DModel, model_dir / "transformer").eval()
         if options is not None:
             apply_model_options([self.transformer], options, device)
         self.scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model_dir / "scheduler")
@@ -96,8 +100,8 @@ class QwenImageDenoiser:
         self.vae_scale_factor = 2 ** len(vae_config.get("temperal_downsample", [False, True, True]))
         self.cfg_group = None
         if self.parallel is not None:
-            mesh = build_mesh(self.parallel, device_type_for(device))
-            parallelize(self.transformer, self.parallel, mesh, device)
+            if not self.parallel.shards_weights:
+                parallelize(self.transformer, self.parallel, mesh, device)
             if self.parallel.cfg_degree > 1:
                 self.cfg_group = mesh["cfg"].get_group()
 

@@ -1,7 +1,7 @@
 """Qwen-Image text-to-image with true CFG (Qwen2.5-VL text encoder, QwenImageTransformer2DModel).
 
-Declarations only (no torch); the compute is beside this file: encode.py, denoise.py, parallel.py (Ulysses
-for the joint text+image attention), decode.py, checkpoint.py and init_model.py.
+Declarations only (no torch); the compute is beside this file: encode.py, denoise.py, parallel.py (Ulysses,
+Ring, tensor parallelism and HSDP of the joint text+image DiT), decode.py, checkpoint.py and init_model.py.
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from __future__ import annotations
 from families.base import Family, RequestDefaults, Support, TensorSlot
 
 _QWEN = "tests/test_family_qwen_features.py::"
-_LAYOUT_REFUSAL = "tests/test_families.py::test_qwen_dit_layout_check_refuses_ring_tensor_and_hsdp"
-_DENOISER_REFUSAL = _QWEN + "test_qwen_denoiser_refuses_ring_tensor_and_hsdp"
-_VAE_REFUSAL = (
-    "tests/test_families.py::test_qwen_vae_refuses_patch_parallel_at_startup",
-    _QWEN + "test_qwen_vae_decode_check_refuses_patch_parallel",
+_PARALLEL = (
+    "tests/test_family_qwen_parallel.py::test_qwen_parallel_latents_equal_one_rank",
+    "tests/test_families.py::test_qwen_dit_layout_check_accepts_ring_tensor_and_hsdp",
 )
+_SHARDED_LOADING = "tests/test_family_qwen_parallel.py::test_qwen_sharded_layouts_read_and_hold_part_of_the_weights"
+_VAE_PATCH_PARALLEL = "tests/test_qwen_vae_patch_parallel.py::"
 _QUANTIZATION = (
     _QWEN + "test_qwen_quantized_parameter_bytes_and_ignored_layers",
     _QWEN + "test_qwen_quantized_denoiser_stays_close",
@@ -52,26 +52,16 @@ QWEN_IMAGE = Family(
                 "tests/test_families.py::test_qwen_ulysses_transformer_equals_one_rank",
             )
         ),
-        "ring": Support(
-            reason="the joint text+image attention has a Ulysses processor only (image tokens split, text whole)",
-            refusal_tests=(
-                _LAYOUT_REFUSAL,
-                "tests/test_families.py::test_qwen_dit_refuses_ring_at_startup",
-                _DENOISER_REFUSAL,
-            ),
-        ),
-        "tensor_parallel": Support(
-            reason="the tensor-parallel plan covers WanTransformer3DModel blocks only, not QwenImage's",
-            refusal_tests=(_LAYOUT_REFUSAL, _DENOISER_REFUSAL),
-        ),
-        "hsdp": Support(
-            reason="HSDP shards WanTransformer3DModel blocks only, not QwenImage's",
-            refusal_tests=(_LAYOUT_REFUSAL, _DENOISER_REFUSAL),
-        ),
+        "ring": Support(tests=_PARALLEL),
+        "tensor_parallel": Support(tests=(*_PARALLEL, _SHARDED_LOADING)),
+        "hsdp": Support(tests=(*_PARALLEL, _SHARDED_LOADING)),
         "vae_patch_parallel": Support(
-            reason="patch-parallel decode is implemented for the Wan VAE only; AutoencoderKLQwenImage decodes each "
-            "image whole on one device",
-            refusal_tests=_VAE_REFUSAL,
+            tests=(
+                _VAE_PATCH_PARALLEL + "test_qwen_patch_parallel_equals_whole_decode",
+                _VAE_PATCH_PARALLEL + "test_vae_rank_group_decodes_with_the_qwen_decoder",
+                _VAE_PATCH_PARALLEL + "test_qwen_vae_decode_check_accepts_patch_parallel",
+                _VAE_PATCH_PARALLEL + "test_qwen_patch_parallel_vae_equals_qwen_image_pipeline",
+            )
         ),
         "vae_tiling": Support(
             reason="tiled decode is implemented for the Wan VAE only; AutoencoderKLQwenImage decodes each image "

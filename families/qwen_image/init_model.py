@@ -136,6 +136,9 @@ PROMPT_TEMPLATE_PREFIX = (
     "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n"
 )
 PROMPT_DROP_TOKENS = 34
+# A pipeline's template for the tokenizer: its prefix (what the pipeline drops), the rest with "{}" for the
+# prompt, and the number of tokens the prefix must come to.
+PROMPT_TEMPLATE = (PROMPT_TEMPLATE_PREFIX, "{}<|im_end|>\n<|im_start|>assistant\n", PROMPT_DROP_TOKENS)
 
 # FlowMatchEulerDiscreteScheduler configured as in the published Qwen-Image checkpoint: the shift `mu` is
 # computed per request from the image's sequence length (dynamic shifting, exponential time shift) and
@@ -245,13 +248,18 @@ def build_scheduler() -> Any:
     return FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
 
 
-def build_tokenizer(vocab_size: int, corpus_sentences: int, corpus_names: int) -> Any:
+def build_tokenizer(
+    vocab_size: int,
+    corpus_sentences: int,
+    corpus_names: int,
+    templates: tuple[tuple[str, str, int], ...] = (PROMPT_TEMPLATE,),
+) -> Any:
     """A Qwen2-style byte-level BPE tokenizer trained on the built-in corpus, saved as Qwen2Tokenizer.
 
     The normaliser (NFC), pre-tokeniser (Qwen2's split regex, then byte-level) and decoder are exactly
     what `Qwen2Tokenizer` builds around a vocabulary and merges, so the class reloads it unchanged. The
-    corpus includes QwenImagePipeline's prompt template, so the template prefix tokenizes to the
-    PROMPT_DROP_TOKENS tokens the pipeline drops (checked here).
+    corpus includes each of `templates` (QwenImagePipeline's prompt template unless told otherwise), so
+    that each template's prefix tokenizes to the tokens its pipeline drops (checked here).
     """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
@@ -273,9 +281,10 @@ def build_tokenizer(vocab_size: int, corpus_sentences: int, corpus_names: int) -
         show_progress=False,
     )
     corpus = training_corpus(corpus_sentences, corpus_names)
-    # The template as the pipeline fills it, repeated so its words become single tokens.
-    template = PROMPT_TEMPLATE_PREFIX + "{}<|im_end|>\n<|im_start|>assistant\n"
-    corpus += [template.format(line) for line in corpus[:200]] * 5
+    # Each template as its pipeline fills it, repeated so its words become single tokens.
+    lines = corpus[:200]
+    for prefix, rest, _ in templates:
+        corpus += [(prefix + rest).format(line) for line in lines] * 5
     trained.train_from_iterator(corpus, trainer=trainer)
     model = json.loads(trained.to_str())["model"]
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
@@ -288,10 +297,11 @@ def build_tokenizer(vocab_size: int, corpus_sentences: int, corpus_names: int) -
         additional_special_tokens=list(SPECIAL_TOKENS[1:]),
         model_max_length=131072,
     )
-    prefix_ids = tokenizer(PROMPT_TEMPLATE_PREFIX)["input_ids"]
-    if len(prefix_ids) != PROMPT_DROP_TOKENS:
-        pieces = tokenizer.convert_ids_to_tokens(prefix_ids)
-        raise RuntimeError(
-            f"the prompt template prefix tokenized to {len(prefix_ids)} tokens, not {PROMPT_DROP_TOKENS}: {pieces}"
-        )
+    for prefix, _, drop_tokens in templates:
+        prefix_ids = tokenizer(prefix)["input_ids"]
+        if len(prefix_ids) != drop_tokens:
+            pieces = tokenizer.convert_ids_to_tokens(prefix_ids)
+            raise RuntimeError(
+                f"the prompt template prefix tokenized to {len(prefix_ids)} tokens, not {drop_tokens}: {pieces}"
+            )
     return tokenizer

@@ -1,44 +1,49 @@
-"""The parallel plan of QwenImageTransformer2DModel: `parallelize`, and the Ulysses sequence parallelism it
-applies (the family runs Ulysses and CFG-parallel; families/qwen_image/family.py says why not the others).
+"""The parallel plan of QwenImageTransformer2DModel: `parallelize`, composing the generic `apply_*` functions,
+and the joint-attention processor that sequence parallelism installs in each block.
 
-Qwen-Image's blocks attend jointly over [text, image] tokens. Only the image
-tokens are split across the Ulysses ranks; every rank keeps the text stream
-whole and computes it identically. Per block:
+Tensor parallelism goes first (dit_svc/parallel/tensor_parallel.py, the Qwen-Image plan): each block's
+heads are split over the tp ranks (to_q/k/v and add_q/k/v_proj column-wise, to_out.0 and to_add_out
+row-wise), and so are img_mlp and txt_mlp; the q/k norms normalise each head alone, so a rank applies
+them to its own heads unchanged. The attention's `heads` and `inner_dim` count the rank's heads, which
+the processors below (and diffusers' own) read.
 
-- the image Q/K/V (rank's shard of the tokens, all heads) trade the sequence
-  split for a head split with one all-to-all, as in Ulysses attention;
-- the text Q/K/V are narrowed to the same head group;
-- attention runs over [text, every image token] with the rank's heads, the
-  text padding (encoder_hidden_states_mask) and the image padding masked out;
-- the image output trades back (all-to-all) and the text output gathers its
-  heads from every rank (all-gather), so each rank again holds its image shard
-  and the whole text stream.
+Sequence parallelism (Ulysses, Ring, or both: USP) then splits the image tokens over the ring x ulysses
+ranks; every rank keeps the text stream whole and computes it. Qwen-Image's blocks attend jointly over
+[text, image] tokens; per block, `QwenSequenceParallelAttnProcessor` calls `joint_usp_attention`
+(dit_svc/parallel/attention.py):
 
-The split is taken where the model's own `_cp_plan` takes it (the input of the
-first block, the image rotary table from `pos_embed`, the per-token
-`modulate_index`) and gathered at `proj_out`; the text inputs stay whole. Image
-token counts the degree does not divide are zero-padded to a multiple of it and
-the padded keys are masked, so the result stays exact. Ring attention is not
-implemented for this model.
+- the image Q/K/V (rank's shard of the tokens, its heads) trade the sequence split for a head split
+  with one all-to-all over the Ulysses group; the text Q/K/V are narrowed to the same head group;
+- the text queries and the image queries attend to the text keys (local) and to every image key
+  block, passed around the ring; the partial results are merged exactly through their log-sum-exp,
+  with the text padding (encoder_hidden_states_mask) and the image padding masked out;
+- the image output trades back (all-to-all) and the text output gathers its heads from every Ulysses
+  rank (all-gather), so each rank again holds its image shard and the whole text stream.
+
+The split is taken where the model's own `_cp_plan` takes it (the input of the first block, the image
+rotary table from `pos_embed`, the per-token `modulate_index`) and gathered at `proj_out`; the text
+inputs stay whole. Image token counts the degree does not divide are zero-padded to a multiple of it
+and the padded keys are masked, so the result stays exact.
+
+HSDP wraps the result (dit_svc/parallel/hsdp.py: one fully_shard group per QwenImageTransformerBlock),
+sharding whatever parameters each rank still holds whole. CFG-parallel needs no change to the model:
+the denoising loop runs one branch per CFG rank group. With tensor parallelism or HSDP the plan is
+applied to the empty model and each rank reads only its shards (families/qwen_image/denoise.py).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel, apply_rotary_emb_qwen
 from torch.distributed.device_mesh import DeviceMesh
 
-from dit_svc.parallel.attention import heads_to_ranks, ranks_to_heads
-from dit_svc.parallel.mesh import ParallelConfig, ParallelConfigError, refuse_unsupported_methods
-from dit_svc.parallel.sequence_parallel import (
-    SequenceParallelState,
-    install_sequence_parallel,
-    remove_sequence_parallel,
-    sequence_parallel_state,
-)
+from dit_svc.parallel import sequence_parallel
+from dit_svc.parallel.attention import joint_usp_attention
+from dit_svc.parallel.hsdp import apply_hsdp
+from dit_svc.parallel.mesh import ParallelConfig, build_hsdp_mesh, device_type_for, refuse_unsupported_methods
+from dit_svc.parallel.sequence_parallel import SequenceParallelState, install_sequence_parallel, sequence_parallel_state
+from dit_svc.parallel.tensor_parallel import apply_tensor_parallel
 from families.qwen_image.family import QWEN_IMAGE
 
 # Which tensors carry one entry per image token, and where the whole image sequence is gathered back.
@@ -56,8 +61,8 @@ _IMAGE_PLAN = {
 }
 
 
-class QwenUlyssesAttnProcessor:
-    """QwenDoubleStreamAttnProcessor2_0 with the image tokens split over the Ulysses group."""
+class QwenSequenceParallelAttnProcessor:
+    """QwenDoubleStreamAttnProcessor2_0 with the image tokens split over the ring x ulysses ranks."""
 
     def __init__(self, state: SequenceParallelState) -> None:
         self.state = state
@@ -72,15 +77,13 @@ class QwenUlyssesAttnProcessor:
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if encoder_hidden_states is None or attention_mask is not None:
-            raise ValueError("the Qwen-Image Ulysses processor needs the text stream and takes no attention_mask")
+            raise ValueError(
+                "the Qwen-Image sequence-parallel processor needs the text stream and takes no attention_mask"
+            )
         state = self.state
-        group = state.ulysses_group
-        size = state.ulysses_size
-        if state.seq_len is None:
-            raise RuntimeError("sequence-parallel attention ran outside the transformer's forward")
         batch_size, local_len = hidden_states.shape[:2]
-        seq_txt = encoder_hidden_states.shape[1]
 
+        # As diffusers' processor: a fixed head_dim, the head count (the rank's, under TP) from the features.
         head_dim = attn.inner_dim // attn.heads
         img_query = attn.to_q(hidden_states).unflatten(-1, (-1, head_dim))
         img_key = attn.to_k(hidden_states).unflatten(-1, (-1, head_dim))
@@ -105,70 +108,44 @@ class QwenUlyssesAttnProcessor:
             txt_query = apply_rotary_emb_qwen(txt_query, txt_freqs, use_real=False)
             txt_key = apply_rotary_emb_qwen(txt_key, txt_freqs, use_real=False)
 
-        # Image: rank's tokens of every head -> every token of rank's heads. Text: rank's heads.
-        img_query, img_key, img_value = heads_to_ranks([img_query, img_key, img_value], group)
-        num_heads = txt_query.shape[2]
-        local_heads = num_heads // size
-        rank = dist.get_rank(group)
-        txt_query, txt_key, txt_value = (
-            x.narrow(2, rank * local_heads, local_heads) for x in (txt_query, txt_key, txt_value)
+        image_padding = state.key_padding_mask(batch_size, local_len, hidden_states.device)
+        text_padding = None
+        if encoder_hidden_states_mask is not None:
+            text_padding = ~encoder_hidden_states_mask.to(torch.bool)
+        txt_out, img_out = joint_usp_attention(
+            img_query,
+            img_key,
+            img_value,
+            txt_query,
+            txt_key,
+            txt_value,
+            state.ulysses_group,
+            state.ring_group,
+            key_padding_mask=image_padding,
+            context_padding_mask=text_padding,
         )
-        joint_query = torch.cat([txt_query, img_query], dim=1)
-        joint_key = torch.cat([txt_key, img_key], dim=1)
-        joint_value = torch.cat([txt_value, img_value], dim=1)
+        img_out = img_out.flatten(2, 3).to(img_query.dtype)
+        txt_out = txt_out.flatten(2, 3).to(txt_query.dtype)
 
-        # Boolean mask (True = attend) over [text, padded image], as the original processor builds it.
-        padded_len = size * local_len
-        attn_mask = None
-        if encoder_hidden_states_mask is not None or padded_len != state.seq_len:
-            device = hidden_states.device
-            image_keep = (torch.arange(padded_len, device=device) < state.seq_len).expand(batch_size, padded_len)
-            text_keep = (
-                encoder_hidden_states_mask.to(torch.bool)
-                if encoder_hidden_states_mask is not None
-                else torch.ones(batch_size, seq_txt, dtype=torch.bool, device=device)
-            )
-            attn_mask = torch.cat([text_keep, image_keep], dim=1)[:, None, None, :]
-
-        out = F.scaled_dot_product_attention(
-            joint_query.transpose(1, 2),
-            joint_key.transpose(1, 2),
-            joint_value.transpose(1, 2),
-            attn_mask=attn_mask,
-            dropout_p=0.0,
-            is_causal=False,
-        ).transpose(1, 2)
-        out = out.to(joint_query.dtype)
-
-        txt_out = out[:, :seq_txt].contiguous()
-        parts = [torch.empty_like(txt_out) for _ in range(size)]
-        dist.all_gather(parts, txt_out, group=group)
-        txt_out = torch.cat(parts, dim=2)
-        img_out = ranks_to_heads(out[:, seq_txt:], group)
-
-        img_attn_output = attn.to_out[0](img_out.flatten(2, 3).contiguous())
+        img_attn_output = attn.to_out[0](img_out.contiguous())
         if len(attn.to_out) > 1:
             img_attn_output = attn.to_out[1](img_attn_output)
-        txt_attn_output = attn.to_add_out(txt_out.flatten(2, 3).contiguous())
+        txt_attn_output = attn.to_add_out(txt_out.contiguous())
         return img_attn_output, txt_attn_output
 
 
-def apply_qwen_ulysses(transformer: QwenImageTransformer2DModel, mesh: DeviceMesh) -> None:
-    """Splits the image tokens over the mesh's Ulysses ranks, in place; a no-op at degree 1."""
-    if mesh["ring"].size() > 1:
-        raise ParallelConfigError("the qwen-image family runs Ulysses sequence parallelism only, not --ring-degree")
+def apply_sequence_parallel(transformer: QwenImageTransformer2DModel, mesh: DeviceMesh) -> None:
+    """Splits the image tokens over the mesh's ring x ulysses ranks, in place; a no-op when both are 1."""
     state = sequence_parallel_state(mesh)
     if state is None:
         return
-    if not isinstance(transformer, QwenImageTransformer2DModel):
-        raise TypeError(f"expected QwenImageTransformer2DModel, not {type(transformer).__name__}")
-    processor = QwenUlyssesAttnProcessor(state)
+    processor = QwenSequenceParallelAttnProcessor(state)
     install_sequence_parallel(transformer, state, _IMAGE_PLAN, _attentions(transformer), processor)
 
 
-def remove_qwen_ulysses(transformer: QwenImageTransformer2DModel) -> None:
-    """Undoes apply_qwen_ulysses: removes the hooks and restores the original processors."""
-    remove_sequence_parallel(transformer, _attentions(transformer))
+def remove_sequence_parallel(transformer: QwenImageTransformer2DModel) -> None:
+    """Undoes apply_sequence_parallel: removes the hooks and restores the original processors."""
+    sequence_parallel.remove_sequence_parallel(transformer, _attentions(transformer))
 
 
 def _attentions(transformer: QwenImageTransformer2DModel) -> list[torch.nn.Module]:
@@ -176,7 +153,16 @@ def _attentions(transformer: QwenImageTransformer2DModel) -> list[torch.nn.Modul
 
 
 def parallelize(transformer: torch.nn.Module, config: ParallelConfig, mesh: DeviceMesh, device: torch.device) -> None:
-    """Applies the layout to a QwenImageTransformer2DModel in place: Ulysses over the image tokens."""
+    """Applies the layout to a QwenImageTransformer2DModel in place, innermost first: TP, sequence parallel, HSDP.
+
+    The model may still be on the meta device (then it is loaded shard by shard afterwards).
+    """
     refuse_unsupported_methods(config, QWEN_IMAGE)
+    if not isinstance(transformer, QwenImageTransformer2DModel):
+        raise TypeError(f"expected QwenImageTransformer2DModel, not {type(transformer).__name__}")
+    if config.tp_degree > 1:
+        apply_tensor_parallel(transformer, mesh["tp"])
     if config.sequence_parallel:
-        apply_qwen_ulysses(transformer, mesh)
+        apply_sequence_parallel(transformer, mesh)
+    if config.use_hsdp and config.hsdp_shard_size * config.hsdp_replicate_size > 1:
+        apply_hsdp(transformer, build_hsdp_mesh(config, device_type_for(device)))

@@ -43,8 +43,8 @@ class WanDecodeSession:
         self.latent_frames_seen = 0
 
     @torch.no_grad()
-    def decode_next(self, latent_frame: torch.Tensor) -> torch.Tensor:
-        """Decodes latent frame [1, C, 1, h, w] (float32, normalised) to uint8 frames [n, H, W, 3]."""
+    def decode_next_float(self, latent_frame: torch.Tensor) -> torch.Tensor:
+        """Decodes latent frame [1, C, 1, h, w] (normalised) to the clamped decoder output [1, 3, n, H, W]."""
         owner = self.decoder
         vae = owner.vae
         latents = latent_frame.to(owner.device, vae.dtype)
@@ -56,6 +56,9 @@ class WanDecodeSession:
             out = unpatchify(out, patch_size=vae.config.patch_size)
         out = torch.clamp(out, min=-1.0, max=1.0)
         self.latent_frames_seen += 1
-        frames = to_uint8_frames(out)
-        self.frames_decoded += frames.shape[0]
-        return frames
+        self.frames_decoded += out.shape[2]
+        return out
+
+    def decode_next(self, latent_frame: torch.Tensor) -> torch.Tensor:
+        """Decodes latent frame [1, C, 1, h, w] (float32, normalised) to uint8 frames [n, H, W, 3]."""
+        return to_uint8_frames(self.decode_next_float(latent_frame))

@@ -46,9 +46,7 @@ class WanDenoiser:
         load = partial(load_pretrained, device=device, dtype=dtype, num_threads=load_threads)
         if self.parallel is not None and self.parallel.shards_weights:
             # Tensor parallelism and HSDP are applied to the empty model, so that each rank reads only its shards.
-            load = partial(
-                load, shard_model=partial(parallelize, config=self.parallel, mesh=mesh, device=device)
-            )
+            load = partial(load, shard_model=partial(parallelize, config=self.parallel, mesh=mesh, device=device))
         self.transformer = load(WanTransformer3DModel, model_dir / "transformer").eval()
         # Wan2.2 A14B: a second expert takes the low-noise steps, below boundary_ratio * num_train_timesteps.
         self.transformer_2: WanTransformer3DModel | None = None
@@ -106,6 +104,19 @@ class WanDenoiser:
     ) -> torch.Tensor:
         return model(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, return_dict=False)[0]
 
+    def guided_prediction(
+        self,
+        predict: Callable[[torch.Tensor, str], torch.Tensor],
+        spec: DenoiseSpec,
+        prompt_embeds: torch.Tensor,
+        negative_prompt_embeds: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One step's noise prediction: the prompt's, or with CFG uncond + scale * (cond - uncond), as WanPipeline."""
+        if not spec.do_classifier_free_guidance:
+            return predict(prompt_embeds, "cond")
+        noise_pred, noise_uncond = guidance_predictions(predict, prompt_embeds, negative_prompt_embeds, self.cfg_group)
+        return noise_uncond + spec.guidance_scale * (noise_pred - noise_uncond)
+
     @torch.no_grad()
     def denoise(
         self,
@@ -145,13 +156,7 @@ class WanDenoiser:
                 timestep = t.expand(latents.shape[0])
             # guidance_scale_2 of WanPipeline is not exposed: both experts use the request's guidance scale.
             predict = partial(self._predict, self.expert_for(t, boundary_timestep), latent_model_input, timestep)
-            if not spec.do_classifier_free_guidance:
-                noise_pred = predict(prompt_embeds, "cond")
-            else:
-                noise_pred, noise_uncond = guidance_predictions(
-                    predict, prompt_embeds, negative_prompt_embeds, self.cfg_group
-                )
-                noise_pred = noise_uncond + spec.guidance_scale * (noise_pred - noise_uncond)
+            noise_pred = self.guided_prediction(predict, spec, prompt_embeds, negative_prompt_embeds)
             latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
             on_step(i + 1, len(timesteps))
         return latents

@@ -272,10 +272,17 @@ class Job:
         yield result.completed_event(self.job_id)
 
     def to_proto(self, queue_position: int = 0) -> generation_pb2.Job:
+        request = self.request
+        if request.images:
+            # The images' bytes stay with the job; a client sees which images they were (sha256, size).
+            request = generation_pb2.GenerateRequest()
+            request.CopyFrom(self.request)
+            for image in request.images:
+                image.ClearField("data")
         job = generation_pb2.Job(
             job_id=self.job_id,
             state=self.state,
-            request=self.request,
+            request=request,
             created_at=_timestamp(self.created_at),
             queue_position=queue_position,
             current_stage=self.current_stage,

@@ -4,7 +4,9 @@ The stages a job runs are the served family's chain, less the optional stages
 its request leaves off (services/orchestrator/chain.py): Wan runs the
 interpolator only when a request asks for interpolation, Qwen-Image never. The
 text encoder runs to its end first, so that no DiT replica is held while prompts
-are encoded. The later stages run at the same time, joined by queues: each
+are encoded; for a request with input images, the VAE's Encode of them runs at
+the same time as the text encoder (its output, "image_latents", joins the
+conditioning, kept as the "vae-encode" output). The later stages run at the same time, joined by queues: each
 chunk a stage sends is forwarded to the next stage as it arrives (latent frames
 from the DiT to the VAE, frames from the VAE to the interpolator), the last
 stage's frames go to the result, and nothing waits for the whole video.
@@ -62,6 +64,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from families.base import Family
+from services.input_images import ROLE_NAMES
 from services.metrics import OrchestratorMetrics
 from services.orchestrator.cache_namespace import cache_namespace_key, tenant_cache_namespace
 from services.orchestrator.chain import served_family, stages_for
@@ -69,14 +72,16 @@ from services.orchestrator.jobs import Job, JobState, result_shape, store_failur
 from services.orchestrator.stage_clients import StageError, StagePool
 from services.orchestrator.store import InvalidTransition, JobStore, ResultWriter, StoreError
 from stagediff.tensor_codec import WireError
-from stagediff.v1 import generation_pb2, stages_pb2, tensor_pb2
+from stagediff.v1 import generation_pb2, image_pb2, stages_pb2, tensor_pb2
 
 logger = logging.getLogger(__name__)
 
 _END = None  # closes a relay queue
 # Stages whose whole output a job keeps (in `job.intermediates["outputs"]` and in the store), so that a retry
 # or a restart resumes after them: the conditioning and the latents, small next to the frames.
-KEPT_OUTPUTS = ("text-encoder", "dit")
+KEPT_OUTPUTS = ("text-encoder", "vae-encode", "dit")
+# The VAE's Encode of a request's input images: a call on the VAE stage, kept under its own name.
+VAE_ENCODE = "vae-encode"
 # Where a relayed stage sends each chunk: the next stage's queue, or the result.
 Emit = Callable[[tensor_pb2.TensorChunk], Awaitable[None]]
 
@@ -172,6 +177,23 @@ def restore_intermediates(job: Job, stored: dict[str, list[tensor_pb2.TensorChun
 
 def _tensor_names(chunks: list[tensor_pb2.TensorChunk]) -> list[str]:
     return [chunk.header.name for chunk in chunks if chunk.HasField("header")]
+
+
+def _check_sent(
+    family: Family,
+    request: generation_pb2.GenerateRequest,
+    stage: str,
+    endpoint: str,
+    chunks: list[tensor_pb2.TensorChunk],
+) -> None:
+    """Raises StageError (INTERNAL) when a conditioning stage left out a tensor the DiT needs from it."""
+    sent = _tensor_names(chunks)
+    guidance, images = request.guidance_scale > 1.0, bool(request.images)
+    needed = [slot.name for slot in family.conditioning if slot.source == stage and slot.is_needed(guidance, images)]
+    missing = [name for name in needed if name not in sent]
+    if missing or (chunks and not chunks[-1].last):
+        detail = f"sent no {', '.join(missing)}" if missing else "its stream ended inside a tensor"
+        raise StageError(stage, endpoint, grpc.StatusCode.INTERNAL, f"{detail} (sent {sent})")
 
 
 class Pipeline:
@@ -318,12 +340,17 @@ class Pipeline:
         stages = stages_for(family, request)
         job.fps_out = request.fps * (2**request.interpolation.exp if "interp" in stages else 1)
         outputs: dict[str, list[tensor_pb2.TensorChunk]] = job.intermediates.setdefault("outputs", {})
-        if "text-encoder" not in outputs:
-            await self._encode(job, family)
+        # The conditioning: the text encoder's, and the VAE's encode of the input images, at the same time.
+        encode_images = bool(request.images) and "vae" in family.images.encoded_by
+        async with asyncio.TaskGroup() as group:
+            if "text-encoder" not in outputs:
+                group.create_task(self._encode(job, family))
+            if encode_images and VAE_ENCODE not in outputs:
+                group.create_task(self._encode_images(job, family))
         publisher = ResultPublisher(job, job.result, job.fps_out, self.metrics)
         # The DiT's input is the conditioning; each later stage's is the stage before's output.
         inbox: asyncio.Queue = asyncio.Queue()
-        for chunk in outputs["text-encoder"]:
+        for chunk in [*outputs["text-encoder"], *(outputs[VAE_ENCODE] if encode_images else [])]:
             inbox.put_nowait(chunk)
         inbox.put_nowait(_END)
         relayed = stages[stages.index("dit") :]
@@ -375,32 +402,47 @@ class Pipeline:
         job.current_stage = "text-encoder"
         started = time.perf_counter()
         chunks: list[tensor_pb2.TensorChunk] = []
+        images = request.images if "text-encoder" in family.images.encoded_by else []
         async with stage.call() as replica:
             call = replica.text_encoder.Encode(
                 stages_pb2.EncodeRequest(
                     model=request.model,
                     texts=texts,
                     cache_namespace=tenant_cache_namespace(self.cache_namespace_key, job.tenant),
+                    images=images,
                 ),
                 timeout=self._remaining(job),
             )
             async for response in call:
                 chunks.append(response.tensor)
-        sent = _tensor_names(chunks)
-        needed = [
-            slot.name
-            for slot in family.conditioning
-            if slot.needed == "always" or (slot.needed == "cfg" and request.guidance_scale > 1.0)
-        ]
-        missing = [name for name in needed if name not in sent]
-        if missing or (chunks and not chunks[-1].last):
-            detail = f"sent no {', '.join(missing)}" if missing else "its stream ended inside a tensor"
-            raise StageError("text-encoder", replica.endpoint, grpc.StatusCode.INTERNAL, f"{detail} (sent {sent})")
+        _check_sent(family, request, "text-encoder", replica.endpoint, chunks)
         job.timings["text-encoder"] = time.perf_counter() - started
         await self._stage_done(job, "text-encoder", chunks)
         await job.publish(
             generation_pb2.GenerateEvent(progress=generation_pb2.StageProgress(stage="text-encoder", step=1, total=1))
         )
+
+    async def _encode_images(self, job: Job, family: Family) -> None:
+        """Runs the VAE's Encode of the input images to its end: the DiT's image latents."""
+        request = job.request
+        started = time.perf_counter()
+        chunks: list[tensor_pb2.TensorChunk] = []
+        async with self.stages["vae"].call() as replica:
+            call = replica.vae.Encode(
+                stages_pb2.VaeEncodeRequest(
+                    model=request.model,
+                    height=request.height,
+                    width=request.width,
+                    num_frames=request.num_frames,
+                    images=request.images,
+                ),
+                timeout=self._remaining(job),
+            )
+            async for response in call:
+                chunks.append(response.tensor)
+        _check_sent(family, request, "vae", replica.endpoint, chunks)
+        job.timings[VAE_ENCODE] = time.perf_counter() - started
+        await self._stage_done(job, VAE_ENCODE, chunks)
 
     async def _denoise(self, job: Job, conditioning: asyncio.Queue, emit: Emit) -> None:
         request = job.request
@@ -416,6 +458,10 @@ class Pipeline:
                     num_inference_steps=request.num_inference_steps,
                     guidance_scale=request.guidance_scale,
                     seed=request.seed,
+                    image_roles=[ROLE_NAMES[image.role] for image in request.images],
+                    image_sizes=[
+                        image_pb2.ImageSize(width=image.width, height=image.height) for image in request.images
+                    ],
                 )
             )
             while (chunk := await conditioning.get()) is not _END:

@@ -25,12 +25,15 @@ from google.protobuf.descriptor import FieldDescriptor, ServiceDescriptor
 from google.protobuf.message import Message
 
 from services.errors import RequestError
+from services.images import MAX_IMAGE_BYTES
 
 MAX_MODEL_ID_CHARS = 128
 MAX_TEXT_CHARS = 65_536  # above any model's max_prompt_chars (10,000 for the families served today)
 MAX_REQUEST_ID_CHARS = 128
 MAX_JOB_ID_CHARS = 64  # job ids are 32 hex digits
 MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
+MAX_IMAGES = 4  # above any family's image roles (first and last frame; an image to edit)
+MAX_DIGEST_CHARS = 64  # a hex SHA-256
 
 # Full message name -> field name -> the most characters (strings), bytes (bytes) or entries (repeated).
 FIELD_LIMITS: dict[str, dict[str, int]] = {
@@ -39,7 +42,10 @@ FIELD_LIMITS: dict[str, dict[str, int]] = {
         "prompt": MAX_TEXT_CHARS,
         "negative_prompt": MAX_TEXT_CHARS,
         "request_id": MAX_REQUEST_ID_CHARS,
+        "images": MAX_IMAGES,
     },
+    # Each image at most all of a request's image bytes; the model's own limits are checked once it is known.
+    "stagediff.v1.InputImage": {"data": MAX_IMAGE_BYTES, "sha256": MAX_DIGEST_CHARS},
     "stagediff.v1.InterpolationParams": {"model_path": MAX_PATH_CHARS},
     "stagediff.v1.GetJobRequest": {"job_id": MAX_JOB_ID_CHARS},
     "stagediff.v1.WatchJobRequest": {"job_id": MAX_JOB_ID_CHARS},

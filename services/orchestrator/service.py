@@ -29,6 +29,7 @@ from services.auth import (
 )
 from services.environment_options import parse_args
 from services.errors import RequestError, bounded
+from services.images import MAX_IMAGE_BYTES
 from services.metrics import OrchestratorMetrics, ServerMetrics, start_metrics_server
 from services.orchestrator.chain import StageNotDeployed, chain_problem, check_request, missing_stages, served_family
 from services.orchestrator.followers import JobFollowers, TooManyWatchers
@@ -36,6 +37,7 @@ from services.orchestrator.jobs import AdmissionRefused, Job, JobManager, JobSta
 from services.orchestrator.options import DEFAULT_DETACH_GRACE_S, build_parser
 from services.orchestrator.pipeline import Pipeline, restore_intermediates
 from services.orchestrator.request_bounds import RequestBoundsInterceptor
+from services.orchestrator.request_images import complete_images, size_from_images, verify_images
 from services.orchestrator.scheduler import FairScheduler
 from services.orchestrator.stage_clients import NOT_SERVING, STAGE_ORDER, StagePool
 from services.orchestrator.store import JobStore, ResultGone, StoreError
@@ -60,11 +62,12 @@ UNKNOWN_MODEL_LABEL = "unknown"
 # When a tenant at its max_watch_streams may try again.
 WATCH_RETRY_AFTER_S = 1.0
 # The public port receives small requests only: the bounded fields of a GenerateRequest need well under
-# 1 MiB, so a larger message is refused by grpc (RESOURCE_EXHAUSTED) before it is parsed. Without BDP
+# 1 MiB besides its input images (at most MAX_IMAGE_BYTES in all), so a larger message is refused by grpc
+# (RESOURCE_EXHAUSTED) before it is parsed. Without BDP
 # probing the receive window stays at its default, so grpc does not take in megabytes of a message it will
 # refuse (24 refused requests of 16 MiB left the orchestrator 43 MiB larger with probing, 1 MiB without;
 # bench/hostile.py). Responses, where the frames are, flow under the client's window and are unaffected.
-MAX_REQUEST_BYTES = 4 << 20
+MAX_REQUEST_BYTES = MAX_IMAGE_BYTES + (1 << 20)
 PUBLIC_PORT_OPTIONS = (("grpc.max_receive_message_length", MAX_REQUEST_BYTES), ("grpc.http2.bdp_probe", 0))
 
 
@@ -164,8 +167,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             length = len(getattr(request, field))
             if length > limits.max_prompt_chars:
                 raise RequestError(f"{field}: {length} characters; at most {limits.max_prompt_chars} are allowed")
-        full.height = request.height if request.HasField("height") else limits.default_height
-        full.width = request.width if request.HasField("width") else limits.default_width
+        complete_images(full, limits)
+        # A family that takes the output size from an input image (Qwen-Image-Edit) does so for each side the
+        # request leaves unset, as its pipeline does (`height = height or calculated_height`); the job
+        # records the size it used.
+        from_image = size_from_images(full, limits, family.images)
+        default_width, default_height = from_image[2] if from_image else (limits.default_width, limits.default_height)
+        full.height = request.height if request.HasField("height") else default_height
+        full.width = request.width if request.HasField("width") else default_width
         full.num_frames = request.num_frames if request.HasField("num_frames") else limits.default_num_frames
         full.num_inference_steps = (
             request.num_inference_steps if request.HasField("num_inference_steps") else limits.default_inference_steps
@@ -175,7 +184,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
         full.seed = request.seed if request.HasField("seed") else random.randrange(2**31)
         full.fps = request.fps if request.HasField("fps") else limits.default_fps
-        validate_size(limits, full.height, full.width, full.num_frames)
+        try:
+            validate_size(limits, full.height, full.width, full.num_frames)
+        except RequestError as error:
+            side = str(error).partition(":")[0]
+            if from_image is None or side not in ("height", "width") or request.HasField(side):
+                raise
+            index, image, (width, height) = from_image
+            raise RequestError(
+                f"images[{index}]: the output size {width}x{height} made from this {image.width}x{image.height} "
+                f"image is not allowed ({error}); send height and width"
+            ) from None
         validate_sampling(limits, full.num_inference_steps, full.guidance_scale)
         validate_seed(full.seed)
         if not math.isfinite(full.fps) or not 0 < full.fps <= MAX_FPS:
@@ -229,6 +248,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self.tenants.check_rate(tenant)
             full = self.complete_request(request)
             model = full.model
+            # Decoding proves the images whole (a truncated file is refused here, not by a stage later).
+            await asyncio.to_thread(verify_images, full, self._models()[full.model].limits)
             self.tenants.check_request_limits(tenant, full)
             remaining = context.time_remaining()
             deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining

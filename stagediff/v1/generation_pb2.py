@@ -23,11 +23,12 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
+from stagediff.v1 import image_pb2 as stagediff_dot_v1_dot_image__pb2
 from stagediff.v1 import stages_pb2 as stagediff_dot_v1_dot_stages__pb2
 from stagediff.v1 import tensor_pb2 as stagediff_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dstagediff/v1/generation.proto\x12\x0cstagediff.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19stagediff/v1/stages.proto\x1a\x19stagediff/v1/tensor.proto\"U\n\x13InterpolationParams\x12\x0e\n\x06\x65nable\x18\x01 \x01(\x08\x12\x0b\n\x03\x65xp\x18\x02 \x01(\x05\x12\r\n\x05scale\x18\x03 \x01(\x01\x12\x12\n\nmodel_path\x18\x04 \x01(\t\"\x9d\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x17\n\x0fnegative_prompt\x18\x03 \x01(\t\x12\x13\n\x06height\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\x05width\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x17\n\nnum_frames\x18\x06 \x01(\x05H\x02\x88\x01\x01\x12 \n\x13num_inference_steps\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\x08 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x05\x88\x01\x01\x12\x10\n\x03\x66ps\x18\n \x01(\x01H\x06\x88\x01\x01\x12\x38\n\rinterpolation\x18\x0b \x01(\x0b\x32!.stagediff.v1.InterpolationParams\x12\x12\n\nrequest_id\x18\x0c \x01(\tB\t\n\x07_heightB\x08\n\x06_widthB\r\n\x0b_num_framesB\x16\n\x14_num_inference_stepsB\x11\n\x0f_guidance_scaleB\x07\n\x05_seedB\x06\n\x04_fps\")\n\x08JobError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xad\x03\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.stagediff.v1.JobState\x12.\n\x07request\x18\x03 \x01(\x0b\x32\x1d.stagediff.v1.GenerateRequest\x12.\n\ncreated_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0equeue_position\x18\x06 \x01(\x05\x12\x15\n\rcurrent_stage\x18\x07 \x01(\t\x12%\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x16.stagediff.v1.JobError\x12/\n\x07timings\x18\t \x03(\x0b\x32\x1e.stagediff.v1.Job.TimingsEntry\x12\x16\n\x0enum_frames_out\x18\n \x01(\x05\x12\x0f\n\x07\x66ps_out\x18\x0b \x01(\x01\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1d\n\tJobQueued\x12\x10\n\x08position\x18\x01 \x01(\x05\";\n\rStageProgress\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12\r\n\x05total\x18\x03 \x01(\x05\"E\n\x0bResultChunk\x12)\n\x06tensor\x18\x01 \x01(\x0b\x32\x19.stagediff.v1.TensorChunk\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x01\"\x99\x01\n\x0cJobCompleted\x12\x38\n\x07timings\x18\x01 \x03(\x0b\x32\'.stagediff.v1.JobCompleted.TimingsEntry\x12\x12\n\nnum_frames\x18\x02 \x01(\x05\x12\x0b\n\x03\x66ps\x18\x03 \x01(\x01\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xe2\x01\n\rGenerateEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12)\n\x06queued\x18\x02 \x01(\x0b\x32\x17.stagediff.v1.JobQueuedH\x00\x12/\n\x08progress\x18\x03 \x01(\x0b\x32\x1b.stagediff.v1.StageProgressH\x00\x12+\n\x06result\x18\x04 \x01(\x0b\x32\x19.stagediff.v1.ResultChunkH\x00\x12/\n\tcompleted\x18\x05 \x01(\x0b\x32\x1a.stagediff.v1.JobCompletedH\x00\x42\x07\n\x05\x65vent\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"!\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"G\n\x0fListJobsRequest\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.stagediff.v1.JobState\x12\r\n\x05limit\x18\x02 \x01(\x05\"3\n\x10ListJobsResponse\x12\x1f\n\x04jobs\x18\x01 \x03(\x0b\x32\x11.stagediff.v1.Job\"Y\n\x10ModelDescription\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12)\n\x06limits\x18\x03 \x01(\x0b\x32\x19.stagediff.v1.ModelLimits\"\x13\n\x11ListModelsRequest\"D\n\x12ListModelsResponse\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.stagediff.v1.ModelDescription\"\x8a\x01\n\rReplicaStatus\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0e\n\x06health\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x11\n\tin_flight\x18\x04 \x01(\x05\x12\r\n\x05\x63\x61lls\x18\x05 \x01(\x03\x12%\n\x04info\x18\x06 \x01(\x0b\x32\x17.stagediff.v1.StageInfo\"\x95\x01\n\x0bStageStatus\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.stagediff.v1.StageInfo\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0e\n\x06health\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12-\n\x08replicas\x18\x05 \x03(\x0b\x32\x1b.stagediff.v1.ReplicaStatus\"\x17\n\x15GetClusterInfoRequest\"I\n\x0b\x43lusterInfo\x12)\n\x06stages\x18\x01 \x03(\x0b\x32\x19.stagediff.v1.StageStatus\x12\x0f\n\x07version\x18\x02 \x01(\t*\x9a\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05\x32\xc4\x04\n\nGeneration\x12H\n\x08Generate\x12\x1d.stagediff.v1.GenerateRequest\x1a\x1b.stagediff.v1.GenerateEvent0\x01\x12:\n\x06Submit\x12\x1d.stagediff.v1.GenerateRequest\x1a\x11.stagediff.v1.Job\x12H\n\x08WatchJob\x12\x1d.stagediff.v1.WatchJobRequest\x1a\x1b.stagediff.v1.GenerateEvent0\x01\x12\x38\n\x06GetJob\x12\x1b.stagediff.v1.GetJobRequest\x1a\x11.stagediff.v1.Job\x12>\n\tCancelJob\x12\x1e.stagediff.v1.CancelJobRequest\x1a\x11.stagediff.v1.Job\x12I\n\x08ListJobs\x12\x1d.stagediff.v1.ListJobsRequest\x1a\x1e.stagediff.v1.ListJobsResponse\x12O\n\nListModels\x12\x1f.stagediff.v1.ListModelsRequest\x1a .stagediff.v1.ListModelsResponse\x12P\n\x0eGetClusterInfo\x12#.stagediff.v1.GetClusterInfoRequest\x1a\x19.stagediff.v1.ClusterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dstagediff/v1/generation.proto\x12\x0cstagediff.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18stagediff/v1/image.proto\x1a\x19stagediff/v1/stages.proto\x1a\x19stagediff/v1/tensor.proto\"U\n\x13InterpolationParams\x12\x0e\n\x06\x65nable\x18\x01 \x01(\x08\x12\x0b\n\x03\x65xp\x18\x02 \x01(\x05\x12\r\n\x05scale\x18\x03 \x01(\x01\x12\x12\n\nmodel_path\x18\x04 \x01(\t\"\xc7\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x17\n\x0fnegative_prompt\x18\x03 \x01(\t\x12\x13\n\x06height\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\x05width\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x17\n\nnum_frames\x18\x06 \x01(\x05H\x02\x88\x01\x01\x12 \n\x13num_inference_steps\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\x08 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x05\x88\x01\x01\x12\x10\n\x03\x66ps\x18\n \x01(\x01H\x06\x88\x01\x01\x12\x38\n\rinterpolation\x18\x0b \x01(\x0b\x32!.stagediff.v1.InterpolationParams\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12(\n\x06images\x18\r \x03(\x0b\x32\x18.stagediff.v1.InputImageB\t\n\x07_heightB\x08\n\x06_widthB\r\n\x0b_num_framesB\x16\n\x14_num_inference_stepsB\x11\n\x0f_guidance_scaleB\x07\n\x05_seedB\x06\n\x04_fps\")\n\x08JobError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xad\x03\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.stagediff.v1.JobState\x12.\n\x07request\x18\x03 \x01(\x0b\x32\x1d.stagediff.v1.GenerateRequest\x12.\n\ncreated_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0equeue_position\x18\x06 \x01(\x05\x12\x15\n\rcurrent_stage\x18\x07 \x01(\t\x12%\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x16.stagediff.v1.JobError\x12/\n\x07timings\x18\t \x03(\x0b\x32\x1e.stagediff.v1.Job.TimingsEntry\x12\x16\n\x0enum_frames_out\x18\n \x01(\x05\x12\x0f\n\x07\x66ps_out\x18\x0b \x01(\x01\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1d\n\tJobQueued\x12\x10\n\x08position\x18\x01 \x01(\x05\";\n\rStageProgress\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12\r\n\x05total\x18\x03 \x01(\x05\"E\n\x0bResultChunk\x12)\n\x06tensor\x18\x01 \x01(\x0b\x32\x19.stagediff.v1.TensorChunk\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x01\"\x99\x01\n\x0cJobCompleted\x12\x38\n\x07timings\x18\x01 \x03(\x0b\x32\'.stagediff.v1.JobCompleted.TimingsEntry\x12\x12\n\nnum_frames\x18\x02 \x01(\x05\x12\x0b\n\x03\x66ps\x18\x03 \x01(\x01\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xe2\x01\n\rGenerateEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12)\n\x06queued\x18\x02 \x01(\x0b\x32\x17.stagediff.v1.JobQueuedH\x00\x12/\n\x08progress\x18\x03 \x01(\x0b\x32\x1b.stagediff.v1.StageProgressH\x00\x12+\n\x06result\x18\x04 \x01(\x0b\x32\x19.stagediff.v1.ResultChunkH\x00\x12/\n\tcompleted\x18\x05 \x01(\x0b\x32\x1a.stagediff.v1.JobCompletedH\x00\x42\x07\n\x05\x65vent\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"!\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"G\n\x0fListJobsRequest\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.stagediff.v1.JobState\x12\r\n\x05limit\x18\x02 \x01(\x05\"3\n\x10ListJobsResponse\x12\x1f\n\x04jobs\x18\x01 \x03(\x0b\x32\x11.stagediff.v1.Job\"Y\n\x10ModelDescription\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12)\n\x06limits\x18\x03 \x01(\x0b\x32\x19.stagediff.v1.ModelLimits\"\x13\n\x11ListModelsRequest\"D\n\x12ListModelsResponse\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.stagediff.v1.ModelDescription\"\x8a\x01\n\rReplicaStatus\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0e\n\x06health\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x11\n\tin_flight\x18\x04 \x01(\x05\x12\r\n\x05\x63\x61lls\x18\x05 \x01(\x03\x12%\n\x04info\x18\x06 \x01(\x0b\x32\x17.stagediff.v1.StageInfo\"\x95\x01\n\x0bStageStatus\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.stagediff.v1.StageInfo\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0e\n\x06health\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12-\n\x08replicas\x18\x05 \x03(\x0b\x32\x1b.stagediff.v1.ReplicaStatus\"\x17\n\x15GetClusterInfoRequest\"I\n\x0b\x43lusterInfo\x12)\n\x06stages\x18\x01 \x03(\x0b\x32\x19.stagediff.v1.StageStatus\x12\x0f\n\x07version\x18\x02 \x01(\t*\x9a\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05\x32\xc4\x04\n\nGeneration\x12H\n\x08Generate\x12\x1d.stagediff.v1.GenerateRequest\x1a\x1b.stagediff.v1.GenerateEvent0\x01\x12:\n\x06Submit\x12\x1d.stagediff.v1.GenerateRequest\x1a\x11.stagediff.v1.Job\x12H\n\x08WatchJob\x12\x1d.stagediff.v1.WatchJobRequest\x1a\x1b.stagediff.v1.GenerateEvent0\x01\x12\x38\n\x06GetJob\x12\x1b.stagediff.v1.GetJobRequest\x1a\x11.stagediff.v1.Job\x12>\n\tCancelJob\x12\x1e.stagediff.v1.CancelJobRequest\x1a\x11.stagediff.v1.Job\x12I\n\x08ListJobs\x12\x1d.stagediff.v1.ListJobsRequest\x1a\x1e.stagediff.v1.ListJobsResponse\x12O\n\nListModels\x12\x1f.stagediff.v1.ListModelsRequest\x1a .stagediff.v1.ListModelsResponse\x12P\n\x0eGetClusterInfo\x12#.stagediff.v1.GetClusterInfoRequest\x1a\x19.stagediff.v1.ClusterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,54 +39,54 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOB_TIMINGSENTRY']._serialized_options = b'8\001'
   _globals['_JOBCOMPLETED_TIMINGSENTRY']._loaded_options = None
   _globals['_JOBCOMPLETED_TIMINGSENTRY']._serialized_options = b'8\001'
-  _globals['_JOBSTATE']._serialized_start=2466
-  _globals['_JOBSTATE']._serialized_end=2620
-  _globals['_INTERPOLATIONPARAMS']._serialized_start=134
-  _globals['_INTERPOLATIONPARAMS']._serialized_end=219
-  _globals['_GENERATEREQUEST']._serialized_start=222
-  _globals['_GENERATEREQUEST']._serialized_end=635
-  _globals['_JOBERROR']._serialized_start=637
-  _globals['_JOBERROR']._serialized_end=678
-  _globals['_JOB']._serialized_start=681
-  _globals['_JOB']._serialized_end=1110
-  _globals['_JOB_TIMINGSENTRY']._serialized_start=1064
-  _globals['_JOB_TIMINGSENTRY']._serialized_end=1110
-  _globals['_JOBQUEUED']._serialized_start=1112
-  _globals['_JOBQUEUED']._serialized_end=1141
-  _globals['_STAGEPROGRESS']._serialized_start=1143
-  _globals['_STAGEPROGRESS']._serialized_end=1202
-  _globals['_RESULTCHUNK']._serialized_start=1204
-  _globals['_RESULTCHUNK']._serialized_end=1273
-  _globals['_JOBCOMPLETED']._serialized_start=1276
-  _globals['_JOBCOMPLETED']._serialized_end=1429
-  _globals['_JOBCOMPLETED_TIMINGSENTRY']._serialized_start=1064
-  _globals['_JOBCOMPLETED_TIMINGSENTRY']._serialized_end=1110
-  _globals['_GENERATEEVENT']._serialized_start=1432
-  _globals['_GENERATEEVENT']._serialized_end=1658
-  _globals['_GETJOBREQUEST']._serialized_start=1660
-  _globals['_GETJOBREQUEST']._serialized_end=1691
-  _globals['_WATCHJOBREQUEST']._serialized_start=1693
-  _globals['_WATCHJOBREQUEST']._serialized_end=1726
-  _globals['_CANCELJOBREQUEST']._serialized_start=1728
-  _globals['_CANCELJOBREQUEST']._serialized_end=1762
-  _globals['_LISTJOBSREQUEST']._serialized_start=1764
-  _globals['_LISTJOBSREQUEST']._serialized_end=1835
-  _globals['_LISTJOBSRESPONSE']._serialized_start=1837
-  _globals['_LISTJOBSRESPONSE']._serialized_end=1888
-  _globals['_MODELDESCRIPTION']._serialized_start=1890
-  _globals['_MODELDESCRIPTION']._serialized_end=1979
-  _globals['_LISTMODELSREQUEST']._serialized_start=1981
-  _globals['_LISTMODELSREQUEST']._serialized_end=2000
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2002
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2070
-  _globals['_REPLICASTATUS']._serialized_start=2073
-  _globals['_REPLICASTATUS']._serialized_end=2211
-  _globals['_STAGESTATUS']._serialized_start=2214
-  _globals['_STAGESTATUS']._serialized_end=2363
-  _globals['_GETCLUSTERINFOREQUEST']._serialized_start=2365
-  _globals['_GETCLUSTERINFOREQUEST']._serialized_end=2388
-  _globals['_CLUSTERINFO']._serialized_start=2390
-  _globals['_CLUSTERINFO']._serialized_end=2463
-  _globals['_GENERATION']._serialized_start=2623
-  _globals['_GENERATION']._serialized_end=3203
+  _globals['_JOBSTATE']._serialized_start=2534
+  _globals['_JOBSTATE']._serialized_end=2688
+  _globals['_INTERPOLATIONPARAMS']._serialized_start=160
+  _globals['_INTERPOLATIONPARAMS']._serialized_end=245
+  _globals['_GENERATEREQUEST']._serialized_start=248
+  _globals['_GENERATEREQUEST']._serialized_end=703
+  _globals['_JOBERROR']._serialized_start=705
+  _globals['_JOBERROR']._serialized_end=746
+  _globals['_JOB']._serialized_start=749
+  _globals['_JOB']._serialized_end=1178
+  _globals['_JOB_TIMINGSENTRY']._serialized_start=1132
+  _globals['_JOB_TIMINGSENTRY']._serialized_end=1178
+  _globals['_JOBQUEUED']._serialized_start=1180
+  _globals['_JOBQUEUED']._serialized_end=1209
+  _globals['_STAGEPROGRESS']._serialized_start=1211
+  _globals['_STAGEPROGRESS']._serialized_end=1270
+  _globals['_RESULTCHUNK']._serialized_start=1272
+  _globals['_RESULTCHUNK']._serialized_end=1341
+  _globals['_JOBCOMPLETED']._serialized_start=1344
+  _globals['_JOBCOMPLETED']._serialized_end=1497
+  _globals['_JOBCOMPLETED_TIMINGSENTRY']._serialized_start=1132
+  _globals['_JOBCOMPLETED_TIMINGSENTRY']._serialized_end=1178
+  _globals['_GENERATEEVENT']._serialized_start=1500
+  _globals['_GENERATEEVENT']._serialized_end=1726
+  _globals['_GETJOBREQUEST']._serialized_start=1728
+  _globals['_GETJOBREQUEST']._serialized_end=1759
+  _globals['_WATCHJOBREQUEST']._serialized_start=1761
+  _globals['_WATCHJOBREQUEST']._serialized_end=1794
+  _globals['_CANCELJOBREQUEST']._serialized_start=1796
+  _globals['_CANCELJOBREQUEST']._serialized_end=1830
+  _globals['_LISTJOBSREQUEST']._serialized_start=1832
+  _globals['_LISTJOBSREQUEST']._serialized_end=1903
+  _globals['_LISTJOBSRESPONSE']._serialized_start=1905
+  _globals['_LISTJOBSRESPONSE']._serialized_end=1956
+  _globals['_MODELDESCRIPTION']._serialized_start=1958
+  _globals['_MODELDESCRIPTION']._serialized_end=2047
+  _globals['_LISTMODELSREQUEST']._serialized_start=2049
+  _globals['_LISTMODELSREQUEST']._serialized_end=2068
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2070
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2138
+  _globals['_REPLICASTATUS']._serialized_start=2141
+  _globals['_REPLICASTATUS']._serialized_end=2279
+  _globals['_STAGESTATUS']._serialized_start=2282
+  _globals['_STAGESTATUS']._serialized_end=2431
+  _globals['_GETCLUSTERINFOREQUEST']._serialized_start=2433
+  _globals['_GETCLUSTERINFOREQUEST']._serialized_end=2456
+  _globals['_CLUSTERINFO']._serialized_start=2458
+  _globals['_CLUSTERINFO']._serialized_end=2531
+  _globals['_GENERATION']._serialized_start=2691
+  _globals['_GENERATION']._serialized_end=3271
 # @@protoc_insertion_point(module_scope)

@@ -1,6 +1,7 @@
 import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from stagediff.v1 import image_pb2 as _image_pb2
 from stagediff.v1 import stages_pb2 as _stages_pb2
 from stagediff.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
@@ -40,7 +41,7 @@ class InterpolationParams(_message.Message):
     def __init__(self, enable: _Optional[bool] = ..., exp: _Optional[int] = ..., scale: _Optional[float] = ..., model_path: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps", "interpolation", "request_id")
+    __slots__ = ("model", "prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps", "interpolation", "request_id", "images")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +54,7 @@ class GenerateRequest(_message.Message):
     FPS_FIELD_NUMBER: _ClassVar[int]
     INTERPOLATION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     negative_prompt: str
@@ -65,7 +67,8 @@ class GenerateRequest(_message.Message):
     fps: float
     interpolation: InterpolationParams
     request_id: str
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., fps: _Optional[float] = ..., interpolation: _Optional[_Union[InterpolationParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[_image_pb2.InputImage]
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., fps: _Optional[float] = ..., interpolation: _Optional[_Union[InterpolationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_image_pb2.InputImage, _Mapping]]] = ...) -> None: ...
 
 class JobError(_message.Message):
     __slots__ = ("code", "message")

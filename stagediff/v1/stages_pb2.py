@@ -22,10 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from stagediff.v1 import image_pb2 as stagediff_dot_v1_dot_image__pb2
 from stagediff.v1 import tensor_pb2 as stagediff_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stagediff/v1/stages.proto\x12\x0cstagediff.v1\x1a\x19stagediff/v1/tensor.proto\"\x95\x03\n\tStageInfo\x12\r\n\x05stage\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x44\n\x0fparallel_config\x18\x05 \x03(\x0b\x32+.stagediff.v1.StageInfo.ParallelConfigEntry\x12\x44\n\x0fparameter_bytes\x18\x06 \x03(\x0b\x32+.stagediff.v1.StageInfo.ParameterBytesEntry\x12)\n\x06limits\x18\x07 \x01(\x0b\x32\x19.stagediff.v1.ModelLimits\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x14\n\x0cweights_path\x18\t \x01(\t\x1a\x35\n\x13ParallelConfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x35\n\x13ParameterBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x9b\x03\n\x0bModelLimits\x12\x17\n\x0fheight_multiple\x18\x01 \x01(\x05\x12\x16\n\x0ewidth_multiple\x18\x02 \x01(\x05\x12\x17\n\x0ftemporal_factor\x18\x03 \x01(\x05\x12\x12\n\nmax_height\x18\x04 \x01(\x05\x12\x11\n\tmax_width\x18\x05 \x01(\x05\x12\x12\n\nmax_frames\x18\x06 \x01(\x05\x12\x1b\n\x13max_inference_steps\x18\x07 \x01(\x05\x12\x1b\n\x13max_sequence_length\x18\x08 \x01(\x05\x12\x18\n\x10max_prompt_chars\x18\t \x01(\x05\x12\x16\n\x0e\x64\x65\x66\x61ult_height\x18\n \x01(\x05\x12\x15\n\rdefault_width\x18\x0b \x01(\x05\x12\x1a\n\x12\x64\x65\x66\x61ult_num_frames\x18\x0c \x01(\x05\x12\x1f\n\x17\x64\x65\x66\x61ult_inference_steps\x18\r \x01(\x05\x12\x1e\n\x16\x64\x65\x66\x61ult_guidance_scale\x18\x0e \x01(\x01\x12\x13\n\x0b\x64\x65\x66\x61ult_fps\x18\x0f \x01(\x01\x12\x12\n\nmin_height\x18\x10 \x01(\x05\"\x15\n\x13GetStageInfoRequest\"c\n\rEncodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x1b\n\x13max_sequence_length\x18\x03 \x01(\x05\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x04 \x01(\x0c\"N\n\x0e\x45ncodeResponse\x12)\n\x06tensor\x18\x01 \x01(\x0b\x32\x19.stagediff.v1.TensorChunk\x12\x11\n\tcache_hit\x18\x02 \x01(\x08\"\x94\x01\n\rDenoiseParams\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06height\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x12\n\nnum_frames\x18\x04 \x01(\x05\x12\x1b\n\x13num_inference_steps\x18\x05 \x01(\x05\x12\x16\n\x0eguidance_scale\x18\x06 \x01(\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x03\"t\n\x0e\x44\x65noiseRequest\x12-\n\x06params\x18\x01 \x01(\x0b\x32\x1b.stagediff.v1.DenoiseParamsH\x00\x12+\n\x06tensor\x18\x02 \x01(\x0b\x32\x19.stagediff.v1.TensorChunkH\x00\x42\x06\n\x04part\".\n\x0f\x44\x65noiseProgress\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12\r\n\x05total\x18\x02 \x01(\x05\"y\n\x0f\x44\x65noiseResponse\x12\x31\n\x08progress\x18\x01 \x01(\x0b\x32\x1d.stagediff.v1.DenoiseProgressH\x00\x12+\n\x06tensor\x18\x02 \x01(\x0b\x32\x19.stagediff.v1.TensorChunkH\x00\x42\x06\n\x04part\"8\n\x0c\x44\x65\x63odeParams\x12\r\n\x05model\x18\x01 \x01(\t\x12\x19\n\x11num_latent_frames\x18\x02 \x01(\x05\"r\n\rDecodeRequest\x12,\n\x06params\x18\x01 \x01(\x0b\x32\x1a.stagediff.v1.DecodeParamsH\x00\x12+\n\x06tensor\x18\x02 \x01(\x0b\x32\x19.stagediff.v1.TensorChunkH\x00\x42\x06\n\x04part\";\n\x0e\x44\x65\x63odeResponse\x12)\n\x06tensor\x18\x01 \x01(\x0b\x32\x19.stagediff.v1.TensorChunk\"C\n\x11InterpolateParams\x12\x0b\n\x03\x65xp\x18\x01 \x01(\x05\x12\r\n\x05scale\x18\x02 \x01(\x01\x12\x12\n\nmodel_path\x18\x03 \x01(\t\"|\n\x12InterpolateRequest\x12\x31\n\x06params\x18\x01 \x01(\x0b\x32\x1f.stagediff.v1.InterpolateParamsH\x00\x12+\n\x06tensor\x18\x02 \x01(\x0b\x32\x19.stagediff.v1.TensorChunkH\x00\x42\x06\n\x04part\"@\n\x13InterpolateResponse\x12)\n\x06tensor\x18\x01 \x01(\x0b\x32\x19.stagediff.v1.TensorChunk2Z\n\x0cStageControl\x12J\n\x0cGetStageInfo\x12!.stagediff.v1.GetStageInfoRequest\x1a\x17.stagediff.v1.StageInfo2T\n\x0bTextEncoder\x12\x45\n\x06\x45ncode\x12\x1b.stagediff.v1.EncodeRequest\x1a\x1c.stagediff.v1.EncodeResponse0\x01\x32V\n\x08\x44\x65noiser\x12J\n\x07\x44\x65noise\x12\x1c.stagediff.v1.DenoiseRequest\x1a\x1d.stagediff.v1.DenoiseResponse(\x01\x30\x01\x32U\n\nVaeDecoder\x12G\n\x06\x44\x65\x63ode\x12\x1b.stagediff.v1.DecodeRequest\x1a\x1c.stagediff.v1.DecodeResponse(\x01\x30\x01\x32\x66\n\x0cInterpolator\x12V\n\x0bInterpolate\x12 .stagediff.v1.InterpolateRequest\x1a!.stagediff.v1.InterpolateResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stagediff/v1/stages.proto\x12\x0cstagediff.v1\x1a\x18stagediff/v1/image.proto\x1a\x19stagediff/v1/tensor.proto\"\x95\x03\n\tStageInfo\x12\r\n\x05stage\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x44\n\x0fparallel_config\x18\x05 \x03(\x0b\x32+.stagediff.v1.StageInfo.ParallelConfigEntry\x12\x44\n\x0fparameter_bytes\x18\x06 \x03(\x0b\x32+.stagediff.v1.StageInfo.ParameterBytesEntry\x12)\n\x06limits\x18\x07 \x01(\x0b\x32\x19.stagediff.v1.ModelLimits\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x14\n\x0cweights_path\x18\t \x01(\t\x1a\x35\n\x13ParallelConfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x35\n\x13ParameterBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x95\x04\n\x0bModelLimits\x12\x17\n\x0fheight_multiple\x18\x01 \x01(\x05\x12\x16\n\x0ewidth_multiple\x18\x02 \x01(\x05\x12\x17\n\x0ftemporal_factor\x18\x03 \x01(\x05\x12\x12\n\nmax_height\x18\x04 \x01(\x05\x12\x11\n\tmax_width\x18\x05 \x01(\x05\x12\x12\n\nmax_frames\x18\x06 \x01(\x05\x12\x1b\n\x13max_inference_steps\x18\x07 \x01(\x05\x12\x1b\n\x13max_sequence_length\x18\x08 \x01(\x05\x12\x18\n\x10max_prompt_chars\x18\t \x01(\x05\x12\x16\n\x0e\x64\x65\x66\x61ult_height\x18\n \x01(\x05\x12\x15\n\rdefault_width\x18\x0b \x01(\x05\x12\x1a\n\x12\x64\x65\x66\x61ult_num_frames\x18\x0c \x01(\x05\x12\x1f\n\x17\x64\x65\x66\x61ult_inference_steps\x18\r \x01(\x05\x12\x1e\n\x16\x64\x65\x66\x61ult_guidance_scale\x18\x0e \x01(\x01\x12\x13\n\x0b\x64\x65\x66\x61ult_fps\x18\x0f \x01(\x01\x12\x12\n\nmin_height\x18\x10 \x01(\x05\x12\x13\n\x0bimage_roles\x18\x11 \x03(\t\x12\x1c\n\x14required_image_roles\x18\x12 \x03(\t\x12\x12\n\nmax_images\x18\x13 \x01(\x05\x12\x17\n\x0fmax_image_bytes\x18\x14 \x01(\x03\x12\x18\n\x10max_image_pixels\x18\x15 \x01(\x03\"\x15\n\x13GetStageInfoRequest\"\x8d\x01\n\rEncodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x1b\n\x13max_sequence_length\x18\x03 \x01(\x05\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x04 \x01(\x0c\x12(\n\x06images\x18\x05 \x03(\x0b\x32\x18.stagediff.v1.InputImage\"N\n\x0e\x45ncodeResponse\x12)\n\x06tensor\x18\x01 \x01(\x0b\x32\x19.stagediff.v1.TensorChunk\x12\x11\n\tcache_hit\x18\x02 \x01(\x08\"\xd7\x01\n\rDenoiseParams\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06height\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x12\n\nnum_frames\x18\x04 \x01(\x05\x12\x1b\n\x13num_inference_steps\x18\x05 \x01(\x05\x12\x16\n\x0eguidance_scale\x18\x06 \x01(\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x03\x12\x13\n\x0bimage_roles\x18\x08 \x03(\t\x12,\n\x0bimage_sizes\x18\t \x03(\x0b\x32\x17.stagediff.v1.ImageSize\"t\n\x0e\x44\x65noiseRequest\x12-\n\x06params\x18\x01 \x01(\x0b\x32\x1b.stagediff.v1.DenoiseParamsH\x00\x12+\n\x06tensor\x18\x02 \x01(\x0b\x32\x19.stagediff.v1.TensorChunkH\x00\x42\x06\n\x04part\".\n\x0f\x44\x65noiseProgress\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12\r\n\x05total\x18\x02 \x01(\x05\"y\n\x0f\x44\x65noiseResponse\x12\x31\n\x08progress\x18\x01 \x01(\x0b\x32\x1d.stagediff.v1.DenoiseProgressH\x00\x12+\n\x06tensor\x18\x02 \x01(\x0b\x32\x19.stagediff.v1.TensorChunkH\x00\x42\x06\n\x04part\"8\n\x0c\x44\x65\x63odeParams\x12\r\n\x05model\x18\x01 \x01(\t\x12\x19\n\x11num_latent_frames\x18\x02 \x01(\x05\"r\n\rDecodeRequest\x12,\n\x06params\x18\x01 \x01(\x0b\x32\x1a.stagediff.v1.DecodeParamsH\x00\x12+\n\x06tensor\x18\x02 \x01(\x0b\x32\x19.stagediff.v1.TensorChunkH\x00\x42\x06\n\x04part\";\n\x0e\x44\x65\x63odeResponse\x12)\n\x06tensor\x18\x01 \x01(\x0b\x32\x19.stagediff.v1.TensorChunk\"~\n\x10VaeEncodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06height\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x12\n\nnum_frames\x18\x04 \x01(\x05\x12(\n\x06images\x18\x05 \x03(\x0b\x32\x18.stagediff.v1.InputImage\">\n\x11VaeEncodeResponse\x12)\n\x06tensor\x18\x01 \x01(\x0b\x32\x19.stagediff.v1.TensorChunk\"C\n\x11InterpolateParams\x12\x0b\n\x03\x65xp\x18\x01 \x01(\x05\x12\r\n\x05scale\x18\x02 \x01(\x01\x12\x12\n\nmodel_path\x18\x03 \x01(\t\"|\n\x12InterpolateRequest\x12\x31\n\x06params\x18\x01 \x01(\x0b\x32\x1f.stagediff.v1.InterpolateParamsH\x00\x12+\n\x06tensor\x18\x02 \x01(\x0b\x32\x19.stagediff.v1.TensorChunkH\x00\x42\x06\n\x04part\"@\n\x13InterpolateResponse\x12)\n\x06tensor\x18\x01 \x01(\x0b\x32\x19.stagediff.v1.TensorChunk2Z\n\x0cStageControl\x12J\n\x0cGetStageInfo\x12!.stagediff.v1.GetStageInfoRequest\x1a\x17.stagediff.v1.StageInfo2T\n\x0bTextEncoder\x12\x45\n\x06\x45ncode\x12\x1b.stagediff.v1.EncodeRequest\x1a\x1c.stagediff.v1.EncodeResponse0\x01\x32V\n\x08\x44\x65noiser\x12J\n\x07\x44\x65noise\x12\x1c.stagediff.v1.DenoiseRequest\x1a\x1d.stagediff.v1.DenoiseResponse(\x01\x30\x01\x32\xa2\x01\n\nVaeDecoder\x12G\n\x06\x44\x65\x63ode\x12\x1b.stagediff.v1.DecodeRequest\x1a\x1c.stagediff.v1.DecodeResponse(\x01\x30\x01\x12K\n\x06\x45ncode\x12\x1e.stagediff.v1.VaeEncodeRequest\x1a\x1f.stagediff.v1.VaeEncodeResponse0\x01\x32\x66\n\x0cInterpolator\x12V\n\x0bInterpolate\x12 .stagediff.v1.InterpolateRequest\x1a!.stagediff.v1.InterpolateResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,48 +37,52 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STAGEINFO_PARALLELCONFIGENTRY']._serialized_options = b'8\001'
   _globals['_STAGEINFO_PARAMETERBYTESENTRY']._loaded_options = None
   _globals['_STAGEINFO_PARAMETERBYTESENTRY']._serialized_options = b'8\001'
-  _globals['_STAGEINFO']._serialized_start=71
-  _globals['_STAGEINFO']._serialized_end=476
-  _globals['_STAGEINFO_PARALLELCONFIGENTRY']._serialized_start=368
-  _globals['_STAGEINFO_PARALLELCONFIGENTRY']._serialized_end=421
-  _globals['_STAGEINFO_PARAMETERBYTESENTRY']._serialized_start=423
-  _globals['_STAGEINFO_PARAMETERBYTESENTRY']._serialized_end=476
-  _globals['_MODELLIMITS']._serialized_start=479
-  _globals['_MODELLIMITS']._serialized_end=890
-  _globals['_GETSTAGEINFOREQUEST']._serialized_start=892
-  _globals['_GETSTAGEINFOREQUEST']._serialized_end=913
-  _globals['_ENCODEREQUEST']._serialized_start=915
-  _globals['_ENCODEREQUEST']._serialized_end=1014
-  _globals['_ENCODERESPONSE']._serialized_start=1016
-  _globals['_ENCODERESPONSE']._serialized_end=1094
-  _globals['_DENOISEPARAMS']._serialized_start=1097
-  _globals['_DENOISEPARAMS']._serialized_end=1245
-  _globals['_DENOISEREQUEST']._serialized_start=1247
-  _globals['_DENOISEREQUEST']._serialized_end=1363
-  _globals['_DENOISEPROGRESS']._serialized_start=1365
-  _globals['_DENOISEPROGRESS']._serialized_end=1411
-  _globals['_DENOISERESPONSE']._serialized_start=1413
-  _globals['_DENOISERESPONSE']._serialized_end=1534
-  _globals['_DECODEPARAMS']._serialized_start=1536
-  _globals['_DECODEPARAMS']._serialized_end=1592
-  _globals['_DECODEREQUEST']._serialized_start=1594
-  _globals['_DECODEREQUEST']._serialized_end=1708
-  _globals['_DECODERESPONSE']._serialized_start=1710
-  _globals['_DECODERESPONSE']._serialized_end=1769
-  _globals['_INTERPOLATEPARAMS']._serialized_start=1771
-  _globals['_INTERPOLATEPARAMS']._serialized_end=1838
-  _globals['_INTERPOLATEREQUEST']._serialized_start=1840
-  _globals['_INTERPOLATEREQUEST']._serialized_end=1964
-  _globals['_INTERPOLATERESPONSE']._serialized_start=1966
-  _globals['_INTERPOLATERESPONSE']._serialized_end=2030
-  _globals['_STAGECONTROL']._serialized_start=2032
-  _globals['_STAGECONTROL']._serialized_end=2122
-  _globals['_TEXTENCODER']._serialized_start=2124
-  _globals['_TEXTENCODER']._serialized_end=2208
-  _globals['_DENOISER']._serialized_start=2210
-  _globals['_DENOISER']._serialized_end=2296
-  _globals['_VAEDECODER']._serialized_start=2298
-  _globals['_VAEDECODER']._serialized_end=2383
-  _globals['_INTERPOLATOR']._serialized_start=2385
-  _globals['_INTERPOLATOR']._serialized_end=2487
+  _globals['_STAGEINFO']._serialized_start=97
+  _globals['_STAGEINFO']._serialized_end=502
+  _globals['_STAGEINFO_PARALLELCONFIGENTRY']._serialized_start=394
+  _globals['_STAGEINFO_PARALLELCONFIGENTRY']._serialized_end=447
+  _globals['_STAGEINFO_PARAMETERBYTESENTRY']._serialized_start=449
+  _globals['_STAGEINFO_PARAMETERBYTESENTRY']._serialized_end=502
+  _globals['_MODELLIMITS']._serialized_start=505
+  _globals['_MODELLIMITS']._serialized_end=1038
+  _globals['_GETSTAGEINFOREQUEST']._serialized_start=1040
+  _globals['_GETSTAGEINFOREQUEST']._serialized_end=1061
+  _globals['_ENCODEREQUEST']._serialized_start=1064
+  _globals['_ENCODEREQUEST']._serialized_end=1205
+  _globals['_ENCODERESPONSE']._serialized_start=1207
+  _globals['_ENCODERESPONSE']._serialized_end=1285
+  _globals['_DENOISEPARAMS']._serialized_start=1288
+  _globals['_DENOISEPARAMS']._serialized_end=1503
+  _globals['_DENOISEREQUEST']._serialized_start=1505
+  _globals['_DENOISEREQUEST']._serialized_end=1621
+  _globals['_DENOISEPROGRESS']._serialized_start=1623
+  _globals['_DENOISEPROGRESS']._serialized_end=1669
+  _globals['_DENOISERESPONSE']._serialized_start=1671
+  _globals['_DENOISERESPONSE']._serialized_end=1792
+  _globals['_DECODEPARAMS']._serialized_start=1794
+  _globals['_DECODEPARAMS']._serialized_end=1850
+  _globals['_DECODEREQUEST']._serialized_start=1852
+  _globals['_DECODEREQUEST']._serialized_end=1966
+  _globals['_DECODERESPONSE']._serialized_start=1968
+  _globals['_DECODERESPONSE']._serialized_end=2027
+  _globals['_VAEENCODEREQUEST']._serialized_start=2029
+  _globals['_VAEENCODEREQUEST']._serialized_end=2155
+  _globals['_VAEENCODERESPONSE']._serialized_start=2157
+  _globals['_VAEENCODERESPONSE']._serialized_end=2219
+  _globals['_INTERPOLATEPARAMS']._serialized_start=2221
+  _globals['_INTERPOLATEPARAMS']._serialized_end=2288
+  _globals['_INTERPOLATEREQUEST']._serialized_start=2290
+  _globals['_INTERPOLATEREQUEST']._serialized_end=2414
+  _globals['_INTERPOLATERESPONSE']._serialized_start=2416
+  _globals['_INTERPOLATERESPONSE']._serialized_end=2480
+  _globals['_STAGECONTROL']._serialized_start=2482
+  _globals['_STAGECONTROL']._serialized_end=2572
+  _globals['_TEXTENCODER']._serialized_start=2574
+  _globals['_TEXTENCODER']._serialized_end=2658
+  _globals['_DENOISER']._serialized_start=2660
+  _globals['_DENOISER']._serialized_end=2746
+  _globals['_VAEDECODER']._serialized_start=2749
+  _globals['_VAEDECODER']._serialized_end=2911
+  _globals['_INTERPOLATOR']._serialized_start=2913
+  _globals['_INTERPOLATOR']._serialized_end=3015
 # @@protoc_insertion_point(module_scope)

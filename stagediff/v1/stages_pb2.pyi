@@ -1,3 +1,4 @@
+from stagediff.v1 import image_pb2 as _image_pb2
 from stagediff.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -44,7 +45,7 @@ class StageInfo(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., device: _Optional[str] = ..., parallel_config: _Optional[_Mapping[str, str]] = ..., parameter_bytes: _Optional[_Mapping[str, int]] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., version: _Optional[str] = ..., weights_path: _Optional[str] = ...) -> None: ...
 
 class ModelLimits(_message.Message):
-    __slots__ = ("height_multiple", "width_multiple", "temporal_factor", "max_height", "max_width", "max_frames", "max_inference_steps", "max_sequence_length", "max_prompt_chars", "default_height", "default_width", "default_num_frames", "default_inference_steps", "default_guidance_scale", "default_fps", "min_height")
+    __slots__ = ("height_multiple", "width_multiple", "temporal_factor", "max_height", "max_width", "max_frames", "max_inference_steps", "max_sequence_length", "max_prompt_chars", "default_height", "default_width", "default_num_frames", "default_inference_steps", "default_guidance_scale", "default_fps", "min_height", "image_roles", "required_image_roles", "max_images", "max_image_bytes", "max_image_pixels")
     HEIGHT_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
     WIDTH_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
     TEMPORAL_FACTOR_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +62,11 @@ class ModelLimits(_message.Message):
     DEFAULT_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_FPS_FIELD_NUMBER: _ClassVar[int]
     MIN_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_ROLES_FIELD_NUMBER: _ClassVar[int]
+    REQUIRED_IMAGE_ROLES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
     height_multiple: int
     width_multiple: int
     temporal_factor: int
@@ -77,23 +83,30 @@ class ModelLimits(_message.Message):
     default_guidance_scale: float
     default_fps: float
     min_height: int
-    def __init__(self, height_multiple: _Optional[int] = ..., width_multiple: _Optional[int] = ..., temporal_factor: _Optional[int] = ..., max_height: _Optional[int] = ..., max_width: _Optional[int] = ..., max_frames: _Optional[int] = ..., max_inference_steps: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., default_height: _Optional[int] = ..., default_width: _Optional[int] = ..., default_num_frames: _Optional[int] = ..., default_inference_steps: _Optional[int] = ..., default_guidance_scale: _Optional[float] = ..., default_fps: _Optional[float] = ..., min_height: _Optional[int] = ...) -> None: ...
+    image_roles: _containers.RepeatedScalarFieldContainer[str]
+    required_image_roles: _containers.RepeatedScalarFieldContainer[str]
+    max_images: int
+    max_image_bytes: int
+    max_image_pixels: int
+    def __init__(self, height_multiple: _Optional[int] = ..., width_multiple: _Optional[int] = ..., temporal_factor: _Optional[int] = ..., max_height: _Optional[int] = ..., max_width: _Optional[int] = ..., max_frames: _Optional[int] = ..., max_inference_steps: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., default_height: _Optional[int] = ..., default_width: _Optional[int] = ..., default_num_frames: _Optional[int] = ..., default_inference_steps: _Optional[int] = ..., default_guidance_scale: _Optional[float] = ..., default_fps: _Optional[float] = ..., min_height: _Optional[int] = ..., image_roles: _Optional[_Iterable[str]] = ..., required_image_roles: _Optional[_Iterable[str]] = ..., max_images: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ...) -> None: ...
 
 class GetStageInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("model", "texts", "max_sequence_length", "cache_namespace")
+    __slots__ = ("model", "texts", "max_sequence_length", "cache_namespace", "images")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     model: str
     texts: _containers.RepeatedScalarFieldContainer[str]
     max_sequence_length: int
     cache_namespace: bytes
-    def __init__(self, model: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., max_sequence_length: _Optional[int] = ..., cache_namespace: _Optional[bytes] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[_image_pb2.InputImage]
+    def __init__(self, model: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., max_sequence_length: _Optional[int] = ..., cache_namespace: _Optional[bytes] = ..., images: _Optional[_Iterable[_Union[_image_pb2.InputImage, _Mapping]]] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("tensor", "cache_hit")
@@ -104,7 +117,7 @@ class EncodeResponse(_message.Message):
     def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
 
 class DenoiseParams(_message.Message):
-    __slots__ = ("model", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed")
+    __slots__ = ("model", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "image_roles", "image_sizes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +125,8 @@ class DenoiseParams(_message.Message):
     NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
     GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_ROLES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SIZES_FIELD_NUMBER: _ClassVar[int]
     model: str
     height: int
     width: int
@@ -119,7 +134,9 @@ class DenoiseParams(_message.Message):
     num_inference_steps: int
     guidance_scale: float
     seed: int
-    def __init__(self, model: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    image_roles: _containers.RepeatedScalarFieldContainer[str]
+    image_sizes: _containers.RepeatedCompositeFieldContainer[_image_pb2.ImageSize]
+    def __init__(self, model: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., image_roles: _Optional[_Iterable[str]] = ..., image_sizes: _Optional[_Iterable[_Union[_image_pb2.ImageSize, _Mapping]]] = ...) -> None: ...
 
 class DenoiseRequest(_message.Message):
     __slots__ = ("params", "tensor")
@@ -162,6 +179,26 @@ class DecodeRequest(_message.Message):
     def __init__(self, params: _Optional[_Union[DecodeParams, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
+    __slots__ = ("tensor",)
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    tensor: _tensor_pb2.TensorChunk
+    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class VaeEncodeRequest(_message.Message):
+    __slots__ = ("model", "height", "width", "num_frames", "images")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    height: int
+    width: int
+    num_frames: int
+    images: _containers.RepeatedCompositeFieldContainer[_image_pb2.InputImage]
+    def __init__(self, model: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., images: _Optional[_Iterable[_Union[_image_pb2.InputImage, _Mapping]]] = ...) -> None: ...
+
+class VaeEncodeResponse(_message.Message):
     __slots__ = ("tensor",)
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     tensor: _tensor_pb2.TensorChunk

@@ -255,6 +255,11 @@ class VaeDecoderStub:
                 request_serializer=stagediff_dot_v1_dot_stages__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=stagediff_dot_v1_dot_stages__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Encode = channel.unary_stream(
+                '/stagediff.v1.VaeDecoder/Encode',
+                request_serializer=stagediff_dot_v1_dot_stages__pb2.VaeEncodeRequest.SerializeToString,
+                response_deserializer=stagediff_dot_v1_dot_stages__pb2.VaeEncodeResponse.FromString,
+                _registered_method=True)
 
 
 class VaeDecoderServicer:
@@ -266,6 +271,13 @@ class VaeDecoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Encode(self, request, context):
+        """Encodes input images with the same weights and process group as Decode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VaeDecoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -273,6 +285,11 @@ def add_VaeDecoderServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=stagediff_dot_v1_dot_stages__pb2.DecodeRequest.FromString,
                     response_serializer=stagediff_dot_v1_dot_stages__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Encode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Encode,
+                    request_deserializer=stagediff_dot_v1_dot_stages__pb2.VaeEncodeRequest.FromString,
+                    response_serializer=stagediff_dot_v1_dot_stages__pb2.VaeEncodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -302,6 +319,33 @@ class VaeDecoder:
             '/stagediff.v1.VaeDecoder/Decode',
             stagediff_dot_v1_dot_stages__pb2.DecodeRequest.SerializeToString,
             stagediff_dot_v1_dot_stages__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Encode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/stagediff.v1.VaeDecoder/Encode',
+            stagediff_dot_v1_dot_stages__pb2.VaeEncodeRequest.SerializeToString,
+            stagediff_dot_v1_dot_stages__pb2.VaeEncodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,126 @@
+"""Qwen-Image-Edit: editing one image with a prompt (QwenImageEditPipeline), and Qwen-Image-Edit-Plus, editing
+from several reference images (QwenImageEditPlusPipeline, the Qwen-Image-Edit-2509 checkpoints).
+
+Both are Qwen-Image (families/qwen_image) with the input images in two places: Qwen2.5-VL sees them inside
+its prompt template (encode.py, on the text encoder), and their VAE latents (vae_encode.py, on the VAE's
+Encode) follow the noise latents in the transformer's image sequence on every step (denoise.py). When a
+request leaves height and width unset, the output takes the aspect ratio of the first image (Edit) or of
+the last one (Edit-Plus) at about 1024x1024 pixels, as the pipelines' `calculate_dimensions` makes it; the
+orchestrator fills the size in (`ImageInputs.size_from`), so the job records it. The transformer, the
+scheduler, true CFG, the decoder and the parallel plan are Qwen-Image's, imported from there.
+
+Declarations only (no torch).
+"""
+
+from __future__ import annotations
+
+from families.base import Family, ImageInputs, RequestDefaults, SizeFromImage, Support, TensorSlot
+from families.qwen_image.family import QWEN_IMAGE
+
+# The pipelines' VAE image size: each input image, and the default output, at about this many pixels with
+# the image's aspect ratio, each side a multiple of 32 (`calculate_dimensions(1024 * 1024, ...)`).
+VAE_IMAGE_AREA = 1024 * 1024
+IMAGE_SIDE_MULTIPLE = 32
+# Qwen-Image-Edit-2509 is made for one to three input images.
+PLUS_MAX_IMAGES = 3
+
+_TESTS = "tests/test_family_qwen_image_edit.py::"
+_E2E = "tests/test_e2e_image_edit.py::"
+_PARALLEL = _TESTS + "test_parallel_latents_equal_one_rank"
+_DIT_REFUSAL = (_TESTS + "test_unverified_dit_options_are_refused_at_startup",)
+_VAE_REFUSAL = (_TESTS + "test_unverified_vae_options_are_refused_at_startup",)
+# What the edit families do not claim: Qwen-Image's code paths may run them, but no test runs them with image
+# conditioning, so the stages refuse the flags rather than serve something unproven.
+_UNVERIFIED = {
+    "vae_patch_parallel": Support(
+        reason="not yet verified with image editing (the VAE's Encode runs whole on rank 0)",
+        refusal_tests=_VAE_REFUSAL,
+    ),
+    "vae_tiling": Support(reason="not yet verified with image editing", refusal_tests=_VAE_REFUSAL),
+    "cpu_offload": Support(reason="not yet verified for image editing", refusal_tests=_DIT_REFUSAL),
+    "layerwise_offload": Support(reason="not yet verified for image editing", refusal_tests=_DIT_REFUSAL),
+    "fp8": Support(reason="not yet verified for image editing", refusal_tests=_DIT_REFUSAL),
+    "int8": Support(reason="not yet verified for image editing", refusal_tests=_DIT_REFUSAL),
+}
+
+
+def _features(e2e: str) -> dict[str, Support]:
+    return {
+        **_UNVERIFIED,
+        "ulysses": Support(tests=(_PARALLEL,)),
+        "ring": Support(tests=(_PARALLEL,)),
+        "cfg_parallel": Support(tests=(_PARALLEL,)),
+        "tensor_parallel": Support(tests=(_PARALLEL,)),
+        "hsdp": Support(tests=(_PARALLEL,)),
+        "multithread_loading": Support(tests=(e2e,)),
+        "interpolation": QWEN_IMAGE.support("interpolation"),
+    }
+
+
+# Qwen-Image's: each text has its own length (a mask per text); then the input images' packed VAE latents.
+CONDITIONING = (
+    *QWEN_IMAGE.conditioning,
+    TensorSlot("image_latents", "packed", "always", source="vae", image=True),
+)
+_COMPUTE = {
+    "checkpoint_reader": "families.qwen_image_edit.checkpoint:read_geometry",
+    "text_encoder": "families.qwen_image_edit.encode:QwenImageEditPromptEncoder",
+    "denoiser": "families.qwen_image_edit.denoise:QwenImageEditDenoiser",
+    "decoder": "families.qwen_image.decode:QwenImageDecoder",
+    "writer": "families.qwen_image_edit.init_model:write_checkpoint",
+    "image_encoder": "families.qwen_image_edit.vae_encode:QwenImageEditLatentEncoder",
+}
+# The pipelines' defaults: 50 steps, true_cfg_scale 4; 1024x1024 is their default_sample_size, used only
+# when no image gives the size.
+_DEFAULTS = RequestDefaults(height=1024, width=1024, num_frames=1, num_inference_steps=50, guidance_scale=4.0)
+
+QWEN_IMAGE_EDIT = Family(
+    name="qwen-image-edit",
+    pipeline="QwenImageEditPipeline",
+    description=(
+        "Qwen-Image-Edit: one input image, seen by Qwen2.5-VL with the prompt and VAE-encoded into the "
+        "transformer's sequence; true CFG"
+    ),
+    class_name="QwenImageEditPipeline",
+    requires=(),
+    output="image",
+    chain=("text-encoder", "dit", "vae"),
+    optional_stages=(),
+    conditioning=CONDITIONING,
+    defaults=_DEFAULTS,
+    images=ImageInputs(
+        roles=("reference",),
+        required=("reference",),
+        encoded_by=("text-encoder", "vae"),
+        size_from=SizeFromImage(VAE_IMAGE_AREA, IMAGE_SIDE_MULTIPLE, index=0),
+    ),
+    features=_features(_E2E + "test_qwen_image_edit_images_equal_pipeline"),
+    **_COMPUTE,
+)
+
+QWEN_IMAGE_EDIT_PLUS = Family(
+    name="qwen-image-edit-plus",
+    pipeline="QwenImageEditPlusPipeline",
+    description=(
+        f"Qwen-Image-Edit-2509: 1 to {PLUS_MAX_IMAGES} reference images, each seen by Qwen2.5-VL at about "
+        "384x384 pixels ('Picture n:') and VAE-encoded at about 1024x1024 into the transformer's sequence; "
+        "the output takes the last image's aspect ratio"
+    ),
+    class_name="QwenImageEditPlusPipeline",
+    requires=(),
+    output="image",
+    chain=("text-encoder", "dit", "vae"),
+    optional_stages=(),
+    conditioning=CONDITIONING,
+    defaults=_DEFAULTS,
+    images=ImageInputs(
+        roles=("reference",) * PLUS_MAX_IMAGES,
+        required=("reference",),
+        encoded_by=("text-encoder", "vae"),
+        size_from=SizeFromImage(VAE_IMAGE_AREA, IMAGE_SIDE_MULTIPLE, index=-1),
+    ),
+    features=_features(_E2E + "test_qwen_image_edit_plus_images_equal_pipeline"),
+    **_COMPUTE,
+)
+
+FAMILIES = (QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS)

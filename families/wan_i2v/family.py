@@ -1,0 +1,130 @@
+"""Wan image-to-video: Wan2.1 I2V (`wan-i2v`, CLIP image embedding and first frame), Wan2.2 I2V A14B (two
+experts, no CLIP) and Wan2.2 TI2V-5B (the Wan2.2 VAE, text-to-video and image-to-video from one checkpoint).
+
+All three run WanImageToVideoPipeline's loop (TI2V without an image runs WanPipeline's), one denoiser for
+the three (denoise.py): the VAE-encoded input frames condition every step, concatenated to the latents
+with a mask of the given frames (Wan2.1 and A14B), or written over the first latent frame with a
+per-token timestep (TI2V, `expand_timesteps`). Declarations only (no torch); the compute is beside this
+file, and what is Wan's own (the prompt encoder, the parallel plan, the streaming decoder) is reused from
+families/wan.
+"""
+
+from __future__ import annotations
+
+from families.base import Family, ImageInputs, RequestDefaults, Support, TensorSlot
+
+CHAIN = ("text-encoder", "dit", "vae", "interp")
+_TEXT = (
+    TensorSlot("prompt_embeds", "embeds", "always"),
+    TensorSlot("negative_prompt_embeds", "embeds", "cfg"),
+)
+_COMPUTE = {
+    "checkpoint_reader": "families.wan_i2v.checkpoint:read_geometry",
+    "denoiser": "families.wan_i2v.denoise:WanImageToVideoDenoiser",
+    "decoder": "families.wan.decode:WanStreamingDecoder",
+    "writer": "families.wan_i2v.init_model:write_checkpoint",
+    "image_encoder": "families.wan_i2v.vae_encode:WanImageLatentEncoder",
+}
+_TESTS = "tests/test_family_wan_i2v.py::"
+_E2E = "tests/test_e2e_image_to_video.py::"
+_PARALLEL = _TESTS + "test_parallel_latents_equal_one_rank"
+_DIT_REFUSAL = (_TESTS + "test_unverified_dit_options_are_refused_at_startup",)
+_VAE_REFUSAL = (_TESTS + "test_unverified_vae_options_are_refused_at_startup",)
+# What the image-to-video families do not claim yet: the code paths are Wan's, but no test runs them with
+# image conditioning, so the stages refuse the flags rather than serve something unproven.
+_UNVERIFIED = {
+    "tensor_parallel": Support(reason="not yet verified for this family", refusal_tests=_DIT_REFUSAL),
+    "hsdp": Support(reason="not yet verified for this family", refusal_tests=_DIT_REFUSAL),
+    "vae_patch_parallel": Support(
+        reason="not yet verified with image-to-video (the VAE's Encode runs whole on rank 0)",
+        refusal_tests=_VAE_REFUSAL,
+    ),
+    "vae_tiling": Support(reason="not yet verified with image-to-video", refusal_tests=_VAE_REFUSAL),
+    "cpu_offload": Support(reason="not yet verified for image-to-video", refusal_tests=_DIT_REFUSAL),
+    "layerwise_offload": Support(reason="not yet verified for image-to-video", refusal_tests=_DIT_REFUSAL),
+    "fp8": Support(reason="not yet verified for image-to-video", refusal_tests=_DIT_REFUSAL),
+    "int8": Support(reason="not yet verified for image-to-video", refusal_tests=_DIT_REFUSAL),
+}
+
+
+def _features(e2e: str, **more: Support) -> dict[str, Support]:
+    return {
+        **_UNVERIFIED,
+        "ulysses": Support(tests=(_PARALLEL, e2e)),
+        "ring": Support(tests=(_PARALLEL,)),
+        "cfg_parallel": Support(tests=(_PARALLEL, e2e)),
+        "multithread_loading": Support(tests=(e2e,)),
+        "interpolation": Support(tests=(_E2E + "test_wan_i2v_interpolation_keeps_decoded_frames_in_place",)),
+        **more,
+    }
+
+
+WAN_I2V = Family(
+    name="wan-i2v",
+    pipeline="WanImageToVideoPipeline",
+    description=(
+        "Wan2.1 image-to-video (UMT5 text encoder, CLIP vision image encoder, WanTransformer3DModel with "
+        "image cross-attention, AutoencoderKLWan); first-last-frame-to-video where the checkpoint takes it"
+    ),
+    class_name="WanImageToVideoPipeline",
+    requires=("image_encoder",),
+    output="video",
+    chain=CHAIN,
+    optional_stages=("interp",),
+    conditioning=(
+        *_TEXT,
+        TensorSlot("image_embeds", "embeds", "always", image=True),
+        TensorSlot("image_latents", "latents", "always", source="vae", image=True),
+    ),
+    defaults=RequestDefaults(),
+    text_encoder="families.wan_i2v.encode:WanImageConditionEncoder",
+    images=ImageInputs(
+        roles=("first_frame", "last_frame"), required=("first_frame",), encoded_by=("text-encoder", "vae")
+    ),
+    features=_features(
+        _E2E + "test_wan_i2v_parallel_dit_frames_equal_pipeline",
+        tensor_parallel=Support(tests=(_PARALLEL,)),
+        hsdp=Support(tests=(_PARALLEL,)),
+        multithread_loading=Support(tests=(_E2E + "test_wan_i2v_frames_equal_pipeline",)),
+    ),
+    **_COMPUTE,
+)
+
+WAN22_I2V_A14B = Family(
+    name="wan2.2-i2v-a14b",
+    pipeline="WanImageToVideoPipeline (transformer_2, boundary_ratio)",
+    description="Wan2.2 I2V A14B: two expert transformers switched at a boundary timestep, no CLIP encoder",
+    class_name="WanImageToVideoPipeline",
+    requires=("transformer_2", "boundary_ratio"),
+    output="video",
+    chain=CHAIN,
+    optional_stages=("interp",),
+    conditioning=(*_TEXT, TensorSlot("image_latents", "latents", "always", source="vae", image=True)),
+    defaults=RequestDefaults(),
+    text_encoder="families.wan.encode:WanPromptEncoder",
+    images=ImageInputs(roles=("first_frame", "last_frame"), required=("first_frame",), encoded_by=("vae",)),
+    features=_features(_E2E + "test_wan22_i2v_a14b_frames_equal_pipeline"),
+    **_COMPUTE,
+)
+
+WAN22_TI2V = Family(
+    name="wan2.2-ti2v",
+    pipeline="WanPipeline / WanImageToVideoPipeline (expand_timesteps)",
+    description=(
+        "Wan2.2 TI2V-5B: the Wan2.2 VAE (z_dim 48, 16x spatial compression) and per-token timesteps; "
+        "text-to-video, or image-to-video when the request sends a first frame"
+    ),
+    class_name="WanPipeline",
+    requires=("expand_timesteps",),
+    output="video",
+    chain=CHAIN,
+    optional_stages=("interp",),
+    conditioning=(*_TEXT, TensorSlot("image_latents", "latents", "image", source="vae", image=True)),
+    defaults=RequestDefaults(height=704, width=1280, num_frames=121, fps=24.0),
+    text_encoder="families.wan.encode:WanPromptEncoder",
+    images=ImageInputs(roles=("first_frame",), required=(), encoded_by=("vae",)),
+    features=_features(_E2E + "test_wan22_ti2v_frames_equal_pipelines"),
+    **_COMPUTE,
+)
+
+FAMILIES = (WAN_I2V, WAN22_I2V_A14B, WAN22_TI2V)

@@ -1,0 +1,227 @@
+"""Input images of generation requests: encoded bytes a client sends, checked and decoded with Pillow.
+
+A client sends an image (e.g. the first frame of an image-to-video request) as
+the bytes of a PNG, JPEG or WebP file. Those bytes are untrusted: they may be
+empty, not an image, an image in a format we do not serve, an animation, a
+truncated or corrupt file, or a few hundred bytes that declare a
+100000x100000 image (a decompression bomb, gigabytes once decoded). Each case
+is refused with a RequestError (INVALID_ARGUMENT) whose message starts with
+the field (e.g. "images[0].data: ...") and says what is allowed.
+
+`probe_image` reads only the file's header: format, size and frame count,
+checked before a single pixel is decoded, so the orchestrator can refuse a
+request without decoding it (it imports this module; nothing here imports
+torch). `decode_image` probes, then decodes the whole file and converts it
+exactly as `diffusers.utils.load_image` converts a PIL image
+(`PIL.ImageOps.exif_transpose`, then `.convert("RGB")`), the input every
+model pipeline expects. The result is therefore what load_image gives,
+including its surprises:
+
+- alpha is dropped, not composited: a transparent pixel becomes the colour
+  stored under it (often black), for RGBA, LA and palette images with
+  transparency alike;
+- a 16-bit grayscale PNG (Pillow mode "I;16") is clipped, not scaled: every
+  value above 255 becomes 255, so most such images turn white. 16-bit RGB,
+  RGBA and gray+alpha PNGs are not affected: Pillow opens them as 8-bit
+  images (the high byte of each sample);
+- colour profiles (ICC) are ignored, and CMYK JPEGs use Pillow's plain
+  CMYK to RGB formula;
+- the EXIF orientation tag is applied, so a JPEG stored 37x23 with
+  orientation 6 comes back 23x37 (`probe_image` reports the stored size,
+  and the orientation its header gives: `ImageInfo.decoded_size` is the
+  size decoding gives, known without decoding; the orchestrator's whole
+  decode confirms it).
+
+A JPEG that carries a Multi-Picture Format index (several pictures in one
+file: the gain map of an "Ultra HDR" phone photo, a stereo pair) is "MPO" to
+Pillow: it is a JPEG, and its first picture is the image, as load_image and
+every viewer take it (reported as format JPEG).
+
+Only Pillow's PNG, JPEG and WebP readers ever parse the bytes (Image.open is
+told so); the name of another format is found from its signature alone, for
+the error message. Pillow's own decompression-bomb check (a warning above
+Image.MAX_IMAGE_PIXELS, about 89 M pixels, an error above twice that) fires
+inside Image.open, before our check can: its error becomes the same refusal
+as ours (so a `max_pixels` above about 179 M pixels is capped there), and its
+warning, like every warning Pillow gives about a client's
+bytes, is silenced. `warnings.catch_warnings` swaps process-wide state, so
+the calls that use it take a lock: two requests decoding at once must not
+restore each other's warning filters. Global Pillow settings are never
+changed; ImageFile.LOAD_TRUNCATED_IMAGES stays off, so a truncated file fails
+to decode instead of coming back half grey.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from io import BytesIO
+
+from PIL import ExifTags, Image, ImageOps
+
+from services.errors import RequestError, bounded
+
+ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP")
+MAX_IMAGE_PIXELS = 4096 * 4096  # default limit on width*height of one image
+MAX_IMAGE_BYTES = 16 << 20  # default limit on the encoded bytes of all images of one request together
+
+_ALLOWED_TEXT = ", ".join(ALLOWED_FORMATS[:-1]) + " or " + ALLOWED_FORMATS[-1]  # "PNG, JPEG or WEBP"
+
+
+# EXIF orientations that `ImageOps.exif_transpose` turns by a quarter (transpose, rotate 270, transverse,
+# rotate 90): the decoded image's width and height are the stored height and width.
+_QUARTER_TURNS = (5, 6, 7, 8)
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    format: str  # Pillow's name of the format, one of ALLOWED_FORMATS
+    width: int  # as stored, before the EXIF orientation is applied
+    height: int
+    sha256: str  # hex digest of the encoded bytes
+    orientation: int = 1  # the EXIF orientation tag the header gives (1 when there is none)
+
+    @property
+    def decoded_size(self) -> tuple[int, int]:
+        """(width, height) of the image `decode_image` makes: the stored size, turned by the orientation."""
+        if self.orientation in _QUARTER_TURNS:
+            return self.height, self.width
+        return self.width, self.height
+
+
+_PILLOW_WARNINGS_LOCK = threading.Lock()
+
+
+@contextmanager
+def _quiet_pillow() -> Iterator[None]:
+    """Silences every warning inside the block; one thread at a time, since the warning filters are global."""
+    with _PILLOW_WARNINGS_LOCK, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _format_by_signature(data: bytes) -> str | None:
+    """The Pillow format whose signature `data` starts with (e.g. "GIF"), found without parsing the file."""
+    Image.init()
+    prefix = data[:16]  # what Image.open hands the same functions
+    for name in Image.ID:
+        _, accept = Image.OPEN[name]
+        if accept is None:
+            continue  # a format with no signature: it could only be told by parsing
+        try:
+            found = accept(prefix)
+        except Exception:
+            continue
+        if found and not isinstance(found, str):  # a string is Pillow's "could be, but unsupported"
+            return name
+    return None
+
+
+def _open(data: bytes, field: str, max_pixels: int) -> tuple[Image.Image, ImageInfo]:
+    """The lazily opened image (nothing decoded yet) and its info, once every check on its header passed."""
+    if not data:
+        raise RequestError(f"{field}: the image is empty; send the encoded bytes of a {_ALLOWED_TEXT} image")
+    try:
+        with _quiet_pillow():
+            image = Image.open(BytesIO(data), formats=ALLOWED_FORMATS)
+    except Image.DecompressionBombError:
+        # Pillow refuses, before we can, an image over twice its own limit (raised only when that is set).
+        pillow_limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
+        raise RequestError(
+            f"{field}: the image has more than {pillow_limit} pixels; "
+            f"send at most {min(max_pixels, pillow_limit)} pixels (width*height)"
+        ) from None
+    except Exception as error:
+        # Either no allowed reader recognised the signature (UnidentifiedImageError, whose text only names the
+        # buffer), or one did and then failed on what follows (e.g. a truncated WebP, a PNG cut in its header).
+        found = _format_by_signature(data)
+        if found is None:
+            raise RequestError(f"{field}: not an image Pillow can identify; send a {_ALLOWED_TEXT} image") from None
+        if found not in ALLOWED_FORMATS:
+            raise RequestError(f"{field}: image format {found} is not allowed; send a {_ALLOWED_TEXT} image") from None
+        detail = "" if isinstance(error, Image.UnidentifiedImageError) else f" ({error})"
+        raise RequestError(
+            bounded(
+                f"{field}: cannot read the header of the {found} file{detail}; send a complete {_ALLOWED_TEXT} file"
+            )
+        ) from None
+
+    info = ImageInfo(
+        format=str(image.format),
+        width=image.width,
+        height=image.height,
+        sha256=hashlib.sha256(data).hexdigest(),
+        orientation=_header_orientation(image),
+    )
+    frames = getattr(image, "n_frames", 1)
+    if info.format == "MPO":
+        # Pillow's JPEG reader names a JPEG that holds several pictures (MPF) "MPO"; the first is the image.
+        info = ImageInfo("JPEG", info.width, info.height, info.sha256)
+        frames = 1
+    if info.format not in ALLOWED_FORMATS:
+        image.close()
+        raise RequestError(f"{field}: image format {info.format} is not allowed; send a {_ALLOWED_TEXT} image")
+    if info.width < 1 or info.height < 1 or info.width * info.height > max_pixels:
+        image.close()
+        raise RequestError(
+            f"{field}: the image is {info.width}x{info.height} = {info.width * info.height} pixels; "
+            f"send at most {max_pixels} pixels (width*height)"
+        )
+    if frames > 1:
+        image.close()
+        raise RequestError(
+            f"{field}: an animated image ({frames} frames) is not allowed; send a single frame {_ALLOWED_TEXT} image"
+        )
+    return image, info
+
+
+def _header_orientation(image: Image.Image) -> int:
+    """The EXIF orientation `ImageOps.exif_transpose` will apply, from what opening the file read.
+
+    `Image.getexif` of the base class reads the EXIF and XMP already parsed from the header; PngImageFile's
+    own would decode the whole image first. An unreadable EXIF block counts as none here; decoding fails
+    on it, or ignores it, as Pillow does.
+    """
+    try:
+        with _quiet_pillow():
+            orientation = Image.Image.getexif(image).get(ExifTags.Base.Orientation, 1)
+    except Exception:
+        return 1
+    return orientation if isinstance(orientation, int) else 1
+
+
+def probe_image(data: bytes, field: str, max_pixels: int = MAX_IMAGE_PIXELS) -> ImageInfo:
+    """Format, size and sha256 of an encoded image, read from its header only; RequestError if it is refused."""
+    image, info = _open(data, field, max_pixels)
+    image.close()
+    return info
+
+
+def decode_image(data: bytes, field: str, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+    """The RGB image an encoded image holds, as `diffusers.utils.load_image` makes it; RequestError if refused.
+
+    Probes first, so nothing is decoded for an image refused by its header.
+    A file that fails to decode (truncated, corrupt) is refused too: Pillow
+    raises OSError for most such files, and ValueError, SyntaxError or
+    struct.error for some malformed ones, so any exception from decoding a
+    client's bytes is taken as theirs.
+    """
+    image, info = _open(data, field, max_pixels)
+    try:
+        with _quiet_pillow():
+            image.load()
+            rgb = ImageOps.exif_transpose(image).convert("RGB")
+    except Exception as error:
+        raise RequestError(
+            bounded(
+                f"{field}: cannot decode the {info.format} image ({error}); "
+                f"send a complete, uncorrupted {_ALLOWED_TEXT} file"
+            )
+        ) from None
+    finally:
+        image.close()
+    return rgb
