@@ -29,8 +29,10 @@ from tests.test_e2e_image_to_video import assert_close, encoded
 from tests.test_family_wan_i2v import input_image
 
 
-def _cluster(model: Path, log_dir: Path) -> Iterator[LocalCluster]:
-    local = LocalCluster(model, threads_per_stage=THREADS_PER_STAGE, log_dir=log_dir)
+def _cluster(model: Path, log_dir: Path, dit_flags: list[str] | None = None) -> Iterator[LocalCluster]:
+    local = LocalCluster(
+        model, threads_per_stage=THREADS_PER_STAGE, log_dir=log_dir, extra_args={"dit": dit_flags or []}
+    )
     local.start(timeout=300)
     try:
         yield local
@@ -127,6 +129,19 @@ EDIT_CASES = [
         size=(48, 80),
         image_sizes=[(33, 61)],
     ),
+    # A wide output from a portrait image, CFG with another scale, WebP.
+    dict(
+        prompt="snow on the roof",
+        negative_prompt="dark",
+        height=32,
+        width=96,
+        guidance=2.5,
+        steps=2,
+        seed=5,
+        images=[encoded(input_image(40, 72, 4), "WEBP", lossless=True)],
+        size=(32, 96),
+        image_sizes=[(40, 72)],
+    ),
 ]
 
 
@@ -135,10 +150,16 @@ def test_qwen_image_edit_images_equal_pipeline(edit_cluster, models) -> None:
         check_case(edit_cluster, models["qwen-image-edit"], case)
 
 
-def test_qwen_image_edit_plus_images_equal_pipeline(models, tmp_path) -> None:
-    # Two references in two formats; the height given, the width the last image's calculated one (672 for
-    # a 30x70 image).
-    case = dict(
+def test_qwen_image_edit_parallel_dit_images_equal_pipeline(models, tmp_path) -> None:
+    """Ulysses and CFG-parallel at once (4 DiT ranks): the noise and image latents split, the branches apart."""
+    for cluster in _cluster(models["qwen-image-edit"], tmp_path, ["--ulysses-degree", "2", "--cfg-parallel-size", "2"]):
+        check_case(cluster, models["qwen-image-edit"], EDIT_CASES[2])
+
+
+# Two and three references in three formats; sizes given, or the last image's calculated width.
+PLUS_CASES = [
+    # The height given, the width the last image's calculated one (672 for a 30x70 image).
+    dict(
         prompt="the fox from picture 1 in the forest of picture 2",
         negative_prompt="blurry",
         height=64,
@@ -148,16 +169,46 @@ def test_qwen_image_edit_plus_images_equal_pipeline(models, tmp_path) -> None:
         images=[encoded(input_image(56, 40, 2), "PNG"), encoded(input_image(30, 70, 3), "WEBP", lossless=True)],
         size=(64, 672),
         image_sizes=[(56, 40), (30, 70)],
-    )
+    ),
+    dict(
+        prompt="picture 1 and picture 2 side by side",
+        height=48,
+        width=64,
+        guidance=1.0,
+        steps=3,
+        seed=2,
+        images=[encoded(input_image(64, 48, 5), "JPEG", quality=90), encoded(input_image(20, 20, 6), "PNG")],
+        size=(48, 64),
+        image_sizes=[(64, 48), (20, 20)],
+    ),
+    dict(
+        prompt="three pictures in one",
+        negative_prompt="dark",
+        height=32,
+        width=32,
+        guidance=3.0,
+        steps=2,
+        seed=4,
+        images=[encoded(input_image(24, 36, seed), "PNG") for seed in (7, 8, 9)],
+        size=(32, 32),
+        image_sizes=[(24, 36)] * 3,
+    ),
+]
+
+
+def test_qwen_image_edit_plus_images_equal_pipeline(models, tmp_path) -> None:
+    """Through Ulysses and CFG-parallel at once (4 DiT ranks)."""
     model_dir = models["qwen-image-edit-plus"]
-    for cluster in _cluster(model_dir, tmp_path):
-        check_case(cluster, model_dir, case, plus=True)
+    for cluster in _cluster(model_dir, tmp_path, ["--ulysses-degree", "2", "--cfg-parallel-size", "2"]):
+        for case in PLUS_CASES:
+            check_case(cluster, model_dir, case, plus=True)
         with grpc.insecure_channel(cluster.endpoint) as channel:
             limits = generation_pb2_grpc.GenerationStub(channel).ListModels(
                 generation_pb2.ListModelsRequest(), timeout=30
             )
         assert list(limits.models[0].limits.image_roles) == ["reference"] * 3
-        _assert_refused(cluster, [image_pb2.InputImage(data=case["images"][0])] * 4, "images", "at most 3")
+        images = [image_pb2.InputImage(data=PLUS_CASES[0]["images"][0])] * 4
+        _assert_refused(cluster, images, "images", "at most 3")
 
 
 def _assert_refused(cluster: LocalCluster, images: list, field: str, allowed: str) -> None:

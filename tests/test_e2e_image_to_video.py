@@ -202,7 +202,9 @@ def test_wan22_i2v_a14b_frames_equal_pipeline(models, tmp_path) -> None:
             images={"first": encoded(input_image(32, 32, 6), "JPEG")},
         ),
     ]
-    for cluster in _cluster(models["wan2.2-i2v-a14b"], tmp_path, {"dit": ["--ulysses-degree", "2"]}):
+    # Ulysses and CFG-parallel at once: 4 DiT ranks.
+    dit = {"dit": ["--ulysses-degree", "2", "--cfg-parallel-size", "2"]}
+    for cluster in _cluster(models["wan2.2-i2v-a14b"], tmp_path, dit):
         check_cases(cluster, models["wan2.2-i2v-a14b"], cases)
 
 
@@ -233,7 +235,8 @@ def test_wan22_ti2v_frames_equal_pipelines(models, tmp_path) -> None:
             images={"first": encoded(input_image(96, 40, 8), "WEBP", lossless=True)},
         ),
     ]
-    for cluster in _cluster(models["wan2.2-ti2v"], tmp_path, {"dit": ["--cfg-parallel-size", "2"]}):
+    dit = {"dit": ["--ulysses-degree", "2", "--cfg-parallel-size", "2"]}
+    for cluster in _cluster(models["wan2.2-ti2v"], tmp_path, dit):
         check_cases(cluster, models["wan2.2-ti2v"], cases)
 
 

@@ -362,6 +362,18 @@ def test_qwen_ulysses_equals_pipeline(qwen_model, qwen_pipeline, tmp_path: Path)
         assert dit.info.parallel_config["ulysses_degree"] == "2"
 
 
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "flags",
+    [["--ring-degree", "2", "--tensor-parallel-size", "2"], ["--use-hsdp", "--hsdp-shard-size", "2"]],
+    ids=["ring2xtp2", "hsdp2"],
+)
+def test_qwen_ring_tp_hsdp_equal_pipeline(qwen_model, qwen_pipeline, tmp_path: Path, flags) -> None:
+    """Ring and tensor parallelism (4 ranks), HSDP (2), through the cluster: within one level of the pipeline."""
+    for cluster in _cluster(qwen_model, tmp_path, flags):
+        _assert_close(_generate(cluster.endpoint, QWEN_CASES[2]), qwen_reference(qwen_pipeline, **QWEN_CASES[2]))
+
+
 def _qwen_ulysses_ranks(rank: int, world_size: int, config: dict, cases: list) -> list[torch.Tensor]:
     from diffusers import QwenImageTransformer2DModel
 

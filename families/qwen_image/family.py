@@ -9,6 +9,7 @@ from __future__ import annotations
 from families.base import Family, RequestDefaults, Support, TensorSlot
 
 _QWEN = "tests/test_family_qwen_features.py::"
+_CLUSTER_PARALLEL = "tests/test_families.py::test_qwen_ring_tp_hsdp_equal_pipeline"
 _PARALLEL = (
     "tests/test_family_qwen_parallel.py::test_qwen_parallel_latents_equal_one_rank",
     "tests/test_families.py::test_qwen_dit_layout_check_accepts_ring_tensor_and_hsdp",
@@ -52,9 +53,9 @@ QWEN_IMAGE = Family(
                 "tests/test_families.py::test_qwen_ulysses_transformer_equals_one_rank",
             )
         ),
-        "ring": Support(tests=_PARALLEL),
-        "tensor_parallel": Support(tests=(*_PARALLEL, _SHARDED_LOADING)),
-        "hsdp": Support(tests=(*_PARALLEL, _SHARDED_LOADING)),
+        "ring": Support(tests=(*_PARALLEL, _CLUSTER_PARALLEL)),
+        "tensor_parallel": Support(tests=(*_PARALLEL, _SHARDED_LOADING, _CLUSTER_PARALLEL)),
+        "hsdp": Support(tests=(*_PARALLEL, _SHARDED_LOADING, _CLUSTER_PARALLEL)),
         "vae_patch_parallel": Support(
             tests=(
                 _VAE_PATCH_PARALLEL + "test_qwen_patch_parallel_equals_whole_decode",

@@ -44,12 +44,12 @@ _UNVERIFIED = {
 }
 
 
-def _features(e2e: str) -> dict[str, Support]:
+def _features(e2e: str, parallel_e2e: str) -> dict[str, Support]:
     return {
         **_UNVERIFIED,
-        "ulysses": Support(tests=(_PARALLEL,)),
+        "ulysses": Support(tests=(_PARALLEL, parallel_e2e)),
         "ring": Support(tests=(_PARALLEL,)),
-        "cfg_parallel": Support(tests=(_PARALLEL,)),
+        "cfg_parallel": Support(tests=(_PARALLEL, parallel_e2e)),
         "tensor_parallel": Support(tests=(_PARALLEL,)),
         "hsdp": Support(tests=(_PARALLEL,)),
         "multithread_loading": Support(tests=(e2e,)),
@@ -94,7 +94,10 @@ QWEN_IMAGE_EDIT = Family(
         encoded_by=("text-encoder", "vae"),
         size_from=SizeFromImage(VAE_IMAGE_AREA, IMAGE_SIDE_MULTIPLE, index=0),
     ),
-    features=_features(_E2E + "test_qwen_image_edit_images_equal_pipeline"),
+    features=_features(
+        _E2E + "test_qwen_image_edit_images_equal_pipeline",
+        _E2E + "test_qwen_image_edit_parallel_dit_images_equal_pipeline",
+    ),
     **_COMPUTE,
 )
 
@@ -119,7 +122,10 @@ QWEN_IMAGE_EDIT_PLUS = Family(
         encoded_by=("text-encoder", "vae"),
         size_from=SizeFromImage(VAE_IMAGE_AREA, IMAGE_SIDE_MULTIPLE, index=-1),
     ),
-    features=_features(_E2E + "test_qwen_image_edit_plus_images_equal_pipeline"),
+    features=_features(
+        _E2E + "test_qwen_image_edit_plus_images_equal_pipeline",
+        _E2E + "test_qwen_image_edit_plus_images_equal_pipeline",
+    ),
     **_COMPUTE,
 )
 
