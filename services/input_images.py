@@ -13,12 +13,16 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from PIL import Image
 
 from services.errors import RequestError
 from services.images import MAX_IMAGE_PIXELS, decode_image
 from stagediff.v1 import image_pb2
+
+if TYPE_CHECKING:
+    from services.checkpoint import CheckpointSpec
 
 # ImageRole values and the names ModelLimits and the families use for them.
 ROLE_NAMES = {
@@ -91,6 +95,17 @@ def decode_images(
         for index, (image, name) in enumerate(zip(images, names, strict=True))
     ]
     return sorted(decoded, key=lambda item: roles.index(item.role))
+
+
+def decode_stage_images(images: Sequence[image_pb2.InputImage], spec: CheckpointSpec) -> list[DecodedImage]:
+    """A stage's check of a request's images against its checkpoint (count, bytes in all, roles, pixels),
+    then `decode_images`: what the text encoder and the VAE's Encode both run on what they are sent."""
+    if len(images) > len(spec.image_roles):
+        raise RequestError(f"images: {len(images)} sent; at most {len(spec.image_roles)} are allowed")
+    total = sum(len(image.data) for image in images)
+    if total > spec.max_image_bytes:
+        raise RequestError(f"images: {total} bytes in all; at most {spec.max_image_bytes} are allowed")
+    return decode_images(images, spec.image_roles, spec.required_image_roles, spec.model_id, spec.max_image_pixels)
 
 
 def _sha256(data: bytes) -> str:

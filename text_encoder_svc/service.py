@@ -26,7 +26,7 @@ import argparse
 import grpc
 
 from services.environment_options import parse_args
-from services.input_images import DecodedImage, decode_images
+from services.input_images import DecodedImage, decode_stage_images
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
 from services.stage_main import StageServicer, run_stage
 from services.torch_wire import encode_tensor
@@ -101,14 +101,7 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
                 f"images: the text encoder of {spec.family} does not see input images; send them to the VAE's "
                 "Encode only"
             )
-        if len(request.images) > len(spec.image_roles):
-            raise RequestError(f"images: {len(request.images)} sent; at most {len(spec.image_roles)} are allowed")
-        total = sum(len(image.data) for image in request.images)
-        if total > spec.max_image_bytes:
-            raise RequestError(f"images: {total} bytes in all; at most {spec.max_image_bytes} are allowed")
-        return decode_images(
-            request.images, spec.image_roles, spec.required_image_roles, spec.model_id, spec.max_image_pixels
-        )
+        return decode_stage_images(request.images, spec)
 
     async def Encode(self, request, context):
         if self.encoder is None:

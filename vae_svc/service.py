@@ -24,7 +24,7 @@ import torch
 from families.base import Family
 from services.checkpoint import CheckpointError, read_checkpoint
 from services.environment_options import parse_args
-from services.input_images import DecodedImage, decode_images
+from services.input_images import DecodedImage, decode_stage_images
 from services.rank_group import GroupFailure
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
 from services.stage_main import StageServicer, run_stage
@@ -195,14 +195,7 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
         validate_size(spec.limits(), request.height, request.width, request.num_frames)
         if not request.images:
             raise RequestError("images: empty; send the images to encode")
-        if len(request.images) > len(spec.image_roles):
-            raise RequestError(f"images: {len(request.images)} sent; at most {len(spec.image_roles)} are allowed")
-        total = sum(len(image.data) for image in request.images)
-        if total > spec.max_image_bytes:
-            raise RequestError(f"images: {total} bytes in all; at most {spec.max_image_bytes} are allowed")
-        return decode_images(
-            request.images, spec.image_roles, spec.required_image_roles, spec.model_id, spec.max_image_pixels
-        )
+        return decode_stage_images(request.images, spec)
 
     def _encode(self, request: stages_pb2.VaeEncodeRequest) -> dict[str, torch.Tensor]:
         images = self._encode_inputs(request)
