@@ -25,14 +25,12 @@ from stagediff import Client
 from stagediff.local.supervisor import LocalCluster
 from stagediff.v1 import generation_pb2, generation_pb2_grpc, image_pb2
 from tests.conftest import THREADS_PER_STAGE
-from tests.test_e2e_image_to_video import assert_close, encoded
+from tests.test_e2e_image_to_video import PATCH_PARALLEL_VAE, ULYSSES_CFG_HSDP, assert_close, encoded
 from tests.test_family_wan_i2v import input_image
 
 
-def _cluster(model: Path, log_dir: Path, dit_flags: list[str] | None = None) -> Iterator[LocalCluster]:
-    local = LocalCluster(
-        model, threads_per_stage=THREADS_PER_STAGE, log_dir=log_dir, extra_args={"dit": dit_flags or []}
-    )
+def _cluster(model: Path, log_dir: Path, extra_args: dict[str, list[str]] | None = None) -> Iterator[LocalCluster]:
+    local = LocalCluster(model, threads_per_stage=THREADS_PER_STAGE, log_dir=log_dir, extra_args=extra_args or {})
     local.start(timeout=300)
     try:
         yield local
@@ -150,9 +148,20 @@ def test_qwen_image_edit_images_equal_pipeline(edit_cluster, models) -> None:
         check_case(edit_cluster, models["qwen-image-edit"], case)
 
 
-def test_qwen_image_edit_parallel_dit_images_equal_pipeline(models, tmp_path) -> None:
-    """Ulysses and CFG-parallel at once (4 DiT ranks): the noise and image latents split, the branches apart."""
-    for cluster in _cluster(models["qwen-image-edit"], tmp_path, ["--ulysses-degree", "2", "--cfg-parallel-size", "2"]):
+# 4 DiT ranks: the noise and image latents split over Ulysses, the branches apart, the weights sharded over two
+# ranks; the VAE decodes in bands over two ranks and encodes the reference on its rank 0.
+PARALLEL = {"dit": ULYSSES_CFG_HSDP, "vae": PATCH_PARALLEL_VAE}
+
+
+def test_qwen_image_edit_parallel_images_equal_pipeline(models, tmp_path) -> None:
+    for cluster in _cluster(models["qwen-image-edit"], tmp_path, PARALLEL):
+        check_case(cluster, models["qwen-image-edit"], EDIT_CASES[2])
+
+
+def test_qwen_image_edit_ring_tp_images_equal_pipeline(models, tmp_path) -> None:
+    """Ring attention over the joint sequence on each half of the heads (4 DiT ranks)."""
+    ring_tp = {"dit": ["--ring-degree", "2", "--tensor-parallel-size", "2"]}
+    for cluster in _cluster(models["qwen-image-edit"], tmp_path, ring_tp):
         check_case(cluster, models["qwen-image-edit"], EDIT_CASES[2])
 
 
@@ -197,9 +206,9 @@ PLUS_CASES = [
 
 
 def test_qwen_image_edit_plus_images_equal_pipeline(models, tmp_path) -> None:
-    """Through Ulysses and CFG-parallel at once (4 DiT ranks)."""
+    """Through the parallel DiT and VAE of the Edit test."""
     model_dir = models["qwen-image-edit-plus"]
-    for cluster in _cluster(model_dir, tmp_path, ["--ulysses-degree", "2", "--cfg-parallel-size", "2"]):
+    for cluster in _cluster(model_dir, tmp_path, PARALLEL):
         for case in PLUS_CASES:
             check_case(cluster, model_dir, case, plus=True)
         with grpc.insecure_channel(cluster.endpoint) as channel:

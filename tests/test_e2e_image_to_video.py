@@ -162,9 +162,21 @@ def test_wan_i2v_interpolation_keeps_decoded_frames_in_place(wan_i2v_cluster) ->
     np.testing.assert_array_equal(doubled[::2], plain)
 
 
-@pytest.mark.parametrize("flags", [["--ulysses-degree", "2"], ["--cfg-parallel-size", "2"]], ids=["ulysses2", "cfg2"])
-def test_wan_i2v_parallel_dit_frames_equal_pipeline(models, tmp_path, flags) -> None:
-    for cluster in _cluster(models["wan-i2v"], tmp_path, {"dit": flags}):
+# Ulysses and CFG-parallel run in every family's test, HSDP (sharded over the Ulysses ranks) and tensor
+# parallelism here; the VAE decodes in bands over two ranks and encodes on its rank 0.
+PATCH_PARALLEL_VAE = ["--vae-patch-parallel-size", "2"]
+WAN_I2V_LAYOUTS = {
+    "tp2xcfg2-vae2": {"dit": ["--tensor-parallel-size", "2", "--cfg-parallel-size", "2"], "vae": PATCH_PARALLEL_VAE},
+    "hsdp2xulysses2": {"dit": ["--ulysses-degree", "2", "--use-hsdp", "--hsdp-shard-size", "2"]},
+}
+# 4 DiT ranks, the weights sharded over two of them and replicated over the other two.
+ULYSSES_CFG_HSDP = ["--ulysses-degree", "2", "--cfg-parallel-size", "2", "--use-hsdp", "--hsdp-shard-size", "2"]
+ULYSSES_CFG_HSDP += ["--hsdp-replicate-size", "2"]
+
+
+@pytest.mark.parametrize("layout", list(WAN_I2V_LAYOUTS), ids=list(WAN_I2V_LAYOUTS))
+def test_wan_i2v_parallel_dit_frames_equal_pipeline(models, tmp_path, layout) -> None:
+    for cluster in _cluster(models["wan-i2v"], tmp_path, WAN_I2V_LAYOUTS[layout]):
         check_cases(cluster, models["wan-i2v"], WAN_I2V_CASES[:1])
 
 
@@ -202,9 +214,8 @@ def test_wan22_i2v_a14b_frames_equal_pipeline(models, tmp_path) -> None:
             images={"first": encoded(input_image(32, 32, 6), "JPEG")},
         ),
     ]
-    # Ulysses and CFG-parallel at once: 4 DiT ranks.
-    dit = {"dit": ["--ulysses-degree", "2", "--cfg-parallel-size", "2"]}
-    for cluster in _cluster(models["wan2.2-i2v-a14b"], tmp_path, dit):
+    # Ulysses, CFG-parallel and HSDP at once (each expert sharded); the VAE patch-parallel.
+    for cluster in _cluster(models["wan2.2-i2v-a14b"], tmp_path, {"dit": ULYSSES_CFG_HSDP, "vae": PATCH_PARALLEL_VAE}):
         check_cases(cluster, models["wan2.2-i2v-a14b"], cases)
 
 
@@ -235,8 +246,8 @@ def test_wan22_ti2v_frames_equal_pipelines(models, tmp_path) -> None:
             images={"first": encoded(input_image(96, 40, 8), "WEBP", lossless=True)},
         ),
     ]
-    dit = {"dit": ["--ulysses-degree", "2", "--cfg-parallel-size", "2"]}
-    for cluster in _cluster(models["wan2.2-ti2v"], tmp_path, dit):
+    # The Wan2.2 VAE (its DupUp3D shortcuts) decodes in bands over two ranks.
+    for cluster in _cluster(models["wan2.2-ti2v"], tmp_path, {"dit": ULYSSES_CFG_HSDP, "vae": PATCH_PARALLEL_VAE}):
         check_cases(cluster, models["wan2.2-ti2v"], cases)
 
 

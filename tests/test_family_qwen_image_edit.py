@@ -349,15 +349,22 @@ def test_image_tensor_shape_follows_the_images_sizes(checkpoints) -> None:
 
 # ------------------------------------------------------------------------------------ parallel layouts
 
-LAYOUTS = [
+LAYOUTS_2 = [
     ("ulysses2", ParallelConfig(ulysses_degree=2)),
     ("ring2", ParallelConfig(ring_degree=2)),
     ("cfg2", ParallelConfig(cfg_degree=2)),
     ("tp2", ParallelConfig(tp_degree=2)),
     ("hsdp2", ParallelConfig(use_hsdp=True, hsdp_shard_size=2)),
 ]
-# The sequence-parallel layouts split the image sequence; the others keep it whole on every rank.
-SPLIT_LAYOUTS = ("ulysses2", "ring2")
+# The cluster tests' 4-rank layouts (tests/test_e2e_image_edit.py) among them.
+LAYOUTS_4 = [
+    ("usp2x2", ParallelConfig(ulysses_degree=2, ring_degree=2)),
+    ("tp2xring2", ParallelConfig(tp_degree=2, ring_degree=2)),
+    (
+        "hsdp2x2xulysses2xcfg2",
+        ParallelConfig(ulysses_degree=2, cfg_degree=2, use_hsdp=True, hsdp_shard_size=2, hsdp_replicate_size=2),
+    ),
+]
 # 48x80 packs into 3x5 = 15 noise tokens and the images into 76x54 (and 42x98): an odd sequence, padded for
 # Ulysses; the negative prompt's embeddings are masked.
 PARALLEL_SPECS = {
@@ -383,94 +390,42 @@ def _run(denoiser: QwenImageEditDenoiser, spec: DenoiseSpec) -> torch.Tensor:
     return denoiser.denoise(spec, conditioning, on_step=lambda s, t: None, cancelled=lambda: False)
 
 
-def _run_layouts(rank: int, world_size: int, models: dict[str, str]) -> dict[tuple[str, str], tuple]:
+def _run_layouts(rank: int, world_size: int, models: dict[str, str], layouts) -> dict[tuple[str, str], tuple]:
     """Each layout's latents, and how many image tokens (noise and image latents) the rank's attention took."""
     results = {}
     for family, model_dir in models.items():
-        for name, config in LAYOUTS:
+        for name, config in layouts:
             denoiser = QwenImageEditDenoiser(model_dir, CPU, torch.float32, parallel=config)
             tokens = []
             denoiser.transformer.transformer_blocks[0].attn.register_forward_pre_hook(
                 lambda module, args, kwargs, seen=tokens: seen.append(kwargs["hidden_states"].shape[1]),
                 with_kwargs=True,
             )
-            results[(family, name)] = (_run(denoiser, PARALLEL_SPECS[family]), set(tokens))
+            results[(family, name)] = (_run(denoiser, PARALLEL_SPECS[family]), set(tokens), config)
     return results
 
 
-def test_parallel_latents_equal_one_rank(checkpoints) -> None:
+@pytest.mark.parametrize(("world_size", "layouts"), [(2, LAYOUTS_2), (4, LAYOUTS_4)], ids=["2-ranks", "4-ranks"])
+def test_parallel_latents_equal_one_rank(checkpoints, world_size, layouts) -> None:
     models = {family: str(path) for family, path in checkpoints.items()}
     one_rank = {family: QwenImageEditDenoiser(path, CPU, torch.float32) for family, path in models.items()}
     expected = {family: _run(denoiser, PARALLEL_SPECS[family]) for family, denoiser in one_rank.items()}
-    per_rank = run_ranks(_run_layouts, 2, models)
+    per_rank = run_ranks(_run_layouts, world_size, models, layouts)
     report = [
         (family, name, rank, (latents - expected[family]).abs().max().item())
         for rank, results in enumerate(per_rank)
-        for (family, name), (latents, _) in results.items()
+        for (family, name), (latents, _, _) in results.items()
     ]
     # Ulysses and Ring split the whole image sequence, the noise latents followed by the images' (padded to
-    # an even count); CFG-parallel, TP and HSDP keep it whole on each rank.
+    # a multiple of their degrees); CFG-parallel, TP and HSDP keep it whole on each rank.
     for results in per_rank:
-        for (family, name), (_, tokens) in results.items():
+        for (family, name), (_, tokens, config) in results.items():
             spec = PARALLEL_SPECS[family]
             images = one_rank[family].image_tensor_shape("image_latents", spec)[1]
             sequence = spec.height // 16 * (spec.width // 16) + images
-            assert tokens == ({(sequence + 1) // 2} if name in SPLIT_LAYOUTS else {sequence}), (family, name, tokens)
+            split = config.ulysses_degree * config.ring_degree
+            assert tokens == {-(-sequence // split)}, (family, name, tokens)
     print("\n".join(f"{f} {n} rank {r}: max abs diff {d:.2e}" for f, n, r, d in report))
-    assert len(report) == 2 * len(models) * len(LAYOUTS)
+    assert len(report) == world_size * len(models) * len(layouts)
     worst = max(report, key=lambda row: row[3])
     assert worst[3] <= TOLERANCE, f"{worst[0]} {worst[1]} rank {worst[2]}: max abs difference {worst[3]:.2e}"
-
-
-# ------------------------------------------------------------------------------------------ refusals
-
-
-def _unverified(family: str, feature: str) -> bool:
-    return FAMILIES[family].support(feature).refused_at_startup
-
-
-@pytest.mark.parametrize("family", [EDIT, PLUS])
-def test_unverified_dit_options_are_refused_at_startup(checkpoints, family) -> None:
-    """What the family does not claim, its DiT refuses at startup with the registry's reason, whatever
-    Qwen-Image itself runs."""
-    from dit_svc.service import check_parallel_layout, model_options_from
-    from tests.conftest import parse_serve
-
-    cases = [
-        ("cpu_offload", ["--enable-cpu-offload"], model_options_from),
-        ("layerwise_offload", ["--enable-layerwise-offload"], model_options_from),
-        ("fp8", ["--quantization", "fp8"], model_options_from),
-        ("int8", ["--quantization", "int8"], model_options_from),
-    ]
-    for feature, flags, check in cases:
-        assert _unverified(family, feature), feature
-        args = parse_serve(["dit", "--model", str(checkpoints[family]), *flags])
-        with pytest.raises(SystemExit) as refused:
-            check(args)
-        assert f"the {family} family does not support" in str(refused.value), str(refused.value)
-        assert FAMILIES[family].support(feature).reason in str(refused.value), str(refused.value)
-    # What it claims passes the same checks.
-    for flags in (
-        ["--ulysses-degree", "2"],
-        ["--ring-degree", "2"],
-        ["--cfg-parallel-size", "2"],
-        ["--tensor-parallel-size", "2"],
-        ["--use-hsdp", "--hsdp-shard-size", "2"],
-    ):
-        check_parallel_layout(parse_serve(["dit", "--model", str(checkpoints[family]), *flags]))
-
-
-@pytest.mark.parametrize("family", [EDIT, PLUS])
-def test_unverified_vae_options_are_refused_at_startup(checkpoints, family) -> None:
-    from tests.conftest import parse_serve
-    from vae_svc.service import check_decode_arguments
-
-    for feature, flags in (
-        ("vae_patch_parallel", ["--vae-patch-parallel-size", "2"]),
-        ("vae_tiling", ["--vae-use-tiling"]),
-    ):
-        assert _unverified(family, feature)
-        args = parse_serve(["vae", "--model", str(checkpoints[family]), *flags])
-        with pytest.raises(SystemExit) as refused:
-            check_decode_arguments(args)
-        assert FAMILIES[family].support(feature).reason in str(refused.value), str(refused.value)

@@ -176,12 +176,15 @@ LAYOUTS_2 = [
     ("tp2", ParallelConfig(tp_degree=2)),
     ("hsdp2", ParallelConfig(use_hsdp=True, hsdp_shard_size=2)),
 ]
+# The cluster tests' layouts (tests/test_e2e_image_to_video.py) among them.
 LAYOUTS_4 = [
     ("usp2x2", ParallelConfig(ulysses_degree=2, ring_degree=2)),
-    ("ulysses2xcfg2", ParallelConfig(ulysses_degree=2, cfg_degree=2)),
+    ("tp2xcfg2", ParallelConfig(tp_degree=2, cfg_degree=2)),
+    (
+        "hsdp2x2xulysses2xcfg2",
+        ParallelConfig(ulysses_degree=2, cfg_degree=2, use_hsdp=True, hsdp_shard_size=2, hsdp_replicate_size=2),
+    ),
 ]
-# TP and HSDP are claimed for wan-i2v only (docs/features.md); every family runs Ulysses, Ring and CFG.
-SEQUENCE_AND_CFG = ("ulysses2", "ring2", "cfg2", "usp2x2", "ulysses2xcfg2")
 PARALLEL_SPECS = {
     "wan-i2v": DenoiseSpec(64, 64, 9, 2, 5.0, 0, ("first_frame",)),
     "wan2.2-i2v-a14b": DenoiseSpec(64, 64, 9, 4, 5.0, 1, ("first_frame", "last_frame")),
@@ -210,8 +213,6 @@ def _run_layouts(rank: int, world_size: int, models: dict[str, str], layouts) ->
     results = {}
     for family, model_dir in models.items():
         for name, config in layouts:
-            if family != "wan-i2v" and name not in SEQUENCE_AND_CFG:
-                continue
             denoiser = WanImageToVideoDenoiser(model_dir, CPU, torch.float32, parallel=config)
             results[(family, name)] = _run(denoiser, PARALLEL_SPECS[family])
     return results
@@ -231,62 +232,6 @@ def test_parallel_latents_equal_one_rank(checkpoints, world_size, layouts) -> No
         for (family, name), latents in results.items()
     ]
     print("\n".join(f"{f} {n} rank {r}: max abs diff {d:.2e}" for f, n, r, d in report))
-    assert len(report) == world_size * sum(
-        1 for family in models for name, _ in layouts if family == "wan-i2v" or name in SEQUENCE_AND_CFG
-    )
+    assert len(report) == world_size * len(models) * len(layouts)
     worst = max(report, key=lambda row: row[3])
     assert worst[3] <= TOLERANCE, f"{worst[0]} {worst[1]} rank {worst[2]}: max abs difference {worst[3]:.2e}"
-
-
-# ------------------------------------------------------------------------------------------ refusals
-
-
-def _unverified(family: str, feature: str) -> bool:
-    from families.registry import FAMILIES
-
-    return FAMILIES[family].support(feature).refused_at_startup
-
-
-@pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_unverified_dit_options_are_refused_at_startup(checkpoints, family) -> None:
-    """What a family does not claim, its DiT refuses at startup with the registry's reason."""
-    from dit_svc.service import check_parallel_layout, model_options_from
-    from families.registry import FAMILIES
-    from tests.conftest import parse_serve
-
-    cases = [
-        ("tensor_parallel", ["--tensor-parallel-size", "2"], check_parallel_layout),
-        ("hsdp", ["--use-hsdp", "--hsdp-shard-size", "2"], check_parallel_layout),
-        ("cpu_offload", ["--enable-cpu-offload"], model_options_from),
-        ("layerwise_offload", ["--enable-layerwise-offload"], model_options_from),
-        ("fp8", ["--quantization", "fp8"], model_options_from),
-        ("int8", ["--quantization", "int8"], model_options_from),
-    ]
-    checked = 0
-    for feature, flags, check in cases:
-        if not _unverified(family, feature):
-            continue
-        args = parse_serve(["dit", "--model", str(checkpoints[family]), *flags])
-        with pytest.raises(SystemExit) as refused:
-            check(args)
-        assert f"the {family} family does not support" in str(refused.value), str(refused.value)
-        assert FAMILIES[family].support(feature).reason in str(refused.value), str(refused.value)
-        checked += 1
-    assert checked >= 4
-
-
-@pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_unverified_vae_options_are_refused_at_startup(checkpoints, family) -> None:
-    from families.registry import FAMILIES
-    from tests.conftest import parse_serve
-    from vae_svc.service import check_decode_arguments
-
-    for feature, flags in (
-        ("vae_patch_parallel", ["--vae-patch-parallel-size", "2"]),
-        ("vae_tiling", ["--vae-use-tiling"]),
-    ):
-        assert _unverified(family, feature)
-        args = parse_serve(["vae", "--model", str(checkpoints[family]), *flags])
-        with pytest.raises(SystemExit) as refused:
-            check_decode_arguments(args)
-        assert FAMILIES[family].support(feature).reason in str(refused.value), str(refused.value)

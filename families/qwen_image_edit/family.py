@@ -27,31 +27,30 @@ PLUS_MAX_IMAGES = 3
 _TESTS = "tests/test_family_qwen_image_edit.py::"
 _E2E = "tests/test_e2e_image_edit.py::"
 _PARALLEL = _TESTS + "test_parallel_latents_equal_one_rank"
-_DIT_REFUSAL = (_TESTS + "test_unverified_dit_options_are_refused_at_startup",)
-_VAE_REFUSAL = (_TESTS + "test_unverified_vae_options_are_refused_at_startup",)
-# What the edit families do not claim: Qwen-Image's code paths may run them, but no test runs them with image
-# conditioning, so the stages refuse the flags rather than serve something unproven.
-_UNVERIFIED = {
-    "vae_patch_parallel": Support(
-        reason="not yet verified with image editing (the VAE's Encode runs whole on rank 0)",
-        refusal_tests=_VAE_REFUSAL,
-    ),
-    "vae_tiling": Support(reason="not yet verified with image editing", refusal_tests=_VAE_REFUSAL),
-    "cpu_offload": Support(reason="not yet verified for image editing", refusal_tests=_DIT_REFUSAL),
-    "layerwise_offload": Support(reason="not yet verified for image editing", refusal_tests=_DIT_REFUSAL),
-    "fp8": Support(reason="not yet verified for image editing", refusal_tests=_DIT_REFUSAL),
-    "int8": Support(reason="not yet verified for image editing", refusal_tests=_DIT_REFUSAL),
-}
+_MEMORY = "tests/test_image_families_options.py::"
+_QUANTIZATION = (_MEMORY + "test_quantized_denoiser_halves_bytes_and_stays_close",)
 
 
-def _features(e2e: str, parallel_e2e: str) -> dict[str, Support]:
+def _features(e2e: str, parallel_e2e: str, ring_tp_e2e: tuple[str, ...] = ()) -> dict[str, Support]:
+    """`parallel_e2e`: the family's cluster test with Ulysses, CFG-parallel and HSDP in the DiT and a
+    patch-parallel VAE (whose Encode runs whole on rank 0, the decode in bands over both ranks);
+    `ring_tp_e2e`: the one with Ring and tensor parallelism, where the family has one."""
     return {
-        **_UNVERIFIED,
         "ulysses": Support(tests=(_PARALLEL, parallel_e2e)),
-        "ring": Support(tests=(_PARALLEL,)),
+        "ring": Support(tests=(_PARALLEL, *ring_tp_e2e)),
         "cfg_parallel": Support(tests=(_PARALLEL, parallel_e2e)),
-        "tensor_parallel": Support(tests=(_PARALLEL,)),
-        "hsdp": Support(tests=(_PARALLEL,)),
+        "tensor_parallel": Support(tests=(_PARALLEL, *ring_tp_e2e)),
+        "hsdp": Support(tests=(_PARALLEL, parallel_e2e)),
+        "vae_patch_parallel": Support(tests=(parallel_e2e,)),
+        # Qwen-Image's decoder, which has no tiled decode.
+        "vae_tiling": Support(
+            reason=QWEN_IMAGE.support("vae_tiling").reason,
+            refusal_tests=("tests/test_image_families_options.py::test_vae_tiling_is_refused_at_startup",),
+        ),
+        "cpu_offload": Support(tests=(_MEMORY + "test_module_offload_leaves_latents_unchanged",)),
+        "layerwise_offload": Support(tests=(_MEMORY + "test_layerwise_offload_keeps_one_block_resident",)),
+        "fp8": Support(tests=_QUANTIZATION),
+        "int8": Support(tests=_QUANTIZATION),
         "multithread_loading": Support(tests=(e2e,)),
         "interpolation": QWEN_IMAGE.support("interpolation"),
     }
@@ -96,7 +95,8 @@ QWEN_IMAGE_EDIT = Family(
     ),
     features=_features(
         _E2E + "test_qwen_image_edit_images_equal_pipeline",
-        _E2E + "test_qwen_image_edit_parallel_dit_images_equal_pipeline",
+        _E2E + "test_qwen_image_edit_parallel_images_equal_pipeline",
+        (_E2E + "test_qwen_image_edit_ring_tp_images_equal_pipeline",),
     ),
     **_COMPUTE,
 )
@@ -122,10 +122,8 @@ QWEN_IMAGE_EDIT_PLUS = Family(
         encoded_by=("text-encoder", "vae"),
         size_from=SizeFromImage(VAE_IMAGE_AREA, IMAGE_SIDE_MULTIPLE, index=-1),
     ),
-    features=_features(
-        _E2E + "test_qwen_image_edit_plus_images_equal_pipeline",
-        _E2E + "test_qwen_image_edit_plus_images_equal_pipeline",
-    ),
+    # Its one cluster runs the parallel DiT and VAE.
+    features=_features(*[_E2E + "test_qwen_image_edit_plus_images_equal_pipeline"] * 2),
     **_COMPUTE,
 )
 

@@ -28,31 +28,31 @@ _COMPUTE = {
 _TESTS = "tests/test_family_wan_i2v.py::"
 _E2E = "tests/test_e2e_image_to_video.py::"
 _PARALLEL = _TESTS + "test_parallel_latents_equal_one_rank"
-_DIT_REFUSAL = (_TESTS + "test_unverified_dit_options_are_refused_at_startup",)
-_VAE_REFUSAL = (_TESTS + "test_unverified_vae_options_are_refused_at_startup",)
-# What the image-to-video families do not claim yet: the code paths are Wan's, but no test runs them with
-# image conditioning, so the stages refuse the flags rather than serve something unproven.
-_UNVERIFIED = {
-    "tensor_parallel": Support(reason="not yet verified for this family", refusal_tests=_DIT_REFUSAL),
-    "hsdp": Support(reason="not yet verified for this family", refusal_tests=_DIT_REFUSAL),
-    "vae_patch_parallel": Support(
-        reason="not yet verified with image-to-video (the VAE's Encode runs whole on rank 0)",
-        refusal_tests=_VAE_REFUSAL,
-    ),
-    "vae_tiling": Support(reason="not yet verified with image-to-video", refusal_tests=_VAE_REFUSAL),
-    "cpu_offload": Support(reason="not yet verified for image-to-video", refusal_tests=_DIT_REFUSAL),
-    "layerwise_offload": Support(reason="not yet verified for image-to-video", refusal_tests=_DIT_REFUSAL),
-    "fp8": Support(reason="not yet verified for image-to-video", refusal_tests=_DIT_REFUSAL),
-    "int8": Support(reason="not yet verified for image-to-video", refusal_tests=_DIT_REFUSAL),
-}
+_MEMORY = "tests/test_image_families_options.py::"
+_QUANTIZATION = (_MEMORY + "test_quantized_denoiser_halves_bytes_and_stays_close",)
+# The decode is Wan's session on the same VAE, but the VAE's Encode of the input frames runs untiled, and no
+# test compares tiled image-to-video with the pipeline's: the stage refuses the flag rather than serve it unproven.
+_UNVERIFIED_TILING = Support(
+    reason="not yet verified with image-to-video (the Encode of the input frames would run untiled)",
+    refusal_tests=("tests/test_image_families_options.py::test_vae_tiling_is_refused_at_startup",),
+)
 
 
 def _features(e2e: str, **more: Support) -> dict[str, Support]:
+    """`e2e`: the family's cluster test with Ulysses, CFG-parallel and HSDP in the DiT and a patch-parallel VAE
+    (whose Encode runs whole on rank 0, the decode in bands over both ranks)."""
     return {
-        **_UNVERIFIED,
         "ulysses": Support(tests=(_PARALLEL, e2e)),
         "ring": Support(tests=(_PARALLEL,)),
         "cfg_parallel": Support(tests=(_PARALLEL, e2e)),
+        "tensor_parallel": Support(tests=(_PARALLEL,)),
+        "hsdp": Support(tests=(_PARALLEL, e2e)),
+        "vae_patch_parallel": Support(tests=(e2e,)),
+        "vae_tiling": _UNVERIFIED_TILING,
+        "cpu_offload": Support(tests=(_MEMORY + "test_module_offload_leaves_latents_unchanged",)),
+        "layerwise_offload": Support(tests=(_MEMORY + "test_layerwise_offload_keeps_one_block_resident",)),
+        "fp8": Support(tests=_QUANTIZATION),
+        "int8": Support(tests=_QUANTIZATION),
         "multithread_loading": Support(tests=(e2e,)),
         "interpolation": Support(tests=(_E2E + "test_wan_i2v_interpolation_keeps_decoded_frames_in_place",)),
         **more,
@@ -83,8 +83,7 @@ WAN_I2V = Family(
     ),
     features=_features(
         _E2E + "test_wan_i2v_parallel_dit_frames_equal_pipeline",
-        tensor_parallel=Support(tests=(_PARALLEL,)),
-        hsdp=Support(tests=(_PARALLEL,)),
+        tensor_parallel=Support(tests=(_PARALLEL, _E2E + "test_wan_i2v_parallel_dit_frames_equal_pipeline")),
         multithread_loading=Support(tests=(_E2E + "test_wan_i2v_frames_equal_pipeline",)),
     ),
     **_COMPUTE,
