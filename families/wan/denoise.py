@@ -102,7 +102,9 @@ class WanDenoiser:
     def _predict(
         model: WanTransformer3DModel, latents: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor, branch: str
     ) -> torch.Tensor:
-        return model(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, return_dict=False)[0]
+        # A cache context per branch, as WanPipeline keeps one (diffusers' cache hooks key on it).
+        with model.cache_context(branch):
+            return model(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, return_dict=False)[0]
 
     def guided_prediction(
         self,

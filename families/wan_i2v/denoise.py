@@ -64,13 +64,14 @@ class WanImageToVideoDenoiser(WanDenoiser):
         embeds: torch.Tensor,
         branch: str,
     ) -> torch.Tensor:
-        return model(
-            hidden_states=latents,
-            timestep=timestep,
-            encoder_hidden_states=embeds,
-            encoder_hidden_states_image=image_embeds,
-            return_dict=False,
-        )[0]
+        with model.cache_context(branch):
+            return model(
+                hidden_states=latents,
+                timestep=timestep,
+                encoder_hidden_states=embeds,
+                encoder_hidden_states_image=image_embeds,
+                return_dict=False,
+            )[0]
 
     @torch.no_grad()
     def denoise(
