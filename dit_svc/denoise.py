@@ -118,7 +118,7 @@ def denoise_request(
         mag_ratios=mag_ratios,
         calibration=calibration,
     )
-    consensus = GroupConsensus(None, denoiser.cfg_group) if denoiser.parallel is not None else None
+    consensus = GroupConsensus() if denoiser.parallel is not None else None
     with step_cache(denoiser.experts, spec.cache, setting, consensus) as passes:
         latents = denoiser.denoise(spec, conditioning, on_step, cancelled)
     branches = 2 if spec.do_classifier_free_guidance else 1

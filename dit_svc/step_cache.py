@@ -26,12 +26,9 @@ MagCache's decision depends only on the step and the ratios, the same on every r
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -59,13 +56,7 @@ from torch import nn
 from dit_svc.parallel.sequence_parallel import SequenceParallelState
 
 METHODS = ("none", "first_block", "mag", "teacache")
-# The threshold a method uses when a request names the method without one: diffusers' defaults for
-# first_block and mag; TeaCache's reference uses 0.1 to 0.3 for Wan in the use_ret_steps mode.
-DEFAULT_THRESHOLDS = {"first_block": 0.05, "mag": 0.06, "teacache": 0.2}
-MAX_THRESHOLD = 1.0
 BRANCHES = ("cond", "uncond")
-# MagCache's ratios are calibrated per checkpoint (`stagediff calibrate-cache`) into this file.
-MAG_RATIOS_FILE = "mag_ratios.json"
 _TEACACHE_HOOK = "stagediff_teacache_head"
 
 
@@ -79,20 +70,6 @@ class CacheSpec:
     @property
     def enabled(self) -> bool:
         return self.method != "none"
-
-
-def validate_cache(method: str, threshold: float | None, allowed: tuple[str, ...]) -> CacheSpec:
-    """The request's cache, or ValueError naming the field and what is allowed (the stage's `allowed`)."""
-    if method not in allowed:
-        shown = method[:32] + ("..." if len(method) > 32 else "")
-        raise ValueError(f"cache.method: '{shown}' is not allowed for this model; allowed: {', '.join(allowed)}")
-    if method == "none":
-        return CacheSpec()
-    if threshold is None:
-        threshold = DEFAULT_THRESHOLDS[method]
-    if not math.isfinite(threshold) or not 0 < threshold <= MAX_THRESHOLD:
-        raise ValueError(f"cache.threshold: {threshold} is not allowed; use a value in (0, {MAX_THRESHOLD:g}]")
-    return CacheSpec(method, threshold)
 
 
 @dataclass
@@ -115,9 +92,9 @@ class CachePasses:
 class GroupConsensus:
     """Reductions over the DiT group that make every rank's decision the single-rank one (see the module doc)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, cfg_group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        # None: the default group, which is the DiT's rank group.
         self.group = group
-        self.cfg_group = cfg_group
 
     def _slot(self, branch: str) -> int:
         return BRANCHES.index(branch)
@@ -209,22 +186,6 @@ class CalibratingMagCacheTail(MagCacheBlockHook):
         self.ratios.setdefault(self.state_manager.context.name, []).append(state.calibration_ratios[-1])
 
 
-def read_mag_ratios(path: Path) -> dict[str, list[float]]:
-    """The calibrated ratios of a checkpoint, by expert name ("transformer", "transformer_2")."""
-    data = json.loads(path.read_text())
-    ratios = data.get("mag_ratios") if isinstance(data, dict) else None
-    if (
-        not isinstance(ratios, dict)
-        or not ratios
-        or not all(
-            isinstance(values, list) and values and all(isinstance(v, int | float) and math.isfinite(v) for v in values)
-            for values in ratios.values()
-        )
-    ):
-        raise ValueError(f'{path}: expected {{"mag_ratios": {{expert: [ratio, ...]}}}} with finite ratios')
-    return {name: [float(v) for v in values] for name, values in ratios.items()}
-
-
 # ---------------------------------------------------------------------------------------------- teacache
 
 # The published polynomials of TeaCache4Wan2.1's use_ret_steps mode, by the model they were fitted on.
@@ -281,6 +242,8 @@ class TeaCacheHead(ModelHook):
         self.consensus: GroupConsensus | None = consensus
         self.passes: CachePasses = passes
         self.modulation: torch.Tensor | None = None
+        # Removes the forward hook on `condition_embedder` that feeds catch_modulation.
+        self.remove_modulation_hook = lambda: None
         self._metadata = None
 
     def initialize_hook(self, module: nn.Module) -> nn.Module:

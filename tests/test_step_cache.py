@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, apply_first_block_cache, apply_mag_cache
 from diffusers.hooks.first_block_cache import _FBC_BLOCK_HOOK, _FBC_LEADER_BLOCK_HOOK
 from diffusers.hooks.hooks import HookRegistry
+from diffusers.hooks.mag_cache import _MAG_CACHE_BLOCK_HOOK, _MAG_CACHE_LEADER_BLOCK_HOOK
 
 from dit_svc.denoise import DenoiseSpec, denoise_request
 from dit_svc.parallel import ParallelConfig
@@ -36,9 +37,20 @@ def _conditioning(text_dim: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _run(denoiser, cache: CacheSpec):
+def _run(denoiser, cache: CacheSpec, **mag):
     spec = dataclasses.replace(SPEC, cache=cache)
-    return denoise_request(denoiser, spec, _conditioning(denoiser.text_dim), lambda s, t: None, lambda: False)
+    return denoise_request(denoiser, spec, _conditioning(denoiser.text_dim), lambda s, t: None, lambda: False, **mag)
+
+
+def _with_diffusers_hooks(denoiser, hook_names: tuple[str, str]) -> torch.Tensor:
+    """The latents of SPEC with hooks that diffusers applied, which are removed after."""
+    try:
+        return denoiser.denoise(SPEC, _conditioning(denoiser.text_dim), lambda s, t: None, lambda: False)
+    finally:
+        registry = HookRegistry.check_if_exists_or_initialize(denoiser.transformer)
+        for name in hook_names:
+            registry.remove_hook(name, recurse=True)
+        registry.invalidate_child_registries_cache()
 
 
 def test_first_block_cache_equals_diffusers_hooks(tiny_model) -> None:
@@ -47,16 +59,29 @@ def test_first_block_cache_equals_diffusers_hooks(tiny_model) -> None:
     assert passes.run > 0 and passes.skipped > 0, passes
     assert passes.run + passes.skipped == 2 * SPEC.num_inference_steps
     apply_first_block_cache(denoiser.transformer, FirstBlockCacheConfig(threshold=0.2))
-    try:
-        reference = denoiser.denoise(SPEC, _conditioning(denoiser.text_dim), lambda s, t: None, lambda: False)
-    finally:
-        registry = HookRegistry.check_if_exists_or_initialize(denoiser.transformer)
-        registry.remove_hook(_FBC_LEADER_BLOCK_HOOK, recurse=True)
-        registry.remove_hook(_FBC_BLOCK_HOOK, recurse=True)
+    reference = _with_diffusers_hooks(denoiser, (_FBC_LEADER_BLOCK_HOOK, _FBC_BLOCK_HOOK))
     assert torch.equal(latents, reference)
     # The hooks come off after the request: the next one runs every pass.
     uncached, passes = _run(denoiser, CacheSpec())
     assert passes.skipped == 0 and not torch.equal(uncached, latents)
+
+
+def test_mag_cache_equals_diffusers_hooks(tiny_model) -> None:
+    """Calibration records one ratio per step of each branch and skips nothing; with the prompt branch's
+    ratios, MagCache skips what diffusers' own hooks skip, to the same latents."""
+    denoiser = WanDenoiser(tiny_model, CPU, torch.float32)
+    calibration: dict = {}
+    calibrated, passes = _run(denoiser, CacheSpec("mag", 1.0), calibration=calibration)
+    assert passes.skipped == 0
+    assert {branch: len(r) for branch, r in calibration["transformer"].items()} == {"cond": 8, "uncond": 8}
+    assert torch.equal(calibrated, _run(denoiser, CacheSpec())[0])
+    ratios = {"transformer": calibration["transformer"]["cond"]}
+    latents, passes = _run(denoiser, CacheSpec("mag", 0.3), mag_ratios=ratios)
+    assert passes.run > 0 and passes.skipped > 0, passes
+    config = MagCacheConfig(threshold=0.3, num_inference_steps=8, mag_ratios=ratios["transformer"])
+    apply_mag_cache(denoiser.transformer, config)
+    reference = _with_diffusers_hooks(denoiser, (_MAG_CACHE_LEADER_BLOCK_HOOK, _MAG_CACHE_BLOCK_HOOK))
+    assert torch.equal(latents, reference)
 
 
 def _run_layouts(rank: int, world_size: int, model_dir: str, layouts) -> dict:
