@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
 INSTALLED := $(VENV)/.installed
 
-.PHONY: venv demo test test-gpu lint proto clean
+.PHONY: venv demo test test-gpu bench-gpu lint proto clean
 
 venv: $(INSTALLED)
 
@@ -28,6 +28,11 @@ test: venv
 # The CUDA paths, on a machine with an NVIDIA GPU (deselected from `make test`); -s prints their evidence.
 test-gpu: venv
 	$(BIN)/python -m pytest -m cuda -s -v tests/test_cuda.py
+
+# The DiT's throughput benchmarks (step caches, regional compilation, request batching) on one CUDA GPU in
+# bf16, written together to $OUT/bench-gpu.json; BENCH_GPU_QUICK=1 for the short variants.
+bench-gpu: venv
+	bash scripts/bench_gpu.sh
 
 lint: venv
 	$(BIN)/python -m ruff check .

@@ -9,6 +9,8 @@ asks the checkpoint's family in the registry which class that is, and runs each 
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +18,15 @@ from typing import Protocol
 
 import torch
 
+from dit_svc.compile import compile_repeated_blocks
 from dit_svc.model_options import ModelOptions
 from dit_svc.parallel import ParallelConfig
-from dit_svc.parallel.cfg import agree_to_continue, cfg_parallel_predictions
+from dit_svc.parallel.cfg import agree_on_members, agree_to_continue, cfg_parallel_predictions
 from dit_svc.step_cache import CachePasses, CacheSetting, CacheSpec, GroupConsensus, step_cache
 from services.checkpoint import read_checkpoint
 from services.stage import Cancelled
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,25 @@ class Denoiser(Protocol):
         ...
 
 
+class BatchDenoiser(Denoiser, Protocol):
+    """A denoiser that also runs several requests of one `batch_key` as one batch (the family's `batching`
+    feature): each request's latents equal its own run's."""
+
+    def denoise_batch(
+        self,
+        specs: list[DenoiseSpec],
+        conditionings: list[dict[str, torch.Tensor]],
+        on_step: Callable[[int, int, int], None],
+        wanted: Callable[[], list[bool]],
+    ) -> list[torch.Tensor | None]:
+        """The latents of each request, None for those dropped; on_step(member, step, total) after each step.
+
+        Before each step `wanted()` says which members still want their result (see `members_still_wanted`);
+        a member dropped once is not denoised further.
+        """
+        ...
+
+
 def make_denoiser(
     model_dir: str | Path,
     device: torch.device,
@@ -91,9 +115,22 @@ def make_denoiser(
     options: ModelOptions | None = None,
     load_threads: int = 4,
 ) -> Denoiser:
-    """The checkpoint's family's denoiser; every rank of a DiT group builds its own with this."""
+    """The checkpoint's family's denoiser; every rank of a DiT group builds its own with this.
+
+    With `options.compile` its blocks are compiled last (dit_svc/compile.py): the constructor has applied
+    quantization, offload and the parallel plan by then.
+    """
     denoiser_class = read_checkpoint(model_dir).traits.load("denoiser")
-    return denoiser_class(model_dir, device, dtype, parallel=parallel, options=options, load_threads=load_threads)
+    denoiser = denoiser_class(model_dir, device, dtype, parallel=parallel, options=options, load_threads=load_threads)
+    if options is not None and options.compile:
+        started = time.perf_counter()
+        blocks = compile_repeated_blocks(denoiser.experts)
+        logger.info(
+            "regional compilation: %d blocks set up in %.3f s; each compiles on its first request",
+            blocks,
+            time.perf_counter() - started,
+        )
+    return denoiser
 
 
 def denoise_request(
@@ -129,6 +166,86 @@ def denoise_request(
         torch.distributed.all_reduce(counts, group=denoiser.cfg_group)
         passes = CachePasses(run=int(counts[0]), skipped=int(counts[1]))
     return latents, passes
+
+
+def batch_key(spec: DenoiseSpec, conditioning: dict[str, torch.Tensor]) -> tuple | None:
+    """Requests with the same key can be denoised as one batch: the same latent shape, schedule and guidance
+    branches, and conditioning tensors of the same shapes. Seeds, prompts and guidance scales may differ.
+    None: the request runs alone, as one with a step cache does (its skip decisions are its own)."""
+    if spec.cache.enabled:
+        return None
+    shapes = tuple(sorted((name, tuple(tensor.shape), str(tensor.dtype)) for name, tensor in conditioning.items()))
+    return (
+        spec.height,
+        spec.width,
+        spec.num_frames,
+        spec.num_inference_steps,
+        spec.do_classifier_free_guidance,
+        spec.image_roles,
+        spec.image_sizes,
+        shapes,
+    )
+
+
+def denoise_batch_request(
+    denoiser: BatchDenoiser,
+    specs: list[DenoiseSpec],
+    conditionings: list[dict[str, torch.Tensor]],
+    on_step: Callable[[int, int, int], None],
+    wanted: Callable[[], list[bool]],
+) -> list[tuple[torch.Tensor | None, CachePasses]]:
+    """Runs a batch of requests of one `batch_key` on this rank; each member's latents (None once dropped) and
+    passes. Every rank of a group calls it with the same batch."""
+    results = denoiser.denoise_batch(specs, conditionings, on_step, wanted)
+    branches = 2 if specs[0].do_classifier_free_guidance else 1
+    passes = [CachePasses(run=spec.num_inference_steps * branches) for spec in specs]
+    return list(zip(results, passes, strict=True))
+
+
+@dataclass(frozen=True)
+class OneRank:
+    """A stage's requests on one rank, through the same two calls as a DenoiserGroup's (dit_svc/group.py)."""
+
+    denoiser: Denoiser
+    mag_ratios: dict[str, list[float]] | None = None
+
+    def denoise_request(self, spec, conditioning, on_step, cancelled) -> tuple[torch.Tensor, CachePasses]:
+        return denoise_request(self.denoiser, spec, conditioning, on_step, cancelled, mag_ratios=self.mag_ratios)
+
+    def denoise_batch_request(self, specs, conditionings, on_step, wanted) -> list:
+        return denoise_batch_request(self.denoiser, specs, conditionings, on_step, wanted)
+
+
+def members_still_wanted(
+    wanted: Callable[[], list[bool]], parallel: ParallelConfig | None, device: torch.device
+) -> list[bool]:
+    """Before a batch step: which members still want their result; in a group, rank 0's answer holds for all."""
+    keep = wanted()
+    return agree_on_members(keep, device) if parallel is not None else keep
+
+
+# Per scheduler class, its attributes that hold one row per request of the batch (the multistep solvers'
+# history); the others hold the schedule, shared by every row.
+SCHEDULER_BATCH_STATE = {
+    "UniPCMultistepScheduler": ("model_outputs", "last_sample"),
+    "FlowMatchEulerDiscreteScheduler": (),
+}
+
+
+def keep_batch_rows(scheduler: object, rows: list[int]) -> bool:
+    """Drops every other row from the scheduler's per-request state; False for a scheduler whose state is not
+    known here (the caller then keeps denoising the dropped rows and discards them at the end)."""
+    attributes = SCHEDULER_BATCH_STATE.get(type(scheduler).__name__)
+    if attributes is None:
+        return False
+
+    def keep(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.index_select(0, torch.tensor(rows, device=tensor.device))
+
+    for name in attributes:
+        value = getattr(scheduler, name)
+        setattr(scheduler, name, [keep(item) for item in value] if isinstance(value, list) else keep(value))
+    return True
 
 
 def stop_if_cancelled(cancelled: Callable[[], bool], parallel: ParallelConfig | None, device: torch.device) -> None:

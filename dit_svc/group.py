@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from dit_svc.denoise import Denoiser, DenoiseSpec, make_denoiser
+from dit_svc.denoise import Denoiser, DenoiseSpec, denoise_batch_request, denoise_request, make_denoiser
 from dit_svc.model_options import ModelOptions
 from dit_svc.parallel import ParallelConfig
+from dit_svc.step_cache import CachePasses
 from services.auth import TLSConfigError, server_credentials_from_args
 from services.rank_group import ONE_NODE, NodeLayout, RankGroup, serve_follower_node
 from services.stage_main import prepare_stage_process
@@ -31,28 +32,51 @@ class DitPayload:
     config: ParallelConfig
     options: ModelOptions
     load_threads: int = 4
+    # MagCache's calibrated ratios per expert (dit_svc/cache_offer.py), None when the stage offers no mag.
+    mag_ratios: dict[str, list[float]] | None = None
+
+
+@dataclass(frozen=True)
+class BatchMessage:
+    """Several requests the group denoises as one batch (dit_svc/batching.py)."""
+
+    specs: list[DenoiseSpec]
+    conditionings: list[dict[str, torch.Tensor]]
 
 
 class DitWorker:
-    def __init__(self, denoiser: Denoiser) -> None:
+    def __init__(self, denoiser: Denoiser, mag_ratios: dict[str, list[float]] | None = None) -> None:
         self.denoiser = denoiser
+        self.mag_ratios = mag_ratios
 
-    def handle(self, message: tuple[DenoiseSpec, dict[str, torch.Tensor]]) -> torch.Tensor:
+    def handle(self, message: tuple[DenoiseSpec, dict[str, torch.Tensor]] | BatchMessage):
+        if isinstance(message, BatchMessage):
+            # Rank 0's cancellations reach every rank inside the loop (members_still_wanted).
+            everyone = [True] * len(message.specs)
+            return denoise_batch_request(
+                self.denoiser, message.specs, message.conditionings, lambda *step: None, lambda: everyone
+            )
         spec, conditioning = message
-        return self.denoiser.denoise(spec, conditioning, on_step=lambda step, total: None, cancelled=lambda: False)
+        return denoise_request(
+            self.denoiser,
+            spec,
+            conditioning,
+            on_step=lambda step, total: None,
+            cancelled=lambda: False,
+            mag_ratios=self.mag_ratios,
+        )
 
 
 def make_dit_worker(rank: int, device: torch.device, payload: DitPayload) -> DitWorker:
-    return DitWorker(
-        make_denoiser(
-            payload.model_dir,
-            device,
-            payload.dtype,
-            parallel=payload.config,
-            options=payload.options,
-            load_threads=payload.load_threads,
-        )
+    denoiser = make_denoiser(
+        payload.model_dir,
+        device,
+        payload.dtype,
+        parallel=payload.config,
+        options=payload.options,
+        load_threads=payload.load_threads,
     )
+    return DitWorker(denoiser, payload.mag_ratios)
 
 
 class DenoiserGroup:
@@ -68,11 +92,13 @@ class DenoiserGroup:
         options: ModelOptions,
         load_threads: int = 4,
         layout: NodeLayout = ONE_NODE,
+        mag_ratios: dict[str, list[float]] | None = None,
     ) -> None:
         settings = layout.settings("dit", config.total_ranks, device.type, threads)
-        payload = DitPayload(str(model_dir), dtype, config, options, load_threads)
+        payload = DitPayload(str(model_dir), dtype, config, options, load_threads, mag_ratios)
         self.group = RankGroup(settings, make_dit_worker, payload, layout.channel)
         self.denoiser: Denoiser = self.group.worker.denoiser
+        self.mag_ratios = mag_ratios
 
     @property
     def transformer(self) -> torch.nn.Module:
@@ -92,13 +118,15 @@ class DenoiserGroup:
     def failure(self) -> str | None:
         return self.group.failure()
 
-    def denoise(
+    def denoise_request(
         self,
         spec: DenoiseSpec,
         conditioning: dict[str, torch.Tensor],
         on_step: Callable[[int, int], None],
         cancelled: Callable[[], bool],
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, CachePasses]:
+        """dit_svc.denoise.denoise_request on every rank of the group in step; rank 0's result."""
+
         # A group that lost a rank or a node stops the request at the next step, instead of finishing it with
         # whatever ranks still answer; run() then reports the failure.
         def stop() -> bool:
@@ -106,20 +134,45 @@ class DenoiserGroup:
 
         return self.group.run(
             (spec, conditioning),
-            lambda: self.denoiser.denoise(spec, conditioning, on_step, stop),
+            lambda: denoise_request(self.denoiser, spec, conditioning, on_step, stop, mag_ratios=self.mag_ratios),
+        )
+
+    def denoise_batch_request(
+        self,
+        specs: list[DenoiseSpec],
+        conditionings: list[dict[str, torch.Tensor]],
+        on_step: Callable[[int, int, int], None],
+        wanted: Callable[[], list[bool]],
+    ) -> list[tuple[torch.Tensor | None, CachePasses]]:
+        """dit_svc.denoise.denoise_batch_request on every rank of the group in step; rank 0's result."""
+
+        # A group that lost a rank or a node drops every member at the next step; run() reports the failure.
+        def still_wanted() -> list[bool]:
+            failed = self.group.failure() is not None
+            return [keep and not failed for keep in wanted()]
+
+        return self.group.run(
+            BatchMessage(specs, conditionings),
+            lambda: denoise_batch_request(self.denoiser, specs, conditionings, on_step, still_wanted),
         )
 
     def close(self) -> None:
         self.group.close()
 
 
-def serve_dit_node(args: argparse.Namespace, config: ParallelConfig, options: ModelOptions, layout: NodeLayout) -> None:
+def serve_dit_node(
+    args: argparse.Namespace,
+    config: ParallelConfig,
+    options: ModelOptions,
+    layout: NodeLayout,
+    mag_ratios: dict[str, list[float]] | None = None,
+) -> None:
     """Node r > 0 of a multi-node DiT group: loads the same checkpoint with the same layout on its ranks and
     follows node 0, answering only health on --port; exits non-zero when the group ends under it."""
     spec, device, dtype = prepare_stage_process("dit", args)
     load_threads = 1 if args.disable_multithread_weight_load else args.num_weight_load_threads
     settings = layout.settings("dit", config.total_ranks, device.type, args.threads)
-    payload = DitPayload(str(spec.path), dtype, config, options, load_threads)
+    payload = DitPayload(str(spec.path), dtype, config, options, load_threads, mag_ratios)
     if layout.channel is None:
         raise ValueError("a follower node needs the control channel to node 0")
     try:

@@ -1,4 +1,5 @@
-"""Memory options of the DiT's transformers: weight-only quantization, then CPU offload.
+"""Memory options of the DiT's transformers: weight-only quantization, then CPU offload; and whether the
+stage compiles their blocks (`compile`, applied by dit_svc/denoise.py `make_denoiser` after everything else).
 
 Every rank of a DiT group applies the same options to its experts right after
 loading them and before any parallel layout: quantization must see the weights
@@ -25,6 +26,8 @@ class ModelOptions:
     ignored_layers: tuple[str, ...] = ()
     offload: str | None = None  # "module" or "layerwise"
     offload_blocks: int = 1
+    # Regional compilation (dit_svc/compile.py), applied after the options above and the parallel plan.
+    compile: bool = False
 
     def describe(self) -> dict[str, str]:
         """What GetClusterInfo reports of these options."""
@@ -37,6 +40,8 @@ class ModelOptions:
             described["offload"] = self.offload
             if self.offload == "layerwise":
                 described["offload_blocks"] = str(self.offload_blocks)
+        if self.compile:
+            described["compile"] = "regional"
         return described
 
 

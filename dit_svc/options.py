@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from families.base import CACHE_METHODS, DEFAULT_CACHE_THRESHOLDS
 from services.environment_options import OptionParser
 from services.stage_options import add_stage_kind_arguments, stage_parser
 
@@ -56,10 +57,56 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--offload-blocks", type=int, default=1, help="blocks resident at once with layerwise offload")
 
 
+def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speed", "compilation of the transformer(s); the first request compiles")
+    group.add_argument(
+        "--compile", action="store_true", help="torch.compile each repeated transformer block (regional compilation)"
+    )
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "step cache", "the cache of a request that names none (GenerateRequest.cache); requests may name another"
+    )
+    group.add_argument(
+        "--cache-backend", choices=CACHE_METHODS, default="none", help="default step cache (default: none)"
+    )
+    defaults = ", ".join(f"{method} {value:g}" for method, value in DEFAULT_CACHE_THRESHOLDS.items())
+    group.add_argument(
+        "--cache-threshold", type=float, default=None, help=f"its threshold; higher skips more (default: {defaults})"
+    )
+    group.add_argument(
+        "--cache-mag-ratios",
+        default=None,
+        help="MagCache's ratios, from `stagediff calibrate-cache` (default: mag_ratios.json in the checkpoint, "
+        "when present; without ratios the mag method is not offered)",
+    )
+
+
+def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "batching",
+        "concurrent requests of the same size, frames, steps and guidance branches denoised as one batch "
+        "(dit_svc/batching.py); requests with a step cache run alone",
+    )
+    group.add_argument(
+        "--max-batch-size", type=int, default=1, help="requests in one batch (default 1: no batching; at most 64)"
+    )
+    group.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=10.0,
+        help="how long a request waits for partners before its batch starts (default 10; at most 10000)",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_stage_kind_arguments(parser, "dit")
     add_parallel_arguments(parser)
     add_memory_arguments(parser)
+    add_speed_arguments(parser)
+    add_cache_arguments(parser)
+    add_batching_arguments(parser)
 
 
 def build_parser() -> OptionParser:

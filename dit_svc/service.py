@@ -19,7 +19,9 @@ import diffusers
 import grpc
 import torch
 
-from dit_svc.denoise import Denoiser, DenoiseSpec, make_denoiser
+from dit_svc.batching import MAX_BATCH_SIZE, MAX_BATCH_WAIT_MS, RequestBatcher
+from dit_svc.cache_offer import CacheOffer, cache_offer_from
+from dit_svc.denoise import Denoiser, DenoiseSpec, OneRank, batch_key, make_denoiser
 from dit_svc.group import DenoiserGroup, serve_dit_node
 from dit_svc.model_options import ModelOptions
 from dit_svc.offload import validate_offload_flags
@@ -28,6 +30,7 @@ from dit_svc.parallel import ParallelConfig, ParallelConfigError
 from dit_svc.parallel.hsdp import local_parameter_bytes
 from dit_svc.parallel.mesh import refuse_unsupported_methods
 from dit_svc.quantization import linear_layer_names, parse_ignored_layers, validate_quantization_flags
+from dit_svc.step_cache import CachePasses, CacheSpec
 from services.auth import CLUSTER_SECRET_ENV, ClusterSecretError, load_cluster_secret
 from services.checkpoint import CheckpointError, read_checkpoint
 from services.environment_options import parse_args
@@ -36,7 +39,7 @@ from services.server import is_loopback
 from services.stage import RequestError, StageRuntime, abort_for
 from services.stage_main import StageServicer, run_stage
 from services.torch_wire import encode_tensor, to_torch
-from services.validation import validate_sampling, validate_seed, validate_size
+from services.validation import resolve_cache, validate_sampling, validate_seed, validate_size
 from stagediff.tensor_codec import TensorAssembler, WireError, WireTensor, expect_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 
@@ -50,7 +53,12 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         self.parallel = parallel_config_from(args)
         self.layout = node_layout_from(args)
         self.options = model_options_from(args) if Path(args.model, "model_index.json").is_file() else ModelOptions()
+        self.cache_offer = step_cache_offer_from(args)
+        self.max_batch_size, self.batch_wait_ms = batching_from(args)
+        self.batcher: RequestBatcher | None = None
         self.denoiser: Denoiser | DenoiserGroup | None = None
+        # What runs each request: the group, or this rank alone (the same two calls).
+        self.runner: DenoiserGroup | OneRank | None = None
         self.slots = {slot.name: slot for slot in runtime.spec.traits.conditioning}
         if self.parallel.total_ranks > 1:
             runtime.parallel_config = {**self.parallel.describe(), "nnodes": str(self.layout.nnodes)}
@@ -78,6 +86,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
                 self.options,
                 load_threads=runtime.load_threads,
                 layout=self.layout,
+                mag_ratios=self.cache_offer.mag_ratios,
             )
             nnodes = self.layout.nnodes
             per_node = self.parallel.total_ranks // nnodes
@@ -92,6 +101,21 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
                 "devices": devices if nnodes == 1 else f"{nnodes} nodes x ({devices})",
             }
         runtime.parallel_config = {**runtime.parallel_config, **self.options.describe()}
+        runtime.cache_methods = self.cache_offer.methods()
+        runtime.default_cache = self.cache_offer.default
+        self.runner = (
+            self.denoiser
+            if isinstance(self.denoiser, DenoiserGroup)
+            else OneRank(self.denoiser, self.cache_offer.mag_ratios)
+        )
+        if self.max_batch_size > 1:
+            run_batch = self.runner.denoise_batch_request
+            self.batcher = RequestBatcher(runtime, run_batch, self.max_batch_size, self.batch_wait_ms)
+            runtime.parallel_config = {
+                **runtime.parallel_config,
+                "max_batch_size": str(self.max_batch_size),
+                "batch_wait_ms": f"{self.batch_wait_ms:g}",
+            }
         # With TP or HSDP a rank holds a shard: report what rank 0 holds (quantized weights at their stored size).
         local = self.denoiser.denoiser if isinstance(self.denoiser, DenoiserGroup) else self.denoiser
         experts = local.experts
@@ -109,10 +133,11 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
 
     def _spec_from(self, params: stages_pb2.DenoiseParams) -> DenoiseSpec:
         self.runtime.check_model(params.model)
-        limits = self.runtime.spec.limits()
+        limits = self.runtime.info().limits
         validate_size(limits, params.height, params.width, params.num_frames)
         validate_sampling(limits, params.num_inference_steps, params.guidance_scale)
         validate_seed(params.seed)
+        cache = resolve_cache(limits, params.cache if params.HasField("cache") else None)
         return DenoiseSpec(
             height=params.height,
             width=params.width,
@@ -120,6 +145,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
             num_inference_steps=params.num_inference_steps,
             guidance_scale=params.guidance_scale,
             seed=params.seed,
+            cache=CacheSpec(cache.method, cache.threshold),
             **self._images(params),
         )
 
@@ -256,21 +282,26 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         except Exception as error:
             await abort_for(error, context, self.runtime.stage)
 
-        denoiser = self.denoiser
+        runner = self.runner
 
         def work(emit: Callable[[object], None], cancel: threading.Event) -> None:
-            latents = denoiser.denoise(
-                spec,
-                conditioning,
-                on_step=lambda step, total: emit(stages_pb2.DenoiseProgress(step=step, total=total)),
-                cancelled=cancel.is_set,
-            )
+            def on_step(step: int, total: int) -> None:
+                emit(stages_pb2.DenoiseProgress(step=step, total=total))
+
+            latents, passes = runner.denoise_request(spec, conditioning, on_step, cancel.is_set)
+            emit(passes)
             emit(latents)
 
+        key = batch_key(spec, conditioning) if self.batcher is not None else None
+        items = self.runtime.stream(work) if key is None else self.batcher.stream(spec, conditioning, key)
         try:
-            async for item in self.runtime.stream(work):
+            async for item in items:
                 if isinstance(item, stages_pb2.DenoiseProgress):
                     yield stages_pb2.DenoiseResponse(progress=item)
+                    continue
+                if isinstance(item, CachePasses):
+                    passes = stages_pb2.TransformerPasses(run=item.run, skipped=item.skipped)
+                    yield stages_pb2.DenoiseResponse(passes=passes)
                     continue
                 # One tensor per latent frame, so the VAE can decode frame t while t+1 travels.
                 for t in range(item.shape[2]):
@@ -414,7 +445,7 @@ def model_options_from(args: argparse.Namespace) -> ModelOptions:
         _refuse_unsupported_options(args)
     except ValueError as error:
         raise SystemExit(f"stagediff serve dit: {error}") from None
-    return ModelOptions(args.quantization, ignored, offload, args.offload_blocks)
+    return ModelOptions(args.quantization, ignored, offload, args.offload_blocks, compile=args.compile)
 
 
 def _refuse_unsupported_options(args: argparse.Namespace) -> None:
@@ -428,9 +459,48 @@ def _refuse_unsupported_options(args: argparse.Namespace) -> None:
         (args.enable_layerwise_offload, "--enable-layerwise-offload", "layerwise_offload"),
         (args.quantization == "fp8", "--quantization fp8", "fp8"),
         (args.quantization == "int8", "--quantization int8", "int8"),
+        (args.compile, "--compile", "compile"),
     ):
         if used and not family.support(feature).supported:
             raise ValueError(f"the {family.name} family does not support {flag}: {family.support(feature).reason}")
+
+
+def batching_from(args: argparse.Namespace) -> tuple[int, float]:
+    """--max-batch-size and --batch-wait-ms, refusing values out of range or a family that does not batch."""
+    size, wait_ms = args.max_batch_size, args.batch_wait_ms
+    problem = None
+    if not 1 <= size <= MAX_BATCH_SIZE:
+        problem = f"--max-batch-size {size}: allowed 1 (no batching) to {MAX_BATCH_SIZE}"
+    elif not 0 <= wait_ms <= MAX_BATCH_WAIT_MS:
+        problem = f"--batch-wait-ms {wait_ms:g}: allowed 0 to {MAX_BATCH_WAIT_MS}"
+    elif size > 1:
+        try:
+            family = read_checkpoint(args.model).traits
+        except CheckpointError:
+            family = None  # the stage itself reports what is wrong with the checkpoint
+        if family is not None and not family.support("batching").supported:
+            problem = (
+                f"--max-batch-size {size}: the {family.name} family does not batch: {family.support('batching').reason}"
+            )
+    if problem is not None:
+        raise SystemExit(f"stagediff serve dit: {problem}")
+    return size, wait_ms
+
+
+def step_cache_offer_from(args: argparse.Namespace) -> CacheOffer:
+    """The step caches this stage offers (dit_svc/cache_offer.py), refusing a cache flag it cannot honour."""
+    index_path = Path(args.model, "model_index.json")
+    try:
+        family = read_checkpoint(args.model).traits
+        index = json.loads(index_path.read_text())
+    except (CheckpointError, OSError, json.JSONDecodeError):
+        # The stage itself reports what is wrong with the checkpoint; nothing is offered without one.
+        return CacheOffer({}, stages_pb2.StepCache(method="none"))
+    experts = ("transformer", "transformer_2") if (index.get("transformer_2") or [None, None])[1] else ("transformer",)
+    try:
+        return cache_offer_from(args, family, experts)
+    except ValueError as error:
+        raise SystemExit(f"stagediff serve dit: {error}") from None
 
 
 def _meta_transformer(model: str) -> torch.nn.Module:
@@ -445,10 +515,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(build_parser(), argv)
     if Path(args.model, "transformer", "config.json").is_file():
         check_parallel_layout(args)
+        step_cache_offer_from(args)
+        batching_from(args)
     else:
         check_node_layout(args, parallel_config_from(args))
     if args.node_rank > 0:  # a follower machine of a multi-node group: node 0 serves the stage
-        serve_dit_node(args, parallel_config_from(args), model_options_from(args), node_layout_from(args))
+        mag_ratios = step_cache_offer_from(args).mag_ratios
+        serve_dit_node(args, parallel_config_from(args), model_options_from(args), node_layout_from(args), mag_ratios)
         return
     run_stage("dit", args, DenoiserServicer)
 

@@ -55,14 +55,13 @@ from torch import nn
 
 from dit_svc.parallel.sequence_parallel import SequenceParallelState
 
-METHODS = ("none", "first_block", "mag", "teacache")
 BRANCHES = ("cond", "uncond")
 _TEACACHE_HOOK = "stagediff_teacache_head"
 
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """A request's step cache: a method of METHODS and its threshold (higher skips more)."""
+    """A request's step cache: a method of families.base.CACHE_METHODS and its threshold (higher skips more)."""
 
     method: str = "none"
     threshold: float = 0.0

@@ -35,8 +35,24 @@ FEATURES = {
     "fp8": "FP8 weights (`--quantization fp8`)",
     "int8": "INT8 weights (`--quantization int8`)",
     "multithread_loading": "Multi-thread loading (`--num-weight-load-threads`)",
+    "compile": "Regional compilation (`--compile`)",
     "interpolation": "Frame interpolation (`--interp-exp`)",
+    "first_block_cache": "First-block cache (`cache.method first_block`)",
+    "mag_cache": "MagCache (`cache.method mag`)",
+    "teacache": "TeaCache (`cache.method teacache`)",
+    "batching": "Request batching (`--max-batch-size`)",
 }
+
+# Step caches a request may name (GenerateRequest.cache.method), the feature that says whether a family
+# offers each, and the threshold a request that names only the method gets (dit_svc/step_cache.py says what
+# each measures): diffusers' FirstBlockCacheConfig and MagCacheConfig defaults, and the TeaCache reference's
+# setting for Wan2.1 1.3B between its "slow" and "fast" ones.
+CACHE_FEATURES = {"first_block": "first_block_cache", "mag": "mag_cache", "teacache": "teacache"}
+CACHE_METHODS = ("none", *CACHE_FEATURES)
+DEFAULT_CACHE_THRESHOLDS = {"first_block": 0.05, "mag": 0.06, "teacache": 0.08}
+# A threshold is a relative change (first_block) or an accumulated one (mag, teacache); above 1 every
+# method skips nearly every step, which no request needs.
+MAX_CACHE_THRESHOLD = 1.0
 
 
 @dataclass(frozen=True)

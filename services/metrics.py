@@ -28,6 +28,7 @@ from wsgiref.simple_server import WSGIServer
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
+from families.base import CACHE_METHODS
 from services.call_scope import PROBE_SERVICES, observed_call, wrap_rpc_handler
 
 PREFIX = "stagediff_"
@@ -131,6 +132,13 @@ class OrchestratorMetrics:
         self.frames_generated = Counter(
             PREFIX + "frames_generated", "Frames sent to clients, by tenant.", ["tenant"], registry=r
         )
+        self.transformer_passes = Counter(
+            PREFIX + "transformer_passes",
+            "Transformer passes (one per step and guidance branch) the DiT ran in full or its step cache skipped, "
+            "by tenant and cache method.",
+            ["tenant", "method", "result"],
+            registry=r,
+        )
 
     # ------------------------------------------------------------ requests --
 
@@ -191,6 +199,12 @@ class OrchestratorMetrics:
 
     def add_denoising_steps(self, tenant: str, count: int = 1) -> None:
         self.denoising_steps.labels(_label(tenant)).inc(count)
+
+    def add_transformer_passes(self, tenant: str, method: str, passes) -> None:
+        """Counts a request's passes (a TransformerPasses); `method` is one the request was checked to name."""
+        method = method if method in CACHE_METHODS else "none"
+        self.transformer_passes.labels(_label(tenant), method, "run").inc(passes.run)
+        self.transformer_passes.labels(_label(tenant), method, "skipped").inc(passes.skipped)
 
     def add_frames(self, tenant: str, count: int) -> None:
         self.frames_generated.labels(_label(tenant)).inc(count)

@@ -81,6 +81,9 @@ class StageRuntime:
         self.parallel_config: dict[str, str] = {}
         # Raised by a stage that cannot take the smallest sizes (a patch-parallel VAE needs rows for every rank).
         self.min_height = 0
+        # The step caches the DiT offers and the one a request that names none gets (ModelLimits.cache_methods).
+        self.cache_methods: list[stages_pb2.StepCache] = []
+        self.default_cache: stages_pb2.StepCache | None = None
         # Threads that read safetensors shards while the stage loads (services/weights.py).
         self.load_threads = 4
         # Weights a request may name, served besides the checkpoint (StageInfo.weights_path).
@@ -89,6 +92,9 @@ class StageRuntime:
     def info(self) -> stages_pb2.StageInfo:
         limits = self.spec.limits() if self.spec is not None else stages_pb2.ModelLimits()
         limits.min_height = max(limits.min_height, self.min_height)
+        limits.cache_methods.extend(self.cache_methods)
+        if self.default_cache is not None:
+            limits.default_cache.CopyFrom(self.default_cache)
         return stages_pb2.StageInfo(
             stage=self.stage,
             model=self.spec.model_id if self.spec is not None else "",

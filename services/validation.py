@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from families.base import MAX_CACHE_THRESHOLD
 from services.errors import RequestError
 from stagediff.v1 import stages_pb2
 
@@ -49,3 +50,43 @@ def validate_sampling(limits: stages_pb2.ModelLimits, num_inference_steps: int, 
 def validate_seed(seed: int) -> None:
     if not 0 <= seed <= MAX_SEED:
         raise RequestError(f"seed: {seed} is not allowed; use 0 to {MAX_SEED}")
+
+
+def resolve_cache(
+    limits: stages_pb2.ModelLimits, cache: stages_pb2.StepCache | None, field: str = "cache"
+) -> stages_pb2.StepCache:
+    """The step cache a request runs with, method and threshold both set: `cache` as sent (None or an empty
+    method: the model's default_cache), checked against the methods the model offers (`cache_methods`).
+
+    "none" is always allowed and carries no threshold; a method sent without a threshold gets the one the
+    model lists for it. A model that lists no default (an older DiT) runs every pass.
+    """
+    offered = {entry.method: entry.threshold for entry in limits.cache_methods}
+    default = limits.default_cache if limits.default_cache.method else stages_pb2.StepCache(method="none")
+    if cache is None:
+        cache = stages_pb2.StepCache()
+    method = cache.method or default.method
+    if method != "none" and method not in offered:
+        allowed = ", ".join(["none", *offered])
+        raise RequestError(f"{field}.method: '{method[:32]}' is not offered for this model; allowed: {allowed}")
+    if method == "none":
+        if cache.HasField("threshold") and cache.method:
+            raise RequestError(f"{field}.threshold: set with method 'none', which takes none; leave it unset")
+        if cache.HasField("threshold"):
+            raise RequestError(
+                f"{field}.threshold: set without a method, and the model's default cache is 'none'; "
+                f"name a method ({', '.join(offered) or 'none is offered'})"
+            )
+        return stages_pb2.StepCache(method="none")
+    if cache.HasField("threshold"):
+        threshold = cache.threshold
+    elif not cache.method and default.method == method and default.HasField("threshold"):
+        threshold = default.threshold
+    else:
+        threshold = offered[method]
+    if not math.isfinite(threshold) or not 0.0 < threshold <= MAX_CACHE_THRESHOLD:
+        raise RequestError(
+            f"{field}.threshold: {threshold} is not allowed; use a value in (0, {MAX_CACHE_THRESHOLD:g}] "
+            "(higher skips more)"
+        )
+    return stages_pb2.StepCache(method=method, threshold=threshold)

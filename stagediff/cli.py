@@ -1,8 +1,8 @@
-"""The `stagediff` command line: init-model, up, serve, generate, health, info.
+"""The `stagediff` command line: init-model, up, serve, calibrate-cache, generate, health, info.
 
 The client commands (generate, health, info) and `--help` load the client alone. The server commands
-(init-model, up, serve) are declared here by name and help only; each imports its module, which brings torch
-and the server packages, and parses its own options once it is chosen.
+(init-model, up, serve, calibrate-cache) are declared here by name and help only; each imports its module,
+which brings torch and the server packages, and parses its own options once it is chosen.
 """
 
 from __future__ import annotations
@@ -68,11 +68,18 @@ def _init_model(argv: list[str]) -> int:
     return 0
 
 
+def _calibrate_cache(argv: list[str]) -> int:
+    from dit_svc.calibrate import main as calibrate
+
+    return calibrate(argv)
+
+
 # name -> (help, handler of the arguments after the name)
 SERVER_COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "init-model": ("write a random-weight checkpoint with the real classes, or copy a trained one", _init_model),
     "up": ("run the docker-compose topology as local processes", _up),
     "serve": ("run one service: the orchestrator or a stage (`stagediff serve` lists them)", _serve),
+    "calibrate-cache": ("measure MagCache's ratios for a checkpoint (written into it)", _calibrate_cache),
 }
 
 

@@ -94,6 +94,9 @@ class GenerationResult:
     frames: np.ndarray  # uint8 [F, H, W, 3]
     fps: float
     timings: dict[str, float] = field(default_factory=dict)
+    # Transformer passes (one per step and guidance branch) the DiT ran in full, and those its step cache skipped.
+    passes_run: int = 0
+    passes_skipped: int = 0
 
     def save(self, path: str | Path) -> Path:
         """Writes .mp4 (H.264), .png (one frame) or .npz (lossless `frames` and `fps`)."""
@@ -143,8 +146,14 @@ def build_request(
     image: ImageLike | None = None,
     last_image: ImageLike | None = None,
     reference_images: Sequence[ImageLike] = (),
+    cache: str | None = None,
+    cache_threshold: float | None = None,
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest; arguments left None take the model's defaults on the server.
+
+    `cache` is the DiT's step cache for this request ("none", or a method the model lists in
+    `ModelLimits.cache_methods`: "first_block", "mag", "teacache"), `cache_threshold` its threshold (higher
+    skips more); left None, the server's defaults.
 
     `image` is the first frame of image-to-video (or, for an editing model, the image to edit: the
     model's first role), `last_image` the last frame where the model takes one, `reference_images` the
@@ -171,6 +180,10 @@ def build_request(
     ):
         if value is not None:
             setattr(request, name, value)
+    if cache is not None:
+        request.cache.method = cache
+    if cache_threshold is not None:
+        request.cache.threshold = cache_threshold
     if interp_exp:
         request.interpolation.enable = True
         request.interpolation.exp = interp_exp
@@ -209,7 +222,15 @@ class _ResultBuilder:
                     grpc.StatusCode.DATA_LOSS,
                     f"received {video.shape[0]} frames, the server reported {event.completed.num_frames}",
                 )
-            return GenerationResult(event.job_id, video, event.completed.fps, dict(event.completed.timings))
+            completed = event.completed
+            return GenerationResult(
+                event.job_id,
+                video,
+                completed.fps,
+                dict(completed.timings),
+                passes_run=completed.transformer_passes.run,
+                passes_skipped=completed.transformer_passes.skipped,
+            )
         return None
 
 

@@ -77,6 +77,8 @@ def _generate(args: argparse.Namespace) -> int:
                 image=args.image,
                 last_image=args.last_image,
                 reference_images=args.reference_image,
+                cache=args.cache,
+                cache_threshold=args.cache_threshold,
                 timeout=args.timeout,
                 on_progress=None if args.quiet else _print_event,
             )
@@ -92,6 +94,7 @@ def _generate(args: argparse.Namespace) -> int:
         "width": int(result.frames.shape[2]),
         "fps": result.fps,
         "timings": result.timings,
+        "transformer_passes": {"run": result.passes_run, "skipped": result.passes_skipped},
         "wall_seconds": round(time.perf_counter() - started, 3),
     }
     print(json.dumps(summary))
@@ -137,6 +140,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     generate.add_argument("--seed", type=int)
     generate.add_argument("--fps", type=float)
+    generate.add_argument(
+        "--cache",
+        default=None,
+        help="the DiT's step cache: none, first_block, mag or teacache, as the model offers (default: the server's)",
+    )
+    generate.add_argument("--cache-threshold", type=float, default=None, help="its threshold; higher skips more")
     generate.add_argument("--interp-exp", type=int, default=0, help="frame interpolation: 2**k x the frames' rate")
     generate.add_argument("--interp-scale", type=float, default=0.0, help="RIFE flow scale: 0.25 .. 4 (0: 1)")
     generate.add_argument("--interp-model-path", default="", help="RIFE weights the cluster must be serving")

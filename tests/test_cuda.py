@@ -798,7 +798,8 @@ def test_single_rank_nccl_group_runs_the_dit(tiny_model: Path) -> None:
         gathered = _gather_sequence(shard, ulysses)
         (scattered,) = heads_to_ranks([shard], ulysses)
         round_trip = ranks_to_heads(scattered, ulysses)
-        latents = denoise(group, group.text_dim)
+        spec, conditioning = denoise_inputs(group.text_dim)
+        latents, _ = group.denoise_request(spec, conditioning, on_step=lambda s, t: None, cancelled=lambda: False)
     finally:
         group.close()
     error = relative(latents, expected)

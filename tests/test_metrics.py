@@ -23,6 +23,7 @@ from services.metrics import (
 )
 from services.orchestrator.stage_clients import StageError
 from services.tracing import server_interceptor as tracing_server_interceptor
+from stagediff.v1 import stages_pb2
 
 SERVICE = "test.Work"
 
@@ -122,6 +123,20 @@ def test_health_retries_and_work_counters() -> None:
     text = metrics.exposition().decode()
     assert "# TYPE stagediff_stage_healthy gauge" in text
     assert "# HELP stagediff_requests_total Requests that ended" in text
+
+
+def test_transformer_passes_are_counted_by_tenant_method_and_result() -> None:
+    metrics = OrchestratorMetrics()
+    metrics.add_transformer_passes("acme", "teacache", stages_pb2.TransformerPasses(run=12, skipped=8))
+    metrics.add_transformer_passes("acme", "teacache", stages_pb2.TransformerPasses(run=20, skipped=0))
+    metrics.add_transformer_passes("acme", "none", stages_pb2.TransformerPasses(run=40))
+    # A method no request can name (the orchestrator checked it) never becomes a label of its own.
+    metrics.add_transformer_passes("acme", "x" * 64, stages_pb2.TransformerPasses(run=2))
+    name = "stagediff_transformer_passes_total"
+    assert sample(metrics, name, tenant="acme", method="teacache", result="run") == 32
+    assert sample(metrics, name, tenant="acme", method="teacache", result="skipped") == 8
+    assert sample(metrics, name, tenant="acme", method="none", result="run") == 42
+    assert "x" * 64 not in metrics.exposition().decode()
 
 
 def free_port() -> int:

@@ -76,7 +76,7 @@ def _a_value(options: dict) -> list[str]:
         return []
     if options.get("choices"):
         return [str(options["choices"][-1])]
-    return ["3" if options.get("type") is int else "a-value"]
+    return [{int: "3", float: "0.25"}.get(options.get("type"), "a-value")]
 
 
 @pytest.mark.parametrize("option", up.FORWARDED_OPTIONS)

@@ -18,6 +18,7 @@ import pytest
 
 from services.orchestrator.store import (
     RESULT_FILE,
+    SCHEMA_VERSION,
     DuplicateRequestId,
     InvalidTransition,
     JobRecord,
@@ -443,18 +444,46 @@ def test_an_older_state_dir_is_migrated(tmp_path: Path, version: int) -> None:
             ("running", "text-encoder", old_output.name, 1.0, old_output.stat().st_size),
         )
         db.execute("UPDATE jobs SET last_stage = 'text-encoder' WHERE job_id = 'running'")
+        _drop_pass_counts(db)
         if version == 1:
             db.execute("DROP INDEX jobs_by_tenant")
             db.execute("ALTER TABLE results DROP COLUMN bytes")
             db.execute("ALTER TABLE intermediates DROP COLUMN bytes")
         db.execute(f"PRAGMA user_version = {version}")
     with JobStore.open(tmp_path) as store:
-        assert store._connection().execute("PRAGMA user_version").fetchone()[0] == 3
+        assert store._connection().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         assert store.usage("acme") == Usage(finished=size, active=0)
         assert np.array_equal(store.load_result("done").frames, _frames(3))
         assert store.load_intermediates("running") == {} and store.get("running").last_stage == ""
         assert [r.job_id for r in store.recoverable()] == ["running"]
         assert _files(store) == [f"done/{RESULT_FILE}"]
+
+
+def _drop_pass_counts(db: sqlite3.Connection) -> None:
+    """The jobs table as versions 1 to 3 had it, without the DiT's pass counts."""
+    db.execute("ALTER TABLE jobs DROP COLUMN passes_run")
+    db.execute("ALTER TABLE jobs DROP COLUMN passes_skipped")
+
+
+def test_version_3_gains_pass_counts_and_keeps_stage_outputs(tmp_path: Path) -> None:
+    """Version 3 kept stage outputs as version 4 does: they stay, and the jobs count no passes until their
+    DiT reports some."""
+    chunks = [tensor_pb2.TensorChunk(header=tensor_pb2.TensorHeader(name="latents"), data=b"latents")]
+    with JobStore.open(tmp_path) as store:
+        _add(store, "running", "acme")
+        store.update_state("running", RUNNING)
+        store.mark_stage_done("running", "text-encoder", chunks)
+    with sqlite3.connect(tmp_path / "jobs.sqlite3") as db:
+        _drop_pass_counts(db)
+        db.execute("PRAGMA user_version = 3")
+    with JobStore.open(tmp_path) as store:
+        assert store._connection().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert store.load_intermediates("running") == {"text-encoder": chunks}
+        record = store.get("running")
+        assert (record.passes_run, record.passes_skipped) == (0, 0)
+        store.mark_stage_done("running", "dit", chunks, passes=(7, 5))
+        record = store.get("running")
+        assert (record.passes_run, record.passes_skipped, record.last_stage) == (7, 5, "dit")
 
 
 def test_sizes_and_free_space_on_flags() -> None:

@@ -166,10 +166,16 @@ def _scatter_heads(
 
 
 def _gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Concatenates each rank's [B, S_local, ...] along the sequence, in group rank order."""
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
+    """Concatenates each rank's [B, S_local, ...] along the sequence, in group rank order.
+
+    A bool tensor (a key padding mask) travels as uint8: compiled (`--compile`), inductor's CPU code takes
+    the bool that a traced all_gather returns for an int64 and fails to build the `where` that uses it.
+    """
+    sent = x.to(torch.uint8) if x.dtype == torch.bool else x
+    parts = [torch.empty_like(sent) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, sent.contiguous(), group=group)
+    gathered = torch.cat(parts, dim=1)
+    return gathered.bool() if x.dtype == torch.bool else gathered
 
 
 def ulysses_attention(

@@ -41,3 +41,10 @@ def agree_to_continue(keep_going: bool, device: torch.device) -> bool:
     flag = torch.tensor([1 if keep_going else 0], dtype=torch.int32, device=device)
     dist.broadcast(flag, src=0)
     return bool(flag.item())
+
+
+def agree_on_members(wanted: list[bool], device: torch.device) -> list[bool]:
+    """Rank 0 decides which requests of a batch the group keeps denoising (it alone sees cancellations)."""
+    flags = torch.tensor([1 if keep else 0 for keep in wanted], dtype=torch.int32, device=device)
+    dist.broadcast(flags, src=0)
+    return [bool(flag) for flag in flags.tolist()]

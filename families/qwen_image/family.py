@@ -22,6 +22,7 @@ _QUANTIZATION = (
     _QWEN + "test_qwen_ignored_layers_are_checked_against_qwen_layer_names",
 )
 
+_STEP_CACHE = "tests/test_step_cache.py::test_qwen_caches_equal_diffusers_hooks_and_one_rank"
 QWEN_IMAGE = Family(
     name="qwen-image",
     pipeline="QwenImagePipeline",
@@ -79,8 +80,23 @@ QWEN_IMAGE = Family(
                 _QWEN + "test_qwen_stages_read_weights_with_their_load_threads",
             )
         ),
+        "compile": Support(
+            tests=(
+                "tests/test_compile.py::test_compiled_blocks_equal_eager_on_one_rank",
+                "tests/test_compile.py::test_new_request_sizes_compile_nothing_more",
+            )
+        ),
         "interpolation": Support(
             reason="single images: nothing to interpolate; a request asking for it is refused with INVALID_ARGUMENT"
+        ),
+        "first_block_cache": Support(tests=(_STEP_CACHE,)),
+        "mag_cache": Support(tests=(_STEP_CACHE,)),
+        "teacache": Support(
+            reason="TeaCache's rescaling polynomials are published for Wan2.1 only; none is fitted to Qwen-Image"
+        ),
+        "batching": Support(
+            reason="not built yet: each text has its own length and mask, which a batch would have to pad and "
+            "check against QwenImagePipeline"
         ),
     },
 )

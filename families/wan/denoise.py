@@ -18,11 +18,18 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.utils.torch_utils import randn_tensor
 
-from dit_svc.denoise import DenoiseSpec, guidance_predictions, stop_if_cancelled
+from dit_svc.denoise import (
+    DenoiseSpec,
+    guidance_predictions,
+    keep_batch_rows,
+    members_still_wanted,
+    stop_if_cancelled,
+)
 from dit_svc.model_options import ModelOptions, apply_model_options
 from dit_svc.parallel import ParallelConfig, build_mesh
 from dit_svc.parallel.mesh import device_type_for
 from families.wan.parallel import parallelize
+from services.stage import Cancelled
 from services.weights import load_pretrained
 
 
@@ -162,3 +169,80 @@ class WanDenoiser:
             latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
             on_step(i + 1, len(timesteps))
         return latents
+
+    @torch.no_grad()
+    def denoise_batch(
+        self,
+        specs: list[DenoiseSpec],
+        conditionings: list[dict[str, torch.Tensor]],
+        on_step: Callable[[int, int, int], None],
+        wanted: Callable[[], list[bool]],
+    ) -> list[torch.Tensor | None]:
+        """`denoise` for several requests of one batch_key (dit_svc/denoise.py) at once: their latents, prompts
+        and guidance scales are stacked along the batch, so each transformer pass serves every request.
+
+        Each row is its request's own run: its seed's noise, its embeddings and its guidance scale, the
+        scheduler stepping every row with the same timesteps. A member that is no longer wanted is dropped
+        before the next step (its row leaves the latents, the embeddings and the scheduler's history).
+        """
+        first = specs[0]
+        transformer_dtype = self.transformer.dtype
+        prompt_embeds = torch.cat([c["prompt_embeds"] for c in conditionings]).to(self.device, transformer_dtype)
+        negative_prompt_embeds = None
+        if first.do_classifier_free_guidance:
+            negative = [c["negative_prompt_embeds"] for c in conditionings]
+            negative_prompt_embeds = torch.cat(negative).to(self.device, transformer_dtype)
+        guidance = [spec.guidance_scale for spec in specs]
+
+        scheduler = self.scheduler_class.from_config(self.scheduler_config)
+        scheduler.set_timesteps(first.num_inference_steps, device=self.device)
+        scheduler.set_begin_index(0)
+        timesteps = scheduler.timesteps
+        latents = torch.cat([self.initial_noise(spec) for spec in specs])
+        boundary_timestep = None
+        if self.boundary_ratio is not None:
+            boundary_timestep = self.boundary_ratio * scheduler.config.num_train_timesteps
+        members = list(range(len(specs)))  # the request of each row
+        dropped: set[int] = set()  # members still in the rows after a scheduler whose state cannot be sliced
+
+        for i, t in enumerate(timesteps):
+            keep = members_still_wanted(wanted, self.parallel, self.device)
+            leaving = [m for m in members if not keep[m] and m not in dropped]
+            if leaving:
+                rows = [row for row, m in enumerate(members) if keep[m]]
+                if rows and keep_batch_rows(scheduler, rows):
+                    members = [members[row] for row in rows]
+                    latents, prompt_embeds = latents[rows], prompt_embeds[rows]
+                    guidance = [guidance[row] for row in rows]
+                    if negative_prompt_embeds is not None:
+                        negative_prompt_embeds = negative_prompt_embeds[rows]
+                else:
+                    dropped.update(leaving)
+            if all(m in dropped for m in members):
+                raise Cancelled()
+            latent_model_input = latents.to(transformer_dtype)
+            timestep = t.expand(latents.shape[0])
+            predict = partial(self._predict, self.expert_for(t, boundary_timestep), latent_model_input, timestep)
+            if negative_prompt_embeds is None:
+                noise_pred = predict(prompt_embeds, "cond")
+            else:
+                noise_cond, noise_uncond = guidance_predictions(
+                    predict, prompt_embeds, negative_prompt_embeds, self.cfg_group
+                )
+                # Row by row with each request's scale as a Python number, as WanPipeline combines them (a
+                # tensor of scales would round them to the transformer's dtype).
+                noise_pred = torch.cat(
+                    [
+                        noise_uncond[row : row + 1] + scale * (noise_cond[row : row + 1] - noise_uncond[row : row + 1])
+                        for row, scale in enumerate(guidance)
+                    ]
+                )
+            latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+            for m in members:
+                if m not in dropped:
+                    on_step(m, i + 1, len(timesteps))
+        results: list[torch.Tensor | None] = [None] * len(specs)
+        for row, m in enumerate(members):
+            if m not in dropped:
+                results[m] = latents[row : row + 1]
+        return results

@@ -22,6 +22,7 @@ _COMPUTE = {
     "writer": "families.wan.init_model:write_checkpoint",
 }
 
+_STEP_CACHE = "tests/test_step_cache.py::"
 _WAN_TESTS = {
     "ulysses": (
         "tests/test_dit_parallel.py::test_parallel_latents_equal_one_rank",
@@ -75,7 +76,39 @@ _WAN_TESTS = {
         "tests/test_weights.py::test_matches_from_pretrained",
         "tests/test_e2e_parity.py::test_cluster_frames_equal_wan_pipeline",
     ),
+    "compile": (
+        "tests/test_compile.py::test_compiled_blocks_equal_eager_on_one_rank",
+        "tests/test_compile.py::test_compiled_blocks_equal_eager_under_ulysses_and_hsdp",
+        "tests/test_compile.py::test_new_request_sizes_compile_nothing_more",
+    ),
+    "first_block_cache": (
+        _STEP_CACHE + "test_first_block_cache_equals_diffusers_hooks",
+        _STEP_CACHE + "test_caches_under_parallel_layouts_equal_one_rank",
+        "tests/test_e2e_step_cache.py::test_first_block_cache_equals_pipeline_with_diffusers_cache",
+    ),
+    "mag_cache": (
+        _STEP_CACHE + "test_mag_cache_equals_diffusers_hooks",
+        _STEP_CACHE + "test_caches_under_parallel_layouts_equal_one_rank",
+        "tests/test_calibrate_cache.py::test_calibrated_ratios_make_the_dit_offer_mag",
+    ),
+    "teacache": (
+        _STEP_CACHE + "test_teacache_follows_the_reference_algorithm",
+        _STEP_CACHE + "test_caches_under_parallel_layouts_equal_one_rank",
+        "tests/test_e2e_step_cache.py::test_teacache_skips_passes_and_the_model_lists_its_caches",
+    ),
+    "batching": (
+        "tests/test_batching.py::test_each_request_of_a_batch_gets_its_own_latents",
+        "tests/test_batching.py::test_a_dropped_request_stops_and_leaves_the_others_unchanged",
+        "tests/test_batching.py::test_batches_under_parallel_layouts_equal_one_rank_alone",
+        "tests/test_e2e_batching.py::test_concurrent_requests_of_two_tenants_share_a_batch_and_keep_their_frames",
+        "tests/test_e2e_batching.py::test_cancelling_one_request_of_a_batch_stops_only_it",
+    ),
 }
+# Each expert keeps its own cache state, so the cache resets at the switch (the second expert's first step runs).
+_TWO_EXPERTS_CACHE = (
+    _STEP_CACHE + "test_a14b_caches_keep_one_state_per_expert",
+    _STEP_CACHE + "test_teacache_follows_the_reference_algorithm",
+)
 _A14B_E2E = "tests/test_families.py::test_a14b_parallel_dit_equals_wan_pipeline"
 _A14B = "tests/test_family_a14b_features.py::"
 
@@ -132,6 +165,16 @@ WAN22_A14B = Family(
             )
         ),
         "interpolation": Support(tests=(_A14B + "test_a14b_interpolation_keeps_decoded_frames_in_place",)),
+        "compile": Support(
+            reason="not verified yet with two experts",
+            refusal_tests=("tests/test_compile.py::test_compile_is_refused_at_startup_where_unverified",),
+        ),
+        "first_block_cache": Support(tests=_TWO_EXPERTS_CACHE),
+        "mag_cache": Support(
+            reason="MagCache's calibrated ratios index the steps of one schedule; each expert runs only part of it"
+        ),
+        "teacache": Support(tests=_TWO_EXPERTS_CACHE),
+        "batching": Support(tests=("tests/test_batching.py::test_each_request_of_a_batch_gets_its_own_latents",)),
     },
     **_COMPUTE,
 )

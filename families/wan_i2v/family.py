@@ -32,6 +32,9 @@ _MEMORY = "tests/test_image_families_options.py::"
 _QUANTIZATION = (_MEMORY + "test_quantized_denoiser_halves_bytes_and_stays_close",)
 # The decode is Wan's session on the same VAE, but the VAE's Encode of the input frames runs untiled, and no
 # test compares tiled image-to-video with the pipeline's: the stage refuses the flag rather than serve it unproven.
+# The caches hook the same WanTransformer3DModel blocks as text-to-video, but no test has compared them with
+# WanImageToVideoPipeline yet (its image-conditioned inputs, the TI2V per-token timestep, two experts).
+_UNVERIFIED_CACHE = Support(reason="not verified yet against WanImageToVideoPipeline")
 _UNVERIFIED_TILING = Support(
     reason="not yet verified with image-to-video (the Encode of the input frames would run untiled)",
     refusal_tests=("tests/test_image_families_options.py::test_vae_tiling_is_refused_at_startup",),
@@ -54,7 +57,18 @@ def _features(e2e: str, **more: Support) -> dict[str, Support]:
         "fp8": Support(tests=_QUANTIZATION),
         "int8": Support(tests=_QUANTIZATION),
         "multithread_loading": Support(tests=(e2e,)),
+        "compile": Support(
+            reason="not verified yet with image conditioning",
+            refusal_tests=("tests/test_compile.py::test_compile_is_refused_at_startup_where_unverified",),
+        ),
         "interpolation": Support(tests=(_E2E + "test_wan_i2v_interpolation_keeps_decoded_frames_in_place",)),
+        "first_block_cache": _UNVERIFIED_CACHE,
+        "mag_cache": _UNVERIFIED_CACHE,
+        "teacache": _UNVERIFIED_CACHE,
+        "batching": Support(
+            reason="not built yet: the image-conditioned loop (image latents, TI2V's per-token timestep) runs one "
+            "request at a time"
+        ),
         **more,
     }
 

@@ -75,7 +75,7 @@ from services.orchestrator.store import (
 from services.orchestrator.tenants import LimitExceeded, Tenant, output_frames
 from services.tracing import set_grpc_status, start_span_under
 from stagediff.tensor_codec import DEFAULT_CHUNK_BYTES
-from stagediff.v1 import generation_pb2, tensor_pb2
+from stagediff.v1 import generation_pb2, stages_pb2, tensor_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +153,8 @@ class Job:
     timings: dict[str, float] = field(default_factory=dict)
     num_frames_out: int = 0
     fps_out: float = 0.0
+    # The passes the DiT ran and its step cache skipped, once it has finished.
+    transformer_passes: stages_pb2.TransformerPasses = field(default_factory=stages_pb2.TransformerPasses)
     # Absolute event-loop time after which the job is cancelled with DEADLINE_EXCEEDED.
     deadline: float | None = None
     # Results of finished stages, kept so that a failed later stage can be retried from them.
@@ -289,6 +291,7 @@ class Job:
             timings=self.timings,
             num_frames_out=self.num_frames_out,
             fps_out=self.fps_out,
+            transformer_passes=self.transformer_passes,
         )
         if self.finished_at is not None:
             job.finished_at.CopyFrom(_timestamp(self.finished_at))
@@ -311,6 +314,7 @@ class Job:
             timings=dict(record.timings),
             num_frames_out=record.num_frames_out,
             fps_out=record.fps_out,
+            transformer_passes=stages_pb2.TransformerPasses(run=record.passes_run, skipped=record.passes_skipped),
             priority=record.priority,
         )
         if record.error_code is not None:

@@ -259,7 +259,10 @@ class Pipeline:
         await job.publish(
             generation_pb2.GenerateEvent(
                 completed=generation_pb2.JobCompleted(
-                    timings=job.timings, num_frames=job.num_frames_out, fps=job.fps_out
+                    timings=job.timings,
+                    num_frames=job.num_frames_out,
+                    fps=job.fps_out,
+                    transformer_passes=job.transformer_passes,
                 )
             )
         )
@@ -288,7 +291,9 @@ class Pipeline:
         """Keeps a finished stage's output, in the job and in the store, so that a retry resumes after it."""
         job.intermediates.setdefault("outputs", {})[stage] = chunks
         if self.store is not None:
-            await asyncio.to_thread(self.store.mark_stage_done, job.job_id, stage, chunks)
+            passes = job.transformer_passes
+            kept = (passes.run, passes.skipped) if stage == "dit" else None
+            await asyncio.to_thread(self.store.mark_stage_done, job.job_id, stage, chunks, passes=kept)
 
     def _family(self) -> Family:
         """The served family, as the DiT says; its chain is what a job runs through."""
@@ -458,6 +463,7 @@ class Pipeline:
                     num_inference_steps=request.num_inference_steps,
                     guidance_scale=request.guidance_scale,
                     seed=request.seed,
+                    cache=request.cache,
                     image_roles=[ROLE_NAMES[image.role] for image in request.images],
                     image_sizes=[
                         image_pb2.ImageSize(width=image.width, height=image.height) for image in request.images
@@ -480,6 +486,10 @@ class Pipeline:
                             progress=generation_pb2.StageProgress(stage="dit", step=progress.step, total=progress.total)
                         )
                     )
+                elif response.HasField("passes"):
+                    job.transformer_passes.CopyFrom(response.passes)
+                    if self.metrics is not None:
+                        self.metrics.add_transformer_passes(job.tenant, request.cache.method, response.passes)
                 else:
                     await emit(response.tensor)
         job.timings["dit"] = time.perf_counter() - started

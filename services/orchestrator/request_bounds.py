@@ -34,6 +34,7 @@ MAX_JOB_ID_CHARS = 64  # job ids are 32 hex digits
 MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
 MAX_IMAGES = 4  # above any family's image roles (first and last frame; an image to edit)
 MAX_DIGEST_CHARS = 64  # a hex SHA-256
+MAX_CACHE_METHOD_CHARS = 32  # the longest step cache name is 11
 
 # Full message name -> field name -> the most characters (strings), bytes (bytes) or entries (repeated).
 FIELD_LIMITS: dict[str, dict[str, int]] = {
@@ -47,6 +48,7 @@ FIELD_LIMITS: dict[str, dict[str, int]] = {
     # Each image at most all of a request's image bytes; the model's own limits are checked once it is known.
     "stagediff.v1.InputImage": {"data": MAX_IMAGE_BYTES, "sha256": MAX_DIGEST_CHARS},
     "stagediff.v1.InterpolationParams": {"model_path": MAX_PATH_CHARS},
+    "stagediff.v1.StepCache": {"method": MAX_CACHE_METHOD_CHARS},
     "stagediff.v1.GetJobRequest": {"job_id": MAX_JOB_ID_CHARS},
     "stagediff.v1.WatchJobRequest": {"job_id": MAX_JOB_ID_CHARS},
     "stagediff.v1.CancelJobRequest": {"job_id": MAX_JOB_ID_CHARS},

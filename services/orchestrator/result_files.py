@@ -24,7 +24,7 @@ import numpy as np
 
 from services.orchestrator.store_errors import ResultGone, StoreError, fsync_dir, io_error
 from stagediff.tensor_codec import DEFAULT_CHUNK_BYTES
-from stagediff.v1 import generation_pb2, tensor_pb2
+from stagediff.v1 import generation_pb2, stages_pb2, tensor_pb2
 
 RESULT_FILE = "result-frames.npy"
 RESULT_TENSOR = "frames"  # the name result tensors travel under, as the VAE and the interpolator send them
@@ -231,6 +231,7 @@ class StoredResult:
     fps: float
     pieces: list[tuple[int, int]]  # (first frame, count) of each published tensor, in order
     timings: dict[str, float]
+    transformer_passes: tuple[int, int] = (0, 0)  # (run, skipped) by the DiT
 
     @property
     def num_frames(self) -> int:
@@ -254,7 +255,14 @@ class StoredResult:
     def completed_event(self, job_id: str = "") -> generation_pb2.GenerateEvent:
         return generation_pb2.GenerateEvent(
             job_id=job_id,
-            completed=generation_pb2.JobCompleted(timings=self.timings, num_frames=self.num_frames, fps=self.fps),
+            completed=generation_pb2.JobCompleted(
+                timings=self.timings,
+                num_frames=self.num_frames,
+                fps=self.fps,
+                transformer_passes=stages_pb2.TransformerPasses(
+                    run=self.transformer_passes[0], skipped=self.transformer_passes[1]
+                ),
+            ),
         )
 
     def events(

@@ -45,7 +45,7 @@ from services.orchestrator.tenant_auth import TenantAuthInterceptor, current_ten
 from services.orchestrator.tenants import LimitExceeded, RateLimited, TenantConfigError, TenantRegistry
 from services.server import check_server_arguments, configure_logging, is_loopback, serve
 from services.tracing import configure_tracing
-from services.validation import validate_sampling, validate_seed, validate_size
+from services.validation import resolve_cache, validate_sampling, validate_seed, validate_size
 from stagediff import __version__
 from stagediff.protocol import JOB_FAILED_METADATA_KEY
 from stagediff.status_details import abort_with_retry
@@ -197,6 +197,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ) from None
         validate_sampling(limits, full.num_inference_steps, full.guidance_scale)
         validate_seed(full.seed)
+        # The job records the cache it ran with, the model's default filled in.
+        full.cache.CopyFrom(resolve_cache(limits, request.cache if request.HasField("cache") else None))
         if not math.isfinite(full.fps) or not 0 < full.fps <= MAX_FPS:
             raise RequestError(f"fps: {full.fps} is not allowed; use a value in (0, {MAX_FPS:g}]")
         interpolation = full.interpolation

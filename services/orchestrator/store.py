@@ -132,7 +132,7 @@ JobState = generation_pb2.JobState
 TERMINAL_STATES = (JobState.JOB_STATE_SUCCEEDED, JobState.JOB_STATE_FAILED, JobState.JOB_STATE_CANCELLED)
 ACTIVE_STATES = (JobState.JOB_STATE_QUEUED, JobState.JOB_STATE_RUNNING)
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 DB_NAME = "jobs.sqlite3"
 LOCK_NAME = "LOCK"
 JOBS_DIR = "jobs"
@@ -161,6 +161,8 @@ CREATE TABLE jobs (
     fps_out REAL NOT NULL DEFAULT 0,
     last_stage TEXT NOT NULL DEFAULT '',    -- last stage whose output is saved
     attempts INTEGER NOT NULL DEFAULT 0,    -- times the job was started
+    passes_run INTEGER NOT NULL DEFAULT 0,  -- transformer passes the DiT ran in full
+    passes_skipped INTEGER NOT NULL DEFAULT 0,  -- and those its step cache skipped
     UNIQUE (tenant, request_id)
 );
 CREATE INDEX jobs_by_state ON jobs (state, seq);
@@ -199,6 +201,12 @@ DELETE FROM intermediates;
 UPDATE jobs SET last_stage = '';
 """
 
+# Version 4 counts the transformer passes the DiT ran and skipped (its step cache); older jobs count none.
+_MIGRATE_3_TO_4 = """
+ALTER TABLE jobs ADD COLUMN passes_run INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE jobs ADD COLUMN passes_skipped INTEGER NOT NULL DEFAULT 0;
+"""
+
 
 @dataclass
 class JobRecord:
@@ -221,6 +229,8 @@ class JobRecord:
     fps_out: float = 0.0
     last_stage: str = ""
     attempts: int = 0
+    passes_run: int = 0
+    passes_skipped: int = 0
     seq: int = 0
 
     @classmethod
@@ -529,9 +539,16 @@ class JobStore:
 
     # ------------------------------------------------------ intermediates --
 
-    def mark_stage_done(self, job_id: str, stage: str, chunks: Iterable[tensor_pb2.TensorChunk]) -> bool:
+    def mark_stage_done(
+        self,
+        job_id: str,
+        stage: str,
+        chunks: Iterable[tensor_pb2.TensorChunk],
+        *,
+        passes: tuple[int, int] | None = None,
+    ) -> bool:
         """Saves a finished stage's output, the chunks it sent in order, so that a restarted job resumes after
-        it; blocking, use to_thread.
+        it; blocking, use to_thread. `passes`: the DiT's (run, skipped) transformer passes, kept with its output.
 
         Returns False (and keeps nothing) if the job finished meanwhile, e.g. it was cancelled.
         """
@@ -561,6 +578,8 @@ class JobStore:
                     (job_id, stage, file, self.clock(), len(data)),
                 )
                 db.execute("UPDATE jobs SET last_stage = ? WHERE job_id = ?", (stage, job_id))
+                if passes is not None:
+                    db.execute("UPDATE jobs SET passes_run = ?, passes_skipped = ? WHERE job_id = ?", (*passes, job_id))
                 kept = True
         if not kept:
             (directory / file).unlink(missing_ok=True)
@@ -699,7 +718,9 @@ class JobStore:
     def load_result(self, job_id: str) -> StoredResult | None:
         """A succeeded job's result (file, shape, pieces), None if it has none; reads the file's header only."""
         row = self._fetchone(
-            "SELECT results.*, jobs.timings FROM results JOIN jobs USING (job_id) WHERE job_id = ?", (job_id,)
+            "SELECT results.*, jobs.timings, jobs.passes_run, jobs.passes_skipped FROM results JOIN jobs"
+            " USING (job_id) WHERE job_id = ?",
+            (job_id,),
         )
         if row is None:
             return None
@@ -719,6 +740,7 @@ class JobStore:
             fps=row["fps"],
             pieces=[(first, count) for first, count in json.loads(row["pieces"])],
             timings=json.loads(row["timings"]),
+            transformer_passes=(row["passes_run"], row["passes_skipped"]),
         )
 
     # ---------------------------------------------------------- retention --
@@ -928,6 +950,8 @@ class JobStore:
                         db.execute(f"UPDATE {table} SET bytes = ? WHERE rowid = ?", (size, row["rowid"]))
             if version in (1, 2):
                 _run_script(db, _MIGRATE_2_TO_3)
+            if version in (1, 2, 3):
+                _run_script(db, _MIGRATE_3_TO_4)
             if version != SCHEMA_VERSION:
                 db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
@@ -996,5 +1020,7 @@ def _record(row: sqlite3.Row) -> JobRecord:
         fps_out=row["fps_out"],
         last_stage=row["last_stage"],
         attempts=row["attempts"],
+        passes_run=row["passes_run"],
+        passes_skipped=row["passes_skipped"],
         seq=row["seq"],
     )

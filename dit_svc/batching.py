@@ -1,0 +1,139 @@
+"""Request batching in the DiT stage: concurrent compatible requests denoised as one batch.
+
+With `--max-batch-size N` (N > 1) a Denoise call whose request can share a batch (dit_svc/denoise.py
+`batch_key`: the same latent shape, schedule and guidance branches; seeds, prompts and guidance scales may
+differ) waits in the `RequestBatcher` instead of running alone. The batcher takes the oldest waiting
+request, waits at most `--batch-wait-ms` from its arrival for partners of the same key (less once the
+batch is full), and runs them together on the stage's compute thread, one transformer pass per step and
+branch for the whole batch. While a batch runs, the next one gathers, so under load batches form without
+waiting at all.
+
+Each request keeps its own stream: its progress events, its passes and its latents, nothing of the others
+(the stage never tells a request who shared its batch). A request whose call ends (cancelled, deadline,
+client gone) is dropped from its batch before the next step; the others go on. An error of the batch's
+compute fails every request in it with that error, which names no request. Requests with a step cache run
+alone: the cache decides from the request's own activations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dit_svc.denoise import DenoiseSpec
+from dit_svc.step_cache import CachePasses
+from services.stage import Cancelled, StageRuntime
+from stagediff.v1 import stages_pb2
+
+logger = logging.getLogger(__name__)
+
+# (specs, conditionings, on_step(member, step, total), wanted() -> [bool]) -> [(latents or None, passes)]
+RunBatch = Callable[..., list[tuple[torch.Tensor | None, CachePasses]]]
+MAX_BATCH_SIZE = 64
+MAX_BATCH_WAIT_MS = 10_000
+
+
+@dataclass
+class Waiting:
+    """One request in the batcher: what it needs, and the queue of what its call streams back."""
+
+    spec: DenoiseSpec
+    conditioning: dict[str, torch.Tensor]
+    key: tuple
+    arrived: float
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+class RequestBatcher:
+    def __init__(self, runtime: StageRuntime, run_batch: RunBatch, max_batch_size: int, wait_ms: float) -> None:
+        self.runtime = runtime
+        self.run_batch = run_batch
+        self.max_batch_size = max_batch_size
+        self.wait_s = wait_ms / 1000
+        self.waiting: list[Waiting] = []
+        self.arrival = asyncio.Event()
+        self.dispatcher: asyncio.Task | None = None
+
+    async def stream(self, spec: DenoiseSpec, conditioning: dict[str, torch.Tensor], key: tuple) -> AsyncIterator[Any]:
+        """What the request's call streams, as `StageRuntime.stream` yields it: progress, passes, then latents."""
+        loop = asyncio.get_running_loop()
+        if self.dispatcher is None or self.dispatcher.done():
+            self.dispatcher = loop.create_task(self._dispatch())
+        waiting = Waiting(spec, conditioning, key, loop.time())
+        self.waiting.append(waiting)
+        self.arrival.set()
+        try:
+            while True:
+                item = await waiting.events.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, torch.Tensor):
+                    return
+        finally:
+            # The call ended, however: a batch that still holds the request drops it before its next step.
+            waiting.cancel.set()
+            if waiting in self.waiting:
+                self.waiting.remove(waiting)
+
+    def _partners(self, key: tuple) -> list[Waiting]:
+        return [w for w in self.waiting if w.key == key and not w.cancel.is_set()]
+
+    async def _dispatch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self.waiting:
+                self.arrival.clear()
+                await self.arrival.wait()
+            first = self.waiting[0]
+            deadline = first.arrived + self.wait_s
+            while len(self._partners(first.key)) < self.max_batch_size and loop.time() < deadline:
+                self.arrival.clear()
+                try:
+                    await asyncio.wait_for(self.arrival.wait(), deadline - loop.time())
+                except TimeoutError:
+                    break
+            members = self._partners(first.key)[: self.max_batch_size]
+            for member in members:
+                self.waiting.remove(member)
+            if first not in members and first in self.waiting:  # cancelled while it waited
+                self.waiting.remove(first)
+            if members:
+                await self.runtime.run(self._run, members, loop)
+
+    def _run(self, members: list[Waiting], loop: asyncio.AbstractEventLoop) -> None:
+        """Runs one batch on the compute thread and hands each member its own results."""
+
+        def post(member: Waiting, item: Any) -> None:
+            loop.call_soon_threadsafe(member.events.put_nowait, item)
+
+        def on_step(index: int, step: int, total: int) -> None:
+            post(members[index], stages_pb2.DenoiseProgress(step=step, total=total))
+
+        started = time.perf_counter()
+        try:
+            results = self.run_batch(
+                [m.spec for m in members],
+                [m.conditioning for m in members],
+                on_step,
+                lambda: [not m.cancel.is_set() for m in members],
+            )
+        except Exception as error:  # every member learns how its batch ended
+            for member in members:
+                post(member, error)
+            return
+        logger.info("denoised a batch of %d requests in %.2f s", len(members), time.perf_counter() - started)
+        for member, (latents, passes) in zip(members, results, strict=True):
+            if latents is None:
+                post(member, Cancelled())
+            else:
+                post(member, passes)
+                post(member, latents)

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The DiT's throughput levers on one CUDA GPU in bf16, each benchmark as on CPU (bench/step_cache.py,
+# bench/compile.py, bench/batching.py), written together to ${OUT:-.}/bench-gpu.json. Each makes its own
+# random-weight checkpoint (the step cache's quality part uses the committed demo model), so a GPU machine
+# needs nothing but `make bench-gpu`. BENCH_GPU_QUICK=1 runs the short variants (a few minutes in all).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-.venv/bin/python}
+out_dir=${OUT:-.}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+if [ "${BENCH_GPU_QUICK:-0}" = "1" ]; then
+    steps=20 cases=8 presets=tiny,small rounds=1
+else
+    steps=50 cases=24 presets=tiny,small rounds=3
+fi
+
+run() {  # name, then the command; a benchmark that fails is recorded as such and the others still run
+    local name=$1
+    shift
+    echo "bench-gpu: $name" >&2
+    if "$@" > "$work/$name.json" 2> "$work/$name.log"; then
+        :
+    else
+        tail -n 20 "$work/$name.log" >&2
+        printf '{"failed": true, "log_tail": %s}\n' "$(tail -n 20 "$work/$name.log" | "$python" -c 'import json,sys; print(json.dumps(sys.stdin.read()))')" > "$work/$name.json"
+    fi
+}
+
+run step_cache "$python" bench/step_cache.py --device cuda --dtype bf16 --preset small --steps "$steps" --cases "$cases"
+run compile "$python" bench/compile.py --device cuda --dtype bf16 --preset small --steps 10 --requests 3
+run batching "$python" bench/batching.py -f deploy/docker-compose.single-gpu.yml --presets "$presets" --rounds "$rounds"
+
+"$python" - "$work" "$out_dir/bench-gpu.json" <<'PY'
+import json, sys
+from pathlib import Path
+
+work, out = Path(sys.argv[1]), Path(sys.argv[2])
+report = {name: json.loads((work / f"{name}.json").read_text()) for name in ("step_cache", "compile", "batching")}
+out.write_text(json.dumps(report, indent=2) + "\n")
+print(out)
+PY
