@@ -106,8 +106,13 @@ class RequestBatcher:
                 self.waiting.remove(member)
             if first not in members and first in self.waiting:  # cancelled while it waited
                 self.waiting.remove(first)
-            if members:
+            if not members:
+                continue
+            try:
                 await self.runtime.run(self._run, members, loop)
+            except Exception as error:  # the compute thread could not take the batch (the stage is stopping)
+                for member in members:
+                    member.events.put_nowait(error)
 
     def _run(self, members: list[Waiting], loop: asyncio.AbstractEventLoop) -> None:
         """Runs one batch on the compute thread and hands each member its own results."""

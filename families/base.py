@@ -45,11 +45,13 @@ FEATURES = {
 
 # Step caches a request may name (GenerateRequest.cache.method), the feature that says whether a family
 # offers each, and the threshold a request that names only the method gets (dit_svc/step_cache.py says what
-# each measures): diffusers' FirstBlockCacheConfig and MagCacheConfig defaults, and the TeaCache reference's
-# setting for Wan2.1 1.3B between its "slow" and "fast" ones.
+# each measures): MagCacheConfig's default; TeaCache's reference setting for Wan2.1 1.3B between its "slow"
+# and "fast" ones; for the first-block cache 0.1, not FirstBlockCacheConfig's 0.05, which skipped nothing on
+# our Wan models while 0.1 skipped a third of the demo model's passes and kept every video right
+# (BENCHMARKS.md, step caches).
 CACHE_FEATURES = {"first_block": "first_block_cache", "mag": "mag_cache", "teacache": "teacache"}
 CACHE_METHODS = ("none", *CACHE_FEATURES)
-DEFAULT_CACHE_THRESHOLDS = {"first_block": 0.05, "mag": 0.06, "teacache": 0.08}
+DEFAULT_CACHE_THRESHOLDS = {"first_block": 0.1, "mag": 0.06, "teacache": 0.08}
 # A threshold is a relative change (first_block) or an accumulated one (mag, teacache); above 1 every
 # method skips nearly every step, which no request needs.
 MAX_CACHE_THRESHOLD = 1.0

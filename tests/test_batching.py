@@ -4,15 +4,17 @@ rank 0 decides."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
 import torch
 
+from dit_svc.batching import RequestBatcher
 from dit_svc.denoise import DenoiseSpec, batch_key
 from dit_svc.parallel import ParallelConfig
 from dit_svc.parallel.launch import run_ranks
-from dit_svc.step_cache import CacheSpec
+from dit_svc.step_cache import CachePasses, CacheSpec
 from families.wan.denoise import WanDenoiser
 
 CPU = torch.device("cpu")
@@ -126,3 +128,51 @@ def test_batches_under_parallel_layouts_equal_one_rank_alone(tiny_model) -> None
                 _assert_close(full[index], expected[index], (name, rank, index))
                 if index:
                     _assert_close(dropped[index], expected[index], (name, rank, index, "after a drop"))
+
+
+class _ComputeThread:
+    """The one method of StageRuntime the batcher uses: run blocking work off the event loop."""
+
+    async def run(self, fn, *args):
+        return await asyncio.to_thread(fn, *args)
+
+
+def _stream_all(batcher: RequestBatcher, seed: int, key: str):
+    async def collect():
+        return [item async for item in batcher.stream(dataclasses.replace(BASE, seed=seed), {}, (key,))]
+
+    return collect()
+
+
+def test_the_batcher_groups_by_key_and_hands_each_request_only_its_own_results() -> None:
+    batches: list[list[int]] = []
+
+    def run_batch(specs, conditionings, on_step, wanted):
+        batches.append([spec.seed for spec in specs])
+        for member in range(len(specs)):
+            on_step(member, 1, 1)
+        return [(torch.full((1, 1, 1, 1, 1), float(spec.seed)), CachePasses(run=2)) for spec in specs]
+
+    async def three_requests():
+        batcher = RequestBatcher(_ComputeThread(), run_batch, max_batch_size=2, wait_ms=500)
+        return await asyncio.gather(
+            _stream_all(batcher, 1, "a"), _stream_all(batcher, 2, "b"), _stream_all(batcher, 3, "a")
+        )
+
+    results = asyncio.run(three_requests())
+    assert sorted(batches) == [[1, 3], [2]]
+    for seed, (progress, passes, latents) in zip((1, 2, 3), results, strict=True):
+        assert (progress.step, progress.total, passes.run) == (1, 1, 2)
+        assert latents.item() == seed
+
+
+def test_a_failed_batch_fails_each_of_its_requests() -> None:
+    def run_batch(specs, conditionings, on_step, wanted):
+        raise RuntimeError("out of memory in the batch")
+
+    async def two_requests():
+        batcher = RequestBatcher(_ComputeThread(), run_batch, max_batch_size=2, wait_ms=500)
+        return await asyncio.gather(_stream_all(batcher, 1, "a"), _stream_all(batcher, 2, "a"), return_exceptions=True)
+
+    for outcome in asyncio.run(two_requests()):
+        assert isinstance(outcome, RuntimeError) and "out of memory" in str(outcome)
