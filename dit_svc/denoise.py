@@ -4,11 +4,13 @@ the two pieces of a step that do not depend on the model (agreeing to go on, run
 A family's denoiser (families/<family>/denoise.py) follows its diffusers pipeline step for step, so that
 its latents equal the pipeline's for the same arguments. The stage constructs it with `make_denoiser`, which
 asks the checkpoint's family in the registry which class that is, and runs each request with
-`denoise_request`, which applies the request's step cache (dit_svc/step_cache.py) around the loop.
+`denoise_request`, which applies the request's LoRA adapters (dit_svc/lora.py) and step cache
+(dit_svc/step_cache.py) around the loop and takes both off after it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -19,11 +21,13 @@ from typing import Protocol
 import torch
 
 from dit_svc.compile import compile_repeated_blocks
+from dit_svc.lora import AdapterCache
 from dit_svc.model_options import ModelOptions
 from dit_svc.parallel import ParallelConfig
 from dit_svc.parallel.cfg import agree_on_members, agree_to_continue, cfg_parallel_predictions
 from dit_svc.step_cache import CachePasses, CacheSetting, CacheSpec, GroupConsensus, step_cache
 from services.checkpoint import read_checkpoint
+from services.errors import NotFoundError
 from services.stage import Cancelled
 
 logger = logging.getLogger(__name__)
@@ -45,6 +49,8 @@ class DenoiseSpec:
     image_sizes: tuple[tuple[int, int], ...] = ()
     # The step cache of the request (its method "none" when it runs every pass).
     cache: CacheSpec = CacheSpec()
+    # The request's LoRA adapters as (name, scale), in the order it named them.
+    loras: tuple[tuple[str, float], ...] = ()
 
     @property
     def do_classifier_free_guidance(self) -> bool:
@@ -133,6 +139,23 @@ def make_denoiser(
     return denoiser
 
 
+def make_adapter_cache(denoiser: Denoiser, options: ModelOptions | None, load_threads: int = 4) -> AdapterCache | None:
+    """The rank's cache of per-request adapters, on the pipeline's `transformer` (where diffusers'
+    load_lora_weights puts them); None when the stage has no --lora-dir."""
+    if options is None or not options.lora.per_request:
+        return None
+    return AdapterCache(denoiser.transformer, options.lora, load_threads)
+
+
+def adapters_applied(adapters: AdapterCache | None, spec: DenoiseSpec) -> contextlib.AbstractContextManager:
+    """The request's adapters on the transformer while the loop runs (nothing for a request without any)."""
+    if adapters is None:
+        if spec.loras:  # the servicer refuses these first; a direct caller gets the same answer
+            raise NotFoundError(f"lora '{spec.loras[0][0]}': the DiT serves no adapters per request (no --lora-dir)")
+        return contextlib.nullcontext()
+    return adapters.applied(spec.loras)
+
+
 def denoise_request(
     denoiser: Denoiser,
     spec: DenoiseSpec,
@@ -141,8 +164,10 @@ def denoise_request(
     cancelled: Callable[[], bool],
     mag_ratios: dict[str, list[float]] | None = None,
     calibration: dict[str, dict[str, list[float]]] | None = None,
+    adapters: AdapterCache | None = None,
 ) -> tuple[torch.Tensor, CachePasses]:
-    """Runs the request on this rank with its step cache; returns the latents and the request's passes.
+    """Runs the request on this rank with its adapters and step cache; returns the latents and the request's
+    passes.
 
     Every rank of a group calls it with the same request. The passes count every guidance branch of every
     step once: under CFG-parallel each rank ran one branch, so the counts are summed over the CFG group.
@@ -156,7 +181,7 @@ def denoise_request(
         calibration=calibration,
     )
     consensus = GroupConsensus() if denoiser.parallel is not None else None
-    with step_cache(denoiser.experts, spec.cache, setting, consensus) as passes:
+    with adapters_applied(adapters, spec), step_cache(denoiser.experts, spec.cache, setting, consensus) as passes:
         latents = denoiser.denoise(spec, conditioning, on_step, cancelled)
     branches = 2 if spec.do_classifier_free_guidance else 1
     if not spec.cache.enabled:
@@ -170,7 +195,8 @@ def denoise_request(
 
 def batch_key(spec: DenoiseSpec, conditioning: dict[str, torch.Tensor]) -> tuple | None:
     """Requests with the same key can be denoised as one batch: the same latent shape, schedule and guidance
-    branches, and conditioning tensors of the same shapes. Seeds, prompts and guidance scales may differ.
+    branches, the same LoRA adapters at the same scales, and conditioning tensors of the same shapes. Seeds,
+    prompts and guidance scales may differ.
     None: the request runs alone, as one with a step cache does (its skip decisions are its own)."""
     if spec.cache.enabled:
         return None
@@ -183,6 +209,7 @@ def batch_key(spec: DenoiseSpec, conditioning: dict[str, torch.Tensor]) -> tuple
         spec.do_classifier_free_guidance,
         spec.image_roles,
         spec.image_sizes,
+        spec.loras,
         shapes,
     )
 
@@ -193,10 +220,12 @@ def denoise_batch_request(
     conditionings: list[dict[str, torch.Tensor]],
     on_step: Callable[[int, int, int], None],
     wanted: Callable[[], list[bool]],
+    adapters: AdapterCache | None = None,
 ) -> list[tuple[torch.Tensor | None, CachePasses]]:
-    """Runs a batch of requests of one `batch_key` on this rank; each member's latents (None once dropped) and
-    passes. Every rank of a group calls it with the same batch."""
-    results = denoiser.denoise_batch(specs, conditionings, on_step, wanted)
+    """Runs a batch of requests of one `batch_key` (so one set of adapters) on this rank; each member's latents
+    (None once dropped) and passes. Every rank of a group calls it with the same batch."""
+    with adapters_applied(adapters, specs[0]):
+        results = denoiser.denoise_batch(specs, conditionings, on_step, wanted)
     branches = 2 if specs[0].do_classifier_free_guidance else 1
     passes = [CachePasses(run=spec.num_inference_steps * branches) for spec in specs]
     return list(zip(results, passes, strict=True))
@@ -208,12 +237,15 @@ class OneRank:
 
     denoiser: Denoiser
     mag_ratios: dict[str, list[float]] | None = None
+    adapters: AdapterCache | None = None
 
     def denoise_request(self, spec, conditioning, on_step, cancelled) -> tuple[torch.Tensor, CachePasses]:
-        return denoise_request(self.denoiser, spec, conditioning, on_step, cancelled, mag_ratios=self.mag_ratios)
+        return denoise_request(
+            self.denoiser, spec, conditioning, on_step, cancelled, mag_ratios=self.mag_ratios, adapters=self.adapters
+        )
 
     def denoise_batch_request(self, specs, conditionings, on_step, wanted) -> list:
-        return denoise_batch_request(self.denoiser, specs, conditionings, on_step, wanted)
+        return denoise_batch_request(self.denoiser, specs, conditionings, on_step, wanted, adapters=self.adapters)
 
 
 def members_still_wanted(

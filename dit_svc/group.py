@@ -4,7 +4,9 @@ The group may span several machines: node 0 is the stage (`DenoiserGroup`), ever
 `serve_dit_node`, which follows it. Every rank holds the family's denoiser (dit_svc/denoise.py make_denoiser) with
 the same parallel layout; for each request rank 0 hands the embeddings to the followers and all ranks
 run the denoising loop in step. At the start of each step rank 0 tells the group whether to go on
-(dit_svc/parallel/cfg.py), so a cancelled request stops every rank within a step.
+(dit_svc/parallel/cfg.py), so a cancelled request stops every rank within a step. A request's LoRA
+adapters are read and checked on rank 0 before the group runs it (dit_svc/lora.py `AdapterCache.check`): a bad
+adapter fails that request alone, while an error on a rank inside the group would end the group.
 """
 
 from __future__ import annotations
@@ -16,11 +18,20 @@ from pathlib import Path
 
 import torch
 
-from dit_svc.denoise import Denoiser, DenoiseSpec, denoise_batch_request, denoise_request, make_denoiser
+from dit_svc.denoise import (
+    Denoiser,
+    DenoiseSpec,
+    denoise_batch_request,
+    denoise_request,
+    make_adapter_cache,
+    make_denoiser,
+)
+from dit_svc.lora import AdapterCache
 from dit_svc.model_options import ModelOptions
 from dit_svc.parallel import ParallelConfig
 from dit_svc.step_cache import CachePasses
 from services.auth import TLSConfigError, server_credentials_from_args
+from services.errors import NotFoundError
 from services.rank_group import ONE_NODE, NodeLayout, RankGroup, serve_follower_node
 from services.stage_main import prepare_stage_process
 
@@ -45,16 +56,27 @@ class BatchMessage:
 
 
 class DitWorker:
-    def __init__(self, denoiser: Denoiser, mag_ratios: dict[str, list[float]] | None = None) -> None:
+    def __init__(
+        self,
+        denoiser: Denoiser,
+        mag_ratios: dict[str, list[float]] | None = None,
+        adapters: AdapterCache | None = None,
+    ) -> None:
         self.denoiser = denoiser
         self.mag_ratios = mag_ratios
+        self.adapters = adapters
 
     def handle(self, message: tuple[DenoiseSpec, dict[str, torch.Tensor]] | BatchMessage):
         if isinstance(message, BatchMessage):
             # Rank 0's cancellations reach every rank inside the loop (members_still_wanted).
             everyone = [True] * len(message.specs)
             return denoise_batch_request(
-                self.denoiser, message.specs, message.conditionings, lambda *step: None, lambda: everyone
+                self.denoiser,
+                message.specs,
+                message.conditionings,
+                lambda *step: None,
+                lambda: everyone,
+                adapters=self.adapters,
             )
         spec, conditioning = message
         return denoise_request(
@@ -64,6 +86,7 @@ class DitWorker:
             on_step=lambda step, total: None,
             cancelled=lambda: False,
             mag_ratios=self.mag_ratios,
+            adapters=self.adapters,
         )
 
 
@@ -76,7 +99,7 @@ def make_dit_worker(rank: int, device: torch.device, payload: DitPayload) -> Dit
         options=payload.options,
         load_threads=payload.load_threads,
     )
-    return DitWorker(denoiser, payload.mag_ratios)
+    return DitWorker(denoiser, payload.mag_ratios, make_adapter_cache(denoiser, payload.options, payload.load_threads))
 
 
 class DenoiserGroup:
@@ -99,6 +122,7 @@ class DenoiserGroup:
         self.group = RankGroup(settings, make_dit_worker, payload, layout.channel)
         self.denoiser: Denoiser = self.group.worker.denoiser
         self.mag_ratios = mag_ratios
+        self.adapters: AdapterCache | None = self.group.worker.adapters
 
     @property
     def transformer(self) -> torch.nn.Module:
@@ -132,10 +156,22 @@ class DenoiserGroup:
         def stop() -> bool:
             return cancelled() or self.group.failure() is not None
 
+        self._check_adapters(spec)
         return self.group.run(
             (spec, conditioning),
-            lambda: denoise_request(self.denoiser, spec, conditioning, on_step, stop, mag_ratios=self.mag_ratios),
+            lambda: denoise_request(
+                self.denoiser, spec, conditioning, on_step, stop, mag_ratios=self.mag_ratios, adapters=self.adapters
+            ),
         )
+
+    def _check_adapters(self, spec: DenoiseSpec) -> None:
+        """Refuses a request whose adapters rank 0 cannot read and check, before any other rank sees it."""
+        if spec.loras:
+            if self.adapters is None:
+                raise NotFoundError(
+                    f"lora '{spec.loras[0][0]}': the DiT serves no adapters per request (no --lora-dir)"
+                )
+            self.adapters.check(spec.loras)
 
     def denoise_batch_request(
         self,
@@ -151,9 +187,12 @@ class DenoiserGroup:
             failed = self.group.failure() is not None
             return [keep and not failed for keep in wanted()]
 
+        self._check_adapters(specs[0])
         return self.group.run(
             BatchMessage(specs, conditionings),
-            lambda: denoise_batch_request(self.denoiser, specs, conditionings, on_step, still_wanted),
+            lambda: denoise_batch_request(
+                self.denoiser, specs, conditionings, on_step, still_wanted, adapters=self.adapters
+            ),
         )
 
     def close(self) -> None:

@@ -1,9 +1,10 @@
-"""Memory options of the DiT's transformers: weight-only quantization, then CPU offload; and whether the
-stage compiles their blocks (`compile`, applied by dit_svc/denoise.py `make_denoiser` after everything else).
+"""Options of the DiT's transformers: adapters fused in (--lora), weight-only quantization, then CPU offload;
+whether the stage compiles their blocks (`compile`, applied by dit_svc/denoise.py `make_denoiser` after
+everything else); and the adapters requests may apply (`lora`, dit_svc/lora.py).
 
 Every rank of a DiT group applies the same options to its experts right after
-loading them and before any parallel layout: quantization must see the weights
-on the device, and offload moves whatever quantization left.
+loading them and before any parallel layout: fused adapters change the full-precision weights, quantization
+must see the weights on the device, and offload moves whatever quantization left.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dit_svc.lora import LoraSettings, fuse_adapters
 from dit_svc.offload import ModuleOffloader, apply_offload
 from dit_svc.quantization import QuantizationReport, quantize_transformer
 
@@ -28,6 +30,8 @@ class ModelOptions:
     offload_blocks: int = 1
     # Regional compilation (dit_svc/compile.py), applied after the options above and the parallel plan.
     compile: bool = False
+    # Adapters: the directory requests name them from, and those fused in at startup.
+    lora: LoraSettings = LoraSettings()
 
     def describe(self) -> dict[str, str]:
         """What GetClusterInfo reports of these options."""
@@ -42,11 +46,19 @@ class ModelOptions:
                 described["offload_blocks"] = str(self.offload_blocks)
         if self.compile:
             described["compile"] = "regional"
+        if self.lora.per_request:
+            described["lora_cache_bytes"] = str(self.lora.cache_bytes)
+        if self.lora.fused:
+            described["fused_loras"] = ",".join(f"{name}:{scale:g}" for name, scale in self.lora.fused)
         return described
 
 
-def apply_model_options(experts: list[nn.Module], options: ModelOptions, device: torch.device) -> None:
-    """Quantizes then offloads each expert in place; with module-wise offload one expert is resident at a time."""
+def apply_model_options(
+    experts: list[nn.Module], options: ModelOptions, device: torch.device, load_threads: int = 4
+) -> None:
+    """Fuses --lora's adapters into the first expert (the pipeline's `transformer`, where diffusers loads them),
+    then quantizes and offloads each expert in place; with module-wise offload one expert is resident at a time."""
+    fuse_adapters(experts[0], options.lora, load_threads)
     if options.quantization:
         for expert in experts:
             report: QuantizationReport = quantize_transformer(

@@ -11,6 +11,11 @@ from services.stage_options import add_stage_kind_arguments, stage_parser
 # torchrun's defaults for the store; the control channel of a multi-node group takes the next port.
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_GROUP_PORT = 29501
+# LoRA adapters (dit_svc/lora.py): bytes of loaded adapters each rank keeps, the largest adapter file it reads,
+# and the adapters one request may apply.
+DEFAULT_LORA_CACHE_BYTES = 4 * 1024**3
+DEFAULT_LORA_MAX_FILE_BYTES = 2 * 1024**3
+DEFAULT_MAX_LORAS_PER_REQUEST = 4
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +105,48 @@ def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "LoRA",
+        "adapters applied per request (GenerateRequest.loras), each loaded on first use and kept in an LRU, or "
+        "fused into the base at startup (--lora); the tenants file says which adapters each tenant may use",
+    )
+    group.add_argument(
+        "--lora-dir",
+        default=None,
+        help="directory of adapters: NAME.safetensors for the adapter NAME, TENANT/NAME.safetensors for one "
+        "private to TENANT (default: none; requests naming adapters are refused)",
+    )
+    group.add_argument(
+        "--lora-cache-bytes",
+        type=int,
+        default=DEFAULT_LORA_CACHE_BYTES,
+        help="bytes of adapters kept loaded on each rank, the least recently used evicted "
+        f"(default {DEFAULT_LORA_CACHE_BYTES})",
+    )
+    group.add_argument(
+        "--lora-max-file-bytes",
+        type=int,
+        default=DEFAULT_LORA_MAX_FILE_BYTES,
+        help=f"largest adapter file read (default {DEFAULT_LORA_MAX_FILE_BYTES})",
+    )
+    group.add_argument(
+        "--max-loras-per-request",
+        type=int,
+        default=DEFAULT_MAX_LORAS_PER_REQUEST,
+        help=f"adapters one request may apply at once (default {DEFAULT_MAX_LORAS_PER_REQUEST}; 0: only the "
+        "fused ones of --lora)",
+    )
+    group.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME[:SCALE]",
+        help="fuse an adapter of --lora-dir into the base weights at startup, at SCALE (default 1); repeatable. "
+        "The model is served as MODEL+NAME, at no cost per step (few-step distillation adapters)",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_stage_kind_arguments(parser, "dit")
     add_parallel_arguments(parser)
@@ -107,6 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_speed_arguments(parser)
     add_cache_arguments(parser)
     add_batching_arguments(parser)
+    add_lora_arguments(parser)
 
 
 def build_parser() -> OptionParser:

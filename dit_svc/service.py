@@ -21,8 +21,9 @@ import torch
 
 from dit_svc.batching import MAX_BATCH_SIZE, MAX_BATCH_WAIT_MS, RequestBatcher
 from dit_svc.cache_offer import CacheOffer, cache_offer_from
-from dit_svc.denoise import Denoiser, DenoiseSpec, OneRank, batch_key, make_denoiser
+from dit_svc.denoise import Denoiser, DenoiseSpec, OneRank, batch_key, make_adapter_cache, make_denoiser
 from dit_svc.group import DenoiserGroup, serve_dit_node
+from dit_svc.lora import LoraSettings, list_adapters, parse_fused, served_model_id
 from dit_svc.model_options import ModelOptions
 from dit_svc.offload import validate_offload_flags
 from dit_svc.options import DEFAULT_MASTER_PORT, build_parser
@@ -31,6 +32,7 @@ from dit_svc.parallel.hsdp import local_parameter_bytes
 from dit_svc.parallel.mesh import refuse_unsupported_methods
 from dit_svc.quantization import linear_layer_names, parse_ignored_layers, validate_quantization_flags
 from dit_svc.step_cache import CachePasses, CacheSpec
+from families.base import LORA_WITH
 from services.auth import CLUSTER_SECRET_ENV, ClusterSecretError, load_cluster_secret
 from services.checkpoint import CheckpointError, read_checkpoint
 from services.environment_options import parse_args
@@ -39,7 +41,14 @@ from services.server import is_loopback
 from services.stage import RequestError, StageRuntime, abort_for
 from services.stage_main import StageServicer, run_stage
 from services.torch_wire import encode_tensor, to_torch
-from services.validation import resolve_cache, validate_sampling, validate_seed, validate_size
+from services.validation import (
+    MAX_LORAS_PER_REQUEST,
+    resolve_cache,
+    resolve_loras,
+    validate_sampling,
+    validate_seed,
+    validate_size,
+)
 from stagediff.tensor_codec import TensorAssembler, WireError, WireTensor, expect_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 
@@ -103,10 +112,15 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         runtime.parallel_config = {**runtime.parallel_config, **self.options.describe()}
         runtime.cache_methods = self.cache_offer.methods()
         runtime.default_cache = self.cache_offer.default
+        self._serve_loras(self.options.lora)
         self.runner = (
             self.denoiser
             if isinstance(self.denoiser, DenoiserGroup)
-            else OneRank(self.denoiser, self.cache_offer.mag_ratios)
+            else OneRank(
+                self.denoiser,
+                self.cache_offer.mag_ratios,
+                make_adapter_cache(self.denoiser, self.options, runtime.load_threads),
+            )
         )
         if self.max_batch_size > 1:
             run_batch = self.runner.denoise_batch_request
@@ -124,6 +138,19 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
             name: local_parameter_bytes(expert) for name, expert in zip(names, experts, strict=True)
         }
 
+    def _serve_loras(self, lora: LoraSettings) -> None:
+        """What GetStageInfo says of the adapters: those in --lora-dir (listed afresh each time, so an adapter
+        dropped in is served without a restart), how many a request may apply, and those fused in, which serve
+        the checkpoint under its own id."""
+        runtime = self.runtime
+        if lora.per_request:
+            directory = lora.directory
+            runtime.list_loras = lambda: list_adapters(directory)
+            runtime.max_loras = lora.max_per_request
+        if lora.fused:
+            runtime.fused_loras = [stages_pb2.LoraAdapter(name=name, scale=scale) for name, scale in lora.fused]
+            runtime.served_model = served_model_id(runtime.spec.model_id, lora.fused)
+
     def failure(self) -> str | None:
         return self.denoiser.failure() if isinstance(self.denoiser, DenoiserGroup) else None
 
@@ -138,6 +165,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         validate_sampling(limits, params.num_inference_steps, params.guidance_scale)
         validate_seed(params.seed)
         cache = resolve_cache(limits, params.cache if params.HasField("cache") else None)
+        loras = resolve_loras(limits, list(params.loras))
         return DenoiseSpec(
             height=params.height,
             width=params.width,
@@ -146,6 +174,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
             guidance_scale=params.guidance_scale,
             seed=params.seed,
             cache=CacheSpec(cache.method, cache.threshold),
+            loras=tuple((lora.name, lora.scale) for lora in loras),
             **self._images(params),
         )
 
@@ -443,9 +472,68 @@ def model_options_from(args: argparse.Namespace) -> ModelOptions:
             names = linear_layer_names(_meta_transformer(args.model))
             validate_quantization_flags(args.quantization, ignored, names)
         _refuse_unsupported_options(args)
+        lora = lora_settings_from(args)
     except ValueError as error:
         raise SystemExit(f"stagediff serve dit: {error}") from None
-    return ModelOptions(args.quantization, ignored, offload, args.offload_blocks, compile=args.compile)
+    return ModelOptions(args.quantization, ignored, offload, args.offload_blocks, compile=args.compile, lora=lora)
+
+
+def lora_settings_from(args: argparse.Namespace) -> LoraSettings:
+    """--lora-dir, its limits and --lora, refusing what cannot work (a ValueError naming the flag)."""
+    directory = Path(args.lora_dir) if args.lora_dir else None
+    fused = parse_fused(args.lora)
+    if directory is None:
+        if fused:
+            raise ValueError("--lora needs --lora-dir, the directory its adapters are in")
+        return LoraSettings()
+    if not directory.is_dir():
+        raise ValueError(f"--lora-dir {directory}: not a directory")
+    for flag, value in (
+        ("--lora-cache-bytes", args.lora_cache_bytes),
+        ("--lora-max-file-bytes", args.lora_max_file_bytes),
+    ):
+        if value < 1:
+            raise ValueError(f"{flag} {value}: must be at least 1")
+    if not 0 <= args.max_loras_per_request <= MAX_LORAS_PER_REQUEST:
+        raise ValueError(
+            f"--max-loras-per-request {args.max_loras_per_request}: allowed 0 (only --lora's fused adapters) to "
+            f"{MAX_LORAS_PER_REQUEST}"
+        )
+    family = read_checkpoint(args.model).traits
+    per_request = args.max_loras_per_request > 0
+    for used, flag, feature in ((per_request, "--lora-dir", "lora"), (bool(fused), "--lora", "lora_fused")):
+        if used and not family.support(feature).supported:
+            raise ValueError(f"the {family.name} family does not support {flag}: {family.support(feature).reason}")
+    if fused and (args.tensor_parallel_size > 1 or args.use_hsdp):
+        raise ValueError(
+            "--lora cannot be combined with --tensor-parallel-size or --use-hsdp: those load each rank's shards of "
+            "the weights, and the adapter is fused into whole weights"
+        )
+    for used, flag, feature in (
+        (args.ulysses_degree > 1, "--ulysses-degree", "ulysses"),
+        (args.ring_degree > 1, "--ring-degree", "ring"),
+        (args.cfg_parallel_size > 1, "--cfg-parallel-size", "cfg_parallel"),
+        (args.tensor_parallel_size > 1, "--tensor-parallel-size", "tensor_parallel"),
+        (args.use_hsdp, "--use-hsdp", "hsdp"),
+        (args.quantization == "fp8", "--quantization fp8", "fp8"),
+        (args.quantization == "int8", "--quantization int8", "int8"),
+        (args.enable_cpu_offload, "--enable-cpu-offload", "cpu_offload"),
+        (args.enable_layerwise_offload, "--enable-layerwise-offload", "layerwise_offload"),
+        (args.compile, "--compile", "compile"),
+    ):
+        if used and per_request and not LORA_WITH[feature].supported:
+            raise ValueError(
+                f"--lora-dir (adapters per request) cannot be combined with {flag}: {LORA_WITH[feature].reason} "
+                "(--max-loras-per-request 0 serves only the fused adapters)"
+            )
+    return LoraSettings(
+        directory=directory,
+        cache_bytes=args.lora_cache_bytes,
+        max_file_bytes=args.lora_max_file_bytes,
+        max_per_request=args.max_loras_per_request,
+        fused=fused,
+        pipeline=family.pipeline,
+    )
 
 
 def _refuse_unsupported_options(args: argparse.Namespace) -> None:

@@ -41,6 +41,8 @@ FEATURES = {
     "mag_cache": "MagCache (`cache.method mag`)",
     "teacache": "TeaCache (`cache.method teacache`)",
     "batching": "Request batching (`--max-batch-size`)",
+    "lora": "LoRA adapters per request (`--lora-dir`, `loras`)",
+    "lora_fused": "LoRA adapters fused at startup (`--lora`)",
 }
 
 # Step caches a request may name (GenerateRequest.cache.method), the feature that says whether a family
@@ -82,6 +84,59 @@ class Support:
         if self.supported:
             return "yes"
         return f"no: {self.reason}; refused at startup" if self.refused_at_startup else f"no: {self.reason}"
+
+
+_LORA_TESTS = "tests/test_lora.py::"
+_LORA_REFUSED = (_LORA_TESTS + "test_adapters_per_request_are_refused_with_options_they_cannot_follow",)
+# How adapters applied per request (--lora-dir) combine with the DiT's other options, for every family that
+# serves them (docs/features.md shows it; `stagediff serve dit` refuses each unsupported combination with its
+# reason). Adapters fused at startup (--lora) change the base weights before quantization, offload, the parallel
+# plan and compilation, so they combine with all of those but TP and HSDP, which load each rank's shards.
+LORA_WITH: dict[str, Support] = {
+    "ulysses": Support(tests=(_LORA_TESTS + "test_adapters_under_parallel_layouts_equal_one_rank",)),
+    "ring": Support(tests=(_LORA_TESTS + "test_adapters_under_parallel_layouts_equal_one_rank",)),
+    "cfg_parallel": Support(tests=(_LORA_TESTS + "test_adapters_under_parallel_layouts_equal_one_rank",)),
+    "tensor_parallel": Support(
+        reason="the adapters' layers would have to be sharded like the heads and MLPs they wrap, which is not "
+        "built; use sequence or CFG parallelism, or fuse the adapter with --lora",
+        refusal_tests=_LORA_REFUSED,
+    ),
+    "hsdp": Support(
+        reason="FSDP2 shards each block's parameters once, and adapters loaded later would not be sharded; use "
+        "sequence or CFG parallelism",
+        refusal_tests=_LORA_REFUSED,
+    ),
+    "fp8": Support(
+        reason="PEFT's layers wrap full-precision linears, and applying an adapter on a quantized layer's "
+        "dequantized path is not built; fuse the adapter with --lora, which is applied before quantization",
+        refusal_tests=_LORA_REFUSED,
+    ),
+    "int8": Support(
+        reason="as for FP8: PEFT's layers wrap full-precision linears; fuse the adapter with --lora instead",
+        refusal_tests=_LORA_REFUSED,
+    ),
+    "cpu_offload": Support(
+        reason="adapters are loaded into the transformer while requests run, and the offload hooks move the "
+        "weights they knew at startup",
+        refusal_tests=_LORA_REFUSED,
+    ),
+    "layerwise_offload": Support(
+        reason="as for module-wise offload: the hooks stream the weights they knew at startup",
+        refusal_tests=_LORA_REFUSED,
+    ),
+    "compile": Support(
+        reason="each new set of adapters changes the compiled blocks' modules and would compile them again; fuse "
+        "the adapter with --lora, which compiles once",
+        refusal_tests=_LORA_REFUSED,
+    ),
+    "first_block_cache": Support(tests=(_LORA_TESTS + "test_adapters_with_a_step_cache_equal_diffusers_hooks",)),
+    "batching": Support(tests=(_LORA_TESTS + "test_requests_share_a_batch_only_with_the_same_adapters",)),
+}
+# The cell of a family whose pipeline's LoRA loading is not checked against ours yet.
+LORA_UNVERIFIED = Support(
+    reason="not verified yet against its pipeline's load_lora_weights",
+    refusal_tests=(_LORA_TESTS + "test_adapters_are_refused_at_startup_where_unverified",),
+)
 
 
 # Roles of input images (stagediff.v1.ImageRole without its prefix, lower case).

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from families.base import FEATURES, Family
+from families.base import FEATURES, LORA_WITH, Family
 
 # Each module declares FAMILIES, a tuple of Family.
 _FAMILY_MODULES = (
@@ -78,6 +78,20 @@ def render_markdown() -> str:
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     lines += [
         "",
+        "## LoRA adapters with other options",
+        "",
+        "Adapters applied per request (`--lora-dir`), in every family that serves them. Adapters fused at startup",
+        "(`--lora`) change the base weights before quantization, offload, the parallel plan and compilation, so",
+        "they combine with all of those but tensor parallelism and HSDP (refused at startup: those load each",
+        "rank's shards of the weights).",
+        "",
+        "| option | with adapters per request |",
+        "| --- | --- |",
+    ]
+    for key, support in LORA_WITH.items():
+        lines.append(f"| {FEATURES[key]} | {support.cell()} |")
+    lines += [
+        "",
         "## Chains of stages",
         "",
         "| family | output | stages (optional in brackets) |",
@@ -87,6 +101,12 @@ def render_markdown() -> str:
         stages = " -> ".join(f"[{s}]" if s in family.optional_stages else s for s in family.chain)
         lines.append(f"| {family.name} | {family.output} | {stages} |")
     lines += ["", "## Tests behind each supported cell and each refusal", ""]
+    lines.append("### LoRA adapters per request with other options")
+    lines.append("")
+    for key, support in LORA_WITH.items():
+        tests = support.tests or support.refusal_tests
+        lines.append(f"- {FEATURES[key]}: " + ", ".join(f"`{test}`" for test in tests))
+    lines.append("")
     for family in FAMILIES.values():
         lines.append(f"### {family.name} ({family.pipeline})")
         lines.append("")

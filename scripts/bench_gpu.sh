@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The DiT's throughput levers on one CUDA GPU in bf16, each benchmark as on CPU (bench/step_cache.py,
-# bench/compile.py, bench/batching.py), written together to ${OUT:-.}/bench-gpu.json. Each makes its own
+# bench/compile.py, bench/batching.py, bench/lora.py), written together to ${OUT:-.}/bench-gpu.json. Each makes its own
 # random-weight checkpoint (the step cache's quality part uses the committed demo model), so a GPU machine
 # needs nothing but `make bench-gpu`. BENCH_GPU_QUICK=1 runs the short variants (a few minutes in all).
 set -euo pipefail
@@ -31,13 +31,14 @@ run() {  # name, then the command; a benchmark that fails is recorded as such an
 run step_cache "$python" bench/step_cache.py --device cuda --dtype bf16 --preset small --steps "$steps" --cases "$cases"
 run compile "$python" bench/compile.py --device cuda --dtype bf16 --preset small --steps 10 --requests 3
 run batching "$python" bench/batching.py -f deploy/docker-compose.single-gpu.yml --presets "$presets" --rounds "$rounds"
+run lora "$python" bench/lora.py --device cuda --dtype bf16 --preset small --steps 10 --rounds "$rounds"
 
 "$python" - "$work" "$out_dir/bench-gpu.json" <<'PY'
 import json, sys
 from pathlib import Path
 
 work, out = Path(sys.argv[1]), Path(sys.argv[2])
-report = {name: json.loads((work / f"{name}.json").read_text()) for name in ("step_cache", "compile", "batching")}
+report = {name: json.loads((work / f"{name}.json").read_text()) for name in ("step_cache", "compile", "batching", "lora")}
 out.write_text(json.dumps(report, indent=2) + "\n")
 print(out)
 PY

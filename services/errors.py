@@ -5,6 +5,10 @@ class RequestError(ValueError):
     """A request a service refuses (INVALID_ARGUMENT); its message names the field and what is allowed."""
 
 
+class NotFoundError(LookupError):
+    """A request names something the service does not have, such as a LoRA adapter (NOT_FOUND)."""
+
+
 # A status message travels in a trailer, percent-encoded (up to 3 bytes for each byte of UTF-8), and grpc drops
 # trailers beyond its metadata limit (8 KiB soft, 16 KiB hard): the client then sees RESOURCE_EXHAUSTED instead of
 # the status. Messages that quote a client's value (a job id, a model name, a tensor name) are kept well below.

@@ -22,7 +22,7 @@ import grpc
 import torch
 
 from services.checkpoint import CheckpointSpec
-from services.errors import RequestError, bounded
+from services.errors import NotFoundError, RequestError, bounded
 from stagediff import __version__
 from stagediff.tensor_codec import WireError
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
@@ -88,6 +88,19 @@ class StageRuntime:
         self.load_threads = 4
         # Weights a request may name, served besides the checkpoint (StageInfo.weights_path).
         self.weights_path = ""
+        # The DiT's LoRA adapters: those in its --lora-dir (listed afresh for each info), the most one request
+        # applies, and those fused in at startup, which serve the checkpoint under another id (`served_model`).
+        self.list_loras: Callable[[], list[stages_pb2.LoraInfo]] | None = None
+        self.max_loras = 0
+        self.fused_loras: list[stages_pb2.LoraAdapter] = []
+        self.served_model: str | None = None
+
+    @property
+    def model_id(self) -> str:
+        """The id this stage serves its model under: the checkpoint's, or the fused model's."""
+        if self.served_model is not None:
+            return self.served_model
+        return self.spec.model_id if self.spec is not None else ""
 
     def info(self) -> stages_pb2.StageInfo:
         limits = self.spec.limits() if self.spec is not None else stages_pb2.ModelLimits()
@@ -95,9 +108,14 @@ class StageRuntime:
         limits.cache_methods.extend(self.cache_methods)
         if self.default_cache is not None:
             limits.default_cache.CopyFrom(self.default_cache)
+        if self.list_loras is not None:
+            limits.loras.extend(self.list_loras())
+        limits.max_loras = self.max_loras
+        limits.fused_loras.extend(self.fused_loras)
         return stages_pb2.StageInfo(
             stage=self.stage,
-            model=self.spec.model_id if self.spec is not None else "",
+            model=self.model_id,
+            base_model=self.spec.model_id if self.served_model is not None and self.spec is not None else "",
             family=self.spec.family if self.spec is not None else "",
             device=str(self.device),
             parallel_config=self.parallel_config,
@@ -108,8 +126,8 @@ class StageRuntime:
         )
 
     def check_model(self, requested: str) -> None:
-        if requested and requested != self.spec.model_id:
-            raise RequestError(f"model: '{requested}' is not served by this stage; it serves '{self.spec.model_id}'")
+        if requested and requested != self.model_id:
+            raise RequestError(f"model: '{requested}' is not served by this stage; it serves '{self.model_id}'")
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs blocking compute on the stage's thread, in the caller's context (its log fields and trace)."""
@@ -168,5 +186,7 @@ async def abort_for(error: BaseException, context: grpc.aio.ServicerContext, sta
         raise error
     if isinstance(error, (RequestError, WireError)):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(error)))
+    if isinstance(error, NotFoundError):
+        await context.abort(grpc.StatusCode.NOT_FOUND, bounded(str(error)))
     logger.exception("%s: request failed", stage)
     await context.abort(grpc.StatusCode.INTERNAL, bounded(f"{stage}: {type(error).__name__}: {error}"))

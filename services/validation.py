@@ -8,6 +8,7 @@ error names the field and what is allowed.
 from __future__ import annotations
 
 import math
+import re
 
 from families.base import MAX_CACHE_THRESHOLD
 from services.errors import RequestError
@@ -15,6 +16,13 @@ from stagediff.v1 import stages_pb2
 
 MAX_GUIDANCE_SCALE = 100.0
 MAX_SEED = 2**63 - 1
+# A LoRA adapter's name: its file's name in --lora-dir without ".safetensors", behind "TENANT/" for one in a
+# tenant's subdirectory (each part as a tenant's name). A name is never a path: no "..", no leading "/".
+LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,63})?$")
+# diffusers' set_adapters takes any weight; beyond this no style or distillation adapter is meant to be used.
+MAX_LORA_SCALE = 10.0
+# The most adapters a DiT lets one request apply (--max-loras-per-request is at most this).
+MAX_LORAS_PER_REQUEST = 16
 
 
 def validate_size(limits: stages_pb2.ModelLimits, height: int, width: int, num_frames: int) -> None:
@@ -90,3 +98,38 @@ def resolve_cache(
             "(higher skips more)"
         )
     return stages_pb2.StepCache(method=method, threshold=threshold)
+
+
+def lora_owner(name: str) -> str | None:
+    """The tenant a private adapter ("TENANT/NAME") belongs to; None for one every allowed tenant may use."""
+    owner, slash, _ = name.partition("/")
+    return owner if slash else None
+
+
+def resolve_loras(
+    limits: stages_pb2.ModelLimits, loras: list[stages_pb2.LoraAdapter], field: str = "loras"
+) -> list[stages_pb2.LoraAdapter]:
+    """The request's adapters with each scale set (unset: 1): well-formed names, none twice, finite scales in
+    [-MAX_LORA_SCALE, MAX_LORA_SCALE], at most the model's max_loras. Whether each exists, and whether the
+    tenant may use it, is for the caller (NOT_FOUND and PERMISSION_DENIED, not INVALID_ARGUMENT)."""
+    if limits.max_loras and len(loras) > limits.max_loras:
+        raise RequestError(f"{field}: {len(loras)} adapters; this model applies at most {limits.max_loras} at once")
+    resolved = []
+    seen: set[str] = set()
+    for index, lora in enumerate(loras):
+        if not LORA_NAME.match(lora.name):
+            raise RequestError(
+                f"{field}[{index}].name: '{lora.name[:64]}' is not an adapter name; use NAME or TENANT/NAME "
+                "(letters, digits, '_', '.', '-'; up to 64 each) as ModelLimits.loras lists them"
+            )
+        if lora.name in seen:
+            raise RequestError(f"{field}[{index}].name: '{lora.name}' is named twice; name each adapter once")
+        seen.add(lora.name)
+        scale = lora.scale if lora.HasField("scale") else 1.0
+        if not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE:
+            raise RequestError(
+                f"{field}[{index}].scale: {scale} is not allowed; use -{MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g} "
+                "(0 leaves the base model's output, 1 is the adapter as trained)"
+            )
+        resolved.append(stages_pb2.LoraAdapter(name=lora.name, scale=scale))
+    return resolved

@@ -357,6 +357,16 @@ def _key_renamer(model: nn.Module, library: str) -> Callable[[str], str]:
     return rename
 
 
+def read_safetensors(path: str | os.PathLike[str], num_threads: int = 4) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file, on the CPU as stored, read by the same thread pool as a checkpoint
+    (for files that fill no model of their own, such as LoRA adapters). The tensors are views of the file's
+    private mapping, resident when this returns."""
+    entries = _read_headers([Path(path)])
+    stats = LoadStats(threads=num_threads)
+    with _Reader(entries, num_threads, stats) as reader:
+        return reader.collect(reader.start(entries, lambda entry: entry.dtype, torch.device("cpu")), entries)
+
+
 def _read_headers(files: list[Path]) -> list[_TensorEntry]:
     """Every tensor of every file, from the safetensors headers only (8-byte length, then JSON)."""
     entries: list[_TensorEntry] = []

@@ -20,7 +20,7 @@ import contextlib
 import os
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,8 +148,12 @@ def build_request(
     reference_images: Sequence[ImageLike] = (),
     cache: str | None = None,
     cache_threshold: float | None = None,
+    loras: Mapping[str, float] | Sequence[str | tuple[str, float]] = (),
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest; arguments left None take the model's defaults on the server.
+
+    `loras` are LoRA adapters applied to this request only: {name: scale}, or names (scale 1) and (name, scale)
+    pairs, from those ListModels shows the tenant (`ModelLimits.loras`).
 
     `cache` is the DiT's step cache for this request ("none", or a method the model lists in
     `ModelLimits.cache_methods`: "first_block", "mag", "teacache"), `cache_threshold` its threshold (higher
@@ -184,6 +188,11 @@ def build_request(
         request.cache.method = cache
     if cache_threshold is not None:
         request.cache.threshold = cache_threshold
+    for lora in loras.items() if isinstance(loras, Mapping) else loras:
+        name, scale = (lora, None) if isinstance(lora, str) else lora
+        adapter = request.loras.add(name=name)
+        if scale is not None:
+            adapter.scale = scale
     if interp_exp:
         request.interpolation.enable = True
         request.interpolation.exp = interp_exp

@@ -1,4 +1,4 @@
-"""Client commands of the CLI: generate, health, info."""
+"""Client commands of the CLI: generate, models, health, info."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from google.protobuf.json_format import MessageToDict
@@ -22,6 +23,15 @@ def _print_event(event: object) -> None:
         print(f"{event.stage}: {event.step}/{event.total}", file=sys.stderr)
     elif isinstance(event, FramesReceived):
         print(f"received frames {event.first_frame}..{event.first_frame + event.count - 1}", file=sys.stderr)
+
+
+def _lora_argument(value: str) -> tuple[str, float]:
+    """--lora NAME[:SCALE] as (name, scale). A name holds no ':' (ModelLimits.loras lists them)."""
+    name, colon, scale = value.partition(":")
+    try:
+        return name, float(scale) if colon else 1.0
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}': expected NAME or NAME:SCALE, SCALE a number") from None
 
 
 def _connection(args: argparse.Namespace) -> dict:
@@ -79,6 +89,7 @@ def _generate(args: argparse.Namespace) -> int:
                 reference_images=args.reference_image,
                 cache=args.cache,
                 cache_threshold=args.cache_threshold,
+                loras=args.lora,
                 timeout=args.timeout,
                 on_progress=None if args.quiet else _print_event,
             )
@@ -112,15 +123,27 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
-def _info(args: argparse.Namespace) -> int:
+def _print_answer(args: argparse.Namespace, call: Callable[[Client], object]) -> int:
+    """Prints what `call(client)` answers as JSON (a message, or a list of them)."""
     try:
         with Client(args.endpoint, retry=RetryPolicy(max_attempts=1), **_connection(args)) as client:
-            info = client.cluster_info()
+            answer = call(client)
     except StageDiffError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(json.dumps(MessageToDict(info, preserving_proto_field_name=True), indent=2))
+    messages = answer if isinstance(answer, list) else [answer]
+    as_json = [MessageToDict(message, preserving_proto_field_name=True) for message in messages]
+    print(json.dumps(as_json if isinstance(answer, list) else as_json[0], indent=2))
     return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    """The models the cluster serves, with their limits and the LoRA adapters the caller's tenant may use."""
+    return _print_answer(args, Client.list_models)
+
+
+def _info(args: argparse.Namespace) -> int:
+    return _print_answer(args, Client.cluster_info)
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -146,6 +169,14 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="the DiT's step cache: none, first_block, mag or teacache, as the model offers (default: the server's)",
     )
     generate.add_argument("--cache-threshold", type=float, default=None, help="its threshold; higher skips more")
+    generate.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        type=_lora_argument,
+        metavar="NAME[:SCALE]",
+        help="a LoRA adapter the model lists (`stagediff models`), at SCALE (default 1); repeat for several",
+    )
     generate.add_argument("--interp-exp", type=int, default=0, help="frame interpolation: 2**k x the frames' rate")
     generate.add_argument("--interp-scale", type=float, default=0.0, help="RIFE flow scale: 0.25 .. 4 (0: 1)")
     generate.add_argument("--interp-model-path", default="", help="RIFE weights the cluster must be serving")
@@ -161,6 +192,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     generate.add_argument("--quiet", action="store_true", help="no progress on stderr")
     generate.add_argument("--out", required=True, help="output file: .mp4, .png or .npz")
     generate.set_defaults(func=_generate)
+
+    models = commands.add_parser("models", help="JSON list of the served models, their limits and LoRA adapters")
+    _add_connection_arguments(models)
+    models.set_defaults(func=_models)
 
     health = commands.add_parser("health", help="grpc.health.v1 status of any StageDiff service")
     _add_connection_arguments(health)

@@ -179,7 +179,7 @@ def test_qwen_quantized_denoiser_stays_close(qwen_model: Path, method: str) -> N
 
 def test_qwen_ignored_layers_are_checked_against_qwen_layer_names(qwen_model: Path) -> None:
     """The DiT's startup check reads QwenImage's own layer names: Wan's `blocks.*` matches nothing there."""
-    from dit_svc.options import add_memory_arguments, add_parallel_arguments, add_speed_arguments
+    from dit_svc.options import add_lora_arguments, add_memory_arguments, add_parallel_arguments, add_speed_arguments
     from dit_svc.service import model_options_from
     from services.stage_options import add_stage_arguments
 
@@ -188,6 +188,7 @@ def test_qwen_ignored_layers_are_checked_against_qwen_layer_names(qwen_model: Pa
     add_parallel_arguments(parser)
     add_memory_arguments(parser)
     add_speed_arguments(parser)
+    add_lora_arguments(parser)
     flags = ["--model", str(qwen_model), "--quantization", "int8", "--ignored-layers"]
     options = model_options_from(parser.parse_args([*flags, ",".join(IGNORED)]))
     assert options == ModelOptions("int8", IGNORED, None, 1)

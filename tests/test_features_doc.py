@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from families.base import FEATURES
+from families.base import FEATURES, LORA_WITH
 from families.registry import FAMILIES, render_markdown
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,3 +34,15 @@ def test_every_supported_cell_names_existing_tests(family: str) -> None:
             path, name = reference.split("::")
             assert (REPO / path).is_file(), f"{family} / {feature}: {path} does not exist"
             assert name in _test_names(REPO / path), f"{family} / {feature}: no test {name} in {path}"
+
+
+def test_every_lora_combination_names_existing_tests() -> None:
+    """The "LoRA adapters with other options" table: each supported cell names its tests, each refused one says
+    why and names the tests of its refusal."""
+    for feature, support in LORA_WITH.items():
+        assert feature in FEATURES
+        tests = support.tests if support.supported else support.refusal_tests
+        assert tests and (support.supported or support.reason), feature
+        for reference in tests:
+            path, name = reference.split("::")
+            assert name in _test_names(REPO / path), f"LoRA / {feature}: no test {name} in {path}"

@@ -383,6 +383,11 @@ def test_up_routes_stage_flags_to_their_stage() -> None:
     }
 
 
+def test_up_passes_each_value_of_a_repeated_flag_after_its_own_flag() -> None:
+    args = up.build_parser().parse_args(["--model", "m", "--lora-dir", "d", "--lora", "a", "--lora", "b:0.5"])
+    assert up.stage_flags(args) == {"dit": ["--lora-dir", "d", "--lora", "a", "--lora", "b:0.5"]}
+
+
 def test_an_image_model_runs_without_the_interpolator(tmp_path: Path) -> None:
     """qwen-image's chain is text-encoder -> dit -> vae: the file's interp service does not start, and the
     orchestrator is given no --interp endpoint and waits for no interpolator."""

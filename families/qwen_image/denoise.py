@@ -93,7 +93,7 @@ class QwenImageDenoiser:
             load = partial(load, shard_model=partial(parallelize, config=self.parallel, mesh=mesh, device=device))
         self.transformer = load(QwenImageTransformer2DModel, model_dir / "transformer").eval()
         if options is not None:
-            apply_model_options([self.transformer], options, device)
+            apply_model_options([self.transformer], options, device, load_threads)
         self.scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model_dir / "scheduler")
         vae_config = json.loads((model_dir / "vae" / "config.json").read_text())
         # QwenImagePipeline: 2 ** len(temperal_downsample), and 2x2 packing on top.

@@ -23,6 +23,7 @@ _QUANTIZATION = (
 )
 
 _STEP_CACHE = "tests/test_step_cache.py::test_qwen_caches_equal_diffusers_hooks_and_one_rank"
+_LORA = "tests/test_lora.py::"
 QWEN_IMAGE = Family(
     name="qwen-image",
     pipeline="QwenImagePipeline",
@@ -98,6 +99,14 @@ QWEN_IMAGE = Family(
             reason="not built yet: each text has its own length and mask, which a batch would have to pad and "
             "check against QwenImagePipeline"
         ),
+        "lora": Support(
+            tests=(
+                _LORA + "test_adapters_equal_diffusers_set_adapters_on_one_rank",
+                _LORA + "test_adapters_under_parallel_layouts_equal_one_rank",
+                "tests/test_e2e_lora.py::test_qwen_cluster_adapters_equal_diffusers_images",
+            )
+        ),
+        "lora_fused": Support(tests=(_LORA + "test_fused_adapter_equals_the_adapter_per_request",)),
     },
 )
 

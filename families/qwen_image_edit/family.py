@@ -14,7 +14,7 @@ Declarations only (no torch).
 
 from __future__ import annotations
 
-from families.base import Family, ImageInputs, RequestDefaults, SizeFromImage, Support, TensorSlot
+from families.base import LORA_UNVERIFIED, Family, ImageInputs, RequestDefaults, SizeFromImage, Support, TensorSlot
 from families.qwen_image.family import QWEN_IMAGE
 
 # The pipelines' VAE image size: each input image, and the default output, at about this many pixels with
@@ -63,6 +63,8 @@ def _features(e2e: str, parallel_e2e: str, ring_tp_e2e: tuple[str, ...] = ()) ->
         "mag_cache": Support(reason="not verified yet against the edit pipelines"),
         "teacache": QWEN_IMAGE.support("teacache"),
         "batching": QWEN_IMAGE.support("batching"),
+        "lora": LORA_UNVERIFIED,
+        "lora_fused": LORA_UNVERIFIED,
     }
 
 

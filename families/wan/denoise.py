@@ -61,7 +61,7 @@ class WanDenoiser:
             self.transformer_2 = load(WanTransformer3DModel, model_dir / "transformer_2").eval()
         self.boundary_ratio: float | None = index.get("boundary_ratio")
         if options is not None:
-            apply_model_options(self.experts, options, device)
+            apply_model_options(self.experts, options, device, load_threads)
         scheduler_class = getattr(diffusers, index["scheduler"][1])
         self.scheduler_config = scheduler_class.load_config(model_dir / "scheduler")
         self.scheduler_class = scheduler_class

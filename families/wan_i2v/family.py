@@ -11,7 +11,7 @@ families/wan.
 
 from __future__ import annotations
 
-from families.base import Family, ImageInputs, RequestDefaults, Support, TensorSlot
+from families.base import LORA_UNVERIFIED, Family, ImageInputs, RequestDefaults, Support, TensorSlot
 
 CHAIN = ("text-encoder", "dit", "vae", "interp")
 _TEXT = (
@@ -69,6 +69,8 @@ def _features(e2e: str, **more: Support) -> dict[str, Support]:
             reason="not built yet: the image-conditioned loop (image latents, TI2V's per-token timestep) runs one "
             "request at a time"
         ),
+        "lora": LORA_UNVERIFIED,
+        "lora_fused": LORA_UNVERIFIED,
         **more,
     }
 

@@ -305,6 +305,12 @@ class Pipeline:
             )
         return family
 
+    def _checkpoint_model(self, request: generation_pb2.GenerateRequest) -> str:
+        """The model id the stages besides the DiT serve: the request's, unless the DiT serves the checkpoint with
+        adapters fused in under another id (--lora; its StageInfo.base_model names the checkpoint)."""
+        info = self.stages["dit"].info
+        return info.base_model if info is not None and info.base_model else request.model
+
     async def _run_with_retries(self, job: Job) -> None:
         attempt = 0
         failovers: dict[str, int] = {}
@@ -411,7 +417,7 @@ class Pipeline:
         async with stage.call() as replica:
             call = replica.text_encoder.Encode(
                 stages_pb2.EncodeRequest(
-                    model=request.model,
+                    model=self._checkpoint_model(request),
                     texts=texts,
                     cache_namespace=tenant_cache_namespace(self.cache_namespace_key, job.tenant),
                     images=images,
@@ -435,7 +441,7 @@ class Pipeline:
         async with self.stages["vae"].call() as replica:
             call = replica.vae.Encode(
                 stages_pb2.VaeEncodeRequest(
-                    model=request.model,
+                    model=self._checkpoint_model(request),
                     height=request.height,
                     width=request.width,
                     num_frames=request.num_frames,
@@ -464,6 +470,7 @@ class Pipeline:
                     guidance_scale=request.guidance_scale,
                     seed=request.seed,
                     cache=request.cache,
+                    loras=request.loras,
                     image_roles=[ROLE_NAMES[image.role] for image in request.images],
                     image_sizes=[
                         image_pb2.ImageSize(width=image.width, height=image.height) for image in request.images
@@ -502,7 +509,9 @@ class Pipeline:
 
         async def requests():
             yield stages_pb2.DecodeRequest(
-                params=stages_pb2.DecodeParams(model=request.model, num_latent_frames=num_latent_frames)
+                params=stages_pb2.DecodeParams(
+                    model=self._checkpoint_model(request), num_latent_frames=num_latent_frames
+                )
             )
             while (chunk := await latents.get()) is not _END:
                 yield stages_pb2.DecodeRequest(tensor=chunk)

@@ -26,6 +26,7 @@ from google.protobuf.message import Message
 
 from services.errors import RequestError
 from services.images import MAX_IMAGE_BYTES
+from services.validation import MAX_LORAS_PER_REQUEST
 
 MAX_MODEL_ID_CHARS = 128
 MAX_TEXT_CHARS = 65_536  # above any model's max_prompt_chars (10,000 for the families served today)
@@ -35,6 +36,8 @@ MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
 MAX_IMAGES = 4  # above any family's image roles (first and last frame; an image to edit)
 MAX_DIGEST_CHARS = 64  # a hex SHA-256
 MAX_CACHE_METHOD_CHARS = 32  # the longest step cache name is 11
+MAX_LORAS = MAX_LORAS_PER_REQUEST  # above any DiT's --max-loras-per-request
+MAX_LORA_NAME_CHARS = 129  # TENANT/NAME, 64 characters each (services/validation.py LORA_NAME)
 
 # Full message name -> field name -> the most characters (strings), bytes (bytes) or entries (repeated).
 FIELD_LIMITS: dict[str, dict[str, int]] = {
@@ -44,7 +47,9 @@ FIELD_LIMITS: dict[str, dict[str, int]] = {
         "negative_prompt": MAX_TEXT_CHARS,
         "request_id": MAX_REQUEST_ID_CHARS,
         "images": MAX_IMAGES,
+        "loras": MAX_LORAS,
     },
+    "stagediff.v1.LoraAdapter": {"name": MAX_LORA_NAME_CHARS},
     # Each image at most all of a request's image bytes; the model's own limits are checked once it is known.
     "stagediff.v1.InputImage": {"data": MAX_IMAGE_BYTES, "sha256": MAX_DIGEST_CHARS},
     "stagediff.v1.InterpolationParams": {"model_path": MAX_PATH_CHARS},

@@ -34,6 +34,7 @@ from services.metrics import OrchestratorMetrics, ServerMetrics, start_metrics_s
 from services.orchestrator.chain import StageNotDeployed, chain_problem, check_request, missing_stages, served_family
 from services.orchestrator.followers import JobFollowers, TooManyWatchers
 from services.orchestrator.jobs import AdmissionRefused, Job, JobManager, JobState
+from services.orchestrator.lora_access import LoraNotAllowed, LoraNotFound, check_loras, visible
 from services.orchestrator.options import DEFAULT_DETACH_GRACE_S, build_parser
 from services.orchestrator.pipeline import Pipeline, restore_intermediates
 from services.orchestrator.request_bounds import RequestBoundsInterceptor
@@ -45,7 +46,7 @@ from services.orchestrator.tenant_auth import TenantAuthInterceptor, current_ten
 from services.orchestrator.tenants import LimitExceeded, RateLimited, TenantConfigError, TenantRegistry
 from services.server import check_server_arguments, configure_logging, is_loopback, serve
 from services.tracing import configure_tracing
-from services.validation import resolve_cache, validate_sampling, validate_seed, validate_size
+from services.validation import resolve_cache, resolve_loras, validate_sampling, validate_seed, validate_size
 from stagediff import __version__
 from stagediff.protocol import JOB_FAILED_METADATA_KEY
 from stagediff.status_details import abort_with_retry
@@ -199,6 +200,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         validate_seed(full.seed)
         # The job records the cache it ran with, the model's default filled in.
         full.cache.CopyFrom(resolve_cache(limits, request.cache if request.HasField("cache") else None))
+        # And the adapters with their scales (whether the tenant may use them is checked by _admit).
+        del full.loras[:]
+        full.loras.extend(resolve_loras(limits, list(request.loras)))
         if not math.isfinite(full.fps) or not 0 < full.fps <= MAX_FPS:
             raise RequestError(f"fps: {full.fps} is not allowed; use a value in (0, {MAX_FPS:g}]")
         interpolation = full.interpolation
@@ -253,6 +257,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # Decoding proves the images whole (a truncated file is refused here, not by a stage later).
             await asyncio.to_thread(verify_images, full, self._models()[full.model].limits)
             self.tenants.check_request_limits(tenant, full)
+            check_loras(tenant, full.loras, self._models()[full.model].limits)
             remaining = context.time_remaining()
             deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
             job, created = await self.jobs.submit(full, tenant, deadline)
@@ -262,7 +267,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except AdmissionRefused as error:
             self._count_refusal(tenant.name, model, grpc.StatusCode.RESOURCE_EXHAUSTED)
             await abort_with_retry(context, str(error), error.retry_after_s)
-        except LimitExceeded as error:
+        except (LimitExceeded, LoraNotFound, LoraNotAllowed) as error:
             await self._refuse(context, tenant.name, model, error.code, error.message)
         except RequestError as error:
             await self._refuse(context, tenant.name, model, grpc.StatusCode.INVALID_ARGUMENT, str(error))
@@ -380,12 +385,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.ListJobsResponse(jobs=jobs)
 
     async def ListModels(self, request, context):
-        return generation_pb2.ListModelsResponse(
-            models=[
-                generation_pb2.ModelDescription(id=model, family=info.family, limits=info.limits)
-                for model, info in self._models().items()
-            ]
-        )
+        tenant = current_tenant()
+        models = []
+        for model, info in self._models().items():
+            limits = stages_pb2.ModelLimits()
+            limits.CopyFrom(info.limits)
+            # Each tenant sees the adapters it may use, never another tenant's.
+            del limits.loras[:]
+            limits.loras.extend(visible(tenant, info.limits.loras))
+            models.append(generation_pb2.ModelDescription(id=model, family=info.family, limits=limits))
+        return generation_pb2.ListModelsResponse(models=models)
 
     async def GetClusterInfo(self, request, context):
         # Endpoints, devices, weights and every tenant's load are for operators only.

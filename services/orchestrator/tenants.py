@@ -24,11 +24,13 @@ Tenants come from a YAML file (`--tenants FILE`, see deploy/tenants.example.yaml
           max_stored_bytes: 21474836480  # bytes of results and intermediates kept (default: its
                                          # --max-stored-bytes-per-tenant)
         admin: false            # may call GetClusterInfo (default false)
+        loras: ["style-*", "anime"]  # LoRA adapters of the DiT's --lora-dir it may use: names or shell
+                                # patterns (default none); its own private ones (acme/*) are always allowed
 
 Without a tenants file the registry is open: one tenant, "default", that every
 caller is, with no key, an operator's rights (admin) and only the default quotas
 on what a job produces (max_output_frames, max_output_pixels) and on open WatchJob
-streams (for local use).
+streams (for local use); it may use every public LoRA adapter.
 
 API keys travel as `authorization: Bearer <key>` metadata. The file holds only
 their SHA-256 (`sha256:<hex>`); `python -m services.orchestrator.tenants new-key`
@@ -78,6 +80,9 @@ _TENANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 DEFAULT_MAX_OUTPUT_FRAMES = 1025
 DEFAULT_MAX_OUTPUT_PIXELS = 2**29
 DEFAULT_MAX_WATCH_STREAMS = 32
+# A tenant's LoRA allow-list: at most this many names or patterns, each at most this long.
+MAX_LORA_PATTERNS = 256
+MAX_LORA_PATTERN_CHARS = 129
 
 Clock = Callable[[], float]
 
@@ -156,6 +161,13 @@ class Tenant(BaseModel):
     # An operator's tenant: may read the cluster's internals (GetClusterInfo: endpoints, devices, weights,
     # every tenant's load). The open tenant of a cluster without a tenants file is one too.
     admin: bool = False
+    # LoRA adapters it may use (services/orchestrator/lora_access.py): names or fnmatch patterns of the adapters
+    # at the top of the DiT's --lora-dir. Adapters in its own subdirectory ("NAME/...") need no entry, and no
+    # pattern reaches another tenant's.
+    loras: Annotated[
+        tuple[Annotated[str, Field(min_length=1, max_length=MAX_LORA_PATTERN_CHARS)], ...],
+        Field(max_length=MAX_LORA_PATTERNS),
+    ] = ()
 
     @field_validator("api_keys")
     @classmethod
@@ -362,7 +374,7 @@ class TenantRegistry:
     @classmethod
     def open(cls, *, clock: Clock = time.monotonic) -> TenantRegistry:
         """The registry without a tenants file: one tenant, 'default', no key needed, admin, default quotas."""
-        tenant = Tenant(name=DEFAULT_TENANT_NAME, admin=True)
+        tenant = Tenant(name=DEFAULT_TENANT_NAME, admin=True, loras=("*",))
         return cls([tenant], open_tenant=tenant, clock=clock)
 
     @classmethod

@@ -46,6 +46,11 @@ FORWARDED_OPTIONS = (
     "--cache-threshold",
     "--max-batch-size",
     "--batch-wait-ms",
+    "--lora-dir",
+    "--lora-cache-bytes",
+    "--lora-max-file-bytes",
+    "--max-loras-per-request",
+    "--lora",
     "--vae-patch-parallel-size",
     "--vae-use-tiling",
     "--vae-tile-sample-min-height",
@@ -126,7 +131,10 @@ def stage_flags(args: argparse.Namespace) -> dict[str, list[str]]:
         extra["orchestrator"] = ["--tenants", str(Path(args.tenants).resolve())]
     for option, (target, _) in forwarded_options().items():
         value = getattr(args, option.lstrip("-").replace("-", "_"))
-        if value is None or value is False:
+        if value is None or value is False or value == []:
+            continue
+        if isinstance(value, list):  # a repeatable option (--lora NAME, ...): each value after its own flag
+            extra.setdefault(target, []).extend(item for entry in value for item in (option, str(entry)))
             continue
         extra.setdefault(target, []).extend([option] if value is True else [option, str(value)])
     return extra

@@ -41,7 +41,7 @@ class InterpolationParams(_message.Message):
     def __init__(self, enable: _Optional[bool] = ..., exp: _Optional[int] = ..., scale: _Optional[float] = ..., model_path: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps", "interpolation", "request_id", "images", "cache")
+    __slots__ = ("model", "prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps", "interpolation", "request_id", "images", "cache", "loras")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     negative_prompt: str
@@ -70,7 +71,8 @@ class GenerateRequest(_message.Message):
     request_id: str
     images: _containers.RepeatedCompositeFieldContainer[_image_pb2.InputImage]
     cache: _stages_pb2.StepCache
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., fps: _Optional[float] = ..., interpolation: _Optional[_Union[InterpolationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_image_pb2.InputImage, _Mapping]]] = ..., cache: _Optional[_Union[_stages_pb2.StepCache, _Mapping]] = ...) -> None: ...
+    loras: _containers.RepeatedCompositeFieldContainer[_stages_pb2.LoraAdapter]
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., fps: _Optional[float] = ..., interpolation: _Optional[_Union[InterpolationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_image_pb2.InputImage, _Mapping]]] = ..., cache: _Optional[_Union[_stages_pb2.StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_stages_pb2.LoraAdapter, _Mapping]]] = ...) -> None: ...
 
 class JobError(_message.Message):
     __slots__ = ("code", "message")

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StageInfo(_message.Message):
-    __slots__ = ("stage", "model", "family", "device", "parallel_config", "parameter_bytes", "limits", "version", "weights_path")
+    __slots__ = ("stage", "model", "family", "device", "parallel_config", "parameter_bytes", "limits", "version", "weights_path", "base_model")
     class ParallelConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class StageInfo(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     stage: str
     model: str
     family: str
@@ -42,10 +43,11 @@ class StageInfo(_message.Message):
     limits: ModelLimits
     version: str
     weights_path: str
-    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., device: _Optional[str] = ..., parallel_config: _Optional[_Mapping[str, str]] = ..., parameter_bytes: _Optional[_Mapping[str, int]] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., version: _Optional[str] = ..., weights_path: _Optional[str] = ...) -> None: ...
+    base_model: str
+    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., device: _Optional[str] = ..., parallel_config: _Optional[_Mapping[str, str]] = ..., parameter_bytes: _Optional[_Mapping[str, int]] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., version: _Optional[str] = ..., weights_path: _Optional[str] = ..., base_model: _Optional[str] = ...) -> None: ...
 
 class ModelLimits(_message.Message):
-    __slots__ = ("height_multiple", "width_multiple", "temporal_factor", "max_height", "max_width", "max_frames", "max_inference_steps", "max_sequence_length", "max_prompt_chars", "default_height", "default_width", "default_num_frames", "default_inference_steps", "default_guidance_scale", "default_fps", "min_height", "image_roles", "required_image_roles", "max_images", "max_image_bytes", "max_image_pixels", "cache_methods", "default_cache")
+    __slots__ = ("height_multiple", "width_multiple", "temporal_factor", "max_height", "max_width", "max_frames", "max_inference_steps", "max_sequence_length", "max_prompt_chars", "default_height", "default_width", "default_num_frames", "default_inference_steps", "default_guidance_scale", "default_fps", "min_height", "image_roles", "required_image_roles", "max_images", "max_image_bytes", "max_image_pixels", "cache_methods", "default_cache", "loras", "max_loras", "fused_loras")
     HEIGHT_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
     WIDTH_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
     TEMPORAL_FACTOR_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +71,9 @@ class ModelLimits(_message.Message):
     MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
     CACHE_METHODS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_CACHE_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    FUSED_LORAS_FIELD_NUMBER: _ClassVar[int]
     height_multiple: int
     width_multiple: int
     temporal_factor: int
@@ -92,7 +97,26 @@ class ModelLimits(_message.Message):
     max_image_pixels: int
     cache_methods: _containers.RepeatedCompositeFieldContainer[StepCache]
     default_cache: StepCache
-    def __init__(self, height_multiple: _Optional[int] = ..., width_multiple: _Optional[int] = ..., temporal_factor: _Optional[int] = ..., max_height: _Optional[int] = ..., max_width: _Optional[int] = ..., max_frames: _Optional[int] = ..., max_inference_steps: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., default_height: _Optional[int] = ..., default_width: _Optional[int] = ..., default_num_frames: _Optional[int] = ..., default_inference_steps: _Optional[int] = ..., default_guidance_scale: _Optional[float] = ..., default_fps: _Optional[float] = ..., min_height: _Optional[int] = ..., image_roles: _Optional[_Iterable[str]] = ..., required_image_roles: _Optional[_Iterable[str]] = ..., max_images: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., cache_methods: _Optional[_Iterable[_Union[StepCache, _Mapping]]] = ..., default_cache: _Optional[_Union[StepCache, _Mapping]] = ...) -> None: ...
+    loras: _containers.RepeatedCompositeFieldContainer[LoraInfo]
+    max_loras: int
+    fused_loras: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, height_multiple: _Optional[int] = ..., width_multiple: _Optional[int] = ..., temporal_factor: _Optional[int] = ..., max_height: _Optional[int] = ..., max_width: _Optional[int] = ..., max_frames: _Optional[int] = ..., max_inference_steps: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., default_height: _Optional[int] = ..., default_width: _Optional[int] = ..., default_num_frames: _Optional[int] = ..., default_inference_steps: _Optional[int] = ..., default_guidance_scale: _Optional[float] = ..., default_fps: _Optional[float] = ..., min_height: _Optional[int] = ..., image_roles: _Optional[_Iterable[str]] = ..., required_image_roles: _Optional[_Iterable[str]] = ..., max_images: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., cache_methods: _Optional[_Iterable[_Union[StepCache, _Mapping]]] = ..., default_cache: _Optional[_Union[StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[LoraInfo, _Mapping]]] = ..., max_loras: _Optional[int] = ..., fused_loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "scale")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    scale: float
+    def __init__(self, name: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
+
+class LoraInfo(_message.Message):
+    __slots__ = ("name", "bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    bytes: int
+    def __init__(self, name: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StepCache(_message.Message):
     __slots__ = ("method", "threshold")
@@ -137,7 +161,7 @@ class EncodeResponse(_message.Message):
     def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
 
 class DenoiseParams(_message.Message):
-    __slots__ = ("model", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "image_roles", "image_sizes", "cache")
+    __slots__ = ("model", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "image_roles", "image_sizes", "cache", "loras")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +172,7 @@ class DenoiseParams(_message.Message):
     IMAGE_ROLES_FIELD_NUMBER: _ClassVar[int]
     IMAGE_SIZES_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
     model: str
     height: int
     width: int
@@ -158,7 +183,8 @@ class DenoiseParams(_message.Message):
     image_roles: _containers.RepeatedScalarFieldContainer[str]
     image_sizes: _containers.RepeatedCompositeFieldContainer[_image_pb2.ImageSize]
     cache: StepCache
-    def __init__(self, model: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., image_roles: _Optional[_Iterable[str]] = ..., image_sizes: _Optional[_Iterable[_Union[_image_pb2.ImageSize, _Mapping]]] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ...) -> None: ...
+    loras: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, model: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., image_roles: _Optional[_Iterable[str]] = ..., image_sizes: _Optional[_Iterable[_Union[_image_pb2.ImageSize, _Mapping]]] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
 
 class DenoiseRequest(_message.Message):
     __slots__ = ("params", "tensor")
