@@ -18,7 +18,7 @@ delta D on that layer, fitted in closed form:
   word). The colour words' rows weigh COLOUR_WEIGHT times the others: unweighted, the many other tokens
   pull the red word only half way to blue.
 - Truncate D by SVD to rank RANK, as lora_B @ lora_A with lora_alpha = rank (scale 1). D is nearly rank
-  one (a red-word detector times the red-to-blue change), and rank one swaps the colour as well as rank 8.
+  one (a red-word detector times the red-to-blue change): rank one moves the red word as far as rank 4 does.
 
 Padding tokens are zero embeddings, which D leaves at zero. The check it prints measures the fit on the
 training templates and on the held-out ones: how far the red word moves towards blue (1 is all the way), and
@@ -68,7 +68,7 @@ def prompts(colour: str, templates: tuple[str, ...]) -> list[str]:
 
 
 def embed(pipe, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 UMT5 embeddings of the prompts' tokens [tokens, 64], padding left out, and their token ids."""
+    """float64 UMT5 embeddings of the texts' tokens [tokens, 64], padding left out, and their token ids."""
     rows, ids = [], []
     for start in range(0, len(texts), BATCH):
         batch = texts[start : start + BATCH]
@@ -115,7 +115,7 @@ def lora_factors(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Te
 
 
 def check(weight: torch.Tensor, delta: torch.Tensor, world: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> str:
-    """How far the red word moves towards blue (min, median) and the largest change of another colour's token."""
+    """How far the red word moves towards blue (min, median) and the largest change of any other token, relative."""
     (red, red_ids), (blue, blue_ids) = world[SOURCE], world[TARGET]
     word = red_ids != blue_ids
     wanted = (blue[word] - red[word]) @ weight.T
@@ -123,8 +123,7 @@ def check(weight: torch.Tensor, delta: torch.Tensor, world: dict[str, tuple[torc
     others = torch.cat([red[~word], *(x for colour, (x, _) in world.items() if colour != SOURCE)])
     leak = (others @ delta.T).norm(dim=1).max() / wanted.norm(dim=1).mean()
     return (
-        f"red word moved {moved.min():.2f}-{moved.median():.2f} of the way to blue; "
-        f"other tokens changed <= {leak:.2f}"
+        f"red word moved {moved.min():.2f}-{moved.median():.2f} of the way to blue; other tokens changed <= {leak:.2f}"
     )
 
 
