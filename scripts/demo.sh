@@ -16,7 +16,7 @@ up_out="$log_dir/up.out"
 up_err="$log_dir/up.err"
 mkdir -p "$(dirname "$OUT")"
 
-"$PY" -m stagediff.cli up --model "$MODEL" --port 0 --log-dir "$log_dir" \
+"$PY" -m stagediff.cli up --model "$MODEL" --port 0 --http-port 0 --log-dir "$log_dir" \
     --startup-timeout "$STARTUP_TIMEOUT" >"$up_out" 2>"$up_err" &
 up_pid=$!
 

@@ -65,7 +65,8 @@ STAGES: dict[str, StageKind] = {
     )
 }
 
-# `stagediff serve` targets: the orchestrator and every stage kind.
-SERVE_TARGETS: dict[str, str] = {"orchestrator": "services.orchestrator.service"} | {
-    name: stage.module for name, stage in STAGES.items()
-}
+# `stagediff serve` targets: the orchestrator, its HTTP gateway and every stage kind.
+SERVE_TARGETS: dict[str, str] = {
+    "orchestrator": "services.orchestrator.service",
+    "http": "services.gateway.service",
+} | {name: stage.module for name, stage in STAGES.items()}

@@ -1,6 +1,8 @@
-"""The `stagediff` command line: init-model, up, serve, calibrate-cache, generate, models, health, info.
+"""The `stagediff` command line: init-model, up, serve, calibrate-cache; generate, wait, jobs, cancel, delete, models,
+health, info.
 
-The client commands (generate, models, health, info) and `--help` load the client alone. The server commands
+The client commands (stagediff/client_cli.py: generate, wait, jobs, cancel, delete, models, health, info) and
+`--help` load the client alone. The server commands
 (init-model, up, serve, calibrate-cache) are declared here by name and help only; each imports its module,
 which brings torch and the server packages, and parses its own options once it is chosen.
 """

@@ -1,5 +1,6 @@
 """Writing generated frames to files: H.264 .mp4 for watching, .png for a single image, .npz for exact comparisons;
-and reading input images into the encoded bytes a request carries.
+decoding a result the server encoded (mp4, webm, gif, png, jpeg, webp) back to frames; and reading input images
+into the encoded bytes a request carries.
 
 Frames are uint8 RGB [F, H, W, 3] throughout. The .npz form is lossless and holds `frames` and `fps`; it is what
 tests and parity checks compare.
@@ -30,6 +31,18 @@ MP4_BITS_PER_PIXEL = 0.3
 """Bitrate for encoders without a quality mode (OpenH264), in bits per pixel per frame."""
 
 MP4_MIN_BIT_RATE = 1_000_000
+
+# The file extensions of each media type of an encoded result: the files its bytes are written to as they are.
+MEDIA_TYPE_EXTENSIONS: dict[str, tuple[str, ...]] = {
+    "video/mp4": (".mp4",),
+    "video/webm": (".webm",),
+    "image/gif": (".gif",),
+    "image/png": (".png",),
+    "image/jpeg": (".jpg", ".jpeg"),
+    "image/webp": (".webp",),
+}
+# Media types decoded as video with PyAV (every frame); the others are single images, decoded with Pillow.
+VIDEO_MEDIA_TYPES = ("video/mp4", "video/webm", "image/gif")
 
 # Largest denominator of the frame rate's fraction; enough for NTSC rates such as 30000/1001 and for any rate
 # given to a few decimals.
@@ -90,6 +103,27 @@ def read_video_frames(path: str | Path) -> np.ndarray:
     if not frames:
         raise ValueError(f"path: {path} holds no video frames")
     return np.stack(frames)
+
+
+def decode_media(data: bytes, media_type: str) -> np.ndarray:
+    """Decode an encoded result to uint8 RGB frames [F, H, W, 3].
+
+    Video (video/mp4, video/webm, image/gif) is decoded with PyAV, every frame of its first video stream; an
+    image (image/png, image/jpeg, image/webp) with Pillow, as one frame. The lossy formats give back approximately
+    the frames the server encoded, and an odd height or width comes back one larger from mp4 and webm (see
+    `_pad_to_even`).
+    """
+    if media_type in VIDEO_MEDIA_TYPES:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+        if not frames:
+            raise ValueError(f"data: the {media_type} file holds no video frames")
+        return np.stack(frames)
+    if media_type in MEDIA_TYPE_EXTENSIONS:
+        with Image.open(io.BytesIO(data)) as image:
+            return np.asarray(image.convert("RGB"))[None]
+    allowed = ", ".join(MEDIA_TYPE_EXTENSIONS)
+    raise ValueError(f"media_type: {media_type!r} cannot be decoded; allowed: {allowed}")
 
 
 def _write_mp4(path: Path, frames: np.ndarray, fps: float) -> None:

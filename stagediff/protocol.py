@@ -7,3 +7,21 @@ JOB_FAILED_METADATA_KEY = "stagediff-job-failed"
 
 # The environment variable the SDK and CLI read an API key from when none is given.
 API_KEY_ENV = "STAGEDIFF_API_KEY"
+
+# Where the SDK and CLI read an API key from a file when none is given and $STAGEDIFF_API_KEY is unset: the
+# file this variable names, else DEFAULT_API_KEY_FILE when it exists. A key in a file stays out of `ps`.
+API_KEY_FILE_ENV = "STAGEDIFF_API_KEY_FILE"
+DEFAULT_API_KEY_FILE = "~/.config/stagediff/api-key"
+
+# GenerateRequest.output_format: each format a request may name, and the media type of its encoded result
+# (JobCompleted.media_type, EncodedChunk.media_type); raw frames have none.
+RAW_OUTPUT_FORMAT = "raw"
+OUTPUT_FORMATS = {
+    RAW_OUTPUT_FORMAT: "",
+    "mp4": "video/mp4",
+    "webm": "video/webm",
+    "gif": "image/gif",
+    "png": "image/png",
+    "jpeg": "image/jpeg",
+    "webp": "image/webp",
+}

@@ -192,12 +192,18 @@ def test_health_watch_streams_are_capped_and_leave_room_for_calls() -> None:
 # --------------------------------------------------------------- flags --
 
 
-@pytest.mark.parametrize("target", list(SERVE_TARGETS))
+@pytest.mark.parametrize("target", [target for target in SERVE_TARGETS if target != "http"])
 def test_every_server_has_generous_limits_by_default(target: str) -> None:
     args = serve_defaults(target)
     assert args.max_concurrent_rpcs == (1024 if target == "orchestrator" else 256)
     assert args.max_health_watchers == 32
     check_server_arguments(f"stagediff serve {target}", args)
+
+
+def test_the_http_gateway_limits_its_requests_and_bodies_by_default() -> None:
+    """The gateway speaks HTTP: uvicorn answers 503 beyond --max-concurrent-requests, and bodies are bounded."""
+    args = serve_defaults("http")
+    assert (args.max_concurrent_requests, args.max_body_bytes) == (1024, 64 << 20)
 
 
 @pytest.mark.parametrize(

@@ -49,7 +49,7 @@ def gpu_file_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory)
     environment = {**os.environ, "STAGEDIFF_SECRETS_DIR": str(secrets_dir)}
     up = subprocess.Popen(
         [sys.executable, "-m", "stagediff.cli", "up", "-f", str(GPU_COMPOSE_FILE), "--model", str(tiny_model),
-         "--port", "0", "--threads-per-stage", "1", "--log-dir", str(log_dir),
+         "--port", "0", "--http-port", "0", "--threads-per-stage", "1", "--log-dir", str(log_dir),
          "--startup-timeout", str(STARTUP_TIMEOUT)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
         cwd=tmp_path_factory.getbasetemp(),

@@ -7,12 +7,14 @@ at the door with INVALID_ARGUMENT naming the field.
 
 from __future__ import annotations
 
+import base64
 import io
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import numpy as np
+import openai
 import pytest
 import torch
 from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
@@ -243,3 +245,22 @@ def _assert_refused(cluster: LocalCluster, images: list, field: str, allowed: st
 )
 def test_edit_requests_it_cannot_serve_are_refused(edit_cluster, images, field, allowed) -> None:
     _assert_refused(edit_cluster, images, field, allowed)
+
+
+def test_openai_images_edit_through_the_http_gateway(edit_cluster) -> None:
+    """OpenAI's client edits an image through the gateway: the PNG it returns is the frame the gRPC API makes
+    from the same image, prompt and seed."""
+    image = encoded(input_image(64, 64, seed=3), "PNG")
+    client = openai.OpenAI(api_key="unused", base_url=f"{edit_cluster.http_url}/v1", max_retries=0, timeout=300)
+    response = client.images.edit(
+        image=("input.png", image, "image/png"),
+        prompt="make it blue",
+        size="64x64",
+        extra_body={"num_inference_steps": 2, "guidance_scale": 1.0, "seed": 9},
+    )
+    edited = np.asarray(Image.open(io.BytesIO(base64.b64decode(response.data[0].b64_json))))
+    with Client(edit_cluster.endpoint) as grpc_client:
+        result = grpc_client.generate(
+            "make it blue", image=image, height=64, width=64, num_inference_steps=2, guidance_scale=1.0, seed=9
+        )
+    assert np.array_equal(edited, result.frames[0])

@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.orchestrator.tenants import hash_api_key, new_api_key
 from stagediff import Client, StageDiffError
-from stagediff.client import AsyncClient, GenerationResult, Progress
+from stagediff.client import AsyncClient, GenerationResult, Progress, RetryPolicy
 from stagediff.local.supervisor import LocalCluster
 from stagediff.v1 import generation_pb2, generation_pb2_grpc
 from tests.conftest import THREADS_PER_STAGE, assert_status
@@ -79,7 +79,9 @@ class TenantCluster:
         return self.cluster.endpoint
 
     def client(self, tenant: str) -> Client:
-        return Client(self.endpoint, api_key=self.keys[tenant])
+        """A client of `tenant` that does not retry RESOURCE_EXHAUSTED itself, so that each refusal reaches the
+        test as the orchestrator gave it (the SDK's retry of it is tested in test_sdk_errors.py)."""
+        return Client(self.endpoint, api_key=self.keys[tenant], retry=RetryPolicy(rate_limit_retries=0))
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import yaml
 from dit_svc.service import parallel_config_from
 from services.stage_table import STAGES as STAGE_KINDS
 from tests.conftest import parse_serve
+from tests.test_local_cluster import gateway_refusal
 from tests.test_secure_defaults import startup_refusal
 
 K8S_DIR = Path(__file__).resolve().parents[1] / "deploy" / "k8s"
@@ -28,6 +29,8 @@ FLAGS_CONFIGMAP = "stagediff-flags"
 CLUSTER_SECRET_ENV = "STAGEDIFF_CLUSTER_SECRET"
 MODEL_DIR = "/models/model"
 STAGES = ("text-encoder", "dit", "vae", "interp")
+# `stagediff serve http`: the HTTP gateway, a client of the orchestrator's public port (no stage, no secret).
+GATEWAY = "http"
 # A large checkpoint loads for minutes: the startup probe must allow at least this long.
 MIN_STARTUP_S = 600
 
@@ -207,7 +210,7 @@ CASE_IDS = ["base", *COMPONENTS]
 
 def test_each_stage_has_one_workload() -> None:
     stages = [c[3] for c in _containers(_flags(), BASE)]
-    assert sorted(stages) == sorted([*STAGES, "orchestrator"])
+    assert sorted(stages) == sorted([*STAGES, "orchestrator", GATEWAY])
     for component, objects in COMPONENTS.items():
         assert [c[3] for c in _containers(_flags(component), objects)] == ["dit"]
 
@@ -220,7 +223,7 @@ def _gpus(container: dict[str, Any]) -> int:
 def test_gpus_match_each_stage_group(component: str | None, objects: list[dict[str, Any]]) -> None:
     for _, _, container, stage, args in _containers(_flags(component), objects):
         assert {"cpu", "memory"} <= set(container["resources"]["requests"]), stage
-        if stage == "orchestrator":
+        if stage in ("orchestrator", GATEWAY):
             assert _gpus(container) == 0
         elif stage == "dit":  # the service spawns one rank per GPU of the pod, on each of its nodes
             assert _gpus(container) * args.nnodes == parallel_config_from(args).total_ranks
@@ -245,6 +248,8 @@ def test_unknown_flag_is_rejected() -> None:
 @pytest.mark.parametrize(("component", "objects"), CASES, ids=CASE_IDS)
 def test_grpc_probes_on_the_serving_port(component: str | None, objects: list[dict[str, Any]]) -> None:
     for _, _, container, stage, args in _containers(_flags(component), objects):
+        if stage == GATEWAY:  # HTTP: test_the_gateway_is_ready_when_its_orchestrator_answers
+            continue
         assert args.port in {p["containerPort"] for p in container["ports"]}, stage
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"] == {"port": args.port}, f"{stage} {probe}"
@@ -256,6 +261,9 @@ def test_grpc_probes_on_the_serving_port(component: str | None, objects: list[di
 def test_cluster_secret_model_and_shm(component: str | None, objects: list[dict[str, Any]]) -> None:
     for _, pod, container, stage, args in _containers(_flags(component), objects):
         secret = [e for e in container["env"] if e["name"] == CLUSTER_SECRET_ENV]
+        if stage == GATEWAY:  # a client of the public port: the tenants' keys, never the cluster secret
+            assert not secret and not container.get("volumeMounts"), stage
+            continue
         assert secret and secret[0]["valueFrom"]["secretKeyRef"]["name"] == "stagediff-cluster-secret", stage
         mounts = {m["mountPath"]: m for m in container.get("volumeMounts", [])}
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
@@ -280,6 +288,9 @@ def test_every_container_binds_every_interface_and_starts_under_the_secure_defau
     --insecure (TLS ends in front of it)."""
     for _, _, container, stage, args in _containers(_flags(component), objects):
         assert args.host == "0.0.0.0", stage
+        if stage == GATEWAY:  # plain HTTP behind the Service, like the orchestrator's port
+            assert gateway_refusal(args) is None and args.insecure and args.tls_cert is None
+            continue
         has_secret = any(entry["name"] == CLUSTER_SECRET_ENV for entry in container["env"])
         assert startup_refusal(stage, args, has_secret) is None, stage
         if stage == "orchestrator":
@@ -334,6 +345,27 @@ def test_orchestrator_reaches_every_stage(component: str | None, objects: list[d
         assert len(orchestrator.dit.split(",")) == statefulset["spec"]["replicas"], "list every DiT replica"
     if component == "dit-multinode":
         assert orchestrator.dit == "dit-group-0.dit-group:50062", "a multi-node group is served by its node 0"
+
+
+def test_the_gateway_is_ready_when_its_orchestrator_answers() -> None:
+    """The gateway dials the orchestrator's Service on its public port; kubelet's HTTP probes ask /readyz (200 once the
+    orchestrator answers its health check) for readiness and /healthz (the process) for liveness; a Service publishes
+    its port."""
+    workload, _, container, _, args = next(c for c in _containers(_flags(), BASE) if c[3] == GATEWAY)
+    host, _, port = args.orchestrator.rpartition(":")
+    orchestrator = next(c[4] for c in _containers(_flags(), BASE) if c[3] == "orchestrator")
+    assert int(port) == orchestrator.port and _serves(BASE, host, int(port)) == "orchestrator"
+    assert args.orchestrator_ca_cert is None and not args.orchestrator_tls, "the orchestrator's port is plaintext here"
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert named == {"http": args.port}
+    paths = {probe: container[probe]["httpGet"] for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
+    assert paths["readinessProbe"] == {"path": "/readyz", "port": "http"}
+    assert paths["livenessProbe"] == paths["startupProbe"] == {"path": "/healthz", "port": "http"}
+    service = _one(BASE, "Service", "gateway")
+    assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(args.port, "http")]
+    selector = service["spec"]["selector"]
+    assert selector.items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+    assert workload["spec"]["replicas"] >= 2, "no state: more than one, so a restart drops no request"
 
 
 def test_disruption_budgets_cover_orchestrator_and_dit() -> None:

@@ -6,7 +6,9 @@ whose chain has no interpolator.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import http.server
 import json
 import os
 import shutil
@@ -14,8 +16,10 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +32,7 @@ from stagediff import Client
 from stagediff.local import up
 from stagediff.local.compose import DEFAULT_COMPOSE_FILE, interpolate, load_compose, read_env_file
 from stagediff.local.launch import free_ports
-from stagediff.local.supervisor import LocalCluster, wait_for_serving
+from stagediff.local.supervisor import LocalCluster, is_http_ready, wait_for_http_ready, wait_for_serving
 from tests.test_secure_defaults import parse_serve, startup_refusal
 
 REPOSITORY = Path(__file__).resolve().parent.parent
@@ -43,7 +47,12 @@ VARIANTS = [GPU_COMPOSE_FILE, SINGLE_GPU_COMPOSE_FILE, CPU_COMPOSE_FILE]
 STAGES = {"text-encoder": 50061, "dit": 50062, "vae": 50063, "interp": 50064}
 # The stages every chain needs; the interpolator is optional (families/).
 REQUIRED_STAGES = ("text-encoder", "dit", "vae")
-LOCAL_PORTS = {"text-encoder": 41001, "dit": 41002, "vae": 41003, "interp": 41004, "orchestrator": 41000}
+# The HTTP gateway (`stagediff serve http`): a client of the orchestrator's public port, published beside it.
+GATEWAY = "gateway"
+GATEWAY_PORT = 8000
+LOCAL_PORTS = {
+    "text-encoder": 41001, "dit": 41002, "vae": 41003, "interp": 41004, "orchestrator": 41000, GATEWAY: 41008
+}  # fmt: skip
 
 
 def _checkpoint(directory: Path, pipeline: str = "WanPipeline") -> Path:
@@ -116,7 +125,7 @@ def test_docker_compose_config_accepts_every_file(files: tuple[Path, ...]) -> No
 
 def test_every_stage_reserves_its_gpus_and_has_a_health_check() -> None:
     services = _resolved(GPU_COMPOSE_FILE)
-    assert set(services) == {*STAGES, "orchestrator"}
+    assert set(services) == {*STAGES, "orchestrator", GATEWAY}
     gpus_of = {}
     for name, port in STAGES.items():
         devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
@@ -154,29 +163,45 @@ def test_the_depends_on_chain_ends_at_the_orchestrator() -> None:
         assert [target for _, target in _published(orchestrator)] == ["50051"]
         for name, port in STAGES.items():
             assert f"{name}:{port}" in orchestrator["command"]
+        assert services[GATEWAY]["depends_on"] == {"orchestrator": {"condition": "service_healthy"}}, file.name
 
 
-def test_the_gpu_file_hands_out_secrets_and_the_cpu_variant_no_gpu() -> None:
-    gpu, cpu = _resolved(GPU_COMPOSE_FILE), _resolved(CPU_COMPOSE_FILE)
-    orchestrator = gpu["orchestrator"]
-    assert orchestrator["secrets"] == [{"source": "cluster_secret"}, {"source": "tenants"}]
-    assert orchestrator["environment"]["STAGEDIFF_TENANTS"] == "/run/secrets/tenants"
-    for name in STAGES:
-        assert "deploy" not in cpu[name], f"{name} still reserves GPUs in the CPU variant"
-        assert cpu[name]["environment"]["STAGEDIFF_DEVICE"] == "cpu"
-        assert cpu[name]["environment"]["CUDA_VISIBLE_DEVICES"] == ""
-    for name in gpu:  # the same services either way: one definition, in common-services.yml
-        assert cpu[name]["command"] == gpu[name]["command"]
-        assert cpu[name]["healthcheck"] == gpu[name]["healthcheck"]
-    assert gpu["dit"]["build"]["args"]["BASE_IMAGE"].startswith("nvidia/cuda:")
-    assert "args" not in cpu["dit"]["build"], "the CPU image is the Dockerfile's default"
+@pytest.mark.parametrize("file", VARIANTS, ids=lambda f: f.name)
+def test_the_http_gateway_calls_the_orchestrator_and_is_ready_once_its_readyz_answers(file: Path) -> None:
+    """`serve http` on 8000, in front of the orchestrator's public port; its health check is GET /readyz (200 once
+    the orchestrator answers its own health check), by Python's urllib: the image has no curl."""
+    gateway = _resolved(file)[GATEWAY]
+    assert gateway["command"] == [
+        "serve", "http", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT), "--orchestrator", "orchestrator:50051"
+    ]  # fmt: skip
+    test = gateway["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"] and f"://localhost:{GATEWAY_PORT}/readyz" in test[3]
+    assert "deploy" not in gateway, "the gateway reserves no GPU"
+    assert not gateway.get("volumes"), "the gateway reads no checkpoint and keeps no state"
+    assert "STAGEDIFF_CLUSTER_SECRET_FILE" not in gateway["environment"], "it calls the public port, as a client"
+    assert not {"cluster_secret", "tenants"} & {s["source"] for s in gateway.get("secrets", [])}
+    assert f"EXPOSE {GATEWAY_PORT} " in (DEPLOY / "Dockerfile").read_text()
+
+
+@pytest.mark.parametrize("reply", [200, 503, None], ids=["ready", "not-ready", "closed"])
+def test_the_gateway_health_check_command_passes_on_200_only(reply: int | None) -> None:
+    """The compose health check itself, run against a stand-in for the gateway (on a free port rather than 8000,
+    which something else on this machine may hold)."""
+    (script,) = _resolved(CPU_COMPOSE_FILE)[GATEWAY]["healthcheck"]["test"][3:]
+    assert f"localhost:{GATEWAY_PORT}/" in script
+    with _readyz_server(reply) as port:
+        local = script.replace(f"localhost:{GATEWAY_PORT}/", f"localhost:{port}/")
+        result = subprocess.run([sys.executable, "-c", local], capture_output=True, text=True, timeout=30)
+    assert (result.returncode == 0) == (reply == 200), result.stderr
 
 
 @pytest.mark.parametrize("file", VARIANTS, ids=lambda f: f.name)
 def test_stagediff_up_reads_a_file_as_docker_compose_does(file: Path) -> None:
     resolved = _resolved(file)
     services = load_compose(file, {})
-    assert list(services) == list(STAGES) + ["orchestrator"]
+    assert list(services) == [*STAGES, "orchestrator", GATEWAY]
+    assert [name for name, service in services.items() if service.is_http] == [GATEWAY]
+    assert services[GATEWAY].stage_kind is None and services[GATEWAY].container_port == GATEWAY_PORT
     for name, service in services.items():
         expected = resolved[name]
         assert service.command == expected["command"], name
@@ -200,12 +225,17 @@ def _published(service: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("file", VARIANTS, ids=lambda f: f.name)
-def test_only_the_orchestrator_is_published_and_only_on_loopback_by_default(file: Path) -> None:
+def test_only_the_public_ports_are_published_and_only_on_loopback_by_default(file: Path) -> None:
+    """The orchestrator's gRPC port and the HTTP gateway's; never a stage's."""
     services = _resolved(file)
     for name in STAGES:
         assert not services[name].get("ports"), f"{name}: a stage port is published"
         assert not services[name].get("expose"), name
     assert _published(services["orchestrator"]) == [("127.0.0.1", "50051")]
+    assert _published(services[GATEWAY]) == [("127.0.0.1", str(GATEWAY_PORT))]
+    result = _config(file, env={"STAGEDIFF_HTTP_PUBLISHED_PORT": "18000"})
+    assert result.returncode == 0, result.stderr
+    assert "18000:8000" in yaml.safe_dump(yaml.safe_load(result.stdout)["services"][GATEWAY]["ports"])
 
 
 def test_the_open_tenant_is_never_published_beyond_loopback() -> None:
@@ -215,11 +245,22 @@ def test_the_open_tenant_is_never_published_beyond_loopback() -> None:
         assert "--tenants" not in orchestrator["command"] and "STAGEDIFF_TENANTS" not in orchestrator["environment"]
         result = _config(file, env={"STAGEDIFF_PUBLISHED_ADDRESS": "0.0.0.0", "STAGEDIFF_PUBLISHED_PORT": "6000"})
         assert result.returncode == 0, result.stderr
-        published = _published(yaml.safe_load(result.stdout)["services"]["orchestrator"])
-        assert published == [("127.0.0.1", "50051")], file.name
-    # The GPU file, with tenants, opens its plaintext port beyond loopback only when told to.
+        services = yaml.safe_load(result.stdout)["services"]
+        assert _published(services["orchestrator"]) == [("127.0.0.1", "50051")], file.name
+        assert _published(services[GATEWAY]) == [("127.0.0.1", str(GATEWAY_PORT))], file.name
+    # The GPU file, with tenants, opens its plaintext ports beyond loopback only when told to, both at once.
     result = _config(GPU_COMPOSE_FILE, env={"STAGEDIFF_PUBLISHED_ADDRESS": "0.0.0.0"})
-    assert _published(yaml.safe_load(result.stdout)["services"]["orchestrator"]) == [("0.0.0.0", "50051")]
+    services = yaml.safe_load(result.stdout)["services"]
+    assert _published(services["orchestrator"]) == [("0.0.0.0", "50051")]
+    assert _published(services[GATEWAY]) == [("0.0.0.0", str(GATEWAY_PORT))]
+
+
+def gateway_refusal(args: Any) -> str | None:
+    """What `stagediff serve http` refuses to start for (its own check): plain HTTP beyond loopback, where Bearer
+    keys would cross the network in clear, unless told --insecure; a TLS certificate without its key."""
+    from services.gateway.service import startup_problem
+
+    return startup_problem(args)
 
 
 def _starts(services: dict[str, Any]) -> dict[str, str | None]:
@@ -235,6 +276,9 @@ def _starts(services: dict[str, Any]) -> dict[str, str | None]:
                 patch.setenv(key, value)
             args = parse_serve(service["command"][1:])
         assert args.host == "0.0.0.0", f"{name}: a container must bind every interface to be reached"
+        if service["command"][1] == "http":  # a client of the public port: no cluster secret
+            reasons[name] = gateway_refusal(args)
+            continue
         has_secret = args.cluster_secret_file is not None
         reasons[name] = startup_refusal(service["command"][1], args, has_secret)
     return reasons
@@ -246,7 +290,7 @@ def _starts(services: dict[str, Any]) -> dict[str, str | None]:
     ids=["cpu", "single-gpu", "gpu", "gpu+stage-tls"],
 )
 def test_every_service_starts_under_the_secure_defaults(files: tuple[Path, ...]) -> None:
-    assert _starts(_resolved(*files)) == {name: None for name in [*STAGES, "orchestrator"]}
+    assert _starts(_resolved(*files)) == {name: None for name in [*STAGES, "orchestrator", GATEWAY]}
 
 
 def test_the_secure_defaults_can_refuse_a_compose_file() -> None:
@@ -257,6 +301,27 @@ def test_the_secure_defaults_can_refuse_a_compose_file() -> None:
     }
     reasons = _starts(services)
     assert all("no cluster secret" in (reasons[name] or "") for name in [*STAGES, "orchestrator"]), reasons
+    assert "API keys in clear" in (reasons[GATEWAY] or ""), reasons
+
+
+def test_the_gateway_serves_https_with_the_orchestrators_certificate_once_told_to() -> None:
+    """env/gateway.env's TLS lines, uncommented, give the gateway the orchestrator's tls_cert and tls_key secrets;
+    the secure defaults then hold without --insecure."""
+    environment = read_env_file(DEPLOY / "env" / "gateway.env")
+    assert environment["STAGEDIFF_INSECURE"] == "true"
+    commented = (DEPLOY / "env" / "gateway.env").read_text()
+    for line in ("# STAGEDIFF_TLS_CERT=/run/secrets/tls_cert", "# STAGEDIFF_TLS_KEY=/run/secrets/tls_key"):
+        assert line in commented and line in (DEPLOY / "env" / "orchestrator.env").read_text(), line
+    tls = {"STAGEDIFF_TLS_CERT": "/run/secrets/tls_cert", "STAGEDIFF_TLS_KEY": "/run/secrets/tls_key"}
+    gateway = _resolved(GPU_COMPOSE_FILE)[GATEWAY]
+    with pytest.MonkeyPatch.context() as patch:
+        for key in [key for key in os.environ if key.startswith("STAGEDIFF_")]:
+            patch.delenv(key)
+        for key, value in tls.items():
+            patch.setenv(key, value)
+        args = parse_serve(gateway["command"][1:])
+    assert (args.tls_cert, args.tls_key, args.insecure) == (tls["STAGEDIFF_TLS_CERT"], tls["STAGEDIFF_TLS_KEY"], False)
+    assert gateway_refusal(args) is None
 
 
 def test_the_stage_tls_override_turns_tls_on_for_every_stage_channel_and_health_check() -> None:
@@ -297,8 +362,13 @@ def test_gpu_reservations_become_cuda_visible_devices_and_secrets_host_paths(tmp
     )
     plans = cluster.plan(local_ports=LOCAL_PORTS)
     visible = {name: plans[name].environment.get("CUDA_VISIBLE_DEVICES") for name in plans}
-    assert visible == {"text-encoder": "6", "dit": "0,1,2,3", "vae": "4,5", "interp": "7", "orchestrator": None}
-    for plan in plans.values():
+    assert visible == {
+        "text-encoder": "6", "dit": "0,1,2,3", "vae": "4,5", "interp": "7", "orchestrator": None, GATEWAY: None
+    }  # fmt: skip
+    for name, plan in plans.items():
+        if name == GATEWAY:  # a client of the orchestrator's public port: no secret file of its own
+            assert "STAGEDIFF_CLUSTER_SECRET_FILE" not in plan.environment
+            continue
         assert plan.environment["STAGEDIFF_CLUSTER_SECRET_FILE"] == str(secrets_dir / "cluster_secret")
     assert plans["orchestrator"].environment["STAGEDIFF_TENANTS"] == str(secrets_dir / "tenants.yaml")
     assert plans["dit"].environment["STAGEDIFF_ULYSSES_DEGREE"] == "4"
@@ -319,7 +389,7 @@ def test_a_missing_secret_file_is_refused_naming_it(tmp_path: Path) -> None:
 def test_commands_get_local_ports_hosts_references_and_model_path(tmp_path: Path) -> None:
     cluster = LocalCluster(_checkpoint(tmp_path), port=0)
     plans = cluster.plan(local_ports=LOCAL_PORTS)
-    assert list(plans) == [*STAGES, "orchestrator"], "stages first: the orchestrator depends on all of them"
+    assert list(plans) == [*STAGES, "orchestrator", GATEWAY], "stages first, then the orchestrator, then the gateway"
     model = str(tmp_path.resolve())
     for name in STAGES:
         checkpoint = ["--model", model] if STAGE_KINDS[name].reads_checkpoint else []
@@ -338,6 +408,14 @@ def test_commands_get_local_ports_hosts_references_and_model_path(tmp_path: Path
         "--state-dir", str(cluster.state_dir),
     ]  # fmt: skip
     assert orchestrator.waits_for == list(REQUIRED_STAGES), "the compose file's depends_on: service_healthy"
+    assert all(plans[name].ready_url is None for name in [*STAGES, "orchestrator"]), "gRPC health"
+    # The HTTP gateway dials the orchestrator's local port, starts once it serves, and is ready when its /readyz is.
+    gateway = plans[GATEWAY]
+    assert gateway.args == [
+        "serve", "http", "--host", "127.0.0.1", "--port", "41008", "--orchestrator", "127.0.0.1:41000"
+    ]  # fmt: skip
+    assert gateway.waits_for == ["orchestrator"]
+    assert gateway.endpoint == "127.0.0.1:41008" and gateway.ready_url == "http://127.0.0.1:41008/readyz"
     # Every process gets the cluster's secret: stages refuse to start without one, and need no --insecure.
     assert {plan.environment[CLUSTER_SECRET_ENV] for plan in plans.values()} == {cluster.cluster_secret}
 
@@ -346,10 +424,12 @@ def test_free_ports_are_distinct_and_the_orchestrator_takes_the_requested_one(tm
     free = LocalCluster(_checkpoint(tmp_path), port=0).plan()
     ports = [plan.port for plan in free.values()]
     assert len(set(ports)) == len(ports) and all(port > 0 for port in ports)
-    fixed = LocalCluster(tmp_path, port=43210).plan()
+    fixed = LocalCluster(tmp_path, port=43210, http_port=43211).plan()
     assert fixed["orchestrator"].port == 43210
     assert fixed["orchestrator"].args[fixed["orchestrator"].args.index("--port") + 1] == "43210"
-    assert 43210 not in [plan.port for name, plan in fixed.items() if name != "orchestrator"]
+    assert fixed[GATEWAY].port == 43211 and fixed[GATEWAY].args[fixed[GATEWAY].args.index("--port") + 1] == "43211"
+    assert fixed[GATEWAY].args[-1] == "127.0.0.1:43210", "the gateway dials the orchestrator's port"
+    assert {43210, 43211}.isdisjoint(plan.port for name, plan in fixed.items() if name not in ("orchestrator", GATEWAY))
 
 
 def test_a_wildcard_host_is_bound_but_reached_through_loopback(tmp_path: Path) -> None:
@@ -357,6 +437,8 @@ def test_a_wildcard_host_is_bound_but_reached_through_loopback(tmp_path: Path) -
     assert plans["dit"].args[plans["dit"].args.index("--host") + 1] == "0.0.0.0"
     assert plans["dit"].endpoint == "127.0.0.1:41002"
     assert "127.0.0.1:41002" in plans["orchestrator"].args
+    assert plans[GATEWAY].args[plans[GATEWAY].args.index("--host") + 1] == "0.0.0.0"
+    assert plans[GATEWAY].args[-1] == "127.0.0.1:41000" and plans[GATEWAY].ready_url == "http://127.0.0.1:41008/readyz"
 
 
 def test_threads_and_extra_args_go_to_the_stages_they_concern(tmp_path: Path) -> None:
@@ -367,6 +449,7 @@ def test_threads_and_extra_args_go_to_the_stages_they_concern(tmp_path: Path) ->
     assert plans["vae"].args[-4:] == ["--threads", "2", "--vae-patch-parallel-size", "2"]
     assert plans["text-encoder"].args[-2:] == ["--threads", "2"]
     assert "--threads" not in plans["orchestrator"].args
+    assert "--threads" not in plans[GATEWAY].args, "the gateway has no torch threads to set"
     with pytest.raises(ValueError, match="options for ditt, which this cluster does not run"):
         LocalCluster(tmp_path, extra_args={"ditt": ["--usp", "2"]})
 
@@ -376,6 +459,7 @@ def test_up_routes_stage_flags_to_their_stage() -> None:
         ["--model", "m", "--embedding-cache-size", "16", "--usp", "2", "--use-hsdp", "--vae-use-tiling"]
     )
     assert args.port == 50051 and args.file == str(DEFAULT_COMPOSE_FILE) and args.host == "127.0.0.1"
+    assert args.http_port == GATEWAY_PORT
     assert up.stage_flags(args) == {
         "text-encoder": ["--embedding-cache-size", "16"],
         "dit": ["--ulysses-degree", "2", "--use-hsdp"],
@@ -393,7 +477,7 @@ def test_an_image_model_runs_without_the_interpolator(tmp_path: Path) -> None:
     orchestrator is given no --interp endpoint and waits for no interpolator."""
     qwen = LocalCluster(_checkpoint(tmp_path / "qwen", "QwenImagePipeline"))
     plans = qwen.plan(local_ports=LOCAL_PORTS)
-    assert list(plans) == [*REQUIRED_STAGES, "orchestrator"]
+    assert list(plans) == [*REQUIRED_STAGES, "orchestrator", GATEWAY], "the gateway runs no stage: always kept"
     orchestrator = plans["orchestrator"]
     assert "--interp" not in orchestrator.args and orchestrator.waits_for == list(REQUIRED_STAGES)
     assert orchestrator.args[orchestrator.args.index("--vae") + 1] == "127.0.0.1:41003"
@@ -403,7 +487,7 @@ def test_an_image_model_runs_without_the_interpolator(tmp_path: Path) -> None:
         )))  # fmt: skip
     # Wan's chain ends in the optional interpolator: it runs when the file has it, and only then.
     wan = LocalCluster(_checkpoint(tmp_path / "wan")).plan(local_ports=LOCAL_PORTS)
-    assert list(wan) == [*STAGES, "orchestrator"]
+    assert list(wan) == [*STAGES, "orchestrator", GATEWAY]
     compose = _write(
         tmp_path / "no-interp.yml",
         """
@@ -545,6 +629,72 @@ def test_wait_for_serving_gives_up_on_a_closed_port() -> None:
         wait_for_serving(f"127.0.0.1:{port}", timeout=0.5)
 
 
+@contextlib.contextmanager
+def _readyz_server(status: int | None) -> Iterator[int]:
+    """A stand-in for the gateway on a free port: GET /readyz answers `status` (None: nothing listens); yields the
+    port."""
+    if status is None:
+        yield free_ports(1, "127.0.0.1")[0]
+        return
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status if self.path == "/readyz" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_gateway_is_ready_once_its_readyz_answers_200() -> None:
+    """`stagediff up` waits on the HTTP gateway's GET /readyz, not grpc.health.v1: 503 (the orchestrator does not
+    answer yet) and a closed port are not ready."""
+    with _readyz_server(200) as port:
+        assert is_http_ready(f"http://127.0.0.1:{port}/readyz")
+        wait_for_http_ready(f"http://127.0.0.1:{port}/readyz", timeout=5)
+        assert not is_http_ready(f"http://127.0.0.1:{port}/elsewhere")
+    for status in (503, None):
+        with _readyz_server(status) as port:
+            assert not is_http_ready(f"http://127.0.0.1:{port}/readyz")
+            with pytest.raises(TimeoutError, match=f"{port}/readyz"):
+                wait_for_http_ready(f"http://127.0.0.1:{port}/readyz", timeout=0.5)
+
+
+def test_a_gateway_serving_tls_is_waited_for_over_https(tmp_path: Path) -> None:
+    compose = _write(
+        tmp_path / "compose.yml",
+        """
+        services:
+          text-encoder: {command: ["serve", "text-encoder", "--model", "/m", "--port", "7001"]}
+          dit: {command: ["serve", "dit", "--model", "/m", "--port", "7002"]}
+          vae: {command: ["serve", "vae", "--model", "/m", "--port", "7003"]}
+          orchestrator: {command: ["serve", "orchestrator", "--port", "7000", "--dit", "dit:7002"]}
+          web:
+            command: ["serve", "http", "--port", "8000", "--orchestrator", "orchestrator:7000"]
+            environment: {STAGEDIFF_TLS_CERT: /run/cert.pem, STAGEDIFF_TLS_KEY: /run/key.pem}
+            depends_on: {orchestrator: {condition: service_healthy}}
+          web-2: {command: ["serve", "http", "--port=8001", "--orchestrator=orchestrator:7000", "--tls-cert=c"]}
+        """,
+    )
+    cluster = LocalCluster(_checkpoint(tmp_path / "model"), compose_file=compose, threads_per_stage=1)
+    plans = cluster.plan(local_ports={"orchestrator": 9000, "web": 9100, "web-2": 9101})
+    assert plans["web"].ready_url == "https://127.0.0.1:9100/readyz" and plans["web"].waits_for == ["orchestrator"]
+    assert plans["web-2"].ready_url == "https://127.0.0.1:9101/readyz"
+    assert plans["web-2"].args == ["serve", "http", "--port=9101", "--orchestrator=127.0.0.1:9000", "--tls-cert=c"]
+    assert "web-2" not in cluster.stage_of, "`<name>-N` of a gateway is no stage replica"
+    with pytest.raises(ValueError, match="not stages"):
+        LocalCluster(cluster.model_dir, compose_file=compose, replicas={"web": 2})
+
+
 def test_extends_env_files_and_secrets_resolve_against_the_file_that_writes_them(tmp_path: Path) -> None:
     (tmp_path / "base").mkdir()
     (tmp_path / "base" / "data").mkdir()
@@ -630,7 +780,7 @@ def test_bad_extends_and_env_files_are_refused(tmp_path: Path) -> None:
 def test_stagediff_up_serves_an_image_model_without_an_interpolator(qwen_model: Path, tmp_path: Path) -> None:
     """The default compose file has an interp service; qwen-image's chain has none, so it never starts."""
     up_process = subprocess.Popen(
-        [sys.executable, "-m", "stagediff.cli", "up", "--model", str(qwen_model), "--port", "0",
+        [sys.executable, "-m", "stagediff.cli", "up", "--model", str(qwen_model), "--port", "0", "--http-port", "0",
          "--threads-per-stage", "1", "--log-dir", str(tmp_path / "logs"), "--state-dir", str(tmp_path / "state"),
          "--startup-timeout", "300"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -645,10 +795,13 @@ def test_stagediff_up_serves_an_image_model_without_an_interpolator(qwen_model: 
                 break
         assert lines and lines[-1].startswith("ready "), "stagediff up did not get ready:\n" + "".join(lines[-40:])
         started = [line.split()[1] for line in lines if line.startswith("started ")]
-        assert started == [*REQUIRED_STAGES, "orchestrator"]
+        assert started == [*REQUIRED_STAGES, "orchestrator", GATEWAY]
         with Client(lines[-1].split()[1]) as client:
             result = client.generate("a fox", height=32, width=32, num_inference_steps=2, guidance_scale=1.0, seed=0)
         assert result.frames.shape == (1, 32, 32, 3)
+        # The HTTP gateway is up too, ready (its orchestrator answers), before `ready` is printed.
+        (http_url,) = [line.split()[1] for line in lines if line.startswith("http ")]
+        assert is_http_ready(f"{http_url}/readyz", timeout=10)
     finally:
         up_process.send_signal(signal.SIGTERM)
         try:

@@ -34,6 +34,8 @@ def serve_defaults(target: str, *flags: str) -> argparse.Namespace:
     """The options `stagediff serve <target>` runs with, given `flags` and placeholders for the required ones."""
     if target == "orchestrator":
         required = [argument for stage in STAGES for argument in (f"--{stage}", "127.0.0.1:1")]
+    elif target == "http":
+        required = []  # the gateway's options all have defaults
     else:
         required = ["--model", "m"]
     return parse_serve([target, *required, *flags])
@@ -239,3 +241,17 @@ def test_node_0_of_a_multinode_group_must_bind_where_the_other_nodes_reach_it() 
     check_node_layout(everywhere, parallel_config_from(everywhere))
     on_one_machine = serve_defaults("dit", "--ulysses-degree", "2", "--nnodes", "2")  # master-addr 127.0.0.1
     check_node_layout(on_one_machine, parallel_config_from(on_one_machine))
+
+
+def test_the_http_gateway_refuses_plain_http_beyond_loopback() -> None:
+    from services.gateway.service import startup_problem
+
+    assert startup_problem(serve_defaults("http")) is None  # 127.0.0.1
+    refused = startup_problem(serve_defaults("http", "--host", "0.0.0.0"))
+    assert refused is not None and "--insecure" in refused and "in clear" in refused
+    assert startup_problem(serve_defaults("http", "--host", "0.0.0.0", "--insecure")) is None
+    assert (
+        startup_problem(serve_defaults("http", "--host", "0.0.0.0", "--tls-cert", "c.pem", "--tls-key", "k.pem"))
+        is None
+    )
+    assert "go together" in startup_problem(serve_defaults("http", "--tls-cert", "c.pem"))

@@ -460,9 +460,16 @@ def test_an_older_state_dir_is_migrated(tmp_path: Path, version: int) -> None:
 
 
 def _drop_pass_counts(db: sqlite3.Connection) -> None:
-    """The jobs table as versions 1 to 3 had it, without the DiT's pass counts."""
+    """The jobs table as versions 1 to 3 had it, without the DiT's pass counts (and results as before 5)."""
     db.execute("ALTER TABLE jobs DROP COLUMN passes_run")
     db.execute("ALTER TABLE jobs DROP COLUMN passes_skipped")
+    _drop_encoded_results(db)
+
+
+def _drop_encoded_results(db: sqlite3.Connection) -> None:
+    """The results table as versions 1 to 4 had it, without encoded files."""
+    for column in ("media_type", "encoded_file", "encoded_bytes", "raw_kept"):
+        db.execute(f"ALTER TABLE results DROP COLUMN {column}")
 
 
 def test_version_3_gains_pass_counts_and_keeps_stage_outputs(tmp_path: Path) -> None:
@@ -484,6 +491,38 @@ def test_version_3_gains_pass_counts_and_keeps_stage_outputs(tmp_path: Path) -> 
         store.mark_stage_done("running", "dit", chunks, passes=(7, 5))
         record = store.get("running")
         assert (record.passes_run, record.passes_skipped, record.last_stage) == (7, 5, "dit")
+
+
+def test_version_4_results_stay_readable_as_raw_frames(tmp_path: Path) -> None:
+    """Version 4 stored raw frames only: its results load and replay as raw, and new jobs may store encoded ones."""
+    with JobStore.open(tmp_path) as store:
+        clock_free = FakeClock()
+        store.clock = clock_free
+        size = _finish(store, clock_free, "done", "acme", frames=3)
+    with sqlite3.connect(tmp_path / "jobs.sqlite3") as db:
+        _drop_encoded_results(db)
+        db.execute("PRAGMA user_version = 4")
+    with JobStore.open(tmp_path) as store:
+        assert store._connection().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert _files(store) == [f"done/{RESULT_FILE}"]
+        result = store.load_result("done")
+        assert result.path == store.jobs_dir / "done" / RESULT_FILE and np.array_equal(result.frames, _frames(3))
+        assert (result.media_type, result.encoded_path, result.encoded_bytes) == ("", None, 0)
+        assert store.usage("acme") == Usage(finished=size, active=0)
+        *chunks, completed = result.events("done", seed=3)
+        assert [event.result.tensor for event in chunks] == _chunks("frames", _frames(3), index=0)
+        assert (completed.completed.media_type, completed.completed.encoded_bytes) == ("", 0)
+        # The new columns are there: a job finishing now keeps an encoded result.
+        _add(store, "new", "acme")
+        store.update_state("new", RUNNING)
+        writer = store.create_result("new", (1, 8, 16, 3))
+        writer.write(0, 0, _frames(1).reshape(-1))
+        writer.add_piece(0, 1)
+        encoded = store.create_encoded("new", ".png", "image/png")
+        encoded.append(b"png bytes")
+        store.commit_result(writer, 8.0, encoded=encoded, keep_raw=False)
+        assert (store.load_result("new").media_type, store.load_result("new").path) == ("image/png", None)
+        assert store.usage("acme") == Usage(finished=size + len(b"png bytes"), active=0)
 
 
 def test_sizes_and_free_space_on_flags() -> None:

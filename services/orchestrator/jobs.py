@@ -7,7 +7,10 @@ client that reconnects sees the whole history, result included. The log holds
 no frames: the pipeline writes them to the job's result file in the store and
 logs a `ResultPiece` (first frame, count) per piece; a follower reaching one
 reads the piece back from the file one wire chunk (1 MiB) at a time, so memory
-grows neither with the video nor with the number of readers. At most
+grows neither with the video nor with the number of readers. A job with an
+encoded output_format logs an `EncodedPiece` for each part of its encoded file
+the encoder wrote (followers read it back the same way), and sends its raw
+frames only when the request keeps them. At most
 `MAX_FINISHED_IN_MEMORY` finished jobs stay in memory; GetJob answers from the
 store's record for the others, and a watcher of a stored result streams it
 from disk the same way.
@@ -53,15 +56,19 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from opentelemetry import context as otel_context
 
+from services.encoding import output_format
 from services.logging_setup import log_context
 from services.metrics import OrchestratorMetrics
 from services.orchestrator.scheduler import AdmissionRefused, FairScheduler, TenantLimits
 from services.orchestrator.store import (
+    EncodedReader,
+    EncodedWriter,
     InvalidTransition,
     JobRecord,
     JobStore,
@@ -76,6 +83,9 @@ from services.orchestrator.tenants import LimitExceeded, Tenant, output_frames
 from services.tracing import set_grpc_status, start_span_under
 from stagediff.tensor_codec import DEFAULT_CHUNK_BYTES
 from stagediff.v1 import generation_pb2, stages_pb2, tensor_pb2
+
+if TYPE_CHECKING:  # encoded_results.py imports Job
+    from services.orchestrator.encoded_results import EncodedResult
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +120,11 @@ def result_shape(request: generation_pb2.GenerateRequest) -> tuple[int, int, int
 
 
 def result_bytes(request: generation_pb2.GenerateRequest) -> int:
+    """The bytes a job's result is reserved at admission: its raw frames, twice when an encoded result keeps them
+    too (an encoded file is not larger than the frames it encodes, but for a few bytes of header)."""
     frames, height, width, channels = result_shape(request)
-    return frames * height * width * channels
+    raw = frames * height * width * channels
+    return raw * 2 if request.keep_raw_frames else raw
 
 
 def store_failure(error: StoreError, what: str) -> tuple[grpc.StatusCode, str]:
@@ -131,6 +144,20 @@ class ResultPiece:
     first: int
     count: int
     fps: float
+
+
+@dataclass(frozen=True)
+class EncodedPiece:
+    """A log entry for bytes [offset, offset + size) of the job's encoded file; `last` marks the file's end."""
+
+    offset: int
+    size: int
+    last: bool
+
+
+# Rough share of a job's time in each stage on the served models, to turn stage steps into one percentage.
+# The DiT's steps dominate; the others are short. Only the stages of a job's chain count.
+STAGE_WEIGHTS = {"text-encoder": 1.0, "dit": 16.0, "vae": 2.0, "interp": 1.0}
 
 
 def _timestamp(seconds: float) -> Timestamp:
@@ -163,6 +190,12 @@ class Job:
     events: list[generation_pb2.GenerateEvent | ResultPiece] = field(default_factory=list)
     # The result file the pipeline writes while the job runs (and followers read from).
     result: ResultWriter | None = None
+    # The encoded file (output_format other than raw), written alongside, and the encoder that writes it.
+    encoded: EncodedWriter | None = None
+    encoder: EncodedResult | None = None
+    # The stages the job runs through, and the latest step each reported (for progress_percent).
+    chain: tuple[str, ...] = ()
+    steps: dict[str, tuple[int, int]] = field(default_factory=dict)
     # A finished job read back from the store: followers replay its stored result from there.
     stored_in: JobStore | None = None
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
@@ -176,8 +209,29 @@ class Job:
     def finished(self) -> bool:
         return self.state in TERMINAL_STATES
 
+    @property
+    def sends_raw_frames(self) -> bool:
+        """Whether followers receive the raw frames: a raw result, or an encoded one that keeps them."""
+        return self.request.output_format in ("", "raw") or self.request.keep_raw_frames
+
+    def progress_percent(self) -> float:
+        """0 to 100: the finished share of the job's chain, each stage weighed by STAGE_WEIGHTS."""
+        if self.state == JobState.JOB_STATE_SUCCEEDED:
+            return 100.0
+        total = sum(STAGE_WEIGHTS.get(stage, 1.0) for stage in self.chain)
+        if not total:
+            return 0.0
+        done = sum(
+            STAGE_WEIGHTS.get(stage, 1.0) * step / max(steps, 1)
+            for stage, (step, steps) in self.steps.items()
+            if stage in self.chain
+        )
+        return round(100.0 * min(done / total, 1.0), 1)
+
     async def publish(self, event: generation_pb2.GenerateEvent) -> None:
         event.job_id = self.job_id
+        if event.HasField("progress"):
+            self.steps[event.progress.stage] = (event.progress.step, event.progress.total)
         self.events.append(event)
         async with self.changed:
             self.changed.notify_all()
@@ -185,6 +239,12 @@ class Job:
     async def publish_piece(self, first: int, count: int, fps: float) -> None:
         """Tells followers that frames [first, first + count) are in the result file."""
         self.events.append(ResultPiece(first, count, fps))
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def publish_encoded(self, offset: int, size: int, last: bool) -> None:
+        """Tells followers that bytes [offset, offset + size) of the encoded file are written."""
+        self.events.append(EncodedPiece(offset, size, last))
         async with self.changed:
             self.changed.notify_all()
 
@@ -212,12 +272,25 @@ class Job:
             return
         sent = 0
         reader: ResultReader | None = None
-        skip_frames = False
+        encoded: EncodedReader | None = None
+        skip_frames = not self.sends_raw_frames
+        skip_encoded = False
         try:
             while True:
                 while sent < len(self.events):
                     item = self.events[sent]
                     sent += 1
+                    if isinstance(item, EncodedPiece):
+                        if skip_encoded:
+                            continue
+                        if encoded is None:
+                            encoded = await self._open_encoded()
+                            if encoded is None:
+                                skip_encoded = True
+                                continue
+                        async for event in self._encoded_events(encoded, item, chunk_bytes):
+                            yield event
+                        continue
                     if not isinstance(item, ResultPiece):
                         yield item
                         continue
@@ -236,8 +309,9 @@ class Job:
                     if sent == len(self.events) and not self.finished:
                         await self.changed.wait()
         finally:
-            if reader is not None:
-                reader.close()
+            for open_reader in (reader, encoded):
+                if open_reader is not None:
+                    open_reader.close()
 
     async def _open_result(self) -> ResultReader | None:
         """A reader of the result file; None when the job did not succeed and its partial result is gone."""
@@ -249,6 +323,26 @@ class Job:
             if self.state == JobState.JOB_STATE_SUCCEEDED:
                 raise
             return None
+
+    async def _open_encoded(self) -> EncodedReader | None:
+        """A reader of the encoded file; None when the job did not succeed and its partial file is gone."""
+        try:
+            if self.encoded is None:
+                raise ResultGone(f"job {self.job_id}: it has no encoded file")
+            return await asyncio.to_thread(self.encoded.open_reader)
+        except ResultGone:
+            if self.state == JobState.JOB_STATE_SUCCEEDED:
+                raise
+            return None
+
+    async def _encoded_events(
+        self, reader: EncodedReader, piece: EncodedPiece, chunk_bytes: int
+    ) -> AsyncIterator[generation_pb2.GenerateEvent]:
+        chunks = reader.chunks(piece.offset, piece.size, last=piece.last, chunk_bytes=chunk_bytes)
+        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+            yield generation_pb2.GenerateEvent(
+                job_id=self.job_id, result=generation_pb2.ResultChunk(encoded=chunk, fps=self.fps_out)
+            )
 
     async def _piece_events(
         self, reader: ResultReader, first: int, count: int, fps: float, chunk_bytes: int
@@ -264,14 +358,12 @@ class Job:
         result = await asyncio.to_thread(self.stored_in.load_result, self.job_id)
         if result is None:
             return
-        reader = await asyncio.to_thread(result.open)
+        events = result.events(self.job_id, seed=self.request.seed, chunk_bytes=chunk_bytes)
         try:
-            for first, count in result.pieces:
-                async for event in self._piece_events(reader, first, count, result.fps, chunk_bytes):
-                    yield event
+            while (event := await asyncio.to_thread(next, events, None)) is not None:
+                yield event
         finally:
-            reader.close()
-        yield result.completed_event(self.job_id)
+            events.close()
 
     def to_proto(self, queue_position: int = 0) -> generation_pb2.Job:
         request = self.request
@@ -292,7 +384,13 @@ class Job:
             num_frames_out=self.num_frames_out,
             fps_out=self.fps_out,
             transformer_passes=self.transformer_passes,
+            progress_percent=self.progress_percent(),
         )
+        if self.state == JobState.JOB_STATE_SUCCEEDED:
+            job.media_type = output_format(self.request.output_format).media_type
+        if self.state == JobState.JOB_STATE_RUNNING and self.current_stage in self.steps:
+            step, total = self.steps[self.current_stage]
+            job.progress.CopyFrom(generation_pb2.StageProgress(stage=self.current_stage, step=step, total=total))
         if self.finished_at is not None:
             job.finished_at.CopyFrom(_timestamp(self.finished_at))
         if self.error_code is not None:
@@ -556,6 +654,18 @@ class JobManager:
             job.intermediates["cancel_reason"] = (code, message)
             job.task.cancel()
             await asyncio.gather(job.task, return_exceptions=True)
+
+    async def delete(self, job: Job) -> bool:
+        """Cancels the job if it is queued or running, then deletes its record and files from the store and
+        forgets it; False when the store no longer had it (deleted meanwhile, or pruned)."""
+        await self.cancel(job, message="deleted by the client")
+        try:
+            deleted = await asyncio.to_thread(self.store.delete, job.job_id)
+        except InvalidTransition:  # still finishing its cancellation: it is terminal once its task returned
+            await asyncio.gather(*(task for task in (job.task,) if task is not None), return_exceptions=True)
+            deleted = await asyncio.to_thread(self.store.delete, job.job_id)
+        self._forget(job.job_id)
+        return deleted
 
     async def _dispatch(self) -> None:
         """Starts every job the scheduler lets start. A job whose start cannot be recorded fails at once and

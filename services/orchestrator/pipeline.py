@@ -64,10 +64,12 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from families.base import Family
+from services.encoding import RAW, output_format
 from services.input_images import ROLE_NAMES
 from services.metrics import OrchestratorMetrics
 from services.orchestrator.cache_namespace import cache_namespace_key, tenant_cache_namespace
 from services.orchestrator.chain import served_family, stages_for
+from services.orchestrator.encoded_results import EncodedResult, EncodingError
 from services.orchestrator.jobs import Job, JobState, result_shape, store_failure
 from services.orchestrator.stage_clients import StageError, StagePool
 from services.orchestrator.store import InvalidTransition, JobStore, ResultWriter, StoreError
@@ -114,7 +116,13 @@ class ResultPublisher:
     its header announced fails the job (WireError).
     """
 
-    def __init__(self, job: Job, writer: ResultWriter, fps: float, metrics: OrchestratorMetrics | None = None) -> None:
+    def __init__(
+        self,
+        job: Job,
+        writer: ResultWriter,
+        fps: float,
+        metrics: OrchestratorMetrics | None = None,
+    ) -> None:
         self.job = job
         self.writer = writer
         self.fps = fps
@@ -151,6 +159,8 @@ class ResultPublisher:
         if self.metrics is not None:
             self.metrics.add_frames(self.job.tenant, first + count - published)
         await self.job.publish_piece(first, count, self.fps)
+        if self.job.encoder is not None:  # an encoded output_format: each piece is encoded once written
+            await self.job.encoder.add(first, count)
 
     def _check_header(self, header: tensor_pb2.TensorHeader, published: int) -> tuple[int, int]:
         """(first frame, count) of a frame tensor that fits the result; raises WireError otherwise."""
@@ -223,8 +233,12 @@ class Pipeline:
         try:
             committed = await self._run_and_store(job)
         finally:
-            if job.result is not None and not committed:
-                await asyncio.to_thread(job.result.discard)
+            if job.encoder is not None:
+                job.encoder.close()
+            if not committed:
+                for file in (job.result, job.encoded):
+                    if file is not None:
+                        await asyncio.to_thread(file.discard)
 
     async def _run_and_store(self, job: Job) -> bool:
         """The job's run; True once its result is committed to the store."""
@@ -233,7 +247,15 @@ class Pipeline:
             deadline = asyncio.timeout_at(job.deadline) if job.deadline is not None else contextlib.nullcontext()
             async with deadline:
                 job.result = await asyncio.to_thread(self.store.create_result, job.job_id, result_shape(job.request))
+                output = output_format(job.request.output_format)
+                if output.name != RAW:
+                    job.encoded = await asyncio.to_thread(
+                        self.store.create_encoded, job.job_id, output.extension, output.media_type
+                    )
+                    job.encoder = EncodedResult(job, job.result, job.encoded)
                 await self._run_with_retries(job)
+                if job.encoder is not None:
+                    await job.encoder.finish()
         except TimeoutError:
             stage = job.current_stage or "the queue"
             await job.finish(
@@ -246,6 +268,10 @@ class Pipeline:
             return False
         except WireError as error:
             await job.finish(JobState.JOB_STATE_FAILED, grpc.StatusCode.INTERNAL, f"a stage sent bad data: {error}")
+            return False
+        except EncodingError as error:
+            logger.error("job %s failed: %s", job.job_id, error)
+            await job.finish(JobState.JOB_STATE_FAILED, grpc.StatusCode.INTERNAL, str(error))
             return False
         except StoreError as error:  # InvalidTransition included: the store no longer holds the job as running
             code, message = store_failure(error, "could not write the job's data")
@@ -263,6 +289,9 @@ class Pipeline:
                     num_frames=job.num_frames_out,
                     fps=job.fps_out,
                     transformer_passes=job.transformer_passes,
+                    media_type=job.encoded.media_type if job.encoded is not None else "",
+                    encoded_bytes=job.encoded.size if job.encoded is not None else 0,
+                    seed=job.request.seed,
                 )
             )
         )
@@ -272,7 +301,14 @@ class Pipeline:
     async def _commit_result(self, job: Job) -> bool:
         """Completes the result file and marks the job SUCCEEDED in the store, before any client hears it."""
         try:
-            await asyncio.to_thread(self.store.commit_result, job.result, job.fps_out, timings=job.timings)
+            await asyncio.to_thread(
+                self.store.commit_result,
+                job.result,
+                job.fps_out,
+                encoded=job.encoded,
+                keep_raw=job.request.keep_raw_frames,
+                timings=job.timings,
+            )
         except InvalidTransition:  # cancelled while the file was being completed
             raise asyncio.CancelledError from None
         except StoreError as error:
@@ -349,6 +385,7 @@ class Pipeline:
         request = job.request
         family = self._family()
         stages = stages_for(family, request)
+        job.chain = tuple(stages)
         job.fps_out = request.fps * (2**request.interpolation.exp if "interp" in stages else 1)
         outputs: dict[str, list[tensor_pb2.TensorChunk]] = job.intermediates.setdefault("outputs", {})
         # The conditioning: the text encoder's, and the VAE's encode of the input images, at the same time.

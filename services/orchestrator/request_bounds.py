@@ -37,6 +37,7 @@ MAX_IMAGES = 4  # above any family's image roles (first and last frame; an image
 MAX_DIGEST_CHARS = 64  # a hex SHA-256
 MAX_CACHE_METHOD_CHARS = 32  # the longest step cache name is 11
 MAX_LORAS = MAX_LORAS_PER_REQUEST  # above any DiT's --max-loras-per-request
+MAX_OUTPUT_FORMAT_CHARS = 16  # the longest name in services/orchestrator/encoding.py OUTPUT_FORMATS, and room
 MAX_LORA_NAME_CHARS = 129  # TENANT/NAME, 64 characters each (services/validation.py LORA_NAME)
 
 # Full message name -> field name -> the most characters (strings), bytes (bytes) or entries (repeated).
@@ -48,6 +49,7 @@ FIELD_LIMITS: dict[str, dict[str, int]] = {
         "request_id": MAX_REQUEST_ID_CHARS,
         "images": MAX_IMAGES,
         "loras": MAX_LORAS,
+        "output_format": MAX_OUTPUT_FORMAT_CHARS,
     },
     "stagediff.v1.LoraAdapter": {"name": MAX_LORA_NAME_CHARS},
     # Each image at most all of a request's image bytes; the model's own limits are checked once it is known.
@@ -57,6 +59,7 @@ FIELD_LIMITS: dict[str, dict[str, int]] = {
     "stagediff.v1.GetJobRequest": {"job_id": MAX_JOB_ID_CHARS},
     "stagediff.v1.WatchJobRequest": {"job_id": MAX_JOB_ID_CHARS},
     "stagediff.v1.CancelJobRequest": {"job_id": MAX_JOB_ID_CHARS},
+    "stagediff.v1.DeleteJobRequest": {"job_id": MAX_JOB_ID_CHARS},
     "stagediff.v1.ListJobsRequest": {},
     "stagediff.v1.ListModelsRequest": {},
     "stagediff.v1.GetClusterInfoRequest": {},

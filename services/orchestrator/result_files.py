@@ -1,13 +1,16 @@
-"""Result files: a job's final frames as one .npy file, written piece by piece and read back in chunks.
+"""Result files: a job's final frames as one .npy file, written piece by piece and read back in chunks;
+and its encoded file (an MP4, a PNG...), appended to as the encoder produces it.
 
 A result file is a .npy header (C-ordered uint8 [F, H, W, 3]) and the frames'
 bytes. The frame count and size are known when a job starts, so `ResultWriter`
 preallocates the file under a temporary name and writes each piece of frames
 at its frame offset as it arrives; `ResultReader` reads frames back as wire
 chunks with plain reads at offsets, one chunk in memory at a time, while the
-file is still being written or after it was committed. `StoredResult` is a
-committed file as the store describes it. The store (store.py) decides when a
-file is created, committed or deleted; this module only reads and writes it.
+file is still being written or after it was committed. An encoded file's size
+is known only at its end, so `EncodedWriter` appends, and `EncodedReader`
+reads any range written so far. `StoredResult` is a committed result as the
+store describes it. The store (store.py) decides when a file is created,
+committed or deleted; this module only reads and writes it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from stagediff.tensor_codec import DEFAULT_CHUNK_BYTES
 from stagediff.v1 import generation_pb2, stages_pb2, tensor_pb2
 
 RESULT_FILE = "result-frames.npy"
+ENCODED_FILE = "result"  # + the format's extension: result.mp4, result.png
 RESULT_TENSOR = "frames"  # the name result tensors travel under, as the VAE and the interpolator send them
 
 
@@ -59,20 +63,53 @@ def check_shape(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
     return shape  # type: ignore[return-value]
 
 
-class ResultReader:
+class _FileReader:
+    """Plain reads at offsets of one open file (not a memory map), so that the pages read count as page cache,
+    not as the orchestrator's resident memory. Blocking; `close` waits for a read in progress."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+        self._lock = threading.Lock()
+
+    def _read(self, at: int, size: int) -> bytes:
+        with self._lock:
+            if self._fd is None:
+                raise StoreError("the result reader is closed")
+            try:
+                data = os.pread(self._fd, size, at)
+                while len(data) < size:
+                    more = os.pread(self._fd, size - len(data), at + len(data))
+                    if not more:
+                        raise StoreError("the result file is shorter than its record says")
+                    data += more
+            except OSError as error:
+                raise io_error(error, "reading a result file") from None
+        return data
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class ResultReader(_FileReader):
     """Reads frames of a result file back as wire chunks, one chunk in memory at a time.
 
-    Plain reads at offsets (not a memory map), so that the pages read count as
-    page cache, not as the orchestrator's resident memory. Blocking: iterate
-    `chunks` through `asyncio.to_thread`. `close` waits for a read in progress.
+    Blocking: iterate `chunks` through `asyncio.to_thread`.
     """
 
     def __init__(self, fd: int, shape: tuple[int, int, int, int], data_offset: int) -> None:
+        super().__init__(fd)
         self.shape = shape
         self.frame_bytes = shape[1] * shape[2] * shape[3]
         self._data_offset = data_offset
-        self._fd: int | None = fd
-        self._lock = threading.Lock()
 
     def chunks(
         self, first: int, count: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -96,100 +133,86 @@ class ResultReader:
             yield chunk
             offset = end
 
-    def _read(self, at: int, size: int) -> bytes:
-        with self._lock:
-            if self._fd is None:
-                raise StoreError("the result reader is closed")
-            try:
-                data = os.pread(self._fd, size, at)
-                while len(data) < size:
-                    more = os.pread(self._fd, size - len(data), at + len(data))
-                    if not more:
-                        raise StoreError("the result file is shorter than its header says")
-                    data += more
-            except OSError as error:
-                raise io_error(error, "reading a result file") from None
-        return data
-
-    def close(self) -> None:
-        with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
-
-    def __enter__(self) -> ResultReader:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def frames(self, first: int, count: int) -> np.ndarray:
+        """Frames [first, first + count) as a uint8 array [count, H, W, 3] (what the encoder is fed)."""
+        if first < 0 or count < 1 or first + count > self.shape[0]:
+            raise ValueError(f"frames [{first}, {first + count}) are not in a result of {self.shape[0]} frames")
+        data = self._read(self._data_offset + first * self.frame_bytes, count * self.frame_bytes)
+        return np.frombuffer(data, np.uint8).reshape(count, *self.shape[1:])
 
 
-class ResultWriter:
-    """A running job's result file: preallocated, written piece by piece at frame offsets, read by followers.
+class EncodedReader(_FileReader):
+    """Reads ranges of an encoded file back as wire chunks (blocking: iterate through `asyncio.to_thread`)."""
 
-    Made by `JobStore.create_result`, completed by `JobStore.commit_result`, or
-    thrown away by `discard` (a failed or cancelled job). `pieces` lists the
-    (first frame, count) of each piece in the order it was published.
-    Blocking methods: call them through `asyncio.to_thread`.
+    def __init__(self, fd: int, media_type: str) -> None:
+        super().__init__(fd)
+        self.media_type = media_type
+
+    def chunks(
+        self, offset: int, size: int, *, last: bool, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    ) -> Iterator[generation_pb2.EncodedChunk]:
+        """Bytes [offset, offset + size) in chunks of at most `chunk_bytes`; `last` marks the file's end."""
+        end = offset + size
+        while True:
+            stop = min(offset + chunk_bytes, end)
+            yield generation_pb2.EncodedChunk(
+                media_type=self.media_type,
+                offset=offset,
+                data=self._read(offset, stop - offset),
+                last=last and stop >= end,
+            )
+            offset = stop
+            if offset >= end:
+                return
+
+
+class _PartialFile:
+    """A file written under a temporary name while its job runs: readers duplicate its descriptor meanwhile;
+    `_finish_file` renames it into place (the store commits its row after), `discard` throws it away.
+
+    `kind` names it in errors ("result", "encoded result"). Writes, commit and discard close or replace the
+    descriptor that readers duplicate, so each holds the lock.
     """
 
-    def __init__(
-        self, job_id: str, directory: Path, shape: tuple[int, int, int, int], fd: int, partial: Path, data_offset: int
-    ) -> None:
+    kind = "result"
+
+    def __init__(self, job_id: str, path: Path, fd: int, partial: Path) -> None:
         self.job_id = job_id
-        self.shape = shape
-        self.frame_bytes = shape[1] * shape[2] * shape[3]
-        self.nbytes = data_offset + shape[0] * self.frame_bytes  # the file's size
-        self.data_offset = data_offset
-        self.pieces: list[tuple[int, int]] = []
-        self.path = directory / RESULT_FILE  # where the file is once committed
+        self.path = path  # where the file is once committed
         self._partial = partial
         self._fd: int | None = fd
         self._committed = False
-        # Writes, commit and discard close or replace the descriptor that followers duplicate.
         self._lock = threading.Lock()
 
-    def write(self, first: int, offset: int, data: bytes | memoryview) -> None:
-        """Writes `data` at byte `offset` of the frames that start at frame `first`."""
-        start = first * self.frame_bytes + offset
-        if first < 0 or offset < 0 or start + len(data) > self.shape[0] * self.frame_bytes:
-            raise ValueError(
-                f"{len(data)} bytes at frame {first} + {offset} do not fit a result of {self.shape[0]} frames"
-            )
+    def _pwrite(self, data: bytes | memoryview, at: int) -> None:
+        """Writes all of `data` at byte `at`; the caller holds the lock."""
+        if self._fd is None:
+            raise StoreError(f"job {self.job_id}: its {self.kind} file is closed")
         view = memoryview(data).cast("B")
-        at = self.data_offset + start
-        with self._lock:
-            if self._fd is None:
-                raise StoreError(f"job {self.job_id}: its result file is closed")
-            try:
-                while view:
-                    written = os.pwrite(self._fd, view, at)
-                    view, at = view[written:], at + written
-            except OSError as error:
-                raise io_error(error, f"job {self.job_id}: writing its result") from None
+        try:
+            while view:
+                written = os.pwrite(self._fd, view, at)
+                view, at = view[written:], at + written
+        except OSError as error:
+            raise io_error(error, f"job {self.job_id}: writing its {self.kind}") from None
 
-    def add_piece(self, first: int, count: int) -> None:
-        """Records that frames [first, first + count) are written and published."""
-        self.pieces.append((int(first), int(count)))
-
-    def open_reader(self) -> ResultReader:
-        """A reader of the frames written so far (and of the whole result once committed); raises ResultGone."""
+    def _reader_fd(self) -> int:
+        """A descriptor of the file for one reader: a duplicate while it is written, the committed file after;
+        raises ResultGone once it was discarded or deleted."""
         with self._lock:
             try:
                 if self._fd is not None:
-                    fd = os.dup(self._fd)
-                elif self._committed:
-                    fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-                else:
-                    raise ResultGone(f"job {self.job_id}: its result was discarded")
+                    return os.dup(self._fd)
+                if self._committed:
+                    return os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+                raise ResultGone(f"job {self.job_id}: its {self.kind} was discarded")
             except FileNotFoundError:
-                raise ResultGone(f"job {self.job_id}: its result was deleted") from None
+                raise ResultGone(f"job {self.job_id}: its {self.kind} was deleted") from None
             except OSError as error:
-                raise io_error(error, f"job {self.job_id}: opening its result") from None
-        return ResultReader(fd, self.shape, self.data_offset)
+                raise io_error(error, f"job {self.job_id}: opening its {self.kind}") from None
 
     def discard(self) -> None:
-        """Closes and deletes an uncommitted result (a committed one is the store's to delete)."""
+        """Closes and deletes an uncommitted file (a committed one is the store's to delete)."""
         with self._lock:
             if self._fd is not None:
                 os.close(self._fd)
@@ -201,14 +224,14 @@ class ResultWriter:
         """fsync, rename into place, fsync the folder; the descriptor is closed after."""
         with self._lock:
             if self._fd is None:
-                raise StoreError(f"job {self.job_id}: its result file is closed")
+                raise StoreError(f"job {self.job_id}: its {self.kind} file is closed")
             try:
                 os.fsync(self._fd)
                 os.replace(self._partial, self.path)
             except FileNotFoundError:
                 raise
             except OSError as error:
-                raise io_error(error, f"job {self.job_id}: completing its result") from None
+                raise io_error(error, f"job {self.job_id}: completing its {self.kind}") from None
             os.close(self._fd)
             self._fd = None
             self._committed = True
@@ -221,17 +244,87 @@ class ResultWriter:
         self.path.unlink(missing_ok=True)
 
 
+class EncodedWriter(_PartialFile):
+    """A running job's encoded file: appended to as the encoder produces it, read by followers meanwhile.
+
+    Made by `JobStore.create_encoded`, completed with the raw frames by
+    `JobStore.commit_result`, or thrown away by `discard`. `size` is the bytes
+    appended so far. Blocking methods: call them through `asyncio.to_thread`.
+    """
+
+    kind = "encoded result"
+
+    def __init__(self, job_id: str, directory: Path, extension: str, media_type: str, fd: int, partial: Path) -> None:
+        super().__init__(job_id, directory / f"{ENCODED_FILE}{extension}", fd, partial)
+        self.media_type = media_type
+        self.size = 0
+
+    def append(self, data: bytes) -> int:
+        """Appends `data`; returns the offset it was written at."""
+        with self._lock:
+            offset = self.size
+            self._pwrite(data, offset)
+            self.size += len(data)
+        return offset
+
+    def open_reader(self) -> EncodedReader:
+        """A reader of what was appended so far (the whole file once committed); raises ResultGone."""
+        return EncodedReader(self._reader_fd(), self.media_type)
+
+
+class ResultWriter(_PartialFile):
+    """A running job's result file: preallocated, written piece by piece at frame offsets, read by followers.
+
+    Made by `JobStore.create_result`, completed by `JobStore.commit_result`, or
+    thrown away by `discard` (a failed or cancelled job). `pieces` lists the
+    (first frame, count) of each piece in the order it was published.
+    Blocking methods: call them through `asyncio.to_thread`.
+    """
+
+    def __init__(
+        self, job_id: str, directory: Path, shape: tuple[int, int, int, int], fd: int, partial: Path, data_offset: int
+    ) -> None:
+        super().__init__(job_id, directory / RESULT_FILE, fd, partial)
+        self.shape = shape
+        self.frame_bytes = shape[1] * shape[2] * shape[3]
+        self.nbytes = data_offset + shape[0] * self.frame_bytes  # the file's size
+        self.data_offset = data_offset
+        self.pieces: list[tuple[int, int]] = []
+
+    def write(self, first: int, offset: int, data: bytes | memoryview) -> None:
+        """Writes `data` at byte `offset` of the frames that start at frame `first`."""
+        start = first * self.frame_bytes + offset
+        if first < 0 or offset < 0 or start + len(data) > self.shape[0] * self.frame_bytes:
+            raise ValueError(
+                f"{len(data)} bytes at frame {first} + {offset} do not fit a result of {self.shape[0]} frames"
+            )
+        with self._lock:
+            self._pwrite(data, self.data_offset + start)
+
+    def add_piece(self, first: int, count: int) -> None:
+        """Records that frames [first, first + count) are written and published."""
+        self.pieces.append((int(first), int(count)))
+
+    def open_reader(self) -> ResultReader:
+        """A reader of the frames written so far (and of the whole result once committed); raises ResultGone."""
+        return ResultReader(self._reader_fd(), self.shape, self.data_offset)
+
+
 @dataclass
 class StoredResult:
-    """A finished job's result file, its frames' shape, and how they were first published."""
+    """A finished job's result: its raw frames' file (unless an encoded result did not keep them), its
+    encoded file (when the request asked for a format), the frames' shape, and how they were first published."""
 
-    path: Path
+    path: Path | None  # the raw frames (.npy); None when only the encoded file was kept
     shape: tuple[int, int, int, int]
     data_offset: int
     fps: float
     pieces: list[tuple[int, int]]  # (first frame, count) of each published tensor, in order
     timings: dict[str, float]
     transformer_passes: tuple[int, int] = (0, 0)  # (run, skipped) by the DiT
+    media_type: str = ""  # of the encoded file; "" for a raw result
+    encoded_path: Path | None = None
+    encoded_bytes: int = 0
 
     @property
     def num_frames(self) -> int:
@@ -240,19 +333,23 @@ class StoredResult:
     @property
     def frames(self) -> np.ndarray:
         """Every frame, memory-mapped read-only: for tools and tests; serving reads with `open`/`events`."""
+        if self.path is None:
+            raise ResultGone("the result kept only its encoded file")
         return np.load(self.path, mmap_mode="r", allow_pickle=False)
 
     def open(self) -> ResultReader:
-        """A reader of this result's file; raises ResultGone if it was deleted since."""
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise ResultGone(f"{self.path}: the result was deleted") from None
-        except OSError as error:
-            raise io_error(error, "opening a result file") from None
-        return ResultReader(fd, self.shape, self.data_offset)
+        """A reader of this result's raw frames; raises ResultGone if they were deleted since (or not kept)."""
+        if self.path is None:
+            raise ResultGone("the result kept only its encoded file")
+        return ResultReader(_open_read(self.path), self.shape, self.data_offset)
 
-    def completed_event(self, job_id: str = "") -> generation_pb2.GenerateEvent:
+    def open_encoded(self) -> EncodedReader:
+        """A reader of this result's encoded file; raises ResultGone if it was deleted since."""
+        if self.encoded_path is None:
+            raise ResultGone("the result has no encoded file")
+        return EncodedReader(_open_read(self.encoded_path), self.media_type)
+
+    def completed_event(self, job_id: str = "", seed: int = 0) -> generation_pb2.GenerateEvent:
         return generation_pb2.GenerateEvent(
             job_id=job_id,
             completed=generation_pb2.JobCompleted(
@@ -262,20 +359,40 @@ class StoredResult:
                 transformer_passes=stages_pb2.TransformerPasses(
                     run=self.transformer_passes[0], skipped=self.transformer_passes[1]
                 ),
+                media_type=self.media_type,
+                encoded_bytes=self.encoded_bytes,
+                seed=seed,
             ),
         )
 
     def events(
-        self, job_id: str = "", *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+        self, job_id: str = "", *, seed: int = 0, chunk_bytes: int = DEFAULT_CHUNK_BYTES
     ) -> Iterator[generation_pb2.GenerateEvent]:
-        """The result chunks and the completion event, as a watcher of the live job received them.
+        """The result chunks and the completion event, as a watcher of the live job received them: the raw
+        frames (when kept), then the encoded file (when there is one).
 
-        Read from the file one chunk at a time (blocking; the file is opened at the first `next`).
+        Read from the files one chunk at a time (blocking; a file is opened at the first `next` that needs it).
         """
-        with self.open() as reader:
-            for first, count in self.pieces:
-                for chunk in reader.chunks(first, count, chunk_bytes=chunk_bytes):
+        if self.path is not None:
+            with self.open() as reader:
+                for first, count in self.pieces:
+                    for chunk in reader.chunks(first, count, chunk_bytes=chunk_bytes):
+                        yield generation_pb2.GenerateEvent(
+                            job_id=job_id, result=generation_pb2.ResultChunk(tensor=chunk, fps=self.fps)
+                        )
+        if self.encoded_path is not None:
+            with self.open_encoded() as reader:
+                for chunk in reader.chunks(0, self.encoded_bytes, last=True, chunk_bytes=chunk_bytes):
                     yield generation_pb2.GenerateEvent(
-                        job_id=job_id, result=generation_pb2.ResultChunk(tensor=chunk, fps=self.fps)
+                        job_id=job_id, result=generation_pb2.ResultChunk(encoded=chunk, fps=self.fps)
                     )
-        yield self.completed_event(job_id)
+        yield self.completed_event(job_id, seed)
+
+
+def _open_read(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ResultGone(f"{path}: the result was deleted") from None
+    except OSError as error:
+        raise io_error(error, "opening a result file") from None

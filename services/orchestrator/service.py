@@ -27,6 +27,7 @@ from services.auth import (
     server_credentials_from_args,
     stage_channel_credentials_from_args,
 )
+from services.encoding import check_output
 from services.environment_options import parse_args
 from services.errors import RequestError, bounded
 from services.images import MAX_IMAGE_BYTES
@@ -43,7 +44,7 @@ from services.orchestrator.scheduler import FairScheduler
 from services.orchestrator.stage_clients import NOT_SERVING, STAGE_ORDER, StagePool
 from services.orchestrator.store import JobStore, ResultGone, StoreError
 from services.orchestrator.tenant_auth import TenantAuthInterceptor, current_tenant
-from services.orchestrator.tenants import LimitExceeded, RateLimited, TenantConfigError, TenantRegistry
+from services.orchestrator.tenants import LimitExceeded, RateLimited, TenantConfigError, TenantRegistry, output_frames
 from services.server import check_server_arguments, configure_logging, is_loopback, serve
 from services.tracing import configure_tracing
 from services.validation import resolve_cache, resolve_loras, validate_sampling, validate_seed, validate_size
@@ -219,6 +220,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 f"interpolation.scale: {interpolation.scale} is not allowed; use one of "
                 f"{list(ALLOWED_INTERP_SCALES[1:])}, or 0 for 1"
             )
+        # The result's format: the job records the format and quality it was encoded with.
+        quality = request.output_quality if request.HasField("output_quality") else None
+        try:
+            output = check_output(request.output_format, quality, request.keep_raw_frames, output_frames(full))
+        except ValueError as error:
+            raise RequestError(str(error)) from None
+        full.output_format = output.name
+        if quality is None and output.default_quality is not None:
+            full.output_quality = output.default_quality
         # The family's chain and this deployment's stages: a stage the request asks for must be in both.
         check_request(family, self.stages.stages, full)
         interp = self._stage_info("interp")
@@ -370,6 +380,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         job = await self._find(request.job_id, context)
         await self.jobs.cancel(job)
         return job.to_proto()
+
+    async def DeleteJob(self, request, context):
+        job = await self._find(request.job_id, context)
+        try:
+            deleted = await self.jobs.delete(job)
+        except StoreError as error:
+            logger.error("job %s: deleting it failed: %s", job.job_id, error)
+            await context.abort(grpc.StatusCode.INTERNAL, bounded(f"could not delete job '{job.job_id}': {error}"))
+        return generation_pb2.DeleteJobResponse(job_id=job.job_id, deleted=deleted)
 
     async def ListJobs(self, request, context):
         limit = request.limit or 100

@@ -7,6 +7,8 @@ Layout of `state_dir`:
     jobs/<job_id>/stage-<stage>.chunks        what a finished stage of an unfinished job sent
     jobs/<job_id>/.result-frames.npy.<hex>.partial   the result of a running job, written as it streams
     jobs/<job_id>/result-frames.npy           the final frames, uint8 [F, H, W, 3]
+    jobs/<job_id>/.result.<ext>.<hex>.partial the encoded result of a running job (output_format), as encoded
+    jobs/<job_id>/result.<ext>                the encoded result (result.mp4, result.png...)
 
 Durability. SQLite runs in WAL mode with `synchronous=NORMAL` by default: a
 committed transaction is in the WAL file when `commit` returns, so it survives
@@ -79,8 +81,11 @@ from google.protobuf import proto
 from google.protobuf.message import DecodeError
 
 from services.orchestrator.result_files import (
+    ENCODED_FILE,
     RESULT_FILE,
     RESULT_TENSOR,
+    EncodedReader,
+    EncodedWriter,
     ResultReader,
     ResultWriter,
     StoredResult,
@@ -118,6 +123,8 @@ __all__ = [
     "MinFree",
     "ResultGone",
     "ResultReader",
+    "EncodedReader",
+    "EncodedWriter",
     "ResultWriter",
     "StateDirLocked",
     "StoreError",
@@ -132,7 +139,7 @@ JobState = generation_pb2.JobState
 TERMINAL_STATES = (JobState.JOB_STATE_SUCCEEDED, JobState.JOB_STATE_FAILED, JobState.JOB_STATE_CANCELLED)
 ACTIVE_STATES = (JobState.JOB_STATE_QUEUED, JobState.JOB_STATE_RUNNING)
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 DB_NAME = "jobs.sqlite3"
 LOCK_NAME = "LOCK"
 JOBS_DIR = "jobs"
@@ -182,7 +189,11 @@ CREATE TABLE results (
     fps REAL NOT NULL,
     pieces TEXT NOT NULL,                   -- JSON [[first frame, count], ...] as first published
     saved_at REAL NOT NULL,
-    bytes INTEGER NOT NULL DEFAULT 0        -- the file's size
+    bytes INTEGER NOT NULL DEFAULT 0,       -- the files' sizes together
+    media_type TEXT NOT NULL DEFAULT '',    -- of the encoded file, '' for a raw result
+    encoded_file TEXT,                      -- the encoded file (output_format), NULL for a raw result
+    encoded_bytes INTEGER NOT NULL DEFAULT 0,
+    raw_kept INTEGER NOT NULL DEFAULT 1     -- 0: an encoded result whose raw frames were not kept
 );
 """
 
@@ -205,6 +216,14 @@ UPDATE jobs SET last_stage = '';
 _MIGRATE_3_TO_4 = """
 ALTER TABLE jobs ADD COLUMN passes_run INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE jobs ADD COLUMN passes_skipped INTEGER NOT NULL DEFAULT 0;
+"""
+
+# Version 5 stores encoded results (output_format) beside or instead of the raw frames; older results are raw.
+_MIGRATE_4_TO_5 = """
+ALTER TABLE results ADD COLUMN media_type TEXT NOT NULL DEFAULT '';
+ALTER TABLE results ADD COLUMN encoded_file TEXT;
+ALTER TABLE results ADD COLUMN encoded_bytes INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE results ADD COLUMN raw_kept INTEGER NOT NULL DEFAULT 1;
 """
 
 
@@ -631,25 +650,49 @@ class JobStore:
             raise io_error(error, f"job {job_id}: creating its result file") from None
         return ResultWriter(job_id, directory, shape, fd, partial, len(header))
 
+    def create_encoded(self, job_id: str, extension: str, media_type: str) -> EncodedWriter:
+        """Opens a running job's encoded result file (empty, appended to); blocking, use to_thread."""
+        self._require_state(job_id, (JobState.JOB_STATE_RUNNING,))
+        if not re.fullmatch(r"\.[a-z0-9]{1,8}", extension):
+            raise ValueError(f"extension: {extension!r} is not a file extension")
+        try:
+            directory = self._job_dir(job_id, create=True)
+            partial = directory / f".{ENCODED_FILE}{extension}.{uuid.uuid4().hex}{_PARTIAL_SUFFIX}"
+            fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            raise io_error(error, f"job {job_id}: creating its encoded result file") from None
+        return EncodedWriter(job_id, directory, extension, media_type, fd, partial)
+
     def commit_result(
         self,
         writer: ResultWriter,
         fps: float,
         *,
+        encoded: EncodedWriter | None = None,
+        keep_raw: bool = True,
         timings: Mapping[str, float] | None = None,
         at: float | None = None,
     ) -> JobRecord:
         """Completes a written result and marks its job SUCCEEDED in one step; blocking, use to_thread.
 
-        The writer's pieces must cover every frame (ValueError otherwise). Raises
-        InvalidTransition (keeping nothing) if the job is not running, e.g. it was
-        cancelled meanwhile.
+        The writer's pieces must cover every frame (ValueError otherwise). With
+        `encoded`, its file is completed too, and the raw frames are deleted
+        once committed unless `keep_raw`. Raises InvalidTransition (keeping
+        nothing) if the job is not running, e.g. it was cancelled meanwhile.
         """
         job_id = writer.job_id
         _check_pieces(writer.pieces, writer.shape[0])
+        keep_raw = keep_raw or encoded is None
         self._require_state(job_id, (JobState.JOB_STATE_RUNNING,))
         try:
-            writer._finish_file()
+            if encoded is not None:
+                encoded._finish_file()
+            try:
+                writer._finish_file()
+            except BaseException:
+                if encoded is not None:
+                    encoded._uncommit()  # the two files are committed together or not at all
+                raise
         except FileNotFoundError:
             if self._finished_or_gone(job_id):  # cancelled and deleted while writing
                 raise InvalidTransition(f"job {job_id} finished or was deleted while its result was written") from None
@@ -661,8 +704,8 @@ class JobStore:
             with self._transaction() as db:
                 self._require_state_of(db, job_id, (JobState.JOB_STATE_RUNNING,))
                 db.execute(
-                    "INSERT OR REPLACE INTO results (job_id, file, shape, fps, pieces, saved_at, bytes)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT OR REPLACE INTO results (job_id, file, shape, fps, pieces, saved_at, bytes,"
+                    " media_type, encoded_file, encoded_bytes, raw_kept) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         job_id,
                         RESULT_FILE,
@@ -670,7 +713,11 @@ class JobStore:
                         fps,
                         json.dumps(writer.pieces),
                         at,
-                        writer.nbytes,
+                        (writer.nbytes if keep_raw else 0) + (encoded.size if encoded is not None else 0),
+                        encoded.media_type if encoded is not None else "",
+                        encoded.path.name if encoded is not None else None,
+                        encoded.size if encoded is not None else 0,
+                        int(keep_raw),
                     ),
                 )
                 updates = "state = ?, finished_at = ?, num_frames_out = ?, fps_out = ?, error_code = NULL"
@@ -683,7 +730,11 @@ class JobStore:
                 row = db.execute("SELECT * FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
         except BaseException:
             writer._uncommit()
+            if encoded is not None:
+                encoded._uncommit()
             raise
+        if not keep_raw:
+            files.append(writer.path)
         _unlink_all(files)
         return _record(row)
 
@@ -724,17 +775,33 @@ class JobStore:
         )
         if row is None:
             return None
-        path = self.jobs_dir / job_id / row["file"]
-        try:
-            with open(path, "rb") as file:
-                shape, data_offset = read_npy_header(file)
-                size = os.fstat(file.fileno()).st_size
-        except (OSError, ValueError) as error:
-            raise StoreError(f"job {job_id}: its result file cannot be read: {error}") from None
-        if list(shape) != json.loads(row["shape"]) or size != data_offset + int(np.prod(shape)):
-            raise StoreError(f"job {job_id}: the result file does not hold the frames its record describes")
+        directory = self.jobs_dir / job_id
+        path, shape, data_offset = None, check_shape(json.loads(row["shape"])), 0
+        if row["raw_kept"]:
+            path = directory / row["file"]
+            try:
+                with open(path, "rb") as file:
+                    shape, data_offset = read_npy_header(file)
+                    size = os.fstat(file.fileno()).st_size
+            except (OSError, ValueError) as error:
+                raise StoreError(f"job {job_id}: its result file cannot be read: {error}") from None
+            if list(shape) != json.loads(row["shape"]) or size != data_offset + int(np.prod(shape)):
+                raise StoreError(f"job {job_id}: the result file does not hold the frames its record describes")
+        encoded_path = directory / row["encoded_file"] if row["encoded_file"] else None
+        if encoded_path is not None:
+            try:
+                size = encoded_path.stat().st_size
+            except OSError as error:
+                raise StoreError(f"job {job_id}: its encoded result cannot be read: {error}") from None
+            if size != row["encoded_bytes"]:
+                raise StoreError(
+                    f"job {job_id}: its encoded result has {size} bytes, its record says {row['encoded_bytes']}"
+                )
         return StoredResult(
             path=path,
+            media_type=row["media_type"],
+            encoded_path=encoded_path,
+            encoded_bytes=row["encoded_bytes"],
             shape=check_shape(shape),
             data_offset=data_offset,
             fps=row["fps"],
@@ -952,6 +1019,8 @@ class JobStore:
                 _run_script(db, _MIGRATE_2_TO_3)
             if version in (1, 2, 3):
                 _run_script(db, _MIGRATE_3_TO_4)
+            if version in (1, 2, 3, 4):
+                _run_script(db, _MIGRATE_4_TO_5)
             if version != SCHEMA_VERSION:
                 db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
@@ -964,6 +1033,7 @@ class JobStore:
                 (row["job_id"], row["file"])
                 for row in db.execute(
                     "SELECT job_id, file FROM intermediates UNION ALL SELECT job_id, file FROM results"
+                    " UNION ALL SELECT job_id, encoded_file FROM results WHERE encoded_file IS NOT NULL"
                 )
             }
         for directory in self.jobs_dir.iterdir():

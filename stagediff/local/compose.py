@@ -25,8 +25,11 @@ from typing import Any
 import yaml
 
 from families.base import Family
+from services.stage_table import STAGES
 
 ENTRY_COMMAND = ["serve", "orchestrator"]
+# The HTTP gateway: a client of the orchestrator's public port, ready once GET /readyz answers 200.
+HTTP_COMMAND = ["serve", "http"]
 SECRETS_MOUNT = "/run/secrets"  # where compose mounts each of a service's secrets, as a file named after it
 
 
@@ -96,13 +99,20 @@ class ComposeService:
 
     @property
     def is_entry(self) -> bool:
-        """The orchestrator is the cluster's front door; the others are stages."""
+        """The orchestrator is the cluster's front door; the others are stages, and the HTTP gateway in front of it."""
         return self.command[:2] == ENTRY_COMMAND
 
     @property
+    def is_http(self) -> bool:
+        """The HTTP gateway (`serve http`): no gRPC health service; its readiness is GET /readyz."""
+        return self.command[:2] == HTTP_COMMAND
+
+    @property
     def stage_kind(self) -> str | None:
-        """The stage kind the service runs (`serve dit ...`: "dit"), or None for anything else."""
-        return self.command[1] if self.command[:1] == ["serve"] and self.command[1:2] != ["orchestrator"] else None
+        """The stage kind the service runs (`serve dit ...`: "dit"), or None for anything else (the orchestrator,
+        the HTTP gateway)."""
+        kind = self.command[1] if self.command[:1] == ["serve"] and len(self.command) > 1 else None
+        return kind if kind in STAGES else None
 
 
 def load_compose(compose_file: str | os.PathLike[str], env: dict[str, str] | None = None) -> dict[str, ComposeService]:
@@ -302,13 +312,14 @@ _REPLICA_NAME = re.compile(r"^(?P<stage>.+)-(?P<number>\d+)$")
 
 
 def replica_groups(services: dict[str, ComposeService]) -> dict[str, list[str]]:
-    """Each stage service and its replicas (`<stage>-N`), the stage first, then by N."""
+    """Each stage service and its replicas (`<stage>-N`), the stage first, then by N. Services that run no stage
+    (the orchestrator, the HTTP gateway) are in no group."""
     groups: dict[str, list[str]] = {}
     for name, service in services.items():
-        if service.is_entry:
+        if service.stage_kind is None:
             continue
         match = _REPLICA_NAME.match(name)
-        if match and match["stage"] in services and not services[match["stage"]].is_entry:
+        if match and match["stage"] in services and services[match["stage"]].stage_kind is not None:
             groups.setdefault(match["stage"], []).append(name)
         else:
             groups.setdefault(name, []).insert(0, name)

@@ -24,6 +24,8 @@ class LaunchSpec:
     port: int
     endpoint: str
     waits_for: list[str]  # services that must be SERVING first (depends_on: service_healthy)
+    # An HTTP service's readiness URL (the gateway's GET /readyz); None: grpc.health.v1 on `endpoint`.
+    ready_url: str | None = None
 
 
 def connect_host(host: str) -> str:

@@ -2,7 +2,8 @@
 
 A service's environment is its env files and `environment`, as in a container: STAGEDIFF_* option variables
 of the calling shell do not leak in. Every process gets the same cluster secret. A service is up once it
-answers SERVING on grpc.health.v1.
+answers SERVING on grpc.health.v1; the HTTP gateway (`serve http`), once its GET /readyz answers 200, which it
+does once the orchestrator serves.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import json
 import os
 import secrets
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +56,8 @@ CLUSTER_SECRET_ENV = "STAGEDIFF_CLUSTER_SECRET"  # read by every service (servic
 CLUSTER_SECRET_FILE_ENV = "STAGEDIFF_CLUSTER_SECRET_FILE"  # --cluster-secret-file, from the environment
 OPTION_ENV_PREFIX = "STAGEDIFF_"  # every `stagediff serve` option can come from the environment
 MODEL_MOUNT = "/models/model"
+TLS_CERT_ENV = "STAGEDIFF_TLS_CERT"  # --tls-cert, from the environment
+READINESS_PATH = "/readyz"  # the HTTP gateway's: 200 once the orchestrator answers its health check
 HEALTH_POLL_SECONDS = 0.25
 LOG_TAIL_LINES = 40
 
@@ -85,6 +91,40 @@ def wait_for_serving(endpoint: str, timeout: float, credentials: grpc.ChannelCre
         if is_serving(endpoint, timeout=min(1.0, remaining), credentials=credentials):
             return
         time.sleep(min(HEALTH_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+
+
+def is_http_ready(url: str, timeout: float = 1.0) -> bool:
+    """One GET of an HTTP readiness URL (the gateway's /readyz): True on a 2xx answer. An https URL is not
+    verified: it is this machine's own process, asked whether it is ready, not who it is."""
+    context = ssl._create_unverified_context() if url.startswith("https:") else None
+    try:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
+            return 200 <= response.status < 300
+    except (urllib.error.URLError, OSError, ValueError):  # HTTPError (a 503) is a URLError
+        return False
+
+
+def wait_for_http_ready(url: str, timeout: float) -> None:
+    """Waits until GET `url` answers 2xx; TimeoutError otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"{url} did not answer 200 within {timeout:.0f}s")
+        if is_http_ready(url, timeout=min(1.0, remaining)):
+            return
+        time.sleep(min(HEALTH_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+
+
+def readiness_url(service: ComposeService, args: list[str], environment: dict[str, str], endpoint: str) -> str | None:
+    """Where an HTTP service (the gateway) says it is ready: GET /readyz on its endpoint, over https when it
+    serves TLS (--tls-cert, in its command or its environment); None for a gRPC service."""
+    if not service.is_http:
+        return None
+    tls = any(arg == "--tls-cert" or arg.startswith("--tls-cert=") for arg in args) or bool(
+        environment.get(TLS_CERT_ENV)
+    )
+    return f"{'https' if tls else 'http'}://{endpoint}{READINESS_PATH}"
 
 
 # ---------------------------------------------------------------------------
@@ -170,6 +210,7 @@ class LocalCluster:
         echo_logs: bool = False,
         replicas: dict[str, int] | None = None,
         state_dir: str | os.PathLike[str] | None = None,
+        http_port: int = 0,
     ) -> None:
         """Runs the services of `compose_file` that the chain of the model's family uses (families/): a Wan
         model runs the interpolator when the file has one, an image model never does.
@@ -177,10 +218,12 @@ class LocalCluster:
         `extra_args` go to the named service, or to every replica when it names a stage;
         `replicas` sets how many processes a stage runs (`{"dit": 2}`). `state_dir` holds the
         orchestrator's job store (default: a new temporary directory, so clusters never share one).
+        `port` is the orchestrator's and `http_port` the HTTP gateway's, where the file has one (0: a free port).
         Every process gets the same cluster secret: $STAGEDIFF_CLUSTER_SECRET, else a new random one."""
         self.model_dir = Path(model_dir).resolve()
         self.compose_file = Path(compose_file).resolve()
         self.port = port
+        self.http_port = http_port
         self.host = host
         self.extra_args = {name: list(args) for name, args in (extra_args or {}).items()}
         self.threads_per_stage = threads_per_stage
@@ -217,6 +260,9 @@ class LocalCluster:
         ports = dict(local_ports or {})
         if entry not in ports and self.port:
             ports[entry] = self.port
+        gateway = next((name for name in order if self.compose[name].is_http), None)
+        if gateway is not None and gateway not in ports and self.http_port:
+            ports[gateway] = self.http_port
         missing = [name for name in order if name not in ports]
         ports.update(zip(missing, free_ports(len(missing), self.host, exclude=ports.values()), strict=True))
 
@@ -227,7 +273,7 @@ class LocalCluster:
                 (str(self.model_dir) if target == MODEL_MOUNT else source, target) for source, target in service.volumes
             ]
             args = rewrite_command(service, host=self.host, local_ports=ports, services=self.compose, path_map=path_map)
-            if self.threads_per_stage and not service.is_entry:
+            if self.threads_per_stage and service.stage_kind is not None:
                 args += ["--threads", str(self.threads_per_stage)]
             stage = self.stage_of.get(name, name)
             if stage != name:
@@ -244,13 +290,15 @@ class LocalCluster:
                         "(create it, or set STAGEDIFF_SECRETS_DIR to the directory holding the secrets)"
                     )
             environment = {key: host_path(value, path_map) for key, value in service.environment.items()}
+            endpoint = format_endpoint(connect_host(self.host), ports[name])
             plans[name] = LaunchSpec(
                 name=name,
                 args=args,
                 environment={**environment, **gpu_environment(service), CLUSTER_SECRET_ENV: self.cluster_secret},
                 port=ports[name],
-                endpoint=format_endpoint(connect_host(self.host), ports[name]),
+                endpoint=endpoint,
                 waits_for=[dep for dep, condition in service.depends_on.items() if condition == "service_healthy"],
+                ready_url=readiness_url(service, args, {**environment, **self.env}, endpoint),
             )
         return plans
 
@@ -267,6 +315,16 @@ class LocalCluster:
             if self.compose[name].is_entry:
                 return service.endpoint
         raise RuntimeError("the cluster is not started")
+
+    @property
+    def http_url(self) -> str | None:
+        """The HTTP gateway's base URL (`http://127.0.0.1:8000`), or None where the compose file has none."""
+        if not self._services:
+            raise RuntimeError("the cluster is not started")
+        for name, plan in self._plans.items():
+            if plan.ready_url is not None and name in self._services:
+                return plan.ready_url.removesuffix(READINESS_PATH)
+        return None
 
     def start(self, timeout: float = 600.0, on_started: Callable[[ServiceProcess], None] | None = None) -> LocalCluster:
         """Starts every service and returns once each answers SERVING; on failure stops them all."""
@@ -351,7 +409,7 @@ class LocalCluster:
                         f"last lines of {service.log_path}:\n{service.log_tail()}"
                     )
                 remaining = deadline - time.monotonic()
-                if remaining > 0 and is_serving(service.endpoint, timeout=min(1.0, remaining)):
+                if remaining > 0 and self._is_ready(name, service, timeout=min(1.0, remaining)):
                     pending.remove(name)
             if not pending:
                 return
@@ -362,6 +420,13 @@ class LocalCluster:
                     f"last lines of {service.log_path}:\n{service.log_tail()}"
                 )
             time.sleep(HEALTH_POLL_SECONDS)
+
+    def _is_ready(self, name: str, service: ServiceProcess, timeout: float) -> bool:
+        """SERVING on grpc.health.v1, or for the HTTP gateway a 200 from its /readyz."""
+        ready_url = self._plans[name].ready_url if name in self._plans else None
+        if ready_url is not None:
+            return is_http_ready(ready_url, timeout=timeout)
+        return is_serving(service.endpoint, timeout=timeout)
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM in reverse start order, a service only after everything that depends on it has

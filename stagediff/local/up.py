@@ -1,8 +1,10 @@
 """`stagediff up`: runs a compose file's services as local processes until SIGINT or SIGTERM.
 
-It prints `started NAME pid=N endpoint=HOST:PORT` for each service, `ready HOST:PORT` once every one is
-SERVING, and `exited NAME code=N` for a service that ends. `--model DIR` is mounted where the compose file
-mounts the model (/models/model), and decides the stages: those of its family's chain (families/).
+It prints `started NAME pid=N endpoint=HOST:PORT` for each service, then `http URL` (the HTTP gateway's, where
+the file has a `serve http` service) and `ready HOST:PORT` (the orchestrator's) once every one is SERVING (the
+gateway: once its GET /readyz answers 200), and `exited NAME code=N` for a service that ends. `--model DIR` is
+mounted where the compose file mounts the model (/models/model), and decides the stages: those of its family's
+chain (families/).
 
 The stage options `up` takes (FORWARDED_OPTIONS) are declared by the stages themselves: each is found in
 the one `stagediff serve` parser that declares it (its names, type, choices and help come from there) and
@@ -20,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from services.environment_options import Declaration, declared_options
+from services.gateway.options import DEFAULT_PORT as DEFAULT_HTTP_PORT
 from services.orchestrator.options import DEFAULT_PORT, DEFAULT_STATE_DIR
 from services.stage_table import SERVE_TARGETS
 from stagediff.local.compose import DEFAULT_COMPOSE_FILE
@@ -93,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--model", required=True, help="diffusers checkpoint directory (mounted at /models/model)")
     up.add_argument("--port", type=int, default=DEFAULT_PORT, help="orchestrator port (0: a free port)")
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help="the HTTP gateway's port, where the compose file has one (default: %(default)s; 0: a free port)",
+    )
     up.add_argument("-f", "--file", default=str(DEFAULT_COMPOSE_FILE), help="compose file (default: %(default)s)")
     up.add_argument("--host", default="127.0.0.1", help="address every service binds")
     up.add_argument("--threads-per-stage", type=int, default=None, help="torch intra-op threads of each stage")
@@ -154,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
             args.model,
             compose_file=args.file,
             port=args.port,
+            http_port=args.http_port,
             host=args.host,
             extra_args=stage_flags(args),
             threads_per_stage=args.threads_per_stage,
@@ -177,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"stagediff up: {error}", file=sys.stderr, flush=True)
             return 1
         print(f"logs in {cluster.log_dir}", file=sys.stderr, flush=True)
+        if cluster.http_url is not None:
+            print(f"http {cluster.http_url}", flush=True)
         print(f"ready {cluster.endpoint}", flush=True)
         exited: set[str] = set()
         while True:

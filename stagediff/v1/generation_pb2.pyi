@@ -41,7 +41,7 @@ class InterpolationParams(_message.Message):
     def __init__(self, enable: _Optional[bool] = ..., exp: _Optional[int] = ..., scale: _Optional[float] = ..., model_path: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps", "interpolation", "request_id", "images", "cache", "loras")
+    __slots__ = ("model", "prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps", "interpolation", "request_id", "images", "cache", "loras", "output_format", "output_quality", "keep_raw_frames")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,9 @@ class GenerateRequest(_message.Message):
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     LORAS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_QUALITY_FIELD_NUMBER: _ClassVar[int]
+    KEEP_RAW_FRAMES_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     negative_prompt: str
@@ -72,7 +75,10 @@ class GenerateRequest(_message.Message):
     images: _containers.RepeatedCompositeFieldContainer[_image_pb2.InputImage]
     cache: _stages_pb2.StepCache
     loras: _containers.RepeatedCompositeFieldContainer[_stages_pb2.LoraAdapter]
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., fps: _Optional[float] = ..., interpolation: _Optional[_Union[InterpolationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_image_pb2.InputImage, _Mapping]]] = ..., cache: _Optional[_Union[_stages_pb2.StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_stages_pb2.LoraAdapter, _Mapping]]] = ...) -> None: ...
+    output_format: str
+    output_quality: int
+    keep_raw_frames: bool
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., fps: _Optional[float] = ..., interpolation: _Optional[_Union[InterpolationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_image_pb2.InputImage, _Mapping]]] = ..., cache: _Optional[_Union[_stages_pb2.StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_stages_pb2.LoraAdapter, _Mapping]]] = ..., output_format: _Optional[str] = ..., output_quality: _Optional[int] = ..., keep_raw_frames: _Optional[bool] = ...) -> None: ...
 
 class JobError(_message.Message):
     __slots__ = ("code", "message")
@@ -83,7 +89,7 @@ class JobError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "state", "request", "created_at", "finished_at", "queue_position", "current_stage", "error", "timings", "num_frames_out", "fps_out", "transformer_passes")
+    __slots__ = ("job_id", "state", "request", "created_at", "finished_at", "queue_position", "current_stage", "error", "timings", "num_frames_out", "fps_out", "transformer_passes", "progress", "progress_percent", "media_type")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +109,9 @@ class Job(_message.Message):
     NUM_FRAMES_OUT_FIELD_NUMBER: _ClassVar[int]
     FPS_OUT_FIELD_NUMBER: _ClassVar[int]
     TRANSFORMER_PASSES_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     request: GenerateRequest
@@ -115,7 +124,10 @@ class Job(_message.Message):
     num_frames_out: int
     fps_out: float
     transformer_passes: _stages_pb2.TransformerPasses
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., queue_position: _Optional[int] = ..., current_stage: _Optional[str] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., timings: _Optional[_Mapping[str, float]] = ..., num_frames_out: _Optional[int] = ..., fps_out: _Optional[float] = ..., transformer_passes: _Optional[_Union[_stages_pb2.TransformerPasses, _Mapping]] = ...) -> None: ...
+    progress: StageProgress
+    progress_percent: float
+    media_type: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., queue_position: _Optional[int] = ..., current_stage: _Optional[str] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., timings: _Optional[_Mapping[str, float]] = ..., num_frames_out: _Optional[int] = ..., fps_out: _Optional[float] = ..., transformer_passes: _Optional[_Union[_stages_pb2.TransformerPasses, _Mapping]] = ..., progress: _Optional[_Union[StageProgress, _Mapping]] = ..., progress_percent: _Optional[float] = ..., media_type: _Optional[str] = ...) -> None: ...
 
 class JobQueued(_message.Message):
     __slots__ = ("position",)
@@ -133,16 +145,30 @@ class StageProgress(_message.Message):
     total: int
     def __init__(self, stage: _Optional[str] = ..., step: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
 
+class EncodedChunk(_message.Message):
+    __slots__ = ("media_type", "offset", "data", "last")
+    MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    media_type: str
+    offset: int
+    data: bytes
+    last: bool
+    def __init__(self, media_type: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+
 class ResultChunk(_message.Message):
-    __slots__ = ("tensor", "fps")
+    __slots__ = ("tensor", "fps", "encoded")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_FIELD_NUMBER: _ClassVar[int]
     tensor: _tensor_pb2.TensorChunk
     fps: float
-    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., fps: _Optional[float] = ...) -> None: ...
+    encoded: EncodedChunk
+    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., fps: _Optional[float] = ..., encoded: _Optional[_Union[EncodedChunk, _Mapping]] = ...) -> None: ...
 
 class JobCompleted(_message.Message):
-    __slots__ = ("timings", "num_frames", "fps", "transformer_passes")
+    __slots__ = ("timings", "num_frames", "fps", "transformer_passes", "media_type", "encoded_bytes", "seed")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -154,11 +180,17 @@ class JobCompleted(_message.Message):
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
     TRANSFORMER_PASSES_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     timings: _containers.ScalarMap[str, float]
     num_frames: int
     fps: float
     transformer_passes: _stages_pb2.TransformerPasses
-    def __init__(self, timings: _Optional[_Mapping[str, float]] = ..., num_frames: _Optional[int] = ..., fps: _Optional[float] = ..., transformer_passes: _Optional[_Union[_stages_pb2.TransformerPasses, _Mapping]] = ...) -> None: ...
+    media_type: str
+    encoded_bytes: int
+    seed: int
+    def __init__(self, timings: _Optional[_Mapping[str, float]] = ..., num_frames: _Optional[int] = ..., fps: _Optional[float] = ..., transformer_passes: _Optional[_Union[_stages_pb2.TransformerPasses, _Mapping]] = ..., media_type: _Optional[str] = ..., encoded_bytes: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("job_id", "queued", "progress", "result", "completed")
@@ -191,6 +223,20 @@ class CancelJobRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class DeleteJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class DeleteJobResponse(_message.Message):
+    __slots__ = ("job_id", "deleted")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    deleted: bool
+    def __init__(self, job_id: _Optional[str] = ..., deleted: _Optional[bool] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
     __slots__ = ("state", "limit")

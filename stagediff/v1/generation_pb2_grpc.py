@@ -59,6 +59,11 @@ class GenerationStub:
                 request_serializer=stagediff_dot_v1_dot_generation__pb2.CancelJobRequest.SerializeToString,
                 response_deserializer=stagediff_dot_v1_dot_generation__pb2.Job.FromString,
                 _registered_method=True)
+        self.DeleteJob = channel.unary_unary(
+                '/stagediff.v1.Generation/DeleteJob',
+                request_serializer=stagediff_dot_v1_dot_generation__pb2.DeleteJobRequest.SerializeToString,
+                response_deserializer=stagediff_dot_v1_dot_generation__pb2.DeleteJobResponse.FromString,
+                _registered_method=True)
         self.ListJobs = channel.unary_unary(
                 '/stagediff.v1.Generation/ListJobs',
                 request_serializer=stagediff_dot_v1_dot_generation__pb2.ListJobsRequest.SerializeToString,
@@ -113,6 +118,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteJob(self, request, context):
+        """Cancels the job if it is queued or running, then forgets it and deletes its result.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListJobs(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -158,6 +170,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.CancelJob,
                     request_deserializer=stagediff_dot_v1_dot_generation__pb2.CancelJobRequest.FromString,
                     response_serializer=stagediff_dot_v1_dot_generation__pb2.Job.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=stagediff_dot_v1_dot_generation__pb2.DeleteJobRequest.FromString,
+                    response_serializer=stagediff_dot_v1_dot_generation__pb2.DeleteJobResponse.SerializeToString,
             ),
             'ListJobs': grpc.unary_unary_rpc_method_handler(
                     servicer.ListJobs,
@@ -310,6 +327,33 @@ class Generation:
             '/stagediff.v1.Generation/CancelJob',
             stagediff_dot_v1_dot_generation__pb2.CancelJobRequest.SerializeToString,
             stagediff_dot_v1_dot_generation__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagediff.v1.Generation/DeleteJob',
+            stagediff_dot_v1_dot_generation__pb2.DeleteJobRequest.SerializeToString,
+            stagediff_dot_v1_dot_generation__pb2.DeleteJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

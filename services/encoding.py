@@ -1,0 +1,205 @@
+"""Encoded results: the formats a request may ask for (`GenerateRequest.output_format`) and their encoder.
+
+A job's final frames reach the orchestrator piece by piece (the VAE or the interpolator streams them). With an
+encoded format, each piece is also fed to a `ResultEncoder` as it is written, and whatever bytes the container
+has produced meanwhile go straight to the job's encoded file and on to its followers: an MP4 is written
+fragmented (`frag_keyframe+empty_moov`: a header first, then a self-contained fragment per keyframe), so a
+client receives, and a browser can start playing, the first second of video while the DiT's later frames are
+still being decoded. WebM streams the same way; GIF and the single-image formats are produced at the end.
+
+Video goes through PyAV (FFmpeg's libx264, libvpx-vp9 and GIF encoders in its wheels), images through Pillow.
+`quality` is one 1-100 scale across the lossy formats (OpenAI's `output_compression` is the same idea); for the
+codecs with a constant-quality factor it maps linearly onto it: mp4's default 65 is x264's CRF 18.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import dataclass
+from fractions import Fraction
+
+import av
+import numpy as np
+from PIL import Image
+
+# Frame rates are kept as fractions with at most this denominator (NTSC's 30000/1001 fits).
+_MAX_RATE_DENOMINATOR = 100_000
+# Frames between keyframes of a streamed video, in seconds of video: each keyframe starts a fragment that a
+# client can play, so this is how much video a follower waits for between deliveries.
+_KEYFRAME_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    name: str
+    media_type: str
+    extension: str
+    # A video takes any number of frames; an image format exactly one.
+    video: bool
+    # The default of a lossy format's 1-100 quality; None: lossless or palette-based, a quality is refused.
+    default_quality: int | None = None
+    # PyAV encoder and the constant-quality option it takes, for the video formats.
+    codec: str = ""
+    quality_option: str = ""
+    quality_scale: int = 0  # the option's worst value (its best is 0)
+
+
+RAW = "raw"
+OUTPUT_FORMATS: dict[str, OutputFormat] = {
+    output.name: output
+    for output in (
+        OutputFormat(RAW, "application/x-npy", ".npy", video=True),
+        OutputFormat(
+            "mp4",
+            "video/mp4",
+            ".mp4",
+            video=True,
+            default_quality=65,
+            codec="libx264",
+            quality_option="crf",
+            quality_scale=51,
+        ),
+        OutputFormat(
+            "webm",
+            "video/webm",
+            ".webm",
+            video=True,
+            default_quality=65,
+            codec="libvpx-vp9",
+            quality_option="crf",
+            quality_scale=63,
+        ),
+        OutputFormat("gif", "image/gif", ".gif", video=True, codec="gif"),
+        OutputFormat("png", "image/png", ".png", video=False),
+        OutputFormat("jpeg", "image/jpeg", ".jpg", video=False, default_quality=90),
+        OutputFormat("webp", "image/webp", ".webp", video=False, default_quality=90),
+    )
+}
+MEDIA_TYPES = {output.media_type: output for output in OUTPUT_FORMATS.values()}
+
+
+def output_format(name: str) -> OutputFormat:
+    """The format a request names ("" is raw); raises ValueError naming the field and the formats allowed."""
+    try:
+        return OUTPUT_FORMATS[name or RAW]
+    except KeyError:
+        raise ValueError(
+            f"output_format: {name[:32]!r} is not a format; use one of {', '.join(OUTPUT_FORMATS)}"
+        ) from None
+
+
+def check_output(name: str, quality: int | None, keep_raw_frames: bool, num_frames: int) -> OutputFormat:
+    """The request's output format once its fields agree with each other; ValueError naming the field otherwise."""
+    output = output_format(name)
+    if quality is not None:
+        if output.default_quality is None:
+            raise ValueError(f"output_quality: output_format {output.name} takes no quality; leave it unset")
+        if not 1 <= quality <= 100:
+            raise ValueError(f"output_quality: {quality} is not allowed; use 1 (smallest) to 100 (best)")
+    if keep_raw_frames and output.name == RAW:
+        raise ValueError("keep_raw_frames: the raw frames are the result already; set it with an encoded format")
+    if not output.video and num_frames != 1:
+        raise ValueError(
+            f"output_format: {output.name} holds one image and this request makes {num_frames} frames; "
+            "use mp4, webm or gif for a video"
+        )
+    return output
+
+
+class ResultEncoder:
+    """Encodes a result's frames as they arrive: `add` and `finish` return the bytes written meanwhile.
+
+    Blocking (encoding is CPU work): call through `asyncio.to_thread`. One encoder per job attempt; `close`
+    abandons it (a failed or cancelled job).
+    """
+
+    def __init__(self, output: OutputFormat, quality: int | None, height: int, width: int, fps: float) -> None:
+        if output.name == RAW:
+            raise ValueError("raw frames are not encoded")
+        self.output = output
+        self.quality = quality if quality is not None else output.default_quality
+        self.height, self.width = height, width
+        self._written: list[bytes] = []
+        self._image: np.ndarray | None = None
+        self._frames = 0
+        self._container = None
+        if output.video:
+            self._open_video(Fraction(fps).limit_denominator(_MAX_RATE_DENOMINATOR))
+
+    def _open_video(self, rate: Fraction) -> None:
+        streaming = {"mp4": {"movflags": "frag_keyframe+empty_moov+default_base_moof"}}.get(self.output.name, {})
+        self._container = av.open(self, mode="w", format=self.output.name, options=streaming)
+        stream = self._container.add_stream(self.output.codec, rate=rate)
+        # 4:2:0 chroma is stored at half size, so H.264 and VP9 take even sizes only: odd frames get their last
+        # row or column repeated (see stagediff/media.py).
+        stream.width = self.width + self.width % 2 if self.output.name != "gif" else self.width
+        stream.height = self.height + self.height % 2 if self.output.name != "gif" else self.height
+        stream.pix_fmt = "rgb8" if self.output.name == "gif" else "yuv420p"
+        stream.codec_context.time_base = 1 / rate
+        options = {}
+        if self.output.quality_option:
+            factor = round(self.output.quality_scale * (100 - self.quality) / 100)
+            options[self.output.quality_option] = str(factor)
+            options["g"] = str(max(1, round(float(rate) * _KEYFRAME_INTERVAL_S)))
+        if self.output.name == "webm":
+            options["b"] = "0"  # constant quality: VP9 honours crf only without a target bitrate
+            options["deadline"] = "realtime"
+            options["cpu-used"] = "8"
+        stream.codec_context.options = options
+        self._stream = stream
+
+    # PyAV writes the container through this (the encoder is its file): bytes are kept until `add` returns them.
+    def write(self, data: bytes) -> int:
+        self._written.append(bytes(data))
+        return len(data)
+
+    def _take(self) -> bytes:
+        data = b"".join(self._written)
+        self._written.clear()
+        return data
+
+    def add(self, frames: np.ndarray) -> bytes:
+        """Encodes uint8 frames [n, H, W, 3]; returns the container bytes produced so far (possibly none)."""
+        if frames.shape[1:] != (self.height, self.width, 3):
+            raise ValueError(
+                f"frames of shape {list(frames.shape)}; this encoder takes [n, {self.height}, {self.width}, 3]"
+            )
+        if not self.output.video:
+            if self._frames + len(frames) > 1:
+                raise ValueError(f"{self.output.name} holds exactly one frame")
+            self._image = np.ascontiguousarray(frames[0])
+            self._frames += len(frames)
+            return b""
+        if self._stream.width != self.width or self._stream.height != self.height:
+            pad = ((0, 0), (0, self._stream.height - self.height), (0, self._stream.width - self.width), (0, 0))
+            frames = np.pad(frames, pad, mode="edge")
+        for array in frames:
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(array), format="rgb24")
+            frame.pts = self._frames
+            frame.time_base = self._stream.codec_context.time_base
+            self._frames += 1
+            self._container.mux(self._stream.encode(frame))
+        return self._take()
+
+    def finish(self) -> bytes:
+        """Flushes the encoder and closes the container; returns the remaining bytes of the file."""
+        if self._frames == 0:
+            raise ValueError("no frames were encoded")
+        if not self.output.video:
+            buffer = io.BytesIO()
+            options = {"quality": self.quality} if self.quality is not None else {}
+            Image.fromarray(self._image).save(buffer, format=self.output.name.upper(), **options)
+            return buffer.getvalue()
+        self._container.mux(self._stream.encode(None))
+        self._container.close()
+        self._container = None
+        return self._take()
+
+    def close(self) -> None:
+        """Abandons the file (nothing more is returned)."""
+        if self._container is not None:
+            with contextlib.suppress(av.FFmpegError):
+                self._container.close()
+            self._container = None
+        self._written.clear()

@@ -1,0 +1,110 @@
+"""The gateway's connection to the orchestrator: one gRPC channel, each call made with its HTTP caller's key.
+
+The gateway holds no tenants and no jobs: it forwards the caller's `Authorization: Bearer <key>` as the
+call's `authorization` metadata, so the orchestrator authenticates, applies the tenant's quotas and owns
+the job exactly as for a gRPC client. A failed call raises the SDK's typed error (stagediff/errors.py),
+which errors.py turns into the HTTP answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from stagediff.client import CHANNEL_OPTIONS
+from stagediff.errors import StageDiffError
+from stagediff.v1 import generation_pb2, generation_pb2_grpc
+
+# Unary calls (submit, get, list, cancel, delete, models) are quick; a stream runs as long as its job.
+UNARY_TIMEOUT_S = 30.0
+HEALTH_TIMEOUT_S = 2.0
+
+
+class Orchestrator:
+    """The orchestrator's Generation API, its calls made with each HTTP caller's key.
+
+    The gRPC channel belongs to an event loop, so it is opened on the first call, in the server's loop.
+    """
+
+    def __init__(self, endpoint: str, *, ca_cert: str | None = None, tls: bool = False) -> None:
+        self.endpoint = endpoint
+        self._credentials = None
+        if tls or ca_cert is not None:
+            root = Path(ca_cert).read_bytes() if ca_cert is not None else None
+            self._credentials = grpc.ssl_channel_credentials(root_certificates=root)
+        self._channel: grpc.aio.Channel | None = None
+
+    def _open(self) -> None:
+        if self._credentials is not None:
+            self._channel = grpc.aio.secure_channel(self.endpoint, self._credentials, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.insecure_channel(self.endpoint, options=CHANNEL_OPTIONS)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    @property
+    def stub(self) -> generation_pb2_grpc.GenerationStub:
+        if self._channel is None:
+            self._open()
+        return self._stub
+
+    @property
+    def health(self) -> health_pb2_grpc.HealthStub:
+        if self._channel is None:
+            self._open()
+        return self._health
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def _call(self, method, request, authorization: str | None):
+        try:
+            return await method(request, timeout=UNARY_TIMEOUT_S, metadata=_metadata(authorization))
+        except grpc.aio.AioRpcError as error:
+            raise StageDiffError.from_rpc_error(error) from None
+
+    async def submit(self, request: generation_pb2.GenerateRequest, authorization: str | None) -> generation_pb2.Job:
+        return await self._call(self.stub.Submit, request, authorization)
+
+    async def get_job(self, job_id: str, authorization: str | None) -> generation_pb2.Job:
+        return await self._call(self.stub.GetJob, generation_pb2.GetJobRequest(job_id=job_id), authorization)
+
+    async def list_jobs(self, limit: int, authorization: str | None) -> list[generation_pb2.Job]:
+        request = generation_pb2.ListJobsRequest(limit=limit)
+        return list((await self._call(self.stub.ListJobs, request, authorization)).jobs)
+
+    async def delete_job(self, job_id: str, authorization: str | None) -> generation_pb2.DeleteJobResponse:
+        request = generation_pb2.DeleteJobRequest(job_id=job_id)
+        return await self._call(self.stub.DeleteJob, request, authorization)
+
+    async def list_models(self, authorization: str | None) -> list[generation_pb2.ModelDescription]:
+        request = generation_pb2.ListModelsRequest()
+        return list((await self._call(self.stub.ListModels, request, authorization)).models)
+
+    async def watch(self, job_id: str, authorization: str | None) -> AsyncIterator[generation_pb2.GenerateEvent]:
+        """The job's events from its first (its result included), as WatchJob streams them."""
+        call = self.stub.WatchJob(generation_pb2.WatchJobRequest(job_id=job_id), metadata=_metadata(authorization))
+        try:
+            async for event in call:
+                yield event
+        except grpc.aio.AioRpcError as error:
+            raise StageDiffError.from_rpc_error(error) from None
+        finally:
+            call.cancel()
+
+    async def serving(self) -> bool:
+        """Whether the orchestrator answers its health check with SERVING."""
+        try:
+            response = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return False
+        return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _metadata(authorization: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", authorization),) if authorization else ()

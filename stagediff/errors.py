@@ -1,0 +1,177 @@
+"""The SDK's errors: one class per kind of failure, chosen by the call's gRPC status code.
+
+    try:
+        client.generate("a fox", height=63)
+    except InvalidArgument as error:
+        print(error.field, error.message)      # "height", "height: 63 is not a multiple of 16 ..."
+    except RateLimitError as error:
+        print(error.retry_after)               # seconds the server asked us to wait
+    except StageDiffError as error:            # every other failure
+        print(error.code.name, error.message)
+
+Every class derives from `StageDiffError`, which keeps the status `code`, the server's `message` and its
+`retry_after`. `StageDiffError.from_rpc_error` reads a failed call, including the rich details the server
+may attach in its `grpc-status-details-bin` trailer (google.rpc.BadRequest, ErrorInfo, RetryInfo).
+"""
+
+from __future__ import annotations
+
+import re
+
+import grpc
+from google.protobuf.message import Message
+from google.rpc import error_details_pb2, status_pb2
+
+from stagediff.status_details import rich_status
+
+# The orchestrator's refusals start with the path of the field they are about ("height: 63 is not ...",
+# "loras[0].name: 'x' is named twice ..."): services/errors.py RequestError.
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\[\d+\])*(?:\.[A-Za-z_][A-Za-z0-9_]*(?:\[\d+\])*)*): ")
+# How the orchestrator names a stage that failed or is unreachable: "stage 'vae' at host:port is unavailable: ...".
+_STAGE_IN_MESSAGE = re.compile(r"\bstage '([^']+)'")
+# The ErrorInfo metadata key that names a stage, where a server sends one.
+STAGE_METADATA_KEY = "stage"
+
+
+class StageDiffError(Exception):
+    """A call failed; `code` is the gRPC status, `message` the server's explanation.
+
+    `retry_after` is the server's RetryInfo in seconds (RESOURCE_EXHAUSTED: a full queue, a quota, a
+    rate limit), or None when it gave none. The subclasses below say which kind of failure it was.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after: float | None = None) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.retry_after = retry_after
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.RpcError) -> StageDiffError:
+        """The error for a failed call (grpc.aio.AioRpcError, or grpc.RpcError of a blocking call), of the class
+        its status code maps to, with what its rich status details say."""
+        return error_for_status(error.code(), error.details() or "", rich_status(error))
+
+    @classmethod
+    def _from_status(cls, code: grpc.StatusCode, message: str, status: status_pb2.Status | None) -> StageDiffError:
+        return cls(code, message, _retry_after(status))
+
+
+class InvalidArgument(StageDiffError):
+    """INVALID_ARGUMENT: the request was refused as it is; `field` is the path of the field at fault
+    ("height", "loras[0].name", "images[1].data"), or None when the server named none."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, retry_after: float | None = None, field: str | None = None
+    ) -> None:
+        super().__init__(code, message, retry_after)
+        self.field = field
+
+    @classmethod
+    def _from_status(cls, code: grpc.StatusCode, message: str, status: status_pb2.Status | None) -> StageDiffError:
+        """The field comes from the first google.rpc.BadRequest field violation, or else from the message, whose
+        first word the orchestrator makes the field's path ("height: 63 is not allowed; ...")."""
+        bad_request = _detail(status, error_details_pb2.BadRequest)
+        if bad_request is not None and bad_request.field_violations:
+            field = bad_request.field_violations[0].field or None
+        else:
+            match = _FIELD_PREFIX.match(message)
+            field = match.group(1) if match else None
+        return cls(code, message, None, field)
+
+
+class AuthenticationError(StageDiffError):
+    """UNAUTHENTICATED: no API key, or one the server does not know."""
+
+
+class PermissionDenied(StageDiffError):
+    """PERMISSION_DENIED: the tenant may not do this (a size beyond its limits, an adapter it may not use)."""
+
+
+class NotFound(StageDiffError):
+    """NOT_FOUND: no such job, model or LoRA adapter (for this tenant)."""
+
+
+class RateLimitError(StageDiffError):
+    """RESOURCE_EXHAUSTED: a rate limit, a full queue or a quota; `retry_after` is how long the server asked
+    the client to wait, in seconds, or None when it did not say. The clients retry these a few times
+    (RetryPolicy.rate_limit_retries) before raising one."""
+
+
+class Unavailable(StageDiffError):
+    """UNAVAILABLE: the orchestrator or one of its stages cannot be reached; `stage` names the stage
+    ("text-encoder", "dit", "vae", "interp") when the server said which, else None."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, retry_after: float | None = None, stage: str | None = None
+    ) -> None:
+        super().__init__(code, message, retry_after)
+        self.stage = stage
+
+    @classmethod
+    def _from_status(cls, code: grpc.StatusCode, message: str, status: status_pb2.Status | None) -> StageDiffError:
+        """The stage comes from an ErrorInfo's `stage` metadata, or else from the message ("stage 'vae' at ...")."""
+        info = _detail(status, error_details_pb2.ErrorInfo)
+        stage = info.metadata.get(STAGE_METADATA_KEY) if info is not None else None
+        if stage is None:
+            match = _STAGE_IN_MESSAGE.search(message)
+            stage = match.group(1) if match else None
+        return cls(code, message, _retry_after(status), stage)
+
+
+class DeadlineExceeded(StageDiffError):
+    """DEADLINE_EXCEEDED: the call's timeout passed before the job finished (the job is cancelled)."""
+
+
+class Cancelled(StageDiffError):
+    """CANCELLED: the job was cancelled (CancelJob, or a client that went away)."""
+
+
+class FailedPrecondition(StageDiffError):
+    """FAILED_PRECONDITION: the cluster cannot run this request as deployed (e.g. a stage its model needs is
+    not deployed), or the job is not in a state that allows the call."""
+
+
+class InternalError(StageDiffError):
+    """INTERNAL, UNKNOWN or DATA_LOSS: the server (or the result's transfer) failed; not the request's fault."""
+
+
+ERROR_CLASSES: dict[grpc.StatusCode, type[StageDiffError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: RateLimitError,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.INTERNAL: InternalError,
+    grpc.StatusCode.UNKNOWN: InternalError,
+    grpc.StatusCode.DATA_LOSS: InternalError,
+}
+"""The class of each status code; other codes (ALREADY_EXISTS, ABORTED, OUT_OF_RANGE, UNIMPLEMENTED) raise the
+base StageDiffError."""
+
+
+def error_for_status(code: grpc.StatusCode, message: str, status: status_pb2.Status | None = None) -> StageDiffError:
+    """The error of the class `code` maps to; `status` is the call's google.rpc.Status with its details, if any."""
+    return ERROR_CLASSES.get(code, StageDiffError)._from_status(code, message, status)
+
+
+def _retry_after(status: status_pb2.Status | None) -> float | None:
+    """The seconds of the status's RetryInfo, or None when it has none."""
+    retry_info = _detail(status, error_details_pb2.RetryInfo)
+    return None if retry_info is None else retry_info.retry_delay.ToNanoseconds() / 1e9
+
+
+def _detail(status: status_pb2.Status | None, kind: type[Message]) -> Message | None:
+    """The first detail of type `kind` in a google.rpc.Status, unpacked; None when there is none."""
+    if status is None:
+        return None
+    for detail in status.details:
+        if detail.Is(kind.DESCRIPTOR):
+            message = kind()
+            detail.Unpack(message)
+            return message
+    return None

@@ -1,0 +1,218 @@
+"""What a generate call gives back: the events of a job's stream (`Queued`, `Progress`, `FramesReceived`,
+`BytesReceived`), its `GenerationResult`, and the `ResultBuilder` that turns the stream's messages into them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from stagediff.errors import InternalError
+from stagediff.media import MEDIA_TYPE_EXTENSIONS, SUPPORTED_EXTENSIONS, decode_media
+from stagediff.tensor_codec import TensorAssembler
+from stagediff.v1 import generation_pb2
+
+
+@dataclass
+class Queued:
+    """The job waits in the orchestrator's queue; `position` 0 runs next."""
+
+    job_id: str
+    position: int
+
+
+@dataclass
+class Progress:
+    """A stage ("text-encoder", "dit", "vae", "interp") finished `step` of its `total` steps."""
+
+    job_id: str
+    stage: str
+    step: int
+    total: int
+
+
+@dataclass
+class FramesReceived:
+    """Raw frames `first_frame` .. `first_frame + count - 1` of the result arrived."""
+
+    job_id: str
+    first_frame: int
+    count: int
+
+
+@dataclass
+class BytesReceived:
+    """`count` bytes of the encoded result arrived, from byte `offset` of the file."""
+
+    job_id: str
+    offset: int
+    count: int
+
+
+class GenerationResult:
+    """A finished job's result: its frames, or the file the server encoded, or both.
+
+    `frames` are uint8 RGB [F, H, W, 3]. A result the server encoded (the request named an `output_format`)
+    holds the file in `data` and its `media_type` ("video/mp4", "image/png", ...); its `frames` are decoded
+    from `data` on first access (PyAV for mp4, webm and gif; Pillow for png, jpeg and webp), unless the raw
+    frames came too (`keep_raw_frames`). A raw result has `data` None and `media_type` "".
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        frames: np.ndarray | None = None,
+        fps: float = 0.0,
+        timings: dict[str, float] | None = None,
+        passes_run: int = 0,
+        passes_skipped: int = 0,
+        *,
+        data: bytes | None = None,
+        media_type: str = "",
+        seed: int | None = None,
+        num_frames: int | None = None,
+    ) -> None:
+        """`frames` or `data` (with its `media_type`) or both; `num_frames` defaults to the frames' count."""
+        if frames is None and data is None:
+            raise ValueError("frames: give the frames, or data (an encoded file with its media_type), or both")
+        self.job_id = job_id
+        self._frames = frames
+        self.fps = fps
+        self.timings = dict(timings or {})
+        # Transformer passes (one per step and guidance branch) the DiT ran in full, and those its step cache skipped.
+        self.passes_run = passes_run
+        self.passes_skipped = passes_skipped
+        self.data = data
+        self.media_type = media_type
+        # The seed the job ran with: the request's, or the one the server picked.
+        self.seed = seed
+        # The number of frames the server reported.
+        self.num_frames = num_frames if num_frames is not None else len(frames) if frames is not None else 0
+
+    @property
+    def frames(self) -> np.ndarray:
+        """uint8 RGB frames [F, H, W, 3]; an encoded result is decoded on first access."""
+        if self._frames is None:
+            self._frames = decode_media(self.data, self.media_type)
+        return self._frames
+
+    def save(self, path: str | Path) -> Path:
+        """Writes the result to `path`; parent directories are created. Returns the path.
+
+        An encoded result is written as it is when the extension is its media type's (.mp4 for video/mp4;
+        .webm, .gif, .png, .jpg or .jpeg, .webp likewise). Otherwise the frames are written by extension: .mp4
+        (H.264), .png (one frame) or .npz (lossless `frames` and `fps`).
+        """
+        from stagediff.media import save_frames
+
+        path = Path(path)
+        extension = path.suffix.lower()
+        if self.data is not None and extension in MEDIA_TYPE_EXTENSIONS.get(self.media_type, ()):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(self.data)
+            return path
+        if extension not in SUPPORTED_EXTENSIONS:
+            as_is = MEDIA_TYPE_EXTENSIONS.get(self.media_type, ())
+            allowed = ", ".join((*as_is, *(suffix for suffix in SUPPORTED_EXTENSIONS if suffix not in as_is)))
+            raise ValueError(
+                f"path: extension {path.suffix or '(none)'!r} is not allowed for this result; use {allowed}"
+            )
+        return save_frames(path, self.frames, self.fps)
+
+    def __repr__(self) -> str:
+        held = f"data={len(self.data)} bytes of {self.media_type}" if self.data is not None else "raw frames"
+        return (
+            f"GenerationResult(job_id={self.job_id!r}, num_frames={self.num_frames}, fps={self.fps}, {held}, "
+            f"seed={self.seed})"
+        )
+
+
+Event = Queued | Progress | FramesReceived | BytesReceived | GenerationResult
+
+
+class ResultBuilder:
+    """Turns a job's event stream into typed events and, at the end, a GenerationResult.
+
+    Raw frames arrive as tensor chunks (possibly several per piece of frames); an encoded file as byte
+    chunks in order, each at the offset where the previous one ended. A gap, or a size other than the one
+    the server reports at the end, raises InternalError (DATA_LOSS).
+    """
+
+    def __init__(self) -> None:
+        self.assembler = TensorAssembler()
+        self.pieces: dict[int, np.ndarray] = {}
+        self.fps = 0.0
+        self.encoded: list[bytes] = []
+        self.encoded_size = 0
+        self.media_type = ""
+
+    def consume(self, event: generation_pb2.GenerateEvent) -> list[Event]:
+        kind = event.WhichOneof("event")
+        if kind == "queued":
+            return [Queued(event.job_id, event.queued.position)]
+        if kind == "progress":
+            return [Progress(event.job_id, event.progress.stage, event.progress.step, event.progress.total)]
+        if kind == "result":
+            self.fps = event.result.fps
+            events: list[Event] = []
+            if event.result.HasField("tensor"):
+                tensor = self.assembler.feed(event.result.tensor)
+                if tensor is not None:
+                    self.pieces[tensor.index] = tensor.array
+                    events.append(FramesReceived(event.job_id, tensor.index, tensor.shape[0]))
+            if event.result.HasField("encoded"):
+                events.append(self._add_encoded(event.job_id, event.result.encoded))
+            return events
+        if kind == "completed":
+            return [self._finish(event.job_id, event.completed)]
+        return []
+
+    def _add_encoded(self, job_id: str, chunk: generation_pb2.EncodedChunk) -> BytesReceived:
+        if chunk.offset != self.encoded_size:
+            raise InternalError(
+                grpc.StatusCode.DATA_LOSS,
+                f"encoded result: a chunk at byte {chunk.offset} arrived after {self.encoded_size} bytes; "
+                "the bytes between are missing",
+            )
+        if self.media_type and chunk.media_type and chunk.media_type != self.media_type:
+            raise InternalError(
+                grpc.StatusCode.DATA_LOSS,
+                f"encoded result: a {chunk.media_type} chunk arrived in a {self.media_type} file",
+            )
+        self.media_type = self.media_type or chunk.media_type
+        self.encoded.append(chunk.data)
+        self.encoded_size += len(chunk.data)
+        return BytesReceived(job_id, chunk.offset, len(chunk.data))
+
+    def _finish(self, job_id: str, completed: generation_pb2.JobCompleted) -> GenerationResult:
+        self.assembler.finish()
+        data = b"".join(self.encoded) if self.encoded or completed.encoded_bytes else None
+        if data is not None and len(data) != completed.encoded_bytes:
+            raise InternalError(
+                grpc.StatusCode.DATA_LOSS,
+                f"encoded result: received {len(data)} bytes, the server reported {completed.encoded_bytes}",
+            )
+        video = None
+        if self.pieces or data is None:
+            frames = [self.pieces[index] for index in sorted(self.pieces)]
+            video = np.concatenate(frames) if frames else np.zeros((0, 0, 0, 3), np.uint8)
+            if video.shape[0] != completed.num_frames:
+                raise InternalError(
+                    grpc.StatusCode.DATA_LOSS,
+                    f"received {video.shape[0]} frames, the server reported {completed.num_frames}",
+                )
+        return GenerationResult(
+            job_id,
+            video,
+            completed.fps,
+            dict(completed.timings),
+            passes_run=completed.transformer_passes.run,
+            passes_skipped=completed.transformer_passes.skipped,
+            data=data,
+            media_type=(completed.media_type or self.media_type) if data is not None else "",
+            seed=completed.seed,
+            num_frames=completed.num_frames,
+        )
