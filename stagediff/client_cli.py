@@ -64,7 +64,7 @@ class PlainProgress:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        pass
+        """Nothing to close: each line is written as its event arrives."""
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, Queued):
