@@ -29,8 +29,9 @@ test: venv
 test-gpu: venv
 	$(BIN)/python -m pytest -m cuda -s -v tests/test_cuda.py
 
-# The DiT's throughput benchmarks (step caches, regional compilation, request batching) on one CUDA GPU in
-# bf16, written together to $OUT/bench-gpu.json; BENCH_GPU_QUICK=1 for the short variants.
+# The GPU benchmarks on one CUDA GPU in bf16, written together to $OUT/bench-gpu.json: first bench/wan_gpu.py
+# (Wan2.1-1.3B at real size, our DiT and cluster against diffusers' WanPipeline), then the DiT's throughput
+# levers (step caches, regional compilation, request batching, LoRA); BENCH_GPU_QUICK=1 for the short variants.
 bench-gpu: venv
 	bash scripts/bench_gpu.sh
 

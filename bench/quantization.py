@@ -1,10 +1,12 @@
-"""Frames from an fp8 / int8 weight-only quantized DiT against the unquantized one, in one run.
+"""Frames from an fp8 / int8 weight-only quantized DiT, and from GGUF files of each type, against the
+unquantized DiT, in one run.
 
 Every configuration denoises the same seed and the same text embeddings for a few steps with
 WanDenoiser in the compute dtype, then WanStreamingDecoder decodes the latents in float32; the
 report gives the PSNR of each quantized run's uint8 frames against the unquantized run's, and
 the DiT's parameter bytes against the bf16 model (loaded as the stage loads it: bf16 with the
-model's float32-kept modules). Prints JSON.
+model's float32-kept modules). Each GGUF type is the checkpoint's transformer written by `init-model --gguf`
+(families/gguf.py) and loaded as the stage loads it (dit_svc/gguf.py). Prints JSON.
 
 With a random-weight preset (tiny, small) the embeddings are random and seeded. With
 `--preset demo` (the trained shape-world model, shapeworld/checkpoint) they are the real
@@ -23,6 +25,7 @@ import argparse
 import json
 import math
 import platform
+import shutil
 import tempfile
 import time
 from dataclasses import replace
@@ -31,8 +34,12 @@ from pathlib import Path
 import torch
 
 from dit_svc.denoise import DenoiseSpec
+from dit_svc.gguf import gguf_file, gguf_files
+from dit_svc.model_options import ModelOptions
 from dit_svc.quantization import METHODS, parameter_bytes, quantize_transformer, torchao_available
+from families.gguf import WRITABLE_TYPES, convert_checkpoint
 from families.init_model import init_model
+from families.registry import FAMILIES
 from families.wan.decode import WanStreamingDecoder
 from families.wan.denoise import WanDenoiser
 from families.wan.encode import WanPromptEncoder
@@ -80,8 +87,11 @@ def generate(
     conditionings: list[dict[str, torch.Tensor]],
     seeds: list[int],
 ) -> dict:
-    """Frames [N x F, H, W, 3] of every conditioning (with its seed), the denoising seconds and the report."""
-    denoiser = WanDenoiser(model, CPU, dtype)
+    """Frames [N x F, H, W, 3] of every conditioning (with its seed), the denoising seconds and the report.
+
+    method: None (the model as it is: a GGUF checkpoint is loaded from its file), "fp8" or "int8"."""
+    options = ModelOptions(quantization="gguf") if gguf_files(model / "transformer") else None
+    denoiser = WanDenoiser(model, CPU, dtype, options=options)
     report = quantize_transformer(denoiser.transformer, method, [], backend=backend) if method else None
     decoder = WanStreamingDecoder(model, CPU, torch.float32)
     videos, seconds = [], 0.0
@@ -111,6 +121,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--backends", default="native,torchao" if torchao_available() else "native")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--gguf-types",
+        default=",".join(WRITABLE_TYPES),
+        help=f"GGUF types to write and run, comma-separated (default: {','.join(WRITABLE_TYPES)}; '' for none)",
+    )
+    parser.add_argument("--methods", default=",".join(METHODS), help="fp8/int8 methods to run ('' for none)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -147,7 +163,7 @@ def main() -> None:
             reference["fp32_quality_all"] = quality(fp32["videos"], cases)
         runs = []
         for backend in args.backends.split(","):
-            for method in METHODS:
+            for method in [m for m in args.methods.split(",") if m]:
                 run = generate(model, spec, dtype, method, backend, conditionings, seeds)
                 # Bytes as deployed: the bf16 model quantized (the scales follow the layers' dtype).
                 deployed = WanDenoiser(model, CPU, torch.bfloat16).transformer
@@ -165,6 +181,27 @@ def main() -> None:
                         **({"quality_all": quality(run["videos"], cases)} if demo else {}),
                     }
                 )
+        for quant_type in [t for t in args.gguf_types.split(",") if t]:
+            # The checkpoint with its transformer as a GGUF file, loaded as the stage loads it (dit_svc/gguf.py).
+            gguf_model = Path(tmp) / quant_type
+            shutil.copytree(model, gguf_model)
+            convert_checkpoint(gguf_model, FAMILIES["wan-t2v"], quant_type)
+            run = generate(gguf_model, spec, dtype, None, "native", conditionings, seeds)
+            deployed = WanDenoiser(gguf_model, CPU, torch.bfloat16, options=ModelOptions(quantization="gguf"))
+            gguf_bytes = parameter_bytes(deployed.transformer)
+            runs.append(
+                {
+                    "method": f"gguf {quant_type}",
+                    "backend": "diffusers GGUFLinear",
+                    "psnr_db": round(psnr(run["frames"], reference["frames"]), 2),
+                    "max_abs_diff_uint8": int((run["frames"].int() - reference["frames"].int()).abs().max()),
+                    "dit_parameter_bytes": gguf_bytes,
+                    "bytes_ratio_vs_bf16": round(gguf_bytes / bf16_bytes, 4),
+                    "file_bytes": gguf_file(gguf_model / "transformer").stat().st_size,
+                    "denoise_s": round(run["denoise_s"], 2),
+                    **({"quality_all": quality(run["videos"], cases)} if demo else {}),
+                }
+            )
 
     print(
         json.dumps(

@@ -7,6 +7,10 @@ Four modes, each in a fresh process (imports done before the clock starts):
     diffusers-parallel  the same with HF_ENABLE_PARALLEL_LOADING=yes (diffusers reads this at import, so
                         only a fresh process sees it; the worker checks that diffusers picked it up)
 
+--model-class may also name a transformers class (UMT5EncoderModel): the two library modes are then
+transformers' own from_pretrained with its threaded loading switched off (HF_DEACTIVATE_ASYNC_LOAD=1) for
+"diffusers", and as it ships (threads on) for "diffusers-parallel".
+
 Weights diffusers does not cast stay views into the mmap-ed files: `from_pretrained` returns before
 most bytes are read, and the reads happen as page faults on first use. So every mode is timed to the
 point where every weight is in memory: the call, then one byte of every page of every tensor is
@@ -36,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from families.wan.init_model import REAL_TRANSFORMER_CONFIG
+
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("ours-1", "ours-4", "diffusers", "diffusers-parallel")
 OURS = ("ours-1", "ours-4")
@@ -43,20 +49,7 @@ DIFFUSERS = ("diffusers", "diffusers-parallel")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 # A Wan2.1-1.3B-wide DiT (dim 1536, 12 heads, ffn 8960, text 4096) cut to 6 blocks: about 1.1 GB in fp32.
-BIG_TRANSFORMER: dict[str, Any] = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=12,
-    attention_head_dim=128,
-    in_channels=16,
-    out_channels=16,
-    text_dim=4096,
-    freq_dim=256,
-    ffn_dim=8960,
-    num_layers=6,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    rope_max_seq_len=1024,
-)
+BIG_TRANSFORMER: dict[str, Any] = {**REAL_TRANSFORMER_CONFIG, "num_layers": 6}
 SHARD_SIZE = 120 * 10**6  # bytes; gives 13 shards for the checkpoint above
 
 
@@ -127,11 +120,18 @@ def worker(mode: str, model_dir: Path, model_class: str, dtype_name: str) -> dic
 
     from services.weights import load_pretrained, load_stats
 
-    cls = getattr(diffusers, model_class)
+    cls = model_class_named(model_class)
     dtype = getattr(torch, dtype_name)
-    parallel = constants.HF_ENABLE_PARALLEL_LOADING
-    if mode in DIFFUSERS and parallel is not (mode == "diffusers-parallel"):
-        raise RuntimeError(f"{mode}: diffusers sees HF_ENABLE_PARALLEL_LOADING={parallel}")
+    if hasattr(diffusers, model_class):
+        parallel = constants.HF_ENABLE_PARALLEL_LOADING
+        if mode in DIFFUSERS and parallel is not (mode == "diffusers-parallel"):
+            raise RuntimeError(f"{mode}: diffusers sees HF_ENABLE_PARALLEL_LOADING={parallel}")
+    else:
+        from transformers.utils import is_env_variable_true
+
+        parallel = not is_env_variable_true("HF_DEACTIVATE_ASYNC_LOAD")
+        if mode in DIFFUSERS and parallel is not (mode == "diffusers-parallel"):
+            raise RuntimeError(f"{mode}: transformers sees HF_DEACTIVATE_ASYNC_LOAD={not parallel}")
 
     start = time.perf_counter()
     if mode in OURS:
@@ -152,13 +152,35 @@ def worker(mode: str, model_dir: Path, model_class: str, dtype_name: str) -> dic
         "load_s": loaded - start,
         "touch_s": touched - loaded,
         "total_s": touched - start,
-        "bytes": sum(t.numel() * t.element_size() for t in state.values()),
+        "bytes": unique_bytes(state),
         "checksum": checksum,
         "mmap_backed": _mapped_safetensors(),
     }
     if mode in OURS:
         info["read_bytes"] = load_stats(model).total_bytes
     return info
+
+
+def unique_bytes(state: dict[str, Any]) -> int:
+    """Bytes of a state dict's tensors, a tensor shared under several keys (tied embeddings) counted once."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in state.values():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def model_class_named(name: str) -> type:
+    """A diffusers model class, else a transformers one, by name."""
+    import diffusers
+
+    if hasattr(diffusers, name):
+        return getattr(diffusers, name)
+    import transformers
+
+    return getattr(transformers, name)
 
 
 def _mapped_safetensors() -> int:
@@ -170,8 +192,11 @@ def _mapped_safetensors() -> int:
 def run_worker(mode: str, args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     env = dict(os.environ)
     env.pop("HF_ENABLE_PARALLEL_LOADING", None)
+    env.pop("HF_DEACTIVATE_ASYNC_LOAD", None)
     if mode == "diffusers-parallel":
         env["HF_ENABLE_PARALLEL_LOADING"] = "yes"
+    if mode == "diffusers":
+        env["HF_DEACTIVATE_ASYNC_LOAD"] = "1"  # transformers' threaded loading off (diffusers ignores it)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     command = [sys.executable, __file__, "--worker", mode, "--model", str(model_dir)]
     command += ["--model-class", args.model_class, "--dtype", args.dtype]
@@ -210,7 +235,9 @@ def summarise(samples: dict[str, list[dict[str, Any]]], nbytes: int) -> dict[str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="component folder (config.json + safetensors); default: make one")
-    parser.add_argument("--model-class", default="WanTransformer3DModel", help="diffusers class of --model")
+    parser.add_argument(
+        "--model-class", default="WanTransformer3DModel", help="diffusers (or transformers) class of --model"
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype to load into")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))

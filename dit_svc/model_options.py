@@ -17,6 +17,7 @@ from torch import nn
 
 from dit_svc.lora import LoraSettings, fuse_adapters
 from dit_svc.offload import ModuleOffloader, apply_offload
+from dit_svc.quantization import METHODS as QUANTIZATION_METHODS
 from dit_svc.quantization import QuantizationReport, quantize_transformer
 
 logger = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ModelOptions:
-    quantization: str | None = None  # "fp8" or "int8"
+    quantization: str | None = None  # "fp8" or "int8" (applied here), or "gguf" (the loader reads the GGUF file)
     ignored_layers: tuple[str, ...] = ()
     offload: str | None = None  # "module" or "layerwise"
     offload_blocks: int = 1
@@ -57,9 +58,10 @@ def apply_model_options(
     experts: list[nn.Module], options: ModelOptions, device: torch.device, load_threads: int = 4
 ) -> None:
     """Fuses --lora's adapters into the first expert (the pipeline's `transformer`, where diffusers loads them),
-    then quantizes and offloads each expert in place; with module-wise offload one expert is resident at a time."""
+    then quantizes (fp8, int8: GGUF experts were loaded quantized) and offloads each expert in place; with
+    module-wise offload one expert is resident at a time."""
     fuse_adapters(experts[0], options.lora, load_threads)
-    if options.quantization:
+    if options.quantization in QUANTIZATION_METHODS:
         for expert in experts:
             report: QuantizationReport = quantize_transformer(
                 expert, options.quantization, list(options.ignored_layers)

@@ -51,9 +51,17 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("memory", "quantization and CPU offload of the transformer(s)")
-    group.add_argument("--quantization", choices=["fp8", "int8"], default=None, help="weight-only, per output channel")
     group.add_argument(
-        "--ignored-layers", default="", help="comma-separated linear layer names or patterns kept in full precision"
+        "--quantization",
+        choices=["fp8", "int8", "gguf"],
+        default=None,
+        help="fp8, int8: weight-only, per output channel; gguf: the .gguf file in the transformer folder, "
+        "dequantized on the fly to --dtype (chosen by itself when the folder holds only a .gguf file)",
+    )
+    group.add_argument(
+        "--ignored-layers",
+        default="",
+        help="comma-separated linear layer names or patterns kept in full precision (fp8, int8)",
     )
     group.add_argument("--enable-cpu-offload", action="store_true", help="experts wait in CPU memory when not in use")
     group.add_argument(

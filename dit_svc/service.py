@@ -22,6 +22,7 @@ import torch
 from dit_svc.batching import MAX_BATCH_SIZE, MAX_BATCH_WAIT_MS, RequestBatcher
 from dit_svc.cache_offer import CacheOffer, cache_offer_from
 from dit_svc.denoise import Denoiser, DenoiseSpec, OneRank, batch_key, make_adapter_cache, make_denoiser
+from dit_svc.gguf import check_gguf_file, gguf_file, quantization_for
 from dit_svc.group import DenoiserGroup, serve_dit_node
 from dit_svc.lora import LoraSettings, list_adapters, parse_fused, served_model_id
 from dit_svc.model_options import ModelOptions
@@ -30,12 +31,14 @@ from dit_svc.options import DEFAULT_MASTER_PORT, build_parser
 from dit_svc.parallel import ParallelConfig, ParallelConfigError
 from dit_svc.parallel.hsdp import local_parameter_bytes
 from dit_svc.parallel.mesh import refuse_unsupported_methods
+from dit_svc.quantization import METHODS as QUANTIZATION_METHODS
 from dit_svc.quantization import linear_layer_names, parse_ignored_layers, validate_quantization_flags
 from dit_svc.step_cache import CachePasses, CacheSpec
 from families.base import LORA_WITH
 from services.auth import CLUSTER_SECRET_ENV, ClusterSecretError, load_cluster_secret
 from services.checkpoint import CheckpointError, read_checkpoint
 from services.environment_options import parse_args
+from services.memory_budget import WeightNeed, checkpoint_components, stage_need
 from services.rank_group import ControlChannel, GroupFailure, NodeLayout, group_authkey
 from services.server import is_loopback
 from services.stage import RequestError, StageRuntime, abort_for
@@ -51,6 +54,12 @@ from services.validation import (
 )
 from stagediff.tensor_codec import TensorAssembler, WireError, WireTensor, expect_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
+
+# The memory guard's fix for weights that do not fit at full size: GGUF weights stay quantized in memory.
+GGUF_FIX = (
+    "--quantization gguf with a .gguf file in each transformer folder (held at its size: about 1.06 bytes per "
+    "parameter for Q8_0, 0.56 for Q4_0)"
+)
 
 
 class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
@@ -74,6 +83,40 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         stages_pb2_grpc.add_DenoiserServicer_to_server(self, server)
+
+    def memory_need(self) -> WeightNeed:
+        """The transformer(s) in the stage's dtype, GGUF weights at their file size.
+
+        On the CPU every rank of the group is a process on this machine holding its own copy, or its 1/N with
+        tensor parallelism or HSDP; on CUDA each rank has a GPU of its own. The offload flags are not offered
+        as a fix: the experts are loaded onto the device whole before they are offloaded.
+        """
+        runtime, parallel = self.runtime, self.parallel
+        root = runtime.spec.path
+        names = tuple(name for name in ("transformer", "transformer_2") if (root / name).is_dir())
+        gguf_helps = self.options.quantization != "gguf" and runtime.spec.traits.support("gguf").supported
+        fixes = [GGUF_FIX] if gguf_helps else []
+        held: dict[str, int] = {}
+        components = {}
+        if self.options.quantization == "gguf":
+            held = {name: gguf_file(root / name).stat().st_size for name in names}
+        else:
+            components = checkpoint_components(root, names=names)
+        split = parallel.tp_degree * (parallel.hsdp_shard_size if parallel.use_hsdp else 1)
+        on_cpu = runtime.device.type == "cpu"
+        copies = parallel.total_ranks // self.layout.nnodes if on_cpu else 1
+        if not on_cpu:
+            fixes.append("--tensor-parallel-size N, or --use-hsdp --hsdp-shard-size N (each GPU holds 1/N)")
+        return stage_need(
+            runtime.stage,
+            runtime.device,
+            runtime.dtype,
+            components,
+            copies=copies,
+            split=split,
+            held_as_stored=held,
+            fixes=fixes,
+        )
 
     def load(self) -> None:
         runtime = self.runtime
@@ -461,25 +504,43 @@ def model_options_from(args: argparse.Namespace) -> ModelOptions:
             use_hsdp=args.use_hsdp,
         )
         ignored = tuple(parse_ignored_layers(args.ignored_layers))
-        if ignored and not args.quantization:
-            raise ValueError("--ignored-layers needs --quantization {fp8,int8}")
-        if args.quantization and (args.tensor_parallel_size > 1 or args.use_hsdp):
+        _refuse_unsupported_options(args, args.quantization)
+        quantization = quantization_for(args.quantization, Path(args.model), _transformer_components(args.model))
+        if quantization != args.quantization:  # GGUF weights found in the checkpoint
+            _refuse_unsupported_options(args, quantization)
+        if ignored and quantization not in QUANTIZATION_METHODS:
+            raise ValueError("--ignored-layers needs --quantization {fp8,int8} (a GGUF file chose its own layers)")
+        if quantization and (args.tensor_parallel_size > 1 or args.use_hsdp):
             raise ValueError(
-                f"--quantization {args.quantization} cannot be combined with --tensor-parallel-size or --use-hsdp: "
+                f"--quantization {quantization} cannot be combined with --tensor-parallel-size or --use-hsdp: "
                 "both shard the weights that quantization replaces; use sequence or CFG parallelism instead"
             )
-        if args.quantization:
+        if quantization in QUANTIZATION_METHODS:
             names = linear_layer_names(_meta_transformer(args.model))
-            validate_quantization_flags(args.quantization, ignored, names)
-        _refuse_unsupported_options(args)
-        lora = lora_settings_from(args)
+            validate_quantization_flags(quantization, ignored, names)
+        if quantization == "gguf":
+            for component in _transformer_components(args.model):
+                folder = Path(args.model, component)
+                check_gguf_file(gguf_file(folder), _transformer_class(args.model), folder)
+        lora = lora_settings_from(args, quantization)
     except ValueError as error:
         raise SystemExit(f"stagediff serve dit: {error}") from None
-    return ModelOptions(args.quantization, ignored, offload, args.offload_blocks, compile=args.compile, lora=lora)
+    return ModelOptions(quantization, ignored, offload, args.offload_blocks, compile=args.compile, lora=lora)
 
 
-def lora_settings_from(args: argparse.Namespace) -> LoraSettings:
-    """--lora-dir, its limits and --lora, refusing what cannot work (a ValueError naming the flag)."""
+def _transformer_components(model: str) -> tuple[str, ...]:
+    """The checkpoint's transformer folders: "transformer", and "transformer_2" for two experts."""
+    try:
+        index = json.loads(Path(model, "model_index.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return ("transformer",)  # the stage itself reports what is wrong with the checkpoint
+    return ("transformer", "transformer_2") if (index.get("transformer_2") or [None, None])[1] else ("transformer",)
+
+
+def lora_settings_from(args: argparse.Namespace, quantization: str | None) -> LoraSettings:
+    """--lora-dir, its limits and --lora, refusing what cannot work (a ValueError naming the flag).
+
+    `quantization`: the one the stage serves (--quantization, or "gguf" found in the checkpoint)."""
     directory = Path(args.lora_dir) if args.lora_dir else None
     fused = parse_fused(args.lora)
     if directory is None:
@@ -504,6 +565,11 @@ def lora_settings_from(args: argparse.Namespace) -> LoraSettings:
     for used, flag, feature in ((per_request, "--lora-dir", "lora"), (bool(fused), "--lora", "lora_fused")):
         if used and not family.support(feature).supported:
             raise ValueError(f"the {family.name} family does not support {flag}: {family.support(feature).reason}")
+    if fused and quantization == "gguf":
+        raise ValueError(
+            "--lora cannot be combined with GGUF weights: the adapter is fused into full-precision weights, and a "
+            "GGUF file's are packed; fuse it into the safetensors weights before converting them"
+        )
     if fused and (args.tensor_parallel_size > 1 or args.use_hsdp):
         raise ValueError(
             "--lora cannot be combined with --tensor-parallel-size or --use-hsdp: those load each rank's shards of "
@@ -515,8 +581,9 @@ def lora_settings_from(args: argparse.Namespace) -> LoraSettings:
         (args.cfg_parallel_size > 1, "--cfg-parallel-size", "cfg_parallel"),
         (args.tensor_parallel_size > 1, "--tensor-parallel-size", "tensor_parallel"),
         (args.use_hsdp, "--use-hsdp", "hsdp"),
-        (args.quantization == "fp8", "--quantization fp8", "fp8"),
-        (args.quantization == "int8", "--quantization int8", "int8"),
+        (quantization == "fp8", "--quantization fp8", "fp8"),
+        (quantization == "int8", "--quantization int8", "int8"),
+        (quantization == "gguf", "--quantization gguf", "gguf"),
         (args.enable_cpu_offload, "--enable-cpu-offload", "cpu_offload"),
         (args.enable_layerwise_offload, "--enable-layerwise-offload", "layerwise_offload"),
         (args.compile, "--compile", "compile"),
@@ -536,7 +603,7 @@ def lora_settings_from(args: argparse.Namespace) -> LoraSettings:
     )
 
 
-def _refuse_unsupported_options(args: argparse.Namespace) -> None:
+def _refuse_unsupported_options(args: argparse.Namespace, quantization: str | None) -> None:
     """Refuses a memory option the checkpoint's family does not support, with the registry's reason."""
     try:
         family = read_checkpoint(args.model).traits
@@ -545,8 +612,9 @@ def _refuse_unsupported_options(args: argparse.Namespace) -> None:
     for used, flag, feature in (
         (args.enable_cpu_offload, "--enable-cpu-offload", "cpu_offload"),
         (args.enable_layerwise_offload, "--enable-layerwise-offload", "layerwise_offload"),
-        (args.quantization == "fp8", "--quantization fp8", "fp8"),
-        (args.quantization == "int8", "--quantization int8", "int8"),
+        (quantization == "fp8", "--quantization fp8", "fp8"),
+        (quantization == "int8", "--quantization int8", "int8"),
+        (quantization == "gguf", "--quantization gguf", "gguf"),
         (args.compile, "--compile", "compile"),
     ):
         if used and not family.support(feature).supported:
@@ -591,10 +659,14 @@ def step_cache_offer_from(args: argparse.Namespace) -> CacheOffer:
         raise SystemExit(f"stagediff serve dit: {error}") from None
 
 
+def _transformer_class(model: str) -> type[torch.nn.Module]:
+    index = json.loads((Path(model) / "model_index.json").read_text())
+    return getattr(diffusers, index["transformer"][1])
+
+
 def _meta_transformer(model: str) -> torch.nn.Module:
     """The transformer's module tree without its weights, to check layer names before loading."""
-    index = json.loads((Path(model) / "model_index.json").read_text())
-    model_class = getattr(diffusers, index["transformer"][1])
+    model_class = _transformer_class(model)
     with torch.device("meta"):
         return model_class.from_config(model_class.load_config(Path(model) / "transformer"))
 

@@ -34,6 +34,7 @@ FEATURES = {
     "layerwise_offload": "Layerwise offload (`--enable-layerwise-offload`)",
     "fp8": "FP8 weights (`--quantization fp8`)",
     "int8": "INT8 weights (`--quantization int8`)",
+    "gguf": "GGUF weights (`--quantization gguf`, a `.gguf` transformer file)",
     "multithread_loading": "Multi-thread loading (`--num-weight-load-threads`)",
     "compile": "Regional compilation (`--compile`)",
     "interpolation": "Frame interpolation (`--interp-exp`)",
@@ -114,6 +115,11 @@ LORA_WITH: dict[str, Support] = {
     "int8": Support(
         reason="as for FP8: PEFT's layers wrap full-precision linears; fuse the adapter with --lora instead",
         refusal_tests=_LORA_REFUSED,
+    ),
+    "gguf": Support(
+        reason="a GGUF layer keeps its weight packed, and the adapters' shape checks and PEFT's layers read the "
+        "linear's weight; serve the safetensors weights with the adapter, or fuse it before converting to GGUF",
+        refusal_tests=("tests/test_gguf.py::test_gguf_is_chosen_by_the_file_and_refused_where_it_cannot_work",),
     ),
     "cpu_offload": Support(
         reason="adapters are loaded into the transformer while requests run, and the offload hooks move the "
@@ -259,6 +265,15 @@ class Family:
     # init-model presets with trained weights shipped in the package, copied rather than written:
     # preset name -> "package:directory" of a checkpoint inside that package.
     trained_presets: dict[str, str] = field(default_factory=dict)
+    # init-model presets with random weights that only this family writes, beyond the "tiny" and "small" every
+    # family has: preset name -> what it is (its writer knows how to write it). Used for the published
+    # checkpoints' real configs, so that memory and load times are measured at real size.
+    own_presets: dict[str, str] = field(default_factory=dict)
+    # GGUF files of the family's transformer (families/gguf.py, dit_svc/gguf.py): "module:function" giving the
+    # name such files use for a diffusers state-dict key, and their `general.architecture` ("" for both where
+    # the family serves no GGUF weights).
+    gguf_names: str = ""
+    gguf_arch: str = ""
 
     def support(self, feature: str) -> Support:
         return self.features.get(feature, Support(reason="not implemented for this family yet"))

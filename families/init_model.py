@@ -14,7 +14,11 @@ exactly as a downloaded checkpoint does, so every stage can be checked against i
 The writer lives in the family's folder with the family's preset tables (component configs per preset, and
 the request each preset is sized for), writes every component, model_index.json and the defaults file, and
 uses the helpers below. It runs with the global RNG forked (seeding stays local to the call) and float32 as
-the default dtype (weights are created and saved in float32).
+the default dtype (weights of "tiny" and "small" are created and saved in float32).
+
+Every family writes the random presets in PRESETS. A family may declare presets of its own
+(`Family.own_presets`, e.g. wan-t2v's "wan2.1-1.3b-config": a published checkpoint's real configs with random
+weights); its writer writes those too, in whatever dtype and shard layout the preset stands for.
 
 torch, diffusers and transformers are imported where they are used, so reading PRESETS (as the CLI does to
 build its parser) stays cheap.
@@ -40,12 +44,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Every family has a table entry for each preset: "tiny" runs a request in well under a second on one CPU
-# thread (for tests), "small" is sized for benchmarks.
+# The random presets every family has, each with an entry in the family's preset tables: "tiny" runs a
+# request in well under a second on one CPU thread (for tests), "small" is sized for benchmarks.
 PRESETS = ("tiny", "small")
+# Random-weight presets that some family declares for itself (`Family.own_presets`): written by its writer.
+OWN_PRESETS = tuple(sorted({preset for family in FAMILIES.values() for preset in family.own_presets}))
 # Presets with trained weights that some family ships (`Family.trained_presets`): copied, not written.
 TRAINED_PRESETS = tuple(sorted({preset for family in FAMILIES.values() for preset in family.trained_presets}))
-ALL_PRESETS = PRESETS + TRAINED_PRESETS
+ALL_PRESETS = PRESETS + OWN_PRESETS + TRAINED_PRESETS
 
 
 def init_model(
@@ -58,8 +64,9 @@ def init_model(
     """Write a random-weight `family` checkpoint of size `preset` to `out_dir` and return its path.
 
     The same seed gives byte-identical weight files. `shard_size` (bytes) splits large weight files
-    into shards, as big real checkpoints are. A trained preset of the family (`Family.trained_presets`)
-    is copied to `out_dir` instead; seed and shard_size do not apply to it.
+    into shards, as big real checkpoints are; a family's own preset (`Family.own_presets`) has the shard
+    layout of the checkpoint it stands for unless `shard_size` is given. A trained preset of the family
+    (`Family.trained_presets`) is copied to `out_dir` instead; seed and shard_size do not apply to it.
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; allowed: {', '.join(FAMILY_NAMES)}")
@@ -70,8 +77,9 @@ def init_model(
                 f"preset {preset!r} is trained weights, copied as they are: seed and shard size do not apply"
             )
         return copy_trained_checkpoint(trained[preset], Path(out_dir))
-    if preset not in PRESETS:
-        allowed = ", ".join((*PRESETS, *trained))
+    own = FAMILIES[family].own_presets
+    if preset not in PRESETS and preset not in own:
+        allowed = ", ".join((*PRESETS, *own, *trained))
         raise ValueError(f"unknown preset {preset!r} for {family}; allowed: {allowed}")
     import torch
 

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The DiT's throughput levers on one CUDA GPU in bf16, each benchmark as on CPU (bench/step_cache.py,
-# bench/compile.py, bench/batching.py, bench/lora.py), written together to ${OUT:-.}/bench-gpu.json. Each makes its own
+# On one CUDA GPU in bf16: first Wan2.1-T2V-1.3B at real size against diffusers' WanPipeline (bench/wan_gpu.py:
+# seconds per step, step caches, regional compilation, the cluster end to end, peak memory), then the DiT's
+# throughput levers, each benchmark as on CPU (bench/step_cache.py, bench/compile.py, bench/batching.py,
+# bench/lora.py); written together to ${OUT:-.}/bench-gpu.json, one key per benchmark. Each makes its own
 # random-weight checkpoint (the step cache's quality part uses the committed demo model), so a GPU machine
-# needs nothing but `make bench-gpu`. BENCH_GPU_QUICK=1 runs the short variants (a few minutes in all).
+# needs nothing but `make bench-gpu`. BENCH_GPU_QUICK=1 runs the short variants (bench/wan_gpu.py --quick fits
+# 10 minutes on an H100, checkpoint included; the others take a few minutes in all).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-.venv/bin/python}
@@ -11,9 +14,9 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 if [ "${BENCH_GPU_QUICK:-0}" = "1" ]; then
-    steps=20 cases=8 presets=tiny,small rounds=1
+    wan_size=--quick steps=20 cases=8 presets=tiny,small rounds=1
 else
-    steps=50 cases=24 presets=tiny,small rounds=3
+    wan_size= steps=50 cases=24 presets=tiny,small rounds=3
 fi
 
 run() {  # name, then the command; a benchmark that fails is recorded as such and the others still run
@@ -28,6 +31,7 @@ run() {  # name, then the command; a benchmark that fails is recorded as such an
     fi
 }
 
+run wan_gpu "$python" bench/wan_gpu.py ${wan_size:+"$wan_size"}
 run step_cache "$python" bench/step_cache.py --device cuda --dtype bf16 --preset small --steps "$steps" --cases "$cases"
 run compile "$python" bench/compile.py --device cuda --dtype bf16 --preset small --steps 10 --requests 3
 run batching "$python" bench/batching.py -f deploy/docker-compose.single-gpu.yml --presets "$presets" --rounds "$rounds"
@@ -38,7 +42,7 @@ import json, sys
 from pathlib import Path
 
 work, out = Path(sys.argv[1]), Path(sys.argv[2])
-report = {name: json.loads((work / f"{name}.json").read_text()) for name in ("step_cache", "compile", "batching", "lora")}
+report = {name: json.loads((work / f"{name}.json").read_text()) for name in ("wan_gpu", "step_cache", "compile", "batching", "lora")}
 out.write_text(json.dumps(report, indent=2) + "\n")
 print(out)
 PY

@@ -1,4 +1,8 @@
-"""Startup shared by the stage services (their options: services/stage_options.py)."""
+"""Startup shared by the stage services (their options: services/stage_options.py).
+
+A stage refuses to start, with a one-line message and before it serves or loads anything, on a bad flag, a bad
+checkpoint, or weights that do not fit in the memory available (services/memory_budget.py).
+"""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from services.auth import (
 )
 from services.checkpoint import CheckpointSpec, read_checkpoint
 from services.logging_setup import bind_log_fields
+from services.memory_budget import MemoryBudgetError, WeightNeed, check_weights_fit
 from services.metrics import ServerMetrics, start_metrics_server
 from services.server import check_server_arguments, configure_logging, serve
 from services.stage import StageControlServicer, StageRuntime, resolve_device, resolve_dtype
@@ -46,6 +51,11 @@ class StageServicer(abc.ABC):
     @abc.abstractmethod
     def load(self) -> None:
         """Loads the model (blocking; runs on the compute thread)."""
+
+    def memory_need(self) -> WeightNeed | None:
+        """What `load` will hold (services/memory_budget.py), checked before the stage starts; None for a stage
+        whose weights are too small to matter."""
+        return None
 
     def failure(self) -> str | None:
         """Why the stage can no longer serve (a rank of its group died), or None."""
@@ -98,6 +108,7 @@ def run_stage(
     except (OSError, ValueError) as error:
         raise SystemExit(f"stagediff serve {stage}: --metrics-port {args.metrics_port}: {error}") from None
     servicer = make_servicer(args, runtime)
+    check_memory(stage, servicer)
 
     def register(server: grpc.aio.Server) -> list[str]:
         stages_pb2_grpc.add_StageControlServicer_to_server(StageControlServicer(runtime), server)
@@ -127,6 +138,16 @@ def run_stage(
             max_health_watchers=args.max_health_watchers,
         )
     )
+
+
+def check_memory(stage: str, servicer: StageServicer) -> None:
+    """Exits with the memory guard's message when the stage's weights do not fit where it will load them."""
+    try:
+        need = servicer.memory_need()
+        if need is not None:
+            check_weights_fit(need)
+    except MemoryBudgetError as error:
+        raise SystemExit(f"stagediff serve {stage}: {error}") from None
 
 
 def _secret_interceptors(stage: str, args: argparse.Namespace) -> list[grpc.aio.ServerInterceptor]:

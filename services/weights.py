@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -188,6 +189,40 @@ def load_pretrained(
     _finish(model, library, device, directory, tied, wanted)
     stats.tensors = len(to_read)
     return _finish_stats(model, model_class, directory, stats, start)
+
+
+def planned_bytes(
+    model_class: type[nn.Module],
+    directory: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype = torch.float32,
+    keep_in_fp32: Sequence[str] | None = None,
+) -> int:
+    """The bytes of the weights `load_pretrained(model_class, directory, dtype=dtype)` will hold, read no tensor.
+
+    The safetensors headers give each tensor's shape; its final dtype follows the same rule as the load
+    (floating-point tensors cast to `dtype` unless the class keeps them in fp32, others as stored). The model
+    is built empty (parameters on the meta device), as the load builds it, to rename keys and read the dtype
+    plan. A tensor the model does not take is not counted (the load refuses it). services/memory_budget.py
+    checks the result against the memory available before a stage loads.
+    """
+    directory = Path(directory)
+    library = _library_of(model_class)
+    entries = _read_headers(_weight_files(directory))
+    model = _build_empty(model_class, directory, library, dtype)
+    entries = _rename(entries, model, library)
+    if library == "diffusers":
+        keep_fp32 = _fp32_matcher(model_class, library, dtype, keep_in_fp32)
+        meta_state = None
+    else:
+        keep_fp32 = _fp32_matcher(model, library, dtype, keep_in_fp32)
+        meta_state = model.state_dict(keep_vars=True)
+    expected = set(model.state_dict().keys())
+    total = 0
+    for entry in entries:
+        if entry.key in expected:
+            total += math.prod(entry.shape) * _target_dtype(dtype, keep_fp32, meta_state, entry).itemsize
+    return total
 
 
 def _finish_stats(

@@ -38,6 +38,7 @@ def _up(argv: list[str]) -> int:
 def _init_model(argv: list[str]) -> int:
     import logging
 
+    from families.gguf import WRITABLE_TYPES, convert_checkpoint, original_names
     from families.init_model import ALL_PRESETS, PRESETS, init_model
     from families.registry import FAMILIES, FAMILY_NAMES
 
@@ -45,6 +46,11 @@ def _init_model(argv: list[str]) -> int:
         f"{preset}: trained weights for {family.name}"
         for family in FAMILIES.values()
         for preset in family.trained_presets
+    )
+    own = "; ".join(
+        f"{preset}: {description} ({family.name})"
+        for family in FAMILIES.values()
+        for preset, description in family.own_presets.items()
     )
     parser = argparse.ArgumentParser(
         prog="stagediff init-model",
@@ -56,14 +62,26 @@ def _init_model(argv: list[str]) -> int:
         "--preset",
         required=True,
         choices=ALL_PRESETS,
-        help=f"{', '.join(PRESETS)}: random weights for every family; {trained}",
+        help=f"{', '.join(PRESETS)}: random weights for every family; {own}; {trained}",
     )
     parser.add_argument("--out", required=True, help="directory to write the checkpoint to")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--gguf",
+        choices=WRITABLE_TYPES,
+        default=None,
+        help="write the transformer(s) as one GGUF file of this type each, in place of their safetensors "
+        "(the layout published GGUF files have: the blocks' linear weights quantized, the rest float32)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        print(init_model(args.family, args.preset, args.out, seed=args.seed))
+        if args.gguf:
+            original_names(FAMILIES[args.family])  # refuses a family with no GGUF layout before writing anything
+        out = init_model(args.family, args.preset, args.out, seed=args.seed)
+        if args.gguf:
+            convert_checkpoint(out, FAMILIES[args.family], args.gguf)
+        print(out)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -1,13 +1,19 @@
-"""End to end with the DiT's memory options: offload leaves frames unchanged, quantization stays close."""
+"""End to end with the DiT's memory options: offload leaves frames unchanged, quantization stays close, GGUF
+weights give diffusers' frames for the same file."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+import torch
+from diffusers import GGUFQuantizationConfig, WanPipeline, WanTransformer3DModel
 
+from families.gguf import convert_checkpoint
+from families.registry import FAMILIES
 from stagediff import Client
 from stagediff.local.supervisor import LocalCluster
 from tests.conftest import THREADS_PER_STAGE, reference_frames
@@ -49,6 +55,26 @@ def test_quantized_dit_serves_close_frames_and_halves_weights(tiny_model, refere
     psnr = 10 * np.log10(255.0**2 / max(mse, 1e-12))
     assert psnr >= 30, f"{method}: PSNR {psnr:.1f} dB against the unquantized pipeline"
     assert dit.info.parallel_config["quantization"] == method
+
+
+def test_gguf_dit_serves_frames_equal_to_wan_pipeline(tiny_model, tmp_path) -> None:
+    """A checkpoint whose transformer folder holds a Q4_0 GGUF file is served from it, frames as WanPipeline's
+    with the transformer diffusers loads from the same file."""
+    model = tmp_path / "gguf"
+    shutil.copytree(tiny_model, model)
+    (gguf_path,) = convert_checkpoint(model, FAMILIES["wan-t2v"], "Q4_0")
+    with LocalCluster(model, threads_per_stage=THREADS_PER_STAGE, log_dir=tmp_path) as cluster:
+        frames, dit = _generate(cluster)
+    transformer = WanTransformer3DModel.from_single_file(
+        str(gguf_path),
+        config=str(model),
+        subfolder="transformer",
+        quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32),
+        torch_dtype=torch.float32,
+    )
+    expected = reference_frames(WanPipeline.from_pretrained(model, transformer=transformer), **CASE)
+    assert np.abs(frames.astype(np.int16) - expected.astype(np.int16)).max() <= 1
+    assert dit.info.parallel_config["quantization"] == "gguf"
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from families.init_model import PRESETS, init_model
+from families.init_model import ALL_PRESETS, OWN_PRESETS, PRESETS, init_model
 from families.registry import FAMILIES, FAMILY_NAMES, family_for_index
 from families.wan.init_model import (
     DEFAULT_REQUESTS,
+    REAL_SIZE_PRESET,
+    REAL_SIZE_SHARD_BYTES,
+    REAL_TEXT_ENCODER_CONFIG,
+    REAL_TRANSFORMER_CONFIG,
+    REAL_VAE_CONFIG,
     TEXT_ENCODER_CONFIGS,
     TOKENIZER_CONFIGS,
     TRANSFORMER_CONFIGS,
@@ -20,6 +25,7 @@ from families.wan.init_model import (
     build_text_encoder,
     build_transformer,
     build_vae,
+    random_bf16,
 )
 from services.checkpoint import DEFAULTS_FILE
 
@@ -112,6 +118,7 @@ def test_unknown_family_or_preset_is_rejected(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)
 def test_every_family_sizes_every_preset(name: str) -> None:
+    """The random presets every family has; presets a family declares for itself are its writer's own."""
     tables = importlib.import_module(FAMILIES[name].load("writer").__module__)
     for table in (
         "TRANSFORMER_CONFIGS",
@@ -155,3 +162,63 @@ def test_preset_configs_build_and_fit_together(preset: str) -> None:
         assert build_vae(preset, seed=0).config.z_dim == vae["z_dim"]
         vocab_size = TOKENIZER_CONFIGS[preset]["vocab_size"]
         assert build_text_encoder(preset, vocab_size).config.vocab_size == vocab_size
+
+
+def test_a_family_declares_its_own_presets(tmp_path: Path) -> None:
+    assert OWN_PRESETS == (REAL_SIZE_PRESET,) and REAL_SIZE_PRESET in ALL_PRESETS
+    assert REAL_SIZE_PRESET in FAMILIES["wan-t2v"].own_presets
+    for other in ("wan2.2-a14b", "qwen-image"):
+        with pytest.raises(ValueError, match=f"unknown preset '{REAL_SIZE_PRESET}' for {other}; allowed: tiny, small"):
+            init_model(other, REAL_SIZE_PRESET, tmp_path / other)
+        assert not (tmp_path / other).exists()
+
+
+def _meta_real_size() -> dict[str, torch.nn.Module]:
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    with torch.device("meta"):
+        return {
+            "text_encoder": UMT5EncoderModel(UMT5Config(**REAL_TEXT_ENCODER_CONFIG)),
+            "transformer": WanTransformer3DModel(**REAL_TRANSFORMER_CONFIG),
+            "vae": AutoencoderKLWan(**REAL_VAE_CONFIG),
+        }
+
+
+def test_the_real_size_preset_has_the_published_sizes_and_shards() -> None:
+    """Wan2.1-T2V-1.3B-Diffusers: 5.68B text encoder parameters in 5 shards, 1.42B transformer parameters in 2,
+    a 127M VAE in one file (the published files are fp32 under a 5 GB limit; bf16 under half of it)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    published = {"text_encoder": (5_680_910_336, 5), "transformer": (1_418_996_800, 2), "vae": (126_892_531, 1)}
+    for name, model in _meta_real_size().items():
+        state = {key: tensor.to(torch.bfloat16) for key, tensor in model.state_dict().items()}
+        state.pop("encoder.embed_tokens.weight", None)  # the shared embedding, saved once
+        split = split_torch_state_dict_into_shards(state, max_shard_size=REAL_SIZE_SHARD_BYTES)
+        parameters = sum(tensor.numel() for tensor in state.values())
+        assert (parameters, len(split.filename_to_tensors)) == published[name], name
+    transformer = REAL_TRANSFORMER_CONFIG
+    assert transformer["num_attention_heads"] * transformer["attention_head_dim"] == 1536
+    assert transformer["text_dim"] == REAL_TEXT_ENCODER_CONFIG["d_model"]
+    assert transformer["in_channels"] == REAL_VAE_CONFIG["z_dim"] == len(REAL_VAE_CONFIG["latents_std"])
+
+
+def test_random_bf16_fills_each_weight_once_from_the_seed() -> None:
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = {**REAL_TEXT_ENCODER_CONFIG, "vocab_size": 500, "d_model": 64, "d_kv": 16, "d_ff": 128}
+    config.update(num_layers=2, num_heads=4)
+
+    def build() -> torch.nn.Module:
+        with torch.device("meta"):
+            model = UMT5EncoderModel(UMT5Config(**config))
+        return random_bf16(model, seed=3)
+
+    first, second = build(), build()
+    assert first.shared.weight is first.encoder.embed_tokens.weight  # tied again after materialising
+    for (key, a), b in zip(first.state_dict().items(), second.state_dict().values(), strict=True):
+        assert a.dtype == torch.bfloat16 and a.device.type == "cpu" and torch.equal(a, b), key
+        if "layer_norm" in key:
+            assert torch.all(a == 1), key
+        else:
+            assert 0.015 < a.float().std().item() < 0.025, key

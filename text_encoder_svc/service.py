@@ -27,6 +27,7 @@ import grpc
 
 from services.environment_options import parse_args
 from services.input_images import DecodedImage, decode_stage_images
+from services.memory_budget import WeightNeed, checkpoint_components, stage_need
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
 from services.stage_main import StageServicer, run_stage
 from services.torch_wire import encode_tensor
@@ -68,6 +69,14 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
             load_threads=runtime.load_threads,
         )
         self.runtime.parameter_bytes = {name: parameter_bytes(module) for name, module in self.encoder.modules.items()}
+
+    def memory_need(self) -> WeightNeed:
+        """The checkpoint's transformers models (the text encoder, and the image encoder of families that have
+        one) in the stage's dtype; the stage has no offload, so a smaller dtype is the only fix."""
+        runtime = self.runtime
+        components = checkpoint_components(runtime.spec.path, library="transformers")
+        fixes = ["--device cpu, where this machine's memory holds them"] if runtime.device.type == "cuda" else []
+        return stage_need(runtime.stage, runtime.device, runtime.dtype, components, fixes=fixes)
 
     def _validate(self, request: stages_pb2.EncodeRequest) -> int:
         spec = self.runtime.spec

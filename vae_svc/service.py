@@ -25,6 +25,7 @@ from families.base import Family
 from services.checkpoint import CheckpointError, read_checkpoint
 from services.environment_options import parse_args
 from services.input_images import DecodedImage, decode_stage_images
+from services.memory_budget import WeightNeed, checkpoint_components, stage_need
 from services.rank_group import GroupFailure
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
 from services.stage_main import StageServicer, run_stage
@@ -88,6 +89,17 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
         runtime.parameter_bytes = {"vae": parameter_bytes(self.decoder.vae)}
         if runtime.spec.traits.image_encoder:
             self.image_encoder = runtime.spec.traits.load("image_encoder")(runtime.spec.path)
+
+    def memory_need(self) -> WeightNeed:
+        """The VAE in the stage's dtype; on the CPU every rank of a patch-parallel group holds a whole copy."""
+        runtime = self.runtime
+        on_cpu = runtime.device.type == "cpu"
+        copies = self.patch_parallel_size if on_cpu else 1
+        fixes = []
+        if on_cpu and copies > 1:
+            fixes.append(f"a smaller --vae-patch-parallel-size (now {copies}: each CPU rank holds the whole VAE)")
+        components = checkpoint_components(runtime.spec.path, names=("vae",))
+        return stage_need(runtime.stage, runtime.device, runtime.dtype, components, copies=copies, fixes=fixes)
 
     def _open_session(self):
         if self.args.vae_use_tiling:

@@ -25,6 +25,7 @@ from dit_svc.denoise import (
     members_still_wanted,
     stop_if_cancelled,
 )
+from dit_svc.gguf import load_gguf_transformer
 from dit_svc.model_options import ModelOptions, apply_model_options
 from dit_svc.parallel import ParallelConfig, build_mesh
 from dit_svc.parallel.mesh import device_type_for
@@ -51,7 +52,9 @@ class WanDenoiser:
         self.parallel = parallel if parallel is not None and parallel.total_ranks > 1 else None
         mesh = build_mesh(self.parallel, device_type_for(device)) if self.parallel is not None else None
         load = partial(load_pretrained, device=device, dtype=dtype, num_threads=load_threads)
-        if self.parallel is not None and self.parallel.shards_weights:
+        if options is not None and options.quantization == "gguf":
+            load = partial(load_gguf_transformer, device=device, dtype=dtype)
+        elif self.parallel is not None and self.parallel.shards_weights:
             # Tensor parallelism and HSDP are applied to the empty model, so that each rank reads only its shards.
             load = partial(load, shard_model=partial(parallelize, config=self.parallel, mesh=mesh, device=device))
         self.transformer = load(WanTransformer3DModel, model_dir / "transformer").eval()

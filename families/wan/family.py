@@ -73,6 +73,11 @@ _WAN_TESTS = {
         "tests/test_quantization.py::test_parameter_bytes_at_most_55_percent_of_bf16",
         "tests/test_e2e_memory.py::test_quantized_dit_serves_close_frames_and_halves_weights",
     ),
+    "gguf": (
+        "tests/test_gguf.py::test_gguf_denoiser_equals_diffusers_from_single_file",
+        "tests/test_gguf.py::test_gguf_under_parallel_layouts_equals_one_rank",
+        "tests/test_e2e_memory.py::test_gguf_dit_serves_frames_equal_to_wan_pipeline",
+    ),
     "multithread_loading": (
         "tests/test_weights.py::test_matches_from_pretrained",
         "tests/test_e2e_parity.py::test_cluster_frames_equal_wan_pipeline",
@@ -142,6 +147,12 @@ WAN_T2V = Family(
     features={name: Support(tests=tests) for name, tests in _WAN_TESTS.items()},
     # A Wan2.1-layout model trained on the shape world (shapeworld/demo_model.py): it draws what its prompts say.
     trained_presets={"demo": "shapeworld:checkpoint"},
+    own_presets={
+        "wan2.1-1.3b-config": "Wan2.1-T2V-1.3B-Diffusers' configs and shard layout (about 7B parameters) "
+        "with random bf16 weights"
+    },
+    gguf_names="families.wan.gguf_names:original_name",
+    gguf_arch="wan",
     **_COMPUTE,
 )
 
@@ -174,6 +185,7 @@ WAN22_A14B = Family(
         "layerwise_offload": Support(tests=(_A14B + "test_a14b_layerwise_offload_keeps_n_blocks_per_expert",)),
         "fp8": Support(tests=(_A14B + "test_a14b_quantized_experts_halve_bytes_and_stay_close",)),
         "int8": Support(tests=(_A14B + "test_a14b_quantized_experts_halve_bytes_and_stay_close",)),
+        "gguf": Support(tests=("tests/test_gguf.py::test_a14b_gguf_experts_equal_diffusers_from_single_file",)),
         "multithread_loading": Support(
             tests=(
                 _A14B + "test_a14b_experts_load_like_from_pretrained",
@@ -194,6 +206,8 @@ WAN22_A14B = Family(
         "lora": _A14B_LORA,
         "lora_fused": _A14B_LORA,
     },
+    gguf_names="families.wan.gguf_names:original_name",
+    gguf_arch="wan",
     **_COMPUTE,
 )
 
