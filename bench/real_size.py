@@ -13,6 +13,10 @@ VAE), about 14 GB on disk. The run records, and prints as one JSON object:
             request end to end (--width x --height, --frames frames, --steps steps) with the stage times the
             orchestrator reports, and each stage process's peak resident memory (VmHWM in /proc/PID/status,
             with the resident split into anonymous and file-backed pages at the end).
+  gguf      the transformer as each --gguf-types type (written as `init-model --gguf` writes it) beside the
+            bf16 safetensors one, each loaded by the DiT stage's loader in a fresh process: file bytes, load
+            seconds, parameter bytes, peak resident memory, one forward pass at the request's size and its
+            noise prediction's relative error against bf16's.
   guard     `stagediff serve text-encoder --dtype float32` on the checkpoint: it must refuse to start with the
             memory guard's message (services/memory_budget.py) rather than be killed. And the Wan2.2-T2V-A14B
             DiT (two 14B experts): its need is computed from the published transformer config on the meta
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import platform
 import shutil
@@ -37,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +220,89 @@ def a14b_guard() -> dict[str, Any]:
     }
 
 
+def _transformer_worker(model: str, gguf: bool, latent_shape: tuple[int, ...], threads: int) -> dict[str, Any]:
+    """In a fresh process: the transformer loaded as the DiT stage loads it in bf16 (from `model`'s GGUF file, or
+    its safetensors), its load seconds, parameter bytes and peak resident memory, and one CFG-less noise
+    prediction on seeded inputs of the request's size."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from dit_svc.gguf import load_gguf_transformer
+    from dit_svc.quantization import parameter_bytes
+    from services.weights import load_pretrained
+
+    torch.set_num_threads(threads)
+    component, cpu = Path(model) / "transformer", torch.device("cpu")
+    started = time.perf_counter()
+    if gguf:
+        transformer = load_gguf_transformer(WanTransformer3DModel, component, device=cpu, dtype=torch.bfloat16)
+    else:
+        transformer = load_pretrained(WanTransformer3DModel, component, device=cpu, dtype=torch.bfloat16)
+    load_s = time.perf_counter() - started
+    generator = torch.Generator().manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(latent_shape, generator=generator).to(torch.bfloat16),
+        timestep=torch.tensor([900]),
+        encoder_hidden_states=torch.randn(1, 512, transformer.config.text_dim, generator=generator).to(torch.bfloat16),
+        return_dict=False,
+    )
+    started = time.perf_counter()
+    with torch.no_grad():
+        prediction = transformer(**inputs)[0].float()
+    return {
+        "load_s": round(load_s, 2),
+        "parameter_bytes": parameter_bytes(transformer),
+        "forward_s": round(time.perf_counter() - started, 2),
+        "peak_rss_bytes": process_memory(os.getpid())["VmHWM"],
+        "prediction": prediction,
+    }
+
+
+def _in_fresh_process(function: Any, *args: Any) -> Any:
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result()
+
+
+def measure_gguf(model: Path, quant_types: list[str], request: dict[str, Any], threads: int) -> dict[str, Any]:
+    """The transformer as each GGUF type (written by families/gguf.py, as `init-model --gguf` writes it, loaded
+    by the DiT stage's loader) beside the bf16 safetensors one, each in a fresh process: file bytes, write and
+    load seconds, parameter bytes, peak resident memory, one forward pass, and how far its noise prediction is
+    from the bf16 one (relative L2 error) on the same inputs."""
+    from families.gguf import gguf_file_name, original_names, write_gguf
+    from families.registry import FAMILIES
+
+    latent_shape = (1, 16, (request["num_frames"] - 1) // 4 + 1, request["height"] // 8, request["width"] // 8)
+    reference = _in_fresh_process(_transformer_worker, str(model), False, latent_shape, threads)
+    expected = reference.pop("prediction")
+    results: dict[str, Any] = {"bf16 safetensors": reference}
+    work = Path(tempfile.mkdtemp(prefix="stagediff-real-size-gguf-"))
+    try:
+        for quant_type in quant_types:
+            # A checkpoint of its own: the index and the transformer's config beside the GGUF file.
+            checkpoint = work / quant_type
+            (checkpoint / "transformer").mkdir(parents=True)
+            shutil.copy(model / "model_index.json", checkpoint)
+            shutil.copy(model / "transformer" / "config.json", checkpoint / "transformer")
+            out = checkpoint / "transformer" / gguf_file_name(quant_type)
+            started = time.perf_counter()
+            write_gguf(model / "transformer", quant_type, original_names(FAMILIES["wan-t2v"]), "wan", out=out)
+            write_s = time.perf_counter() - started
+            run = _in_fresh_process(_transformer_worker, str(checkpoint), True, latent_shape, threads)
+            prediction = run.pop("prediction")
+            error = ((prediction - expected).norm() / expected.norm()).item()
+            results[f"gguf {quant_type}"] = {
+                "file_bytes": out.stat().st_size,
+                "write_s": round(write_s, 1),
+                **run,
+                "parameter_bytes_vs_bf16": round(run["parameter_bytes"] / reference["parameter_bytes"], 4),
+                "prediction_relative_error_vs_bf16": round(error, 5),
+            }
+            print(f"gguf {quant_type}: " + json.dumps(results[f"gguf {quant_type}"]), file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="the checkpoint's directory: used if it holds one, else written")
@@ -224,7 +313,8 @@ def main() -> None:
     parser.add_argument("--height", type=int, default=96)
     parser.add_argument("--frames", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["load", "cluster", "guard"])
+    parser.add_argument("--gguf-types", default="Q8_0,Q4_0", help="GGUF types of the transformer to measure")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["load", "cluster", "guard", "gguf"])
     args = parser.parse_args()
     temporary = None
     report: dict[str, Any] = {
@@ -253,6 +343,9 @@ def main() -> None:
             logs = Path(tempfile.mkdtemp(prefix="stagediff-real-size-logs-"))
             report["cluster"] = run_cluster(model, request, args.threads, logs)
             report["cluster"]["logs"] = str(logs)
+        if "gguf" not in args.skip:
+            request = dict(width=args.width, height=args.height, num_frames=args.frames)
+            report["gguf"] = measure_gguf(model, args.gguf_types.split(","), request, args.threads)
         if "guard" not in args.skip:
             report["guard"] = {"text_encoder_fp32": fp32_text_encoder_attempt(model), "wan2.2_a14b_dit": a14b_guard()}
     finally:

@@ -49,8 +49,11 @@ def original_names(family: Family) -> Callable[[str], str]:
     return getattr(importlib.import_module(module), attribute)
 
 
-def write_gguf(component: Path, quant_type: str, rename: Callable[[str], str], arch: str) -> Path:
-    """Writes `component`'s safetensors weights as `component/diffusion_pytorch_model-<quant_type>.gguf`."""
+def write_gguf(
+    component: Path, quant_type: str, rename: Callable[[str], str], arch: str, out: Path | None = None
+) -> Path:
+    """Writes `component`'s safetensors weights as one GGUF file: `out`, by default
+    `component/diffusion_pytorch_model-<quant_type>.gguf`."""
     import gguf
     import numpy as np
     import torch
@@ -60,7 +63,7 @@ def write_gguf(component: Path, quant_type: str, rename: Callable[[str], str], a
         raise ValueError(f"--gguf {quant_type}: not a type this can write; allowed: {', '.join(WRITABLE_TYPES)}")
     qtype = gguf.GGMLQuantizationType[quant_type]
     block_size, _ = gguf.GGML_QUANT_SIZES[qtype]
-    out = component / gguf_file_name(quant_type)
+    out = out if out is not None else component / gguf_file_name(quant_type)
     writer = gguf.GGUFWriter(out, arch=arch)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     quantized = kept = 0

@@ -9,6 +9,7 @@ What runs only on CUDA, and so only here:
 - the LSE-returning attention kernel that Ulysses / Ring attention and their merge use
   (dit_svc/parallel/attention.py: memory-efficient SDPA with a padded bias and a padded LSE);
 - weight-only fp8/int8 quantization with the weights made on the GPU, torchao's or our own modules;
+- GGUF weights loaded onto the GPU, packed, and dequantized there on every call;
 - CPU offload with pinned host memory, and diffusers' layerwise offload prefetching on a side stream;
 - multi-thread weight loading straight onto the GPU (the cast runs there);
 - a rank group on NCCL;
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +38,7 @@ from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from torch import nn
 from transformers import UMT5EncoderModel
 
+from dit_svc.gguf import load_gguf_transformer
 from dit_svc.offload import ModuleOffloader, ResidencyCounter, apply_offload, group_offload_units
 from dit_svc.parallel.attention import (
     _gather_sequence,
@@ -57,7 +60,9 @@ from dit_svc.quantization import (
     torchao_available,
     weight_storage_dtype,
 )
+from families.gguf import gguf_file_name, write_gguf
 from families.init_model import init_model
+from families.wan.gguf_names import original_name
 from families.wan.init_model import build_transformer
 from families.wan.parallel import WanSequenceParallelAttnProcessor
 from services.weights import load_pretrained, load_stats
@@ -495,6 +500,41 @@ def test_native_quantized_weights_equal_the_cpu_ones(small_transformer_dir: Path
     assert same_scales / scales >= 0.999 and same_weights / weights >= 0.999
     # fp8 steps grow with the magnitude: one value rounded to its neighbour moves by up to 32 x scale.
     assert worst_steps <= (1.0 if method == "int8" else 32.0)
+
+
+@pytest.mark.parametrize("quant_type", ["Q8_0", "Q4_0"])
+def test_gguf_transformer_on_cuda(small_transformer_dir: Path, tmp_path: Path, quant_type: str) -> None:
+    """A GGUF file loaded onto the GPU as the DiT stage loads it (dit_svc/gguf.py): the linear weights stay
+    packed there (GPU memory about the packed bytes, not bf16's), and the bf16 output is the CPU float32 output
+    of the same file within bf16's rounding."""
+    from diffusers.quantizers.gguf.utils import GGUFLinear
+
+    device = cuda_device()
+    component = tmp_path / "transformer"
+    component.mkdir()
+    shutil.copy(small_transformer_dir / "config.json", component)
+    write_gguf(small_transformer_dir, quant_type, original_name, "wan", out=component / gguf_file_name(quant_type))
+    expected = run_transformer(
+        load_gguf_transformer(WanTransformer3DModel, component, device=CPU, dtype=torch.float32), CPU
+    )
+    before = allocated(device)
+    model = load_gguf_transformer(WanTransformer3DModel, component, device=device, dtype=torch.bfloat16)
+    loaded = allocated(device) - before
+    output = run_transformer(model, device)
+    layers = [module for module in model.modules() if isinstance(module, GGUFLinear)]
+    error = relative(output, expected)
+    report(
+        f"gguf {quant_type}",
+        layers=len(layers),
+        param_bytes=mib(parameter_bytes(model)),
+        gpu_allocated=mib(loaded),
+        rel_vs_cpu_fp32=error,
+    )
+    assert len(layers) == 12 * 10  # every linear of the 12 blocks
+    assert all(layer.weight.device == device and layer.weight.dtype == torch.uint8 for layer in layers)
+    if on_gpu(device):
+        assert loaded <= 1.1 * parameter_bytes(model)
+    assert error < 0.02
 
 
 # ---------------------------------------------------------------------------------------------
