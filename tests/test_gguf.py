@@ -135,6 +135,31 @@ def test_gguf_denoiser_equals_diffusers_from_single_file(tiny_model, gguf_models
     assert 0 < relative < {"Q8_0": 0.01, "Q4_0": 0.1}[quant_type], relative
 
 
+def _mapped_file(address: int) -> str | None:
+    """The file mapped at `address` in this process (/proc/self/maps), or None for anonymous memory."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, _, _, _, _, *path = line.split(maxsplit=5)
+        start, end = (int(bound, 16) for bound in span.split("-"))
+        if start <= address < end:
+            return path[0] if path else None
+    return None
+
+
+def test_loaded_weights_are_views_of_the_file_and_writing_them_leaves_it_unchanged(gguf_models) -> None:
+    """The weights stay in the file's pages (copy-on-write), so writing one copies its page and never the file."""
+    component = gguf_models["Q4_0"] / "transformer"
+    before = gguf_file(component).read_bytes()
+    model = load_gguf_transformer(WanTransformer3DModel, component, device=CPU, dtype=torch.float32)
+    weight = model.blocks[0].attn1.to_q.weight
+    assert _mapped_file(weight.data_ptr()) == str(gguf_file(component))
+    original = weight.clone()
+    with torch.no_grad():
+        weight.add_(1)
+    assert gguf_file(component).read_bytes() == before
+    reloaded = load_gguf_transformer(WanTransformer3DModel, component, device=CPU, dtype=torch.float32)
+    assert torch.equal(reloaded.blocks[0].attn1.to_q.weight.as_tensor(), original.as_tensor())
+
+
 def test_a14b_gguf_experts_equal_diffusers_from_single_file(a14b_model, tmp_path) -> None:
     """Wan2.2 A14B: both experts from their own GGUF files, switched at the boundary as WanPipeline switches."""
     model = tmp_path / "a14b-q8"
