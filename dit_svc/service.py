@@ -93,7 +93,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         """
         runtime, parallel = self.runtime, self.parallel
         root = runtime.spec.path
-        names = tuple(name for name in ("transformer", "transformer_2") if (root / name).is_dir())
+        names = _transformer_components(str(root))
         gguf_helps = self.options.quantization != "gguf" and runtime.spec.traits.support("gguf").supported
         fixes = [GGUF_FIX] if gguf_helps else []
         held: dict[str, int] = {}
@@ -645,16 +645,13 @@ def batching_from(args: argparse.Namespace) -> tuple[int, float]:
 
 def step_cache_offer_from(args: argparse.Namespace) -> CacheOffer:
     """The step caches this stage offers (dit_svc/cache_offer.py), refusing a cache flag it cannot honour."""
-    index_path = Path(args.model, "model_index.json")
     try:
         family = read_checkpoint(args.model).traits
-        index = json.loads(index_path.read_text())
-    except (CheckpointError, OSError, json.JSONDecodeError):
+    except CheckpointError:
         # The stage itself reports what is wrong with the checkpoint; nothing is offered without one.
         return CacheOffer({}, stages_pb2.StepCache(method="none"))
-    experts = ("transformer", "transformer_2") if (index.get("transformer_2") or [None, None])[1] else ("transformer",)
     try:
-        return cache_offer_from(args, family, experts)
+        return cache_offer_from(args, family, _transformer_components(args.model))
     except ValueError as error:
         raise SystemExit(f"stagediff serve dit: {error}") from None
 

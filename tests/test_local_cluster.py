@@ -643,7 +643,7 @@ def _readyz_server(status: int | None) -> Iterator[int]:
             self.end_headers()
 
         def log_message(self, *args: object) -> None:
-            pass
+            """Quiet: the test reads the answers, not the server's log lines."""
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

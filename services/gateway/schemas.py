@@ -90,7 +90,7 @@ class ImageGenerate(Diffusion):
 
 
 class ImageEdit(ImageGenerate):
-    pass
+    """POST /v1/images/edits: the fields of a generation; the images to edit come as multipart files."""
 
 
 def parse_size(size: str | None) -> tuple[int, int] | None:
