@@ -10,9 +10,18 @@ waiting at all.
 
 Each request keeps its own stream: its progress events, its passes and its latents, nothing of the others
 (the stage never tells a request who shared its batch). A request whose call ends (cancelled, deadline,
-client gone) is dropped from its batch before the next step; the others go on. An error of the batch's
-compute fails every request in it with that error, which names no request. Requests with a step cache run
-alone: the cache decides from the request's own activations.
+client gone) is dropped from its batch before the next step; the others go on. Requests with a step cache run
+alone: the cache decides from the request's own activations. Requests of different batch groups (tenants,
+when the orchestrator runs --batch-per-tenant) never share a batch.
+
+One member cannot fail the others. A batch's members share their adapters, shapes and schedule (the key), so
+what could fail one fails each alone; what batching adds is memory, and a batch holds members only while their
+work (pixels x frames x guidance branches, `request_work`) stays within that of the largest request the stage
+admits alone (`max_work`): a batch never needs more activation memory than one admitted request, and a request
+that would push it past that waits for the next batch (the largest ones run alone). Retrying each member alone
+after a failed batch was the other way: it repeats the failure (an out-of-memory error, N times, on the one
+compute thread) instead of preventing it. An error of the batch's compute fails every request in it with that
+error, which names no request.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import torch
 
 from dit_svc.denoise import DenoiseSpec
 from dit_svc.step_cache import CachePasses
+from services.errors import RequestError
 from services.stage import Cancelled, StageRuntime
 from stagediff.v1 import stages_pb2
 
@@ -38,6 +48,25 @@ logger = logging.getLogger(__name__)
 RunBatch = Callable[..., list[tuple[torch.Tensor | None, CachePasses]]]
 MAX_BATCH_SIZE = 64
 MAX_BATCH_WAIT_MS = 10_000
+# DenoiseParams.batch_group: an HMAC-SHA256 from the orchestrator; anything longer is refused.
+MAX_BATCH_GROUP_BYTES = 64
+
+
+def checked_batch_group(value: bytes) -> bytes:
+    """A request's batch group; raises RequestError when it is longer than MAX_BATCH_GROUP_BYTES."""
+    if len(value) > MAX_BATCH_GROUP_BYTES:
+        raise RequestError(f"batch_group: {len(value)} bytes; at most {MAX_BATCH_GROUP_BYTES} are allowed")
+    return value
+
+
+def request_work(spec: DenoiseSpec) -> int:
+    """What a request adds to its batch's activations: its pixels times frames, per guidance branch."""
+    return spec.height * spec.width * spec.num_frames * (2 if spec.do_classifier_free_guidance else 1)
+
+
+def max_work(limits: stages_pb2.ModelLimits) -> int:
+    """The work of the largest request the model admits (its largest size, with guidance): a batch's bound."""
+    return limits.max_height * limits.max_width * limits.max_frames * 2
 
 
 @dataclass
@@ -53,10 +82,20 @@ class Waiting:
 
 
 class RequestBatcher:
-    def __init__(self, runtime: StageRuntime, run_batch: RunBatch, max_batch_size: int, wait_ms: float) -> None:
+    def __init__(
+        self,
+        runtime: StageRuntime,
+        run_batch: RunBatch,
+        max_batch_size: int,
+        wait_ms: float,
+        work_limit: int | None = None,
+    ) -> None:
+        """`work_limit`: the most `request_work` one batch holds in all (`max_work` of the model); None: no bound
+        but `max_batch_size`."""
         self.runtime = runtime
         self.run_batch = run_batch
         self.max_batch_size = max_batch_size
+        self.work_limit = work_limit
         self.wait_s = wait_ms / 1000
         self.waiting: list[Waiting] = []
         self.arrival = asyncio.Event()
@@ -85,7 +124,30 @@ class RequestBatcher:
                 self.waiting.remove(waiting)
 
     def _partners(self, key: tuple) -> list[Waiting]:
-        return [w for w in self.waiting if w.key == key and not w.cancel.is_set()]
+        """The requests waiting with `key`, oldest first, as many as one batch holds: at most max_batch_size,
+        and within work_limit (the first always: a request alone is never refused here)."""
+        members: list[Waiting] = []
+        work = 0
+        for waiting in self.waiting:
+            if waiting.key != key or waiting.cancel.is_set():
+                continue
+            added = request_work(waiting.spec)
+            if members and self.work_limit is not None and work + added > self.work_limit:
+                break
+            members.append(waiting)
+            work += added
+            if len(members) == self.max_batch_size:
+                break
+        return members
+
+    def _room_for_more(self, key: tuple) -> bool:
+        """Whether the batch of `key` could take another request like its first (so it waits for partners)."""
+        members = self._partners(key)
+        if len(members) >= self.max_batch_size:
+            return False
+        if self.work_limit is None or not members:
+            return True
+        return sum(request_work(m.spec) for m in members) + request_work(members[0].spec) <= self.work_limit
 
     async def _dispatch(self) -> None:
         loop = asyncio.get_running_loop()
@@ -95,13 +157,13 @@ class RequestBatcher:
                 await self.arrival.wait()
             first = self.waiting[0]
             deadline = first.arrived + self.wait_s
-            while len(self._partners(first.key)) < self.max_batch_size and loop.time() < deadline:
+            while self._room_for_more(first.key) and loop.time() < deadline:
                 self.arrival.clear()
                 try:
                     await asyncio.wait_for(self.arrival.wait(), deadline - loop.time())
                 except TimeoutError:
                     break
-            members = self._partners(first.key)[: self.max_batch_size]
+            members = self._partners(first.key)
             for member in members:
                 self.waiting.remove(member)
             if first not in members and first in self.waiting:  # cancelled while it waited

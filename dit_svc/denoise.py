@@ -51,6 +51,9 @@ class DenoiseSpec:
     cache: CacheSpec = CacheSpec()
     # The request's LoRA adapters as (name, scale), in the order it named them.
     loras: tuple[tuple[str, float], ...] = ()
+    # Requests of different batch groups never share a batch (DenoiseParams.batch_group: one per tenant when the
+    # orchestrator keeps batches to one tenant); opaque to the stage.
+    batch_group: bytes = b""
 
     @property
     def do_classifier_free_guidance(self) -> bool:
@@ -194,14 +197,16 @@ def denoise_request(
 
 
 def batch_key(spec: DenoiseSpec, conditioning: dict[str, torch.Tensor]) -> tuple | None:
-    """Requests with the same key can be denoised as one batch: the same latent shape, schedule and guidance
-    branches, the same LoRA adapters at the same scales, and conditioning tensors of the same shapes. Seeds,
-    prompts and guidance scales may differ.
+    """Requests with the same key can be denoised as one batch: the same batch group (one tenant's, when the
+    orchestrator keeps batches to one tenant), latent shape, schedule and guidance branches, the same LoRA
+    adapters at the same scales, and conditioning tensors of the same shapes. Seeds, prompts and guidance scales
+    may differ.
     None: the request runs alone, as one with a step cache does (its skip decisions are its own)."""
     if spec.cache.enabled:
         return None
     shapes = tuple(sorted((name, tuple(tensor.shape), str(tensor.dtype)) for name, tensor in conditioning.items()))
     return (
+        spec.batch_group,
         spec.height,
         spec.width,
         spec.num_frames,

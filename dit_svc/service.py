@@ -19,7 +19,7 @@ import diffusers
 import grpc
 import torch
 
-from dit_svc.batching import MAX_BATCH_SIZE, MAX_BATCH_WAIT_MS, RequestBatcher
+from dit_svc.batching import MAX_BATCH_SIZE, MAX_BATCH_WAIT_MS, RequestBatcher, checked_batch_group, max_work
 from dit_svc.cache_offer import CacheOffer, cache_offer_from
 from dit_svc.denoise import Denoiser, DenoiseSpec, OneRank, batch_key, make_adapter_cache, make_denoiser
 from dit_svc.gguf import check_gguf_file, gguf_file, quantization_for
@@ -167,7 +167,9 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         )
         if self.max_batch_size > 1:
             run_batch = self.runner.denoise_batch_request
-            self.batcher = RequestBatcher(runtime, run_batch, self.max_batch_size, self.batch_wait_ms)
+            self.batcher = RequestBatcher(
+                runtime, run_batch, self.max_batch_size, self.batch_wait_ms, work_limit=max_work(runtime.spec.limits())
+            )
             runtime.parallel_config = {
                 **runtime.parallel_config,
                 "max_batch_size": str(self.max_batch_size),
@@ -188,8 +190,10 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         runtime = self.runtime
         if lora.per_request:
             directory = lora.directory
-            runtime.list_loras = lambda: list_adapters(directory)
+            itemsize = runtime.dtype.itemsize
+            runtime.list_loras = lambda: list_adapters(directory, itemsize)
             runtime.max_loras = lora.max_per_request
+            runtime.lora_cache_bytes = lora.cache_bytes
         if lora.fused:
             runtime.fused_loras = [stages_pb2.LoraAdapter(name=name, scale=scale) for name, scale in lora.fused]
             runtime.served_model = served_model_id(runtime.spec.model_id, lora.fused)
@@ -218,6 +222,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
             seed=params.seed,
             cache=CacheSpec(cache.method, cache.threshold),
             loras=tuple((lora.name, lora.scale) for lora in loras),
+            batch_group=checked_batch_group(params.batch_group),
             **self._images(params),
         )
 

@@ -17,6 +17,7 @@ public port are services/orchestrator/tenant_auth.py, which builds on this):
 
 Refusals are logged at a bounded rate (`RateLimitedLog`): a caller without
 credentials decides how often it is refused, not how much the server logs.
+So is grpc's own line for metadata that is not UTF-8 (`MetadataEncodingFilter`).
 
 Interceptors follow grpc's aio examples: they find the real handler with
 `continuation`, then either return it wrapped or return a handler of the same
@@ -51,6 +52,9 @@ _SECRET_CHARS = re.compile(r"^[\x21-\x7e]+$")
 
 # A refusal of each kind is logged at most this often; the next line says how many were not.
 REFUSAL_LOG_INTERVAL_S = 1.0
+# The logger and message start of grpc's line for a metadata value that is not UTF-8.
+GRPC_LOGGER = "grpc._cython.cygrpc"
+GRPC_INVALID_ENCODING = "Invalid encoding on"
 
 
 class RateLimitedLog:
@@ -92,6 +96,29 @@ class RateLimitedLog:
             args = (*args, held)
         self.logger.log(self.level, message, *args)
         return True
+
+
+class MetadataEncodingFilter(logging.Filter):
+    """Replaces grpc's own ERROR line for a metadata value that is not UTF-8 (grpc's `_decode` logs it with a
+    traceback and the raw bytes, then hands the handler its latin-1 reading, which the interceptors refuse):
+    one line, without the bytes, at a bounded rate. A caller would otherwise decide how much the server logs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines = RateLimitedLog(logger, logging.INFO)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(GRPC_INVALID_ENCODING):
+            return True
+        self.lines.log("metadata-encoding", "received metadata that is not UTF-8 (read as latin-1)")
+        return False
+
+
+def install_metadata_encoding_filter() -> None:
+    """Puts a MetadataEncodingFilter on grpc's logger, once per process."""
+    grpc_logger = logging.getLogger(GRPC_LOGGER)
+    if not any(isinstance(existing, MetadataEncodingFilter) for existing in grpc_logger.filters):
+        grpc_logger.addFilter(MetadataEncodingFilter())
 
 
 def service_of(method: str) -> str:
@@ -179,6 +206,7 @@ class ClusterSecretInterceptor(grpc.aio.ServerInterceptor):
         self._secret = secret.encode()
         self.exempt_services = frozenset(exempt_services)
         self.refusals = RateLimitedLog(logger, logging.WARNING)
+        install_metadata_encoding_filter()
 
     def _refusal_reason(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
         values = [value for key, value in (metadata or ()) if key == CLUSTER_SECRET_METADATA_KEY]

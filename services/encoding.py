@@ -10,6 +10,11 @@ still being decoded. WebM streams the same way; GIF and the single-image formats
 Video goes through PyAV (FFmpeg's libx264, libvpx-vp9 and GIF encoders in its wheels), images through Pillow.
 `quality` is one 1-100 scale across the lossy formats (OpenAI's `output_compression` is the same idea); for the
 codecs with a constant-quality factor it maps linearly onto it: mp4's default 65 is x264's CRF 18.
+
+Memory. A video encoder holds the frames it looks ahead at (x264's `rc-lookahead`, libvpx's `lag-in-frames`) and
+buffers per thread, each the size of a frame, and by default picks both from the machine's cores: an encode's
+memory is bounded by capping them (ENCODER_THREADS, ENCODER_LOOKAHEAD_FRAMES), so that it depends on the frame
+size alone (docs/operations.md gives the bound at the largest frames).
 """
 
 from __future__ import annotations
@@ -28,6 +33,13 @@ _MAX_RATE_DENOMINATOR = 100_000
 # Frames between keyframes of a streamed video, in seconds of video: each keyframe starts a fragment that a
 # client can play, so this is how much video a follower waits for between deliveries.
 _KEYFRAME_INTERVAL_S = 1.0
+# Threads of one video encode, whatever the machine's cores (the codecs' default is one per core or more).
+ENCODER_THREADS = 2
+# Frames a video encoder may hold back to plan its bitrate: x264's rc-lookahead (default 40) and libvpx's
+# lag-in-frames (default 25). Each is a frame's worth of memory, or more.
+ENCODER_LOOKAHEAD_FRAMES = 8
+# Each video codec's name for its lookahead.
+_LOOKAHEAD_OPTION = {"libx264": "rc-lookahead", "libvpx-vp9": "lag-in-frames"}
 
 
 @dataclass(frozen=True)
@@ -107,6 +119,17 @@ def check_output(name: str, quality: int | None, keep_raw_frames: bool, num_fram
     return output
 
 
+def memory_bounds(output: OutputFormat, threads: int | None, lookahead_frames: int | None) -> dict[str, str]:
+    """The codec options that cap a video encoder's threads and lookahead (None: the codec's default)."""
+    bounds = {}
+    if output.codec in _LOOKAHEAD_OPTION:
+        if threads is not None:
+            bounds["threads"] = str(threads)
+        if lookahead_frames is not None:
+            bounds[_LOOKAHEAD_OPTION[output.codec]] = str(lookahead_frames)
+    return bounds
+
+
 class ResultEncoder:
     """Encodes a result's frames as they arrive: `add` and `finish` return the bytes written meanwhile.
 
@@ -114,7 +137,18 @@ class ResultEncoder:
     abandons it (a failed or cancelled job).
     """
 
-    def __init__(self, output: OutputFormat, quality: int | None, height: int, width: int, fps: float) -> None:
+    def __init__(
+        self,
+        output: OutputFormat,
+        quality: int | None,
+        height: int,
+        width: int,
+        fps: float,
+        *,
+        threads: int | None = ENCODER_THREADS,
+        lookahead_frames: int | None = ENCODER_LOOKAHEAD_FRAMES,
+    ) -> None:
+        """`threads` and `lookahead_frames` bound the encoder's memory; None leaves the codec's default."""
         if output.name == RAW:
             raise ValueError("raw frames are not encoded")
         self.output = output
@@ -124,6 +158,7 @@ class ResultEncoder:
         self._image: np.ndarray | None = None
         self._frames = 0
         self._container = None
+        self._bounds = memory_bounds(output, threads, lookahead_frames)
         if output.video:
             self._open_video(Fraction(fps).limit_denominator(_MAX_RATE_DENOMINATOR))
 
@@ -146,7 +181,7 @@ class ResultEncoder:
             options["b"] = "0"  # constant quality: VP9 honours crf only without a target bitrate
             options["deadline"] = "realtime"
             options["cpu-used"] = "8"
-        stream.codec_context.options = options
+        stream.codec_context.options = {**options, **self._bounds}
         self._stream = stream
 
     # PyAV writes the container through this (the encoder is its file): bytes are kept until `add` returns them.

@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 ENV_PREFIX = "STAGEDIFF_"
 CONFIG_OPTION = "--config"
 # Variables read directly by the code, not options: never warned about.
-NOT_OPTIONS = frozenset({"STAGEDIFF_CLUSTER_SECRET", "STAGEDIFF_API_KEY"})
+NOT_OPTIONS = frozenset({"STAGEDIFF_CLUSTER_SECRET", "STAGEDIFF_API_KEY", "STAGEDIFF_LAUNCH_ID"})
 # ConfigArgParse's names for where a value came from (get_source_to_settings_dict).
 _TAKEN_AS_GIVEN = ("command_line", "defaults")
 _ENVIRONMENT_SOURCE = "environment_variables"

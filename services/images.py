@@ -38,32 +38,32 @@ Pillow: it is a JPEG, and its first picture is the image, as load_image and
 every viewer take it (reported as format JPEG).
 
 Only Pillow's PNG, JPEG and WebP readers ever parse the bytes (Image.open is
-told so); the name of another format is found from its signature alone, for
-the error message. Pillow's own decompression-bomb check (a warning above
-Image.MAX_IMAGE_PIXELS, about 89 M pixels, an error above twice that) fires
-inside Image.open, before our check can: its error becomes the same refusal
-as ours (so a `max_pixels` above about 179 M pixels is capped there), and its
-warning, like every warning Pillow gives about a client's
-bytes, is silenced. `warnings.catch_warnings` swaps process-wide state, so
-the calls that use it take a lock: two requests decoding at once must not
-restore each other's warning filters. Global Pillow settings are never
-changed; ImageFile.LOAD_TRUNCATED_IMAGES stays off, so a truncated file fails
-to decode instead of coming back half grey.
+told so), and only once `check_structure` (services/image_structure.py) has bounded the file's scans,
+segments and header bytes; the name of another format is found from its signature alone, for the error
+message. Pillow's own decompression-bomb check (an error above twice Image.MAX_IMAGE_PIXELS, about 179 M
+pixels) fires inside Image.open, before our check can: its error becomes the same refusal as ours. Pillow's
+warnings about a client's bytes are ignored by filters installed once (`_ignore_pillow_warnings`): no call
+swaps the process-wide filters, so no call takes a lock and decodes run side by side. Global Pillow
+settings are never changed; ImageFile.LOAD_TRUNCATED_IMAGES stays off, so a truncated file fails to decode
+instead of coming back half grey.
+
+Decoding reads the file through a `Stop` check: each block Pillow reads first asks whether the caller gave
+up (its call was cancelled) or the decode ran past its deadline, so a decode ends within one block of it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+import time
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from io import BytesIO
 
 from PIL import ExifTags, Image, ImageOps
 
 from services.errors import RequestError, bounded
+from services.image_structure import check_structure
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP")
 MAX_IMAGE_PIXELS = 4096 * 4096  # default limit on width*height of one image
@@ -93,15 +93,78 @@ class ImageInfo:
         return self.width, self.height
 
 
-_PILLOW_WARNINGS_LOCK = threading.Lock()
+# The filters that keep Pillow's warnings about clients' bytes out of the logs: anything Pillow's own modules
+# warn, and the decompression-bomb warning wherever it is attributed.
+_PILLOW_FILTERS = (
+    ("ignore", None, Warning, r"PIL\.", 0),
+    ("ignore", None, Image.DecompressionBombWarning, None, 0),
+)
 
 
-@contextmanager
-def _quiet_pillow() -> Iterator[None]:
-    """Silences every warning inside the block; one thread at a time, since the warning filters are global."""
-    with _PILLOW_WARNINGS_LOCK, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+def _ignore_pillow_warnings() -> None:
+    """Installs the Pillow warning filters where they are missing (a test harness may have reset them).
+
+    Adding a filter is idempotent, so threads that race here at most add it twice; nothing is swapped and
+    restored, which is what made a per-call `warnings.catch_warnings` need a process-wide lock.
+    """
+    current = warnings.filters
+    for action, _, category, module, _ in _PILLOW_FILTERS:
+        if not any(f[0] == action and f[2] is category and getattr(f[3], "pattern", f[3]) == module for f in current):
+            warnings.filterwarnings(action, category=category, module=module or "")
+
+
+class Stop:
+    """When a decode must give up: its caller was cancelled (`cancel()`), or it ran past `deadline_s`.
+
+    Made by the caller before the work is queued; the clock starts when the work starts (`start()`), so
+    time spent waiting for a worker does not count against the image.
+    """
+
+    def __init__(self, deadline_s: float | None = None) -> None:
+        self.deadline_s = deadline_s
+        self._cancelled = threading.Event()
+        self._ends: float | None = None
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def start(self) -> None:
+        if self.deadline_s is not None:
+            self._ends = time.monotonic() + self.deadline_s
+
+    def check(self, field: str) -> None:
+        """Raises DecodeCancelled once cancelled, RequestError (naming `field`) past the deadline."""
+        if self._cancelled.is_set():
+            raise DecodeCancelled(field)
+        if self._ends is not None and time.monotonic() > self._ends:
+            raise RequestError(
+                f"{field}: decoding the image took more than {self.deadline_s:g} s; send a smaller or simpler "
+                f"{_ALLOWED_TEXT} file"
+            )
+
+
+class DecodeCancelled(Exception):
+    """The caller of a decode gave up (its call or job was cancelled); nobody waits for the result."""
+
+
+class _CheckedReader(BytesIO):
+    """The file's bytes, read by Pillow a block at a time, each read first asking `stop` whether to go on."""
+
+    def __init__(self, data: bytes, stop: Stop, field: str) -> None:
+        super().__init__(data)
+        self._stop, self._field = stop, field
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        self._stop.check(self._field)
+        return super().read(size)
+
+
+# Bytes Pillow hands its decoder per read (its default is 64 KiB): how far a decode runs past a Stop.
+_DECODE_BLOCK_BYTES = 16 << 10
 
 
 def _format_by_signature(data: bytes) -> str | None:
@@ -121,13 +184,16 @@ def _format_by_signature(data: bytes) -> str | None:
     return None
 
 
-def _open(data: bytes, field: str, max_pixels: int) -> tuple[Image.Image, ImageInfo]:
+def _open(data: bytes, field: str, max_pixels: int, stop: Stop) -> tuple[Image.Image, ImageInfo]:
     """The lazily opened image (nothing decoded yet) and its info, once every check on its header passed."""
     if not data:
         raise RequestError(f"{field}: the image is empty; send the encoded bytes of a {_ALLOWED_TEXT} image")
+    check_structure(data, field)
+    _ignore_pillow_warnings()
     try:
-        with _quiet_pillow():
-            image = Image.open(BytesIO(data), formats=ALLOWED_FORMATS)
+        image = Image.open(_CheckedReader(data, stop, field), formats=ALLOWED_FORMATS)
+    except (DecodeCancelled, RequestError):
+        raise
     except Image.DecompressionBombError:
         # Pillow refuses, before we can, an image over twice its own limit (raised only when that is set).
         pillow_limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
@@ -187,34 +253,40 @@ def _header_orientation(image: Image.Image) -> int:
     on it, or ignores it, as Pillow does.
     """
     try:
-        with _quiet_pillow():
-            orientation = Image.Image.getexif(image).get(ExifTags.Base.Orientation, 1)
+        orientation = Image.Image.getexif(image).get(ExifTags.Base.Orientation, 1)
     except Exception:
         return 1
     return orientation if isinstance(orientation, int) else 1
 
 
-def probe_image(data: bytes, field: str, max_pixels: int = MAX_IMAGE_PIXELS) -> ImageInfo:
+def probe_image(data: bytes, field: str, max_pixels: int = MAX_IMAGE_PIXELS, stop: Stop | None = None) -> ImageInfo:
     """Format, size and sha256 of an encoded image, read from its header only; RequestError if it is refused."""
-    image, info = _open(data, field, max_pixels)
+    stop = stop if stop is not None else Stop()
+    stop.check(field)
+    image, info = _open(data, field, max_pixels, stop)
     image.close()
     return info
 
 
-def decode_image(data: bytes, field: str, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+def decode_image(data: bytes, field: str, max_pixels: int = MAX_IMAGE_PIXELS, stop: Stop | None = None) -> Image.Image:
     """The RGB image an encoded image holds, as `diffusers.utils.load_image` makes it; RequestError if refused.
 
     Probes first, so nothing is decoded for an image refused by its header.
     A file that fails to decode (truncated, corrupt) is refused too: Pillow
     raises OSError for most such files, and ValueError, SyntaxError or
     struct.error for some malformed ones, so any exception from decoding a
-    client's bytes is taken as theirs.
+    client's bytes is taken as theirs. `stop` ends the decode early
+    (DecodeCancelled, or RequestError past its deadline).
     """
-    image, info = _open(data, field, max_pixels)
+    stop = stop if stop is not None else Stop()
+    stop.check(field)
+    image, info = _open(data, field, max_pixels, stop)
+    image.decodermaxblock = _DECODE_BLOCK_BYTES
     try:
-        with _quiet_pillow():
-            image.load()
-            rgb = ImageOps.exif_transpose(image).convert("RGB")
+        image.load()
+        rgb = ImageOps.exif_transpose(image).convert("RGB")
+    except (DecodeCancelled, RequestError):
+        raise
     except Exception as error:
         raise RequestError(
             bounded(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from PIL import Image
 
 from services.errors import RequestError
-from services.images import MAX_IMAGE_PIXELS, decode_image
+from services.images import MAX_IMAGE_PIXELS, Stop, decode_image
 from stagediff.v1 import image_pb2
 
 if TYPE_CHECKING:
@@ -86,26 +86,32 @@ def decode_images(
     required: Sequence[str],
     model: str,
     max_pixels: int = MAX_IMAGE_PIXELS,
+    stop: Stop | None = None,
 ) -> list[DecodedImage]:
     """The request's images decoded to RGB, in the model's role order (its first role first; the images of
     one role in the order they were sent)."""
     names = image_roles(images, roles, required, model)
     decoded = [
-        DecodedImage(name, decode_image(image.data, f"images[{index}].data", max_pixels), _sha256(image.data))
+        DecodedImage(name, decode_image(image.data, f"images[{index}].data", max_pixels, stop), _sha256(image.data))
         for index, (image, name) in enumerate(zip(images, names, strict=True))
     ]
     return sorted(decoded, key=lambda item: roles.index(item.role))
 
 
-def decode_stage_images(images: Sequence[image_pb2.InputImage], spec: CheckpointSpec) -> list[DecodedImage]:
+def decode_stage_images(
+    images: Sequence[image_pb2.InputImage], spec: CheckpointSpec, stop: Stop | None = None
+) -> list[DecodedImage]:
     """A stage's check of a request's images against its checkpoint (count, bytes in all, roles, pixels),
-    then `decode_images`: what the text encoder and the VAE's Encode both run on what they are sent."""
+    then `decode_images`: what the text encoder and the VAE's Encode both run on what they are sent, on their
+    image workers (services/image_work.py), never on the compute thread."""
     if len(images) > len(spec.image_roles):
         raise RequestError(f"images: {len(images)} sent; at most {len(spec.image_roles)} are allowed")
     total = sum(len(image.data) for image in images)
     if total > spec.max_image_bytes:
         raise RequestError(f"images: {total} bytes in all; at most {spec.max_image_bytes} are allowed")
-    return decode_images(images, spec.image_roles, spec.required_image_roles, spec.model_id, spec.max_image_pixels)
+    return decode_images(
+        images, spec.image_roles, spec.required_image_roles, spec.model_id, spec.max_image_pixels, stop
+    )
 
 
 def _sha256(data: bytes) -> str:

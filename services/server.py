@@ -25,8 +25,10 @@ from grpc_reflection.v1alpha import reflection
 
 from services.call_scope import PROBE_SERVICES, observed_call, wrap_rpc_handler
 from services.errors import RequestError
+from services.launch_id import LaunchIdInterceptor, launch_id
 from services.logging_setup import configure_logging as _configure_logging
 from services.metrics import MetricsServerInterceptor, ServerMetrics
+from services.ports import bind_problem
 from services.tracing import server_interceptor as tracing_server_interceptor
 from stagediff.status_details import abort_with_retry
 
@@ -42,6 +44,8 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # A port is this server's alone: a second server on it fails to start instead of sharing its callers.
+    ("grpc.so_reuseport", 0),
 ]
 DEFAULT_GRACE_SECONDS = 10.0
 WATCHDOG_POLL_S = 0.5
@@ -264,6 +268,7 @@ async def serve(
     max_concurrent_rpcs: int | None = DEFAULT_MAX_CONCURRENT_RPCS,
     max_health_watchers: int = DEFAULT_MAX_HEALTH_WATCHERS,
     options: Sequence[tuple[str, int | str]] = (),
+    port_flag: str = "--port",
 ) -> None:
     """Runs a gRPC server until SIGTERM or SIGINT.
 
@@ -281,7 +286,12 @@ async def serve(
     handler runs; health Watch streams, open to anyone, may hold at most
     `max_health_watchers` of those slots. `options` are grpc channel arguments that replace those of
     GRPC_OPTIONS with the same name (a public port that takes no tensors lowers its receive limit).
+    A port that another process holds ends the process with SystemExit naming the port and `port_flag`,
+    before anything is loaded. Health checks answer with the process's launch id (services/launch_id.py).
     """
+    problem = bind_problem(host, port, port_flag)
+    if problem is not None:
+        raise SystemExit(f"{name}: {problem}")
     observing: list[grpc.aio.ServerInterceptor] = [tracing_server_interceptor(), AccessLogInterceptor()]
     if metrics is not None:
         observing.append(MetricsServerInterceptor(metrics))
@@ -290,6 +300,7 @@ async def serve(
         interceptors=[
             *observing,
             HealthWatchLimitInterceptor(max_health_watchers),
+            *([LaunchIdInterceptor(launch_id())] if launch_id() else []),
             *interceptors,
             RequestDecodingInterceptor(),
         ],
@@ -302,13 +313,7 @@ async def serve(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
-    address = f"{host}:{port}"
-    if credentials is not None:
-        bound = server.add_secure_port(address, credentials)
-    else:
-        bound = server.add_insecure_port(address)
-    if bound == 0:
-        raise RuntimeError(f"{name}: could not bind {address}")
+    bound = await _bind(server, name, host, port, port_flag, credentials)
     await _set_serving(health, service_names, False)
     await server.start()
     logger.info("%s listening on %s:%d%s", name, host, bound, " (TLS)" if credentials is not None else "")
@@ -343,6 +348,31 @@ async def serve(
     if on_shutdown is not None:
         await on_shutdown()
     logger.info("%s stopped", name)
+
+
+async def _bind(
+    server: grpc.aio.Server,
+    name: str,
+    host: str,
+    port: int,
+    port_flag: str,
+    credentials: grpc.ServerCredentials | None,
+) -> int:
+    """Binds the port (TLS with `credentials`) and returns it; SystemExit naming the port and its flag where it
+    cannot be bound (another process took it since the probe)."""
+    address = f"{host}:{port}"
+    try:
+        bound = (
+            server.add_secure_port(address, credentials)
+            if credentials is not None
+            else server.add_insecure_port(address)
+        )
+    except RuntimeError:  # grpc's "Failed to bind to address"
+        bound = 0
+    if bound == 0:
+        await server.stop(None)
+        raise SystemExit(f"{name}: {bind_problem(host, port, port_flag) or f'could not bind {address} ({port_flag})'}")
+    return bound
 
 
 class AccessLogInterceptor(grpc.aio.ServerInterceptor):

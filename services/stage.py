@@ -92,6 +92,7 @@ class StageRuntime:
         # applies, and those fused in at startup, which serve the checkpoint under another id (`served_model`).
         self.list_loras: Callable[[], list[stages_pb2.LoraInfo]] | None = None
         self.max_loras = 0
+        self.lora_cache_bytes = 0  # the DiT's --lora-cache-bytes, when it serves adapters per request
         self.fused_loras: list[stages_pb2.LoraAdapter] = []
         self.served_model: str | None = None
 
@@ -111,6 +112,7 @@ class StageRuntime:
         if self.list_loras is not None:
             limits.loras.extend(self.list_loras())
         limits.max_loras = self.max_loras
+        limits.lora_cache_bytes = self.lora_cache_bytes
         limits.fused_loras.extend(self.fused_loras)
         return stages_pb2.StageInfo(
             stage=self.stage,

@@ -16,9 +16,14 @@ from stagediff.v1 import stages_pb2
 
 MAX_GUIDANCE_SCALE = 100.0
 MAX_SEED = 2**63 - 1
+MAX_FPS = 240.0
+# Frame interpolation: 2**exp x the frames and frame rate; the flow scales a learned interpolator takes (0: 1).
+MAX_INTERP_EXP = 4
+ALLOWED_INTERP_SCALES = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
 # A LoRA adapter's name: its file's name in --lora-dir without ".safetensors", behind "TENANT/" for one in a
 # tenant's subdirectory (each part as a tenant's name). A name is never a path: no "..", no leading "/".
-LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,63})?$")
+# Use LORA_NAME.fullmatch: a name is the whole string (a trailing newline is not part of any name).
+LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,63})?")
 # diffusers' set_adapters takes any weight; beyond this no style or distillation adapter is meant to be used.
 MAX_LORA_SCALE = 10.0
 # The most adapters a DiT lets one request apply (--max-loras-per-request is at most this).
@@ -117,7 +122,7 @@ def resolve_loras(
     resolved = []
     seen: set[str] = set()
     for index, lora in enumerate(loras):
-        if not LORA_NAME.match(lora.name):
+        if not LORA_NAME.fullmatch(lora.name):
             raise RequestError(
                 f"{field}[{index}].name: '{lora.name[:64]}' is not an adapter name; use NAME or TENANT/NAME "
                 "(letters, digits, '_', '.', '-'; up to 64 each) as ModelLimits.loras lists them"

@@ -54,7 +54,8 @@ from stagediff.results import (
     ResultBuilder,
 )
 from stagediff.status_details import retry_after
-from stagediff.v1 import generation_pb2, generation_pb2_grpc
+from stagediff.uploads import with_uploads
+from stagediff.v1 import generation_pb2, generation_pb2_grpc, image_pb2
 
 __all__ = [
     "AsyncClient",
@@ -287,11 +288,28 @@ class AsyncClient:
                     raise StageDiffError.from_rpc_error(error) from None
                 await asyncio.sleep(delay)
 
+    async def _with_uploads(
+        self, request: generation_pb2.GenerateRequest, timeout: float | None
+    ) -> generation_pb2.GenerateRequest:
+        """`request` with its large images sent ahead through UploadImage (stagediff/uploads.py)."""
+
+        async def upload(chunks: list[image_pb2.ImageUploadChunk]) -> image_pb2.UploadedImage:
+            return await self._unary(lambda sent, **call: self._stub.UploadImage(iter(sent), **call), chunks, timeout)
+
+        return await with_uploads(request, upload)
+
+    async def _submit_request(
+        self, request: generation_pb2.GenerateRequest, timeout: float | None
+    ) -> generation_pb2.Job:
+        request = await self._with_uploads(request, timeout)
+        return await self._unary(self._stub.Submit, request, timeout, retry=bool(request.request_id))
+
     async def _stream_request(
         self, request: generation_pb2.GenerateRequest, timeout: float | None
     ) -> AsyncIterator[Event]:
         """Runs Generate for `request`, yielding its events; a caller that stops early cancels the job."""
         job_id = ""
+        request = await self._with_uploads(request, timeout)
         try:
             async for event in self._follow(
                 lambda: self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self.metadata),
@@ -368,8 +386,7 @@ class AsyncClient:
     ) -> generation_pb2.Job:
         """Queues a job and returns it at once (follow it with `wait`, `get_job`); the request's keywords are
         `build_request`'s. The request id makes a retried submit return the same job."""
-        request = build_request(prompt, **options)
-        return await self._unary(self._stub.Submit, request, timeout, retry=bool(request.request_id))
+        return await self._submit_request(build_request(prompt, **options), timeout)
 
     async def wait(
         self, job_id: str, *, on_progress: Callable[[Event], None] | None = None, timeout: float | None = None
@@ -513,8 +530,7 @@ class Client:
         **options: Unpack[RequestOptions],
     ) -> generation_pb2.Job:
         """Queues a job and returns it at once (AsyncClient.submit)."""
-        request = build_request(prompt, **options)
-        return self._call(self._async._unary(self._async._stub.Submit, request, timeout, bool(request.request_id)))
+        return self._call(self._async._submit_request(build_request(prompt, **options), timeout))
 
     def wait(
         self, job_id: str, *, on_progress: Callable[[Event], None] | None = None, timeout: float | None = None

@@ -201,9 +201,11 @@ def test_every_server_has_generous_limits_by_default(target: str) -> None:
 
 
 def test_the_http_gateway_limits_its_requests_and_bodies_by_default() -> None:
-    """The gateway speaks HTTP: uvicorn answers 503 beyond --max-concurrent-requests, and bodies are bounded."""
+    """The gateway speaks HTTP: uvicorn answers 503 beyond --max-concurrent-requests, bodies are bounded (one
+    16 MiB image as base64, with 1 MiB for the other fields), and so are the times to send a request."""
     args = serve_defaults("http")
-    assert (args.max_concurrent_requests, args.max_body_bytes) == (1024, 64 << 20)
+    assert (args.max_concurrent_requests, args.max_body_bytes) == (1024, 4 * -(-(16 << 20) // 3) + (1 << 20))
+    assert (args.header_timeout, args.body_timeout, args.max_downloads_per_key, args.openapi) == (10, 120, 4, False)
 
 
 @pytest.mark.parametrize(

@@ -40,7 +40,8 @@ def batching_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory)
         threads_per_stage=THREADS_PER_STAGE,
         log_dir=log_dir,
         extra_args={
-            "orchestrator": ["--tenants", str(tenants_file)],
+            # Tenants share a batch only where the operator lets them (by default each batch is one tenant's).
+            "orchestrator": ["--tenants", str(tenants_file), "--no-batch-per-tenant"],
             # A long wait, so that the three requests of a test always meet in one batch.
             "dit": ["--max-batch-size", "3", "--batch-wait-ms", "5000"],
         },

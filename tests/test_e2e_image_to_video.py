@@ -6,6 +6,7 @@ layouts; and input images that cannot be served are refused at the door with INV
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +18,9 @@ from diffusers import WanImageToVideoPipeline, WanPipeline
 from diffusers.utils import load_image
 from PIL import Image
 
+from bench.hostile_files import chunk_stuffed_png, comment_stuffed_jpeg, scan_bomb_jpeg
 from families.init_model import init_model
-from stagediff import Client, StageDiffError
+from stagediff import Client
 from stagediff.local.supervisor import LocalCluster
 from stagediff.v1 import generation_pb2, generation_pb2_grpc, image_pb2
 from tests.conftest import THREADS_PER_STAGE
@@ -286,6 +288,9 @@ BAD_IMAGES = [
         "first_frame",
     ),
     ("empty", [image_pb2.InputImage(data=b"")], "images[0].data", "PNG, JPEG or WEBP"),
+    ("scan-bomb", [image_pb2.InputImage(data=scan_bomb_jpeg(1024, 2000))], "images[0].data", "32 scans"),
+    ("comment-segments", [image_pb2.InputImage(data=comment_stuffed_jpeg())], "images[0].data", "marker segments"),
+    ("stuffed-chunks", [image_pb2.InputImage(data=chunk_stuffed_png())], "images[0].data", "chunks besides IDAT"),
 ]
 
 
@@ -303,9 +308,69 @@ def test_bad_images_are_refused_naming_the_field(wan_i2v_cluster, images, field,
     assert allowed in raised.value.details(), raised.value.details()
 
 
-def test_message_over_the_image_limit_is_refused_before_parsing(wan_i2v_cluster) -> None:
+def test_a_scan_bomb_stalls_no_other_caller(wan_i2v_cluster) -> None:
+    """Bombs are refused at the door, and nothing parses them on the event loop or under a lock that the event
+    loop waits for: the orchestrator answers another caller at once while two of them arrive."""
+    bomb = generation_pb2.GenerateRequest(
+        prompt="a fox", images=[image_pb2.InputImage(data=scan_bomb_jpeg(4096, 3000))]
+    )
+    with grpc.insecure_channel(wan_i2v_cluster.endpoint) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        refused = [stub.Submit.future(bomb, timeout=120) for _ in range(2)]
+        time.sleep(0.5)
+        started = time.monotonic()
+        stub.ListModels(generation_pb2.ListModelsRequest(), timeout=30)
+        assert time.monotonic() - started < 5.0
+        for call in refused:
+            with pytest.raises(grpc.RpcError) as raised:
+                call.result(timeout=120)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
+
+
+def test_a_request_message_over_its_small_limit_is_refused_before_parsing(wan_i2v_cluster) -> None:
     from services.orchestrator.service import MAX_REQUEST_BYTES
 
-    with Client(wan_i2v_cluster.endpoint) as client, pytest.raises(StageDiffError) as raised:
-        client.submit("a fox", image=b"\x89PNG" + bytes(MAX_REQUEST_BYTES))
-    assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    request = generation_pb2.GenerateRequest(
+        prompt="a fox", images=[image_pb2.InputImage(data=b"\x89PNG" + bytes(MAX_REQUEST_BYTES))]
+    )
+    with grpc.insecure_channel(wan_i2v_cluster.endpoint) as channel, pytest.raises(grpc.RpcError) as raised:
+        generation_pb2_grpc.GenerationStub(channel).Submit(request, timeout=30)
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_large_image_travels_through_an_upload_that_its_job_takes(wan_i2v_cluster) -> None:
+    """The SDK sends an image over 1 MiB ahead through UploadImage; the job records the file it took, and the
+    upload is gone once the job exists."""
+    import hashlib
+
+    large = GOOD + bytes(6 << 20)  # bytes after the PNG's end, which every reader ignores
+    with Client(wan_i2v_cluster.endpoint) as client:
+        job = client.submit("a fox", image=large, height=64, width=64, num_frames=5, num_inference_steps=1)
+        try:
+            assert job.request.images[0].sha256 == hashlib.sha256(large).hexdigest()
+            assert not job.request.images[0].upload_id
+            assert list((wan_i2v_cluster.state_dir / "uploads").iterdir()) == []
+        finally:
+            client.delete(job.job_id)
+    with grpc.insecure_channel(wan_i2v_cluster.endpoint) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        too_large = (image_pb2.ImageUploadChunk(data=bytes(1 << 20)) for _ in range(17))
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.UploadImage(too_large, timeout=30)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
+        assert "more than 16777216 bytes" in raised.value.details()
+        named = generation_pb2.GenerateRequest(
+            prompt="a fox", images=[image_pb2.InputImage(upload_id="0" * 32)], height=64, width=64, num_frames=5
+        )
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Submit(named, timeout=30)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert raised.value.details().startswith("images[0].upload_id: no upload with this id")
+        # A request refused for what it asks takes its upload too: the uploads a tenant holds stay bounded.
+        uploaded = stub.UploadImage(iter([image_pb2.ImageUploadChunk(data=GOOD)]), timeout=30)
+        named.images[0].upload_id = uploaded.upload_id
+        named.num_frames = 6  # not 4k+1
+        for expected in ("num_frames", "images[0].upload_id: no upload with this id"):
+            with pytest.raises(grpc.RpcError) as raised:
+                stub.Submit(named, timeout=30)
+            assert raised.value.details().startswith(expected), raised.value.details()

@@ -235,12 +235,20 @@ def test_image_just_over_the_default_limit_is_refused() -> None:
     assert f"4097x4096 = {4097 * 4096} pixels; send at most {MAX_IMAGE_PIXELS} pixels" in message
 
 
-def test_pillow_global_limits_are_left_alone() -> None:
+def test_pillow_global_limits_are_left_alone_and_only_pillows_warnings_are_filtered() -> None:
     before = (Image.MAX_IMAGE_PIXELS, warnings.filters[:])
     refusal(png_declaring(100_000, 100_000))
     refusal(png_declaring(10_000, 10_000))
     decode_image(encode(rgb_image(), "PNG"), FIELD)
-    assert (Image.MAX_IMAGE_PIXELS, warnings.filters[:]) == before
+    assert before[0] == Image.MAX_IMAGE_PIXELS
+    added = [entry for entry in warnings.filters if entry not in before[1]]
+    assert all(entry[0] == "ignore" for entry in added)
+    assert {(entry[2], getattr(entry[3], "pattern", entry[3])) for entry in added} <= {
+        (Warning, r"PIL\."),
+        (Image.DecompressionBombWarning, None),
+    }
+    with pytest.warns(UserWarning, match="not Pillow's"):  # other modules' warnings still show
+        warnings.warn("not Pillow's", UserWarning, stacklevel=1)
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "WEBP"])

@@ -121,11 +121,11 @@ class FakeControl(stages_pb2_grpc.StageControlServicer):
         return self.info
 
 
-async def _serve_stage(name: str, servicer) -> tuple[grpc.aio.Server, str]:
+async def _serve_stage(name: str, servicer, limits: stages_pb2.ModelLimits = LIMITS) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    info = stages_pb2.StageInfo(stage=name, model=MODEL, family="wan-t2v", limits=LIMITS)
+    info = stages_pb2.StageInfo(stage=name, model=MODEL, family="wan-t2v", limits=limits)
     stages_pb2_grpc.add_StageControlServicer_to_server(FakeControl(info), server)
     add = {
         "text-encoder": stages_pb2_grpc.add_TextEncoderServicer_to_server,

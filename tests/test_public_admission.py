@@ -188,7 +188,7 @@ def _oversized_requests() -> Iterator[tuple[str, str, object]]:
     """(method, field path, request) with one field one past its limit, for every bounded field."""
     for method in GENERATION.methods:
         for path, field in sized_fields(method.input_type):
-            request = getattr(generation_pb2, method.input_type.name)()
+            request = method.input_type._concrete_class()
             if "prompt" in method.input_type.fields_by_name:
                 request.prompt = "a fox"
             *parents, name = path.split(".")
@@ -199,7 +199,7 @@ def _oversized_requests() -> Iterator[tuple[str, str, object]]:
             if field.is_repeated:  # one entry too many (input images)
                 getattr(target, name).extend(field.message_type._concrete_class() for _ in range(limit + 1))
             else:
-                setattr(target, name, "x" * (limit + 1))
+                setattr(target, name, (b"x" if field.type == field.TYPE_BYTES else "x") * (limit + 1))
             yield method.name, path, request
 
 
@@ -209,7 +209,10 @@ def test_each_field_over_its_limit_is_refused_naming_the_field(orchestrator: Orc
     with channel:
         for method, path, request in _oversized_requests():
             with pytest.raises(grpc.RpcError) as raised:
-                result = getattr(stub, method)(request, metadata=_auth("operator"), timeout=10)
+                streamed = GENERATION.methods_by_name[method].client_streaming
+                result = getattr(stub, method)(
+                    iter([request]) if streamed else request, metadata=_auth("operator"), timeout=10
+                )
                 if method in ("Generate", "WatchJob"):
                     list(result)
             assert_status(raised.value, grpc.StatusCode.INVALID_ARGUMENT, path, "at most")

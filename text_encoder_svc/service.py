@@ -22,10 +22,13 @@ before it is used, and a field out of bounds is refused with INVALID_ARGUMENT na
 from __future__ import annotations
 
 import argparse
+import functools
 
 import grpc
 
 from services.environment_options import parse_args
+from services.image_work import ImageWorkers
+from services.images import Stop
 from services.input_images import DecodedImage, decode_stage_images
 from services.memory_budget import WeightNeed, checkpoint_components, stage_need
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
@@ -52,6 +55,7 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
         self.args = args
         self.runtime = runtime
         self.encoder: PromptEncoder | None = None
+        self.image_workers = ImageWorkers()
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         stages_pb2_grpc.add_TextEncoderServicer_to_server(self, server)
@@ -100,7 +104,7 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
             )
         return length
 
-    def _decode_images(self, request: stages_pb2.EncodeRequest) -> list[DecodedImage]:
+    def _decode_images(self, request: stages_pb2.EncodeRequest, stop: Stop) -> list[DecodedImage]:
         """The request's images, for a family whose conditioning encoder embeds them (else refused)."""
         spec = self.runtime.spec
         if not request.images:
@@ -110,7 +114,7 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
                 f"images: the text encoder of {spec.family} does not see input images; send them to the VAE's "
                 "Encode only"
             )
-        return decode_stage_images(request.images, spec)
+        return decode_stage_images(request.images, spec, stop)
 
     async def Encode(self, request, context):
         if self.encoder is None:
@@ -118,7 +122,7 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
         image_embeds = None
         try:
             length = self._validate(request)
-            images = await self.runtime.run(self._decode_images, request)
+            images = await self.image_workers.run(functools.partial(self._decode_images, request))
             texts, namespace = list(request.texts), request.cache_namespace
             joint = images if self.encoder.texts_see_images else []
             batched, cache_hit = await self.runtime.run(

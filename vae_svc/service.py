@@ -17,6 +17,7 @@ support them refuses the flags at startup with the registry's reason.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import grpc
 import torch
@@ -24,6 +25,8 @@ import torch
 from families.base import Family
 from services.checkpoint import CheckpointError, read_checkpoint
 from services.environment_options import parse_args
+from services.image_work import ImageWorkers
+from services.images import Stop
 from services.input_images import DecodedImage, decode_stage_images
 from services.memory_budget import WeightNeed, checkpoint_components, stage_need
 from services.rank_group import GroupFailure
@@ -50,6 +53,7 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
         self.patch_parallel_size = args.vae_patch_parallel_size
         self.decoder: LatentDecoder | PatchParallelDecoder | None = None
         self.image_encoder = None
+        self.image_workers = ImageWorkers()  # the input images of Encode are decoded there
         # Each rank needs at least one latent row: the smallest height that splits over every rank.
         multiple = runtime.spec.height_multiple
         rows = self.patch_parallel_size * runtime.spec.vae_scale_spatial
@@ -198,7 +202,7 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
             if isinstance(session, GroupDecodeSession) and self.failure() is None:
                 await self.runtime.run(session.close)
 
-    def _encode_inputs(self, request: stages_pb2.VaeEncodeRequest) -> list[DecodedImage]:
+    def _encode_inputs(self, request: stages_pb2.VaeEncodeRequest, stop: Stop) -> list[DecodedImage]:
         """Checks an Encode request against the model and decodes its images, in the model's role order."""
         spec = self.runtime.spec
         self.runtime.check_model(request.model)
@@ -207,10 +211,9 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
         validate_size(spec.limits(), request.height, request.width, request.num_frames)
         if not request.images:
             raise RequestError("images: empty; send the images to encode")
-        return decode_stage_images(request.images, spec)
+        return decode_stage_images(request.images, spec, stop)
 
-    def _encode(self, request: stages_pb2.VaeEncodeRequest) -> dict[str, torch.Tensor]:
-        images = self._encode_inputs(request)
+    def _encode(self, request: stages_pb2.VaeEncodeRequest, images: list[DecodedImage]) -> dict[str, torch.Tensor]:
         # A patch-parallel group's rank 0 holds the whole VAE, and encodes on it alone (see the module's doc).
         decoder = self.decoder.worker.decoder if isinstance(self.decoder, PatchParallelDecoder) else self.decoder
         return self.image_encoder(decoder, images, request.height, request.width, request.num_frames)
@@ -219,7 +222,8 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
         if self.decoder is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "vae: still loading its model")
         try:
-            latents = await self.runtime.run(self._encode, request)
+            images = await self.image_workers.run(functools.partial(self._encode_inputs, request))
+            latents = await self.runtime.run(self._encode, request, images)
         except Exception as error:
             await abort_for(error, context, self.runtime.stage)
         for name, tensor in latents.items():

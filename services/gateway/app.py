@@ -13,7 +13,8 @@
 
 A video job is the orchestrator's job: its id works with the gRPC API too (WatchJob, GetJob, CancelJob), and
 the orchestrator's tenants, keys, quotas and durability apply unchanged. The gateway keeps no state of its own,
-so any number of gateways may serve one orchestrator.
+so any number of gateways may serve one orchestrator. Before a route runs, the key is checked (key_check.py)
+and the body bounded (bodies.py); connections have deadlines (connections.py).
 """
 
 from __future__ import annotations
@@ -22,18 +23,29 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.encoding import OUTPUT_FORMATS, RAW, ResultEncoder
-from services.gateway.errors import ApiError, from_stagediff_error, invalid
+from services.encoding import OUTPUT_FORMATS, RAW
+from services.gateway.bodies import BodyLimit, read_body
+from services.gateway.downloads import (
+    DownloadSlots,
+    SlotResponse,
+    encoded_bytes,
+    prepend,
+    raw_result,
+)
+from services.gateway.errors import ApiError, from_http_exception, from_stagediff_error, invalid, validation_error
+from services.gateway.events import server_sent_events
+from services.gateway.headers import AuthorizationCheck
+from services.gateway.key_check import KeyCheck, KeyFirst
+from services.gateway.options import DEFAULT_MAX_DOWNLOADS_PER_KEY
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.schemas import (
     ImageEdit,
@@ -43,26 +55,39 @@ from services.gateway.schemas import (
     generate_request,
     video_object,
 )
+from services.launch_id import launch_id
 from stagediff.errors import StageDiffError
-from stagediff.tensor_codec import TensorAssembler
 from stagediff.v1 import generation_pb2, image_pb2
 
 MAX_IDEMPOTENCY_KEY_CHARS = 100
-MAX_FORM_FIELDS = 64
-MAX_FORM_FILES = 16
 MAX_LIST_LIMIT = 100
-# Seconds between the comment lines that keep a quiet progress stream open through proxies.
-KEEPALIVE_S = 15.0
 
 
-def create_app(orchestrator: Orchestrator, *, max_body_bytes: int, image_wait_s: float) -> FastAPI:
+def create_app(
+    orchestrator: Orchestrator,
+    *,
+    max_body_bytes: int,
+    image_wait_s: float,
+    max_downloads_per_key: int = DEFAULT_MAX_DOWNLOADS_PER_KEY,
+    openapi: bool = False,
+) -> FastAPI:
+    """The gateway's app. `openapi` serves /openapi.json (behind the key, as every route but /healthz and
+    /readyz); there is no /docs page, whose script would come from a CDN."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         await orchestrator.close()
 
-    app = FastAPI(title="StageDiff HTTP gateway", docs_url="/docs", redoc_url=None, lifespan=lifespan)
+    app = FastAPI(
+        title="StageDiff HTTP gateway",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json" if openapi else None,
+        lifespan=lifespan,
+    )
     app.state.orchestrator = orchestrator
+    downloads = DownloadSlots(max_downloads_per_key)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -72,13 +97,26 @@ def create_app(orchestrator: Orchestrator, *, max_body_bytes: int, image_wait_s:
     async def orchestrator_error(request: Request, error: StageDiffError) -> JSONResponse:
         return from_stagediff_error(error).response()
 
+    @app.exception_handler(RequestValidationError)
+    async def query_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        return validation_error(error.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return from_http_exception(error).response()
+
+    # The last added runs first: a declared Content-Length over the limit is 413 before the key is checked, and
+    # the key is checked before the route reads a byte of the body.
+    app.add_middleware(KeyFirst, check=KeyCheck(orchestrator))
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(AuthorizationCheck)  # the outermost: before any body is read
 
     # ---------------------------------------------------------------- videos --
 
     @app.post("/v1/videos")
     async def create_video(request: Request) -> JSONResponse:
-        body, files = await _read_body(request, VideoCreate)
+        async with read_body(request, VideoCreate) as (body, files):
+            image = await _input_reference(body.input_reference, files.get("input_reference", []))
         authorization = request.headers.get("authorization")
         grpc_request = generate_request(body, _request_id(request))
         if body.fps is not None:
@@ -98,7 +136,6 @@ def create_app(orchestrator: Orchestrator, *, max_body_bytes: int, image_wait_s:
         grpc_request.output_format = body.output_format
         if body.output_quality is not None:
             grpc_request.output_quality = body.output_quality
-        image = _input_reference(body.input_reference, files.get("input_reference", []))
         if image is not None:
             grpc_request.images.add(data=image, role=image_pb2.IMAGE_ROLE_UNSPECIFIED)
         job = await orchestrator.submit(grpc_request, authorization)
@@ -110,7 +147,10 @@ def create_app(orchestrator: Orchestrator, *, max_body_bytes: int, image_wait_s:
             raise invalid("limit", f"{limit} is not allowed; use 1 to {MAX_LIST_LIMIT}")
         if order not in ("asc", "desc"):
             raise invalid("order", f"{order[:16]!r} is not allowed; use asc or desc")
-        jobs = await orchestrator.list_jobs(MAX_LIST_LIMIT, request.headers.get("authorization"))
+        # The newest page needs limit + 1 jobs (the one more says has_more); a cursor or the oldest first needs
+        # the whole window the orchestrator lists.
+        window = limit + 1 if order == "desc" and after is None else MAX_LIST_LIMIT
+        jobs = await orchestrator.list_jobs(window, request.headers.get("authorization"))
         if order == "asc":
             jobs.reverse()
         if after is not None:
@@ -144,22 +184,27 @@ def create_app(orchestrator: Orchestrator, *, max_body_bytes: int, image_wait_s:
             status = video_object(job)["status"]
             raise ApiError(409, f"video {video_id} is {status}; its content is ready once completed", code="not_ready")
         output = OUTPUT_FORMATS[job.request.output_format or RAW]
-        if output.name == RAW:  # submitted over gRPC for raw frames: encoded here, as MP4
-            output = OUTPUT_FORMATS["mp4"]
-            data = _encode_raw(orchestrator.watch(video_id, authorization), job)
-        else:
-            data = _encoded_bytes(orchestrator.watch(video_id, authorization))
-        # The first chunk is read before answering, so that a result deleted meanwhile is a 404, not a cut file.
-        first = await anext(data, b"")
+        if output.name == RAW:  # submitted over gRPC for raw frames
+            raise raw_result(video_id)
+        slot = downloads.take(authorization)
+        data = encoded_bytes(orchestrator.watch(video_id, authorization))
+        try:
+            # The first chunk is read before answering, so that a result deleted meanwhile is a 404, not a cut file.
+            first = await anext(data, b"")
+        except BaseException:
+            downloads.give_back(slot)
+            await data.aclose()
+            raise
         headers = {"Content-Disposition": f'attachment; filename="{video_id}{output.extension}"'}
-        return StreamingResponse(_prepend(first, data), media_type=output.media_type, headers=headers)
+        content = prepend(first, data)
+        return SlotResponse(downloads, slot, content, media_type=output.media_type, headers=headers)
 
     @app.get("/v1/videos/{video_id}/events")
     async def video_events(video_id: str, request: Request) -> StreamingResponse:
         authorization = request.headers.get("authorization")
         await orchestrator.get_job(video_id, authorization)  # a 404 before the stream starts
         return StreamingResponse(
-            _server_sent_events(orchestrator, video_id, authorization),
+            server_sent_events(orchestrator, video_id, authorization),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -168,15 +213,16 @@ def create_app(orchestrator: Orchestrator, *, max_body_bytes: int, image_wait_s:
 
     @app.post("/v1/images/generations")
     async def generate_images(request: Request) -> dict:
-        body, _ = await _read_body(request, ImageGenerate)
+        async with read_body(request, ImageGenerate) as (body, _):
+            pass
         return await _images(orchestrator, request, body, [], image_wait_s)
 
     @app.post("/v1/images/edits")
     async def edit_images(request: Request) -> dict:
-        body, files = await _read_body(request, ImageEdit, ignore=("image", "image[]", "mask"))
-        if files.get("mask"):
-            raise invalid("mask", "masks are not supported; the edit model takes the whole image and the prompt")
-        images = [await upload.read() for upload in files.get("image", []) + files.get("image[]", [])]
+        async with read_body(request, ImageEdit, ignore=("image", "image[]", "mask")) as (body, files):
+            if files.get("mask"):
+                raise invalid("mask", "masks are not supported; the edit model takes the whole image and the prompt")
+            images = [await upload.read() for upload in files.get("image", []) + files.get("image[]", [])]
         if not images:
             raise invalid("image", "an image to edit is required (a file in a multipart body)")
         return await _images(orchestrator, request, body, images, image_wait_s)
@@ -214,45 +260,12 @@ def create_app(orchestrator: Orchestrator, *, max_body_bytes: int, image_wait_s:
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         if await orchestrator.serving():
-            return JSONResponse({"status": "ready"})
+            # The id of this process where whoever started it gave one (services/launch_id.py).
+            return JSONResponse({"status": "ready", **({"launch_id": launch_id()} if launch_id() else {})})
         message = f"the orchestrator at {orchestrator.endpoint} is not serving"
         return ApiError(503, message, type="service_unavailable_error", code="not_ready").response()
 
     return app
-
-
-def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
-
-
-class BodyLimit:
-    """ASGI middleware: a body over `max_bytes` is answered 413, whether its Content-Length says so at once or
-    its chunks add up to it (the route reading it gets the error, which the ApiError handler answers)."""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await _too_large(self.max_bytes).response()(scope, receive, send)
-            return
-        received = 0
-
-        async def limited():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _too_large(self.max_bytes)
-            return message
-
-        await self.app(scope, limited, send)
 
 
 def _request_id(request: Request) -> str:
@@ -265,45 +278,12 @@ def _request_id(request: Request) -> str:
     return key
 
 
-async def _read_body(
-    request: Request, model: type[BaseModel], ignore: tuple[str, ...] = ()
-) -> tuple[BaseModel, dict[str, list[UploadFile]]]:
-    """The body as `model` (a 400 naming the first bad field), and its uploaded files by field name."""
-    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    files: dict[str, list[UploadFile]] = {}
-    if content_type == "application/json":
-        try:
-            fields = json.loads(await request.body())
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise invalid("body", f"not valid JSON ({error})") from None
-        if not isinstance(fields, dict):
-            raise invalid("body", "a JSON object is expected")
-    elif content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        form = await request.form(max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS)
-        fields = {}
-        for key, value in form.multi_items():
-            if isinstance(value, UploadFile):
-                files.setdefault(key, []).append(value)
-            elif key not in ignore:
-                fields[key] = value
-    else:
-        raise ApiError(415, f"Content-Type {content_type or '(none)'}: use application/json or multipart/form-data")
-    if "input_reference" in files:
-        fields.pop("input_reference", None)
-    try:
-        return model.model_validate(fields), files
-    except ValidationError as error:
-        first = error.errors()[0]
-        field = ".".join(str(part) for part in first["loc"]) or "body"
-        raise invalid(field, first["msg"]) from None
-
-
-def _input_reference(value: str | dict | None, uploads: list[UploadFile]) -> bytes | None:
+async def _input_reference(value: str | dict | None, uploads: list[UploadFile]) -> bytes | None:
     """The image of `input_reference`: an uploaded file, or a data URL (also as {"image_url": ...})."""
     if uploads:
         if len(uploads) > 1:
             raise invalid("input_reference", "one image is taken")
-        return uploads[0].file.read()
+        return await uploads[0].read()
     if value is None:
         return None
     url = value.get("image_url") if isinstance(value, dict) else value
@@ -315,7 +295,7 @@ def _input_reference(value: str | dict | None, uploads: list[UploadFile]) -> byt
     if not header.endswith(";base64"):
         raise invalid("input_reference", "a base64 data URL is expected")
     try:
-        return base64.b64decode(payload, validate=True)
+        return await asyncio.to_thread(base64.b64decode, payload, validate=True)
     except binascii.Error:
         raise invalid("input_reference", "the data URL's base64 is malformed") from None
 
@@ -327,91 +307,6 @@ async def _limits(orchestrator: Orchestrator, model: str, authorization: str | N
         if description.id == model or (not model and len(models) == 1):
             return description.limits
     raise ApiError(404, f"model: {model!r} is not served here", param="model", type="not_found_error")
-
-
-async def _encoded_bytes(events: AsyncIterator[generation_pb2.GenerateEvent]) -> AsyncIterator[bytes]:
-    """The encoded file's bytes from a job's events, in order (raw frames, if kept, are passed over)."""
-    offset = 0
-    async for event in events:
-        if event.WhichOneof("event") == "result" and event.result.HasField("encoded"):
-            chunk = event.result.encoded
-            if chunk.offset != offset:
-                raise ApiError(502, f"the orchestrator sent bytes at {chunk.offset}, {offset} expected")
-            offset += len(chunk.data)
-            if chunk.data:
-                yield chunk.data
-
-
-async def _encode_raw(events: AsyncIterator[generation_pb2.GenerateEvent], job: generation_pb2.Job):
-    """A raw result's frames, encoded as MP4 here as they arrive."""
-    encoder = ResultEncoder(OUTPUT_FORMATS["mp4"], None, job.request.height, job.request.width, job.fps_out)
-    assembler = TensorAssembler()
-    try:
-        async for event in events:
-            if event.WhichOneof("event") == "result" and event.result.HasField("tensor"):
-                tensor = assembler.feed(event.result.tensor)
-                if tensor is not None:
-                    data = await asyncio.to_thread(encoder.add, tensor.array)
-                    if data:
-                        yield data
-        yield await asyncio.to_thread(encoder.finish)
-    finally:
-        encoder.close()
-
-
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    if first:
-        yield first
-    async for data in rest:
-        yield data
-
-
-def _sse(event: str, data: dict) -> bytes:
-    return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
-
-
-async def _server_sent_events(orchestrator: Orchestrator, job_id: str, authorization: str | None):
-    """queued, progress and completed events of a job (its result's bytes are not sent); error if it fails.
-
-    A comment line every KEEPALIVE_S while nothing happens (a long queue) keeps proxies from closing the
-    stream. The job's events are read by a task of their own, so that waiting for the next one can time out
-    without cancelling the stream.
-    """
-    events: asyncio.Queue = asyncio.Queue(maxsize=64)
-
-    async def read() -> None:
-        try:
-            async for event in orchestrator.watch(job_id, authorization):
-                if event.WhichOneof("event") != "result":  # the result's bytes are not for this stream
-                    await events.put(event)
-            await events.put(None)
-        except StageDiffError as error:
-            await events.put(error)
-
-    reader = asyncio.create_task(read())
-    try:
-        while True:
-            try:
-                item = await asyncio.wait_for(events.get(), KEEPALIVE_S)
-            except TimeoutError:
-                yield b": keepalive\n\n"
-                continue
-            if item is None:
-                return
-            if isinstance(item, StageDiffError):
-                yield _sse("error", {"error": from_stagediff_error(item).message, "code": item.code.name.lower()})
-                return
-            kind = item.WhichOneof("event")
-            if kind == "queued":
-                yield _sse("queued", {"id": job_id, "queue_position": item.queued.position})
-            elif kind == "progress":
-                progress = item.progress
-                step = {"id": job_id, "stage": progress.stage, "step": progress.step, "total": progress.total}
-                yield _sse("progress", step)
-            elif kind == "completed":
-                yield _sse("completed", video_object(await orchestrator.get_job(job_id, authorization)))
-    finally:
-        reader.cancel()
 
 
 async def _images(

@@ -10,20 +10,29 @@ import argparse
 
 from services.auth import add_tls_arguments
 from services.environment_options import OptionParser
+from services.images import MAX_IMAGE_BYTES
 from services.logging_setup import add_logging_arguments
 from services.server import DEFAULT_HOST
 
 DEFAULT_PORT = 8000
 DEFAULT_ORCHESTRATOR = "localhost:50051"
-# A request's body: the JSON fields and, for image-to-video and edits, the input images (the orchestrator's
-# own limit on image bytes applies after this).
-DEFAULT_MAX_BODY_BYTES = 64 << 20
+# A request's body: the JSON fields and, for image-to-video and edits, the input images. The largest legitimate
+# body is the orchestrator's limit on image bytes as one base64 data URL in JSON, with 1 MiB for the other fields.
+DEFAULT_MAX_BODY_BYTES = 4 * -(-MAX_IMAGE_BYTES // 3) + (1 << 20)
 # How long POST /v1/images/generations and /v1/images/edits wait for their jobs before answering 504 (the jobs
 # go on; their ids are in the error so that a client can fetch them).
 DEFAULT_IMAGE_WAIT_S = 600.0
 # Connections and requests served at once; beyond, 503. Each open progress stream or video download holds one,
 # and one WatchJob stream on the orchestrator (whose own --max-concurrent-rpcs is 1024).
+# When the open connections reach it, the one idle longest is closed to make room (connections.py).
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
+# A request's line and headers, from its connection's opening (or the previous answer): a slow mobile client
+# sends them in well under a second.
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+# A request's body, from its headers: the largest body at about 200 KB/s.
+DEFAULT_BODY_TIMEOUT_S = 120.0
+# Video downloads one key may have open at once (each reads a whole file from the orchestrator); beyond, 429.
+DEFAULT_MAX_DOWNLOADS_PER_KEY = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +69,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-concurrent-requests",
         type=int,
         default=DEFAULT_MAX_CONCURRENT_REQUESTS,
-        help="connections and requests served at once; beyond, 503 (default: %(default)s)",
+        help="connections and requests served at once; beyond, 503, and a new connection closes the one idle "
+        "longest (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a request's headers must be complete this long after its connection opened or its previous answer; "
+        "beyond, the connection is closed (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a request's body must be complete this long after its headers; beyond, the connection is closed "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-downloads-per-key",
+        type=int,
+        default=DEFAULT_MAX_DOWNLOADS_PER_KEY,
+        help="video downloads one API key may have open at once; beyond, 429 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--openapi",
+        action="store_true",
+        help="serve the OpenAPI document at /openapi.json, to callers with an API key (default: off; there is "
+        "no /docs page)",
     )
     parser.add_argument(
         "--image-wait",

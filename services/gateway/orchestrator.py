@@ -16,7 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stagediff.client import CHANNEL_OPTIONS
 from stagediff.errors import StageDiffError
-from stagediff.v1 import generation_pb2, generation_pb2_grpc
+from stagediff.uploads import with_uploads
+from stagediff.v1 import generation_pb2, generation_pb2_grpc, image_pb2
 
 # Unary calls (submit, get, list, cancel, delete, models) are quick; a stream runs as long as its job.
 UNARY_TIMEOUT_S = 30.0
@@ -69,7 +70,14 @@ class Orchestrator:
             raise StageDiffError.from_rpc_error(error) from None
 
     async def submit(self, request: generation_pb2.GenerateRequest, authorization: str | None) -> generation_pb2.Job:
-        return await self._call(self.stub.Submit, request, authorization)
+        """Queues the job, its images over 1 MiB sent ahead through UploadImage (stagediff/uploads.py)."""
+
+        async def upload(chunks: list[image_pb2.ImageUploadChunk]) -> image_pb2.UploadedImage:
+            return await self._call(
+                lambda sent, **call: self.stub.UploadImage(iter(sent), **call), chunks, authorization
+            )
+
+        return await self._call(self.stub.Submit, await with_uploads(request, upload), authorization)
 
     async def get_job(self, job_id: str, authorization: str | None) -> generation_pb2.Job:
         return await self._call(self.stub.GetJob, generation_pb2.GetJobRequest(job_id=job_id), authorization)

@@ -5,37 +5,76 @@ Field names are OpenAI's where OpenAI has the field (`prompt`, `size`, `seconds`
 (`negative_prompt`, `width`, `height`, `num_frames`, `fps`, `num_inference_steps`, `guidance_scale`, `seed`,
 `lora`), so that a body written for vLLM-Omni's or SGLang-Diffusion's /v1/videos works here. Unknown fields
 are refused (400 naming the field): a misspelled `num_inference_step` must not silently take the default.
-Every string and list is bounded here; the orchestrator checks the values against the model's limits.
+
+Every field is bounded here (docs/http_api.md lists the bounds): strings and lists by length, floats to
+finite values, and every number to what the orchestrator allows or, where that depends on the model (a size,
+a frame or step count), to its GenerateRequest field's int32 range, so that no value fails as a protobuf
+overflow. The orchestrator checks the values against the model's limits.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Literal
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from families.base import MAX_CACHE_THRESHOLD
 from services.gateway.errors import invalid
-from stagediff.v1 import generation_pb2
+from services.images import MAX_IMAGE_BYTES
+from services.orchestrator.request_bounds import MAX_CACHE_METHOD_CHARS, MAX_LORA_NAME_CHARS, MAX_MODEL_ID_CHARS
+from services.validation import (
+    ALLOWED_INTERP_SCALES,
+    MAX_FPS,
+    MAX_GUIDANCE_SCALE,
+    MAX_INTERP_EXP,
+    MAX_LORA_SCALE,
+    MAX_SEED,
+)
+from stagediff.v1 import generation_pb2, stages_pb2
 
 MAX_TEXT = 16_384  # characters of a prompt (the model's own max_prompt_chars is checked by the orchestrator)
 MAX_IMAGES_PER_REQUEST = 10  # OpenAI's `n` bound
 MAX_LORAS = 16
-_SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+MAX_NAME = 256  # characters of the names and ids taken for compatibility (`user`, `style`)
+MAX_SIZE_CHARS = 16  # "WIDTHxHEIGHT", 5 digits each, or "auto"
+MAX_SECONDS = 3600.0
+INT32_MAX = 2**31 - 1  # the GenerateRequest's sizes, counts and qualities are int32
+# A data URL of one image: its base64 (4 characters per 3 bytes) and a media type.
+MAX_DATA_URL_CHARS = 4 * -(-MAX_IMAGE_BYTES // 3) + 256
+_SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
 
-Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
-Name = Annotated[str, StringConstraints(max_length=256)]
+
+def _text(max_length: int) -> object:
+    """A string of at most `max_length` characters (pydantic takes only valid Unicode: no lone surrogates)."""
+    return Annotated[str, StringConstraints(max_length=max_length)]
+
+
+Text = _text(MAX_TEXT)
+Name = _text(MAX_NAME)
+ModelId = _text(MAX_MODEL_ID_CHARS)
+LoraName = _text(MAX_LORA_NAME_CHARS)
+LoraSpec = _text(MAX_LORA_NAME_CHARS + 32)  # "NAME" or "NAME:SCALE"
+DataUrl = _text(MAX_DATA_URL_CHARS)
+Side = Annotated[int, Field(ge=1, le=INT32_MAX)]
+
+
+def _finite(low: float, high: float, *, above_low: bool = False):
+    """A finite float in [low, high], or (low, high] with `above_low`."""
+    bound = {"gt": low} if above_low else {"ge": low}
+    return Annotated[float, Field(le=high, allow_inf_nan=False, **bound)]
 
 
 class LoraField(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: Name
-    scale: float | None = None
+    name: LoraName
+    scale: _finite(-MAX_LORA_SCALE, MAX_LORA_SCALE) | None = None
 
 
 # `lora`: "name", "name:scale", {"name": ..., "scale": ...}, or a list of those.
-LoraValue = Name | LoraField | Annotated[list[Name | LoraField], Field(max_length=MAX_LORAS)]
+LoraValue = LoraSpec | LoraField | Annotated[list[LoraSpec | LoraField], Field(max_length=MAX_LORAS)]
 
 
 class Diffusion(BaseModel):
@@ -43,37 +82,46 @@ class Diffusion(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: Name = ""
+    model: ModelId = ""
     prompt: Text
     negative_prompt: Text = ""
-    size: Name | None = None
-    width: int | None = None
-    height: int | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    seed: int | None = None
+    size: _text(MAX_SIZE_CHARS) | None = None
+    width: Side | None = None
+    height: Side | None = None
+    num_inference_steps: Side | None = None
+    guidance_scale: _finite(0.0, MAX_GUIDANCE_SCALE) | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     lora: LoraValue | None = None
     # The DiT's step cache: "none" or a method the model lists (GET /v1/models), and its threshold.
-    cache: Name | None = None
-    cache_threshold: float | None = None
+    cache: _text(MAX_CACHE_METHOD_CHARS) | None = None
+    cache_threshold: _finite(0.0, MAX_CACHE_THRESHOLD, above_low=True) | None = None
     # OpenAI's end-user id: accepted for compatibility, not used.
     user: Name | None = None
 
 
 class VideoCreate(Diffusion):
-    seconds: float | None = Field(default=None, gt=0, le=3600)
-    num_frames: int | None = None
-    fps: float | None = None
+    seconds: _finite(0.0, MAX_SECONDS, above_low=True) | None = None
+    num_frames: Side | None = None
+    fps: _finite(0.0, MAX_FPS, above_low=True) | None = None
     # Frame interpolation (RIFE, when the cluster runs the interpolator): 2**exp x the frames and frame rate.
     enable_frame_interpolation: bool = False
-    frame_interpolation_exp: int = 1
-    frame_interpolation_scale: float = 0.0
+    frame_interpolation_exp: Annotated[int, Field(ge=0, le=MAX_INTERP_EXP)] = 1
+    # The interpolator's flow scale: one of ALLOWED_INTERP_SCALES (0 means 1).
+    frame_interpolation_scale: _finite(0.0, max(ALLOWED_INTERP_SCALES)) = 0.0
     output_format: Literal["mp4", "webm", "gif"] = "mp4"
     # 1 (smallest) to 100 (best); unset, the format's default.
-    output_quality: int | None = None
+    output_quality: Annotated[int, Field(ge=1, le=100)] | None = None
     # An image as a data URL ("data:image/png;base64,...") or {"image_url": "data:..."}; as a file in a
     # multipart body. The first frame of image-to-video.
-    input_reference: str | dict[str, str] | None = None
+    input_reference: DataUrl | Annotated[dict[_text(16), DataUrl], Field(max_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _known_scale(self) -> VideoCreate:
+        if self.enable_frame_interpolation and self.frame_interpolation_scale not in ALLOWED_INTERP_SCALES:
+            allowed = ", ".join(f"{scale:g}" for scale in ALLOWED_INTERP_SCALES[1:])
+            value = self.frame_interpolation_scale
+            raise invalid("frame_interpolation_scale", f"{value:g} is not allowed; use {allowed}, or 0 for 1")
+        return self
 
 
 class ImageGenerate(Diffusion):
@@ -88,6 +136,13 @@ class ImageGenerate(Diffusion):
     style: Name | None = None
     moderation: Literal["auto"] | None = None
 
+    @model_validator(mode="after")
+    def _seeds_fit(self) -> ImageGenerate:
+        """The n images take seeds seed, seed + 1, ..., seed + n - 1: each must be a seed too."""
+        if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
+            raise invalid("seed", f"{self.seed} with n={self.n} is not allowed; use 0 to {MAX_SEED - self.n + 1}")
+        return self
+
 
 class ImageEdit(ImageGenerate):
     """POST /v1/images/edits: the fields of a generation; the images to edit come as multipart files."""
@@ -97,29 +152,39 @@ def parse_size(size: str | None) -> tuple[int, int] | None:
     """(width, height) of "WxH"; None for None or "auto"."""
     if size is None or size == "auto":
         return None
-    match = _SIZE.match(size)
+    match = _SIZE.fullmatch(size)
     if match is None:
         raise invalid("size", f"{size[:32]!r} is not a size; use WIDTHxHEIGHT, e.g. 832x480, or auto")
     return int(match.group(1)), int(match.group(2))
 
 
-def _loras(value: LoraValue | None) -> list[generation_pb2.LoraAdapter]:
+def _loras(value: LoraValue | None) -> list[stages_pb2.LoraAdapter]:
     items = [] if value is None else value if isinstance(value, list) else [value]
     adapters = []
     for item in items:
         if isinstance(item, LoraField):
             name, scale = item.name, item.scale
         else:
-            name, colon, text = item.partition(":")
-            try:
-                scale = float(text) if colon else None
-            except ValueError:
-                raise invalid("lora", f"{item[:80]!r}: expected NAME or NAME:SCALE") from None
-        adapter = generation_pb2.LoraAdapter(name=name)
+            name, scale = _lora_spec(item)
+        adapter = stages_pb2.LoraAdapter(name=name)
         if scale is not None:
             adapter.scale = scale
         adapters.append(adapter)
     return adapters
+
+
+def _lora_spec(spec: str) -> tuple[str, float | None]:
+    """(name, scale) of "NAME" or "NAME:SCALE"."""
+    name, colon, text = spec.partition(":")
+    if not colon:
+        return name, None
+    try:
+        scale = float(text)
+    except ValueError:
+        raise invalid("lora", f"{spec[:80]!r}: expected NAME or NAME:SCALE") from None
+    if not (math.isfinite(scale) and abs(scale) <= MAX_LORA_SCALE):
+        raise invalid("lora", f"{spec[:80]!r}: the scale must be -{MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g}")
+    return name, scale
 
 
 def generate_request(body: Diffusion, request_id: str) -> generation_pb2.GenerateRequest:

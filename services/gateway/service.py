@@ -9,10 +9,13 @@ import ssl
 
 import uvicorn
 
+from services.allocator import return_large_buffers_to_the_system
 from services.environment_options import parse_args
 from services.gateway.app import create_app
+from services.gateway.connections import guarded_protocol
 from services.gateway.options import build_parser
 from services.gateway.orchestrator import Orchestrator
+from services.ports import bind_problem
 from services.server import configure_logging, is_loopback
 
 logger = logging.getLogger(__name__)
@@ -38,17 +41,30 @@ def main(argv: list[str] | None = None) -> None:
     for flag, value in (
         ("--max-body-bytes", args.max_body_bytes),
         ("--max-concurrent-requests", args.max_concurrent_requests),
+        ("--max-downloads-per-key", args.max_downloads_per_key),
     ):
         if value < 1:
             parser.error(f"{flag} {value}: use 1 or more")
-    if not 0 < args.image_wait <= 86400:
-        parser.error(f"--image-wait {args.image_wait}: use more than 0 and at most 86400 seconds")
-    problem = startup_problem(args)
+    for flag, seconds in (
+        ("--image-wait", args.image_wait),
+        ("--header-timeout", args.header_timeout),
+        ("--body-timeout", args.body_timeout),
+    ):
+        if not 0 < seconds <= 86400:
+            parser.error(f"{flag} {seconds}: use more than 0 and at most 86400 seconds")
+    problem = startup_problem(args) or bind_problem(args.host, args.port, "--port")
     if problem is not None:
         raise SystemExit(f"{PROG}: {problem}")
     configure_logging(args.log_level, args.log_format)
+    return_large_buffers_to_the_system()  # clients' images and uploads pass through here
     orchestrator = Orchestrator(args.orchestrator, ca_cert=args.orchestrator_ca_cert, tls=args.orchestrator_tls)
-    app = create_app(orchestrator, max_body_bytes=args.max_body_bytes, image_wait_s=args.image_wait)
+    app = create_app(
+        orchestrator,
+        max_body_bytes=args.max_body_bytes,
+        image_wait_s=args.image_wait,
+        max_downloads_per_key=args.max_downloads_per_key,
+        openapi=args.openapi,
+    )
     tls = {}
     if args.tls_cert is not None:
         tls = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key}
@@ -61,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
             host=args.host,
             port=args.port,
             limit_concurrency=args.max_concurrent_requests,
+            http=guarded_protocol(args.header_timeout, args.body_timeout),
             log_config=None,
             access_log=False,
             **tls,

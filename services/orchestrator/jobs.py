@@ -119,6 +119,17 @@ def result_shape(request: generation_pb2.GenerateRequest) -> tuple[int, int, int
     return (output_frames(request), request.height, request.width, 3)
 
 
+def without_image_bytes(request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
+    """`request` with its images' bytes cleared (their roles, digests and sizes kept); itself without images."""
+    if not any(image.data for image in request.images):
+        return request
+    cleared = generation_pb2.GenerateRequest()
+    cleared.CopyFrom(request)
+    for image in cleared.images:
+        image.ClearField("data")
+    return cleared
+
+
 def result_bytes(request: generation_pb2.GenerateRequest) -> int:
     """The bytes a job's result is reserved at admission: its raw frames, twice when an encoded result keeps them
     too (an encoded file is not larger than the frames it encodes, but for a few bytes of header)."""
@@ -366,13 +377,8 @@ class Job:
             events.close()
 
     def to_proto(self, queue_position: int = 0) -> generation_pb2.Job:
-        request = self.request
-        if request.images:
-            # The images' bytes stay with the job; a client sees which images they were (sha256, size).
-            request = generation_pb2.GenerateRequest()
-            request.CopyFrom(self.request)
-            for image in request.images:
-                image.ClearField("data")
+        # A client sees which images the job took (sha256, size), never their bytes.
+        request = without_image_bytes(self.request)
         job = generation_pb2.Job(
             job_id=self.job_id,
             state=self.state,
@@ -487,29 +493,43 @@ class JobManager:
         # The tenant as it is now (its quotas) is what pruning and recovery use for its jobs.
         self.tenants[tenant.name] = tenant
         self._check_free_space(tenant.name)
-        self._check_stored_bytes(tenant, request)
+        self.check_stored_bytes(tenant, result_bytes(request) + sum(len(image.data) for image in request.images))
         job_id = uuid.uuid4().hex
+        # The images' bytes go to a file beside the job (counted in its tenant's bytes), never into its row or
+        # its Job: a queued or finished job holds their digests and sizes only. The file is written before the
+        # job enters the queue, so that nothing awaits between the queue taking the job and the job being known.
+        try:
+            saved = await asyncio.to_thread(self.store.save_input_images, job_id, request.images)
+        except StoreFull as error:
+            raise self._disk_full(tenant.name, error) from None
+        request = without_image_bytes(request)
+        admitted = self.by_request_id.get((tenant.name, request.request_id))
+        if admitted is not None and admitted in self.jobs:  # the same request, admitted meanwhile
+            if saved is not None:
+                self.store.discard_saved_images(job_id, saved)
+            return self.jobs[admitted], False
         quotas = tenant.quotas
-        self.scheduler.admit(
-            job_id,
-            tenant.name,
-            tenant.priority,
-            tenant.weight,
-            TenantLimits(max_queued=quotas.max_queued_jobs, max_running=quotas.max_running_jobs),
-        )
+        try:
+            self.scheduler.admit(
+                job_id,
+                tenant.name,
+                tenant.priority,
+                tenant.weight,
+                TenantLimits(max_queued=quotas.max_queued_jobs, max_running=quotas.max_running_jobs),
+            )
+        except BaseException:
+            if saved is not None:
+                self.store.discard_saved_images(job_id, saved)
+            raise
         deadline_at = None if deadline is None else time.time() + (deadline - asyncio.get_running_loop().time())
         try:
             record = self.store.insert(
-                JobRecord.new(job_id, tenant.name, request, priority=tenant.priority.value, deadline_at=deadline_at)
+                JobRecord.new(job_id, tenant.name, request, priority=tenant.priority.value, deadline_at=deadline_at),
+                saved,
             )
         except StoreFull as error:
             self.scheduler.remove(job_id)
-            raise StorageRefused(
-                f"the orchestrator's state volume is full ({error}); retry later",
-                retry_after_s=DISK_FULL_RETRY_AFTER_S,
-                scope="disk",
-                tenant=tenant.name,
-            ) from None
+            raise self._disk_full(tenant.name, error) from None
         except BaseException:
             self.scheduler.remove(job_id)
             raise
@@ -534,6 +554,15 @@ class JobManager:
         await self._prune_tenant(tenant.name)
         return job, True
 
+    @staticmethod
+    def _disk_full(tenant: str, error: StoreFull) -> StorageRefused:
+        return StorageRefused(
+            f"the orchestrator's state volume is full ({error}); retry later",
+            retry_after_s=DISK_FULL_RETRY_AFTER_S,
+            scope="disk",
+            tenant=tenant,
+        )
+
     def _check_free_space(self, tenant: str) -> None:
         """Refuses new jobs while the state volume has less than `min_free` left."""
         free, total = self.store.free_bytes()
@@ -547,20 +576,21 @@ class JobManager:
                 tenant=tenant,
             )
 
-    def _check_stored_bytes(self, tenant: Tenant, request: generation_pb2.GenerateRequest) -> None:
-        """Refuses a job whose result cannot fit the tenant's max_stored_bytes even after its finished jobs go."""
+    def check_stored_bytes(self, tenant: Tenant, needed: int) -> None:
+        """Refuses a job that needs `needed` bytes (its result and input images) when they cannot fit the
+        tenant's max_stored_bytes even after its finished jobs go. Admission checks a request's image bytes
+        alone before it parses them; `submit` checks them with the result."""
         limit = self._retention(tenant.name)[1]
         if limit is None:
             return
-        needed = result_bytes(request)
         if needed > limit:
             raise LimitExceeded(
                 tenant.name,
                 "max_stored_bytes",
                 needed,
                 limit,
-                f"output: the result takes {needed} bytes, more than tenant '{tenant.name}' may store "
-                f"(max_stored_bytes {limit})",
+                f"output: the result and the input images take {needed} bytes, more than tenant "
+                f"'{tenant.name}' may store (max_stored_bytes {limit})",
             )
         held = self.store.usage(tenant.name).active + self._reserved_bytes(tenant.name)
         if held + needed > limit:
@@ -624,12 +654,13 @@ class JobManager:
     def position(self, job: Job) -> int:
         return self.scheduler.position(job.job_id) or 0
 
-    def list_jobs(self, tenant: str | None, state: int = 0, limit: int = 100) -> list[generation_pb2.Job]:
-        """The tenant's jobs, newest first; live ones as they are now, the rest as stored."""
+    async def list_jobs(self, tenant: str | None, state: int = 0, limit: int = 100) -> list[generation_pb2.Job]:
+        """The tenant's jobs, newest first; live ones as they are now, the rest as stored (read off the loop)."""
         states = None if state == JobState.JOB_STATE_UNSPECIFIED else [state]
+        records = await asyncio.to_thread(self.store.list_jobs, states=states, tenant=tenant, limit=limit)
         positions = self.scheduler.positions()  # once for the whole list: it simulates the queue order
         listed = []
-        for record in self.store.list_jobs(states=states, tenant=tenant, limit=limit):
+        for record in records:
             live = self.jobs.get(record.job_id)
             job = live if live is not None else Job.from_record(record)
             if states is None or job.state in states:

@@ -8,6 +8,8 @@ directory, "TENANT/NAME" for one in a tenant's subdirectory. A tenant may use
 Another tenant's private adapter is never usable, whatever the patterns say, and is answered as absent
 (NOT_FOUND), so that a tenant cannot learn the names of another's adapters. A listed adapter it may not use is
 PERMISSION_DENIED; one the DiT does not list is NOT_FOUND. ListModels shows each tenant only what it may use.
+Adapters that together take more than the DiT keeps loaded (ModelLimits.lora_cache_bytes, against each listed
+adapter's load_bytes) can never run: INVALID_ARGUMENT, before any stage runs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from fnmatch import fnmatchcase
 
 import grpc
 
+from services.errors import RequestError
 from services.orchestrator.tenants import Tenant, TenantError
 from services.validation import lora_owner
 from stagediff.v1 import stages_pb2
@@ -47,7 +50,28 @@ def visible(tenant: Tenant, listed: Iterable[stages_pb2.LoraInfo]) -> list[stage
 
 
 def check_loras(tenant: Tenant, loras: Iterable[stages_pb2.LoraAdapter], limits: stages_pb2.ModelLimits) -> None:
-    """Raises LoraNotFound or LoraNotAllowed for the first adapter of the request the tenant cannot use."""
+    """Raises LoraNotFound or LoraNotAllowed for the first adapter of the request the tenant cannot use, or
+    RequestError when its adapters together do not fit the DiT's adapter cache."""
+    loras = list(loras)
+    _check_each(tenant, loras, limits)
+    _check_fit(loras, limits)
+
+
+def _check_fit(loras: list[stages_pb2.LoraAdapter], limits: stages_pb2.ModelLimits) -> None:
+    """Raises RequestError when the adapters (each listed) take more than the DiT's lora_cache_bytes loaded."""
+    if not loras or not limits.lora_cache_bytes:
+        return
+    sizes = {info.name: info.load_bytes for info in limits.loras}
+    needed = sum(sizes[name] for name in dict.fromkeys(lora.name for lora in loras))
+    if needed > limits.lora_cache_bytes:
+        raise RequestError(
+            f"loras: {', '.join(lora.name for lora in loras)} take {needed} bytes loaded; this model holds at most "
+            f"{limits.lora_cache_bytes} bytes of adapters at once (ListModels shows each adapter's load_bytes and "
+            "the model's lora_cache_bytes): name fewer or smaller adapters"
+        )
+
+
+def _check_each(tenant: Tenant, loras: list[stages_pb2.LoraAdapter], limits: stages_pb2.ModelLimits) -> None:
     listed = {info.name for info in limits.loras}
     for index, lora in enumerate(loras):
         field = f"loras[{index}].name"

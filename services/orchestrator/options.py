@@ -14,6 +14,7 @@ from services.auth import add_cluster_secret_argument, add_stage_tls_arguments, 
 from services.environment_options import OptionParser
 from services.logging_setup import add_logging_arguments
 from services.metrics import add_metrics_arguments
+from services.orchestrator.adapter_rate import DEFAULT_ADAPTERS_PER_MINUTE
 from services.orchestrator.sizes import MinFree, parse_size
 from services.orchestrator.stage_clients import PROBE_INTERVAL_S, REPLICA_WAIT_S
 from services.server import add_server_arguments
@@ -127,6 +128,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-job-attempts", type=int, default=3, help="restarts of a job interrupted by orchestrator restarts"
     )
+    parser.add_argument(
+        "--adapters-per-minute",
+        type=int,
+        default=DEFAULT_ADAPTERS_PER_MINUTE,
+        metavar="N",
+        help="distinct LoRA adapters each tenant may name in any minute, unless its adapters_per_minute quota says "
+        "otherwise; more are refused with RESOURCE_EXHAUSTED and a retry delay (0: no bound; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--batch-per-tenant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="let the DiT batch a request only with the same tenant's, so that no tenant shares a batch (or its "
+        "timing) with another (default: on with --tenants, off without)",
+    )
     parser.add_argument("--log-level", default="INFO")
     add_logging_arguments(parser)
     add_metrics_arguments(parser)
@@ -139,6 +155,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start anyway without a cluster secret, or with --tenants on a non-loopback --host without TLS "
         "(default: refuse)",
     )
+
+
+def batch_per_tenant(args: argparse.Namespace, has_tenants: bool) -> bool:
+    """Whether the DiT batches a request only with its own tenant's: --[no-]batch-per-tenant, else whether the
+    cluster has a tenants file."""
+    return args.batch_per_tenant if args.batch_per_tenant is not None else has_tenants
 
 
 def build_parser() -> OptionParser:

@@ -28,7 +28,9 @@ into place with the row that marks the job SUCCEEDED, before the completion
 event. A job that fails or is cancelled deletes its partial file.
 
 Every stage call runs on one replica of its stage, chosen by the stage pool
-(the serving replica with the fewest calls in flight). Finished stages leave
+(the serving replica with the fewest calls in flight). With `batch_per_tenant`
+(--batch-per-tenant) each Denoise call carries its tenant's opaque batch group,
+so that a batched DiT puts it in a batch with the same tenant's requests only. Finished stages leave
 their output in `job.intermediates` (the conditioning and the latent chunks), so when
 a later stage fails with UNAVAILABLE the job is retried from there, without
 recomputing earlier stages. Frames already published are not written or
@@ -215,8 +217,11 @@ class Pipeline:
         store: JobStore | None = None,
         metrics: OrchestratorMetrics | None = None,
         cluster_secret: str | None = None,
+        batch_per_tenant: bool = False,
     ) -> None:
         self.stages = stages
+        # Whether the DiT may batch one tenant's requests only with the same tenant's (DenoiseParams.batch_group).
+        self.batch_per_tenant = batch_per_tenant
         # Keys each tenant's namespace in the text encoder's embedding cache (services/orchestrator/cache_namespace.py).
         self.cache_namespace_key = cache_namespace_key(cluster_secret)
         self.store = store
@@ -395,6 +400,9 @@ class Pipeline:
                 group.create_task(self._encode(job, family))
             if encode_images and VAE_ENCODE not in outputs:
                 group.create_task(self._encode_images(job, family))
+        if request.images and self.store is not None:
+            # The conditioning is kept: a retry or a restart resumes from it, never from the images again.
+            await asyncio.to_thread(self.store.drop_input_images, job.job_id)
         publisher = ResultPublisher(job, job.result, job.fps_out, self.metrics)
         # The DiT's input is the conditioning; each later stage's is the stage before's output.
         inbox: asyncio.Queue = asyncio.Queue()
@@ -440,6 +448,13 @@ class Pipeline:
         if kept is not None:
             await self._stage_done(job, stage, kept)
 
+    async def _input_images(self, job: Job) -> list[image_pb2.InputImage]:
+        """The job's input images with their bytes: from the store, where admission put them (the job itself
+        holds their digests and sizes only); a pipeline without a store has them in the request."""
+        if self.store is None:
+            return list(job.request.images)
+        return await asyncio.to_thread(self.store.load_input_images, job.job_id)
+
     async def _encode(self, job: Job, family: Family) -> None:
         """Runs the text encoder to its end: the DiT's conditioning, as the chunks the text encoder sent."""
         request = job.request
@@ -450,7 +465,7 @@ class Pipeline:
         job.current_stage = "text-encoder"
         started = time.perf_counter()
         chunks: list[tensor_pb2.TensorChunk] = []
-        images = request.images if "text-encoder" in family.images.encoded_by else []
+        images = await self._input_images(job) if "text-encoder" in family.images.encoded_by else []
         async with stage.call() as replica:
             call = replica.text_encoder.Encode(
                 stages_pb2.EncodeRequest(
@@ -475,6 +490,7 @@ class Pipeline:
         request = job.request
         started = time.perf_counter()
         chunks: list[tensor_pb2.TensorChunk] = []
+        images = await self._input_images(job)
         async with self.stages["vae"].call() as replica:
             call = replica.vae.Encode(
                 stages_pb2.VaeEncodeRequest(
@@ -482,7 +498,7 @@ class Pipeline:
                     height=request.height,
                     width=request.width,
                     num_frames=request.num_frames,
-                    images=request.images,
+                    images=images,
                 ),
                 timeout=self._remaining(job),
             )
@@ -491,6 +507,10 @@ class Pipeline:
         _check_sent(family, request, "vae", replica.endpoint, chunks)
         job.timings[VAE_ENCODE] = time.perf_counter() - started
         await self._stage_done(job, VAE_ENCODE, chunks)
+
+    def _batch_group(self, job: Job) -> bytes:
+        """The job's DenoiseParams.batch_group: its tenant's opaque namespace with --batch-per-tenant, else empty."""
+        return tenant_cache_namespace(self.cache_namespace_key, job.tenant) if self.batch_per_tenant else b""
 
     async def _denoise(self, job: Job, conditioning: asyncio.Queue, emit: Emit) -> None:
         request = job.request
@@ -508,6 +528,7 @@ class Pipeline:
                     seed=request.seed,
                     cache=request.cache,
                     loras=request.loras,
+                    batch_group=self._batch_group(job),
                     image_roles=[ROLE_NAMES[image.role] for image in request.images],
                     image_sizes=[
                         image_pb2.ImageSize(width=image.width, height=image.height) for image in request.images

@@ -26,6 +26,7 @@ from google.protobuf.message import Message
 
 from services.errors import RequestError
 from services.images import MAX_IMAGE_BYTES
+from services.orchestrator.image_uploads import MAX_CHUNK_BYTES
 from services.validation import MAX_LORAS_PER_REQUEST
 
 MAX_MODEL_ID_CHARS = 128
@@ -53,7 +54,8 @@ FIELD_LIMITS: dict[str, dict[str, int]] = {
     },
     "stagediff.v1.LoraAdapter": {"name": MAX_LORA_NAME_CHARS},
     # Each image at most all of a request's image bytes; the model's own limits are checked once it is known.
-    "stagediff.v1.InputImage": {"data": MAX_IMAGE_BYTES, "sha256": MAX_DIGEST_CHARS},
+    "stagediff.v1.InputImage": {"data": MAX_IMAGE_BYTES, "sha256": MAX_DIGEST_CHARS, "upload_id": MAX_JOB_ID_CHARS},
+    "stagediff.v1.ImageUploadChunk": {"data": MAX_CHUNK_BYTES},
     "stagediff.v1.InterpolationParams": {"model_path": MAX_PATH_CHARS},
     "stagediff.v1.StepCache": {"method": MAX_CACHE_METHOD_CHARS},
     "stagediff.v1.GetJobRequest": {"job_id": MAX_JOB_ID_CHARS},
@@ -119,16 +121,17 @@ def check_bounds(request: Message, prefix: str = "") -> None:
 class RequestBoundsInterceptor(grpc.aio.ServerInterceptor):
     """Runs `check_bounds` on every request of `services` before its handler, answering INVALID_ARGUMENT.
 
-    For unary-request methods (every method of the public API). Put it after the authentication
-    interceptor, so that an unauthenticated call is refused before its request is looked at.
+    For unary-request methods, and for each message of a request stream (UploadImage's chunks), which
+    is refused at the first message over its limits. Put it after the authentication interceptor, so that
+    an unauthenticated call is refused before its request is looked at.
     """
 
     def __init__(self, services: Iterable[ServiceDescriptor]) -> None:
         services = list(services)
         for service in services:
             for method in service.methods:
-                if method.client_streaming:
-                    raise ValueError(f"{method.full_name}: request streams are not checked; bound them elsewhere")
+                if method.client_streaming and method.server_streaming:
+                    raise ValueError(f"{method.full_name}: bidirectional streams are not checked; bound them elsewhere")
         self.services = frozenset(service.full_name for service in services)
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -145,6 +148,13 @@ class RequestBoundsInterceptor(grpc.aio.ServerInterceptor):
                 return await inner(request, context)
 
             return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, serializer)
+        if handler.stream_unary is not None:
+            inner_upload = handler.stream_unary
+
+            async def stream_unary(requests, context):
+                return await inner_upload(_checked(requests), context)
+
+            return grpc.stream_unary_rpc_method_handler(stream_unary, deserializer, serializer)
         inner_stream = handler.unary_stream
 
         async def unary_stream(request, context):
@@ -153,6 +163,14 @@ class RequestBoundsInterceptor(grpc.aio.ServerInterceptor):
                 yield response
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, serializer)
+
+
+async def _checked(requests):
+    """The messages of a request stream, each checked; RequestError at the first over its limits."""
+    async for request in requests:
+        if isinstance(request, Message):
+            check_bounds(request)
+        yield request
 
 
 async def _check(request, context: grpc.aio.ServicerContext) -> None:

@@ -1,28 +1,31 @@
 """A request's input images, checked at the door against the served model's limits.
 
-`complete_images` runs with the rest of the request's validation (services/orchestrator/service.py): the
-count, the bytes of all images, each image's role against the roles the model takes and requires, and each
-image's header (format, and its pixel count before anything is decoded: a decompression bomb never gets
-past it). It fills in what the job records of each image: its role (an unspecified role becomes the
-model's first), its SHA-256 and its size as decoded, the EXIF orientation applied (what the stages and
-the family's pipeline see). `size_from_images` is the output size a family takes from an input image
-when the request leaves height and width unset (Qwen-Image-Edit). `verify_images` then decodes each
-whole, off the event loop, so that a truncated or corrupt file is refused with INVALID_ARGUMENT before
-the job is queued rather than failing it in a stage. No torch here.
+`check_image_budget` runs first, before a byte of any image is parsed: the count and the bytes of all
+images. `probe_images` then reads each image's header (format, structure, and its pixel count before
+anything is decoded: a decompression bomb never gets past it) on the orchestrator's image workers
+(services/image_work.py), and `complete_images` runs with the rest of the request's validation
+(services/orchestrator/service.py): each image's role against the roles the model takes and
+requires. It fills in what the job records of each image: its role (an unspecified role becomes the
+model's first), its SHA-256 and its size as decoded, the EXIF orientation applied (what the stages and the
+family's pipeline see). `size_from_images` is the output size a family takes from an input image when the
+request leaves height and width unset (Qwen-Image-Edit). `verify_images` then decodes each whole, on the
+image workers too, so that a truncated or corrupt file is refused with INVALID_ARGUMENT before the job is
+queued rather than failing it in a stage. No torch here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from families.base import ImageInputs
 from services.errors import RequestError
-from services.images import decode_image, probe_image
+from services.images import ImageInfo, Stop, decode_image, probe_image
 from services.input_images import ROLE_NAMES, ROLE_VALUES, image_roles
 from stagediff.v1 import generation_pb2, image_pb2, stages_pb2
 
 
-def complete_images(request: generation_pb2.GenerateRequest, limits: stages_pb2.ModelLimits) -> None:
-    """Checks `request.images` against the model's limits and records each image's role, digest and size."""
-    images = request.images
+def check_image_budget(images: Sequence[image_pb2.InputImage], limits: stages_pb2.ModelLimits) -> None:
+    """Refuses more images, or more bytes of them in all, than the model takes; nothing is parsed."""
     if len(images) > limits.max_images:
         allowed = f"at most {limits.max_images}" if limits.max_images else "none (the model takes text only)"
         raise RequestError(f"images: {len(images)} sent; {allowed} are allowed")
@@ -31,9 +34,29 @@ def complete_images(request: generation_pb2.GenerateRequest, limits: stages_pb2.
         raise RequestError(
             f"images: {total} bytes of encoded images in all; at most {limits.max_image_bytes} are allowed"
         )
+
+
+def probe_images(images: Sequence[image_pb2.InputImage], max_pixels: int, stop: Stop | None = None) -> list[ImageInfo]:
+    """Each image's header, read without decoding (RequestError for the first refused); blocking."""
+    return [probe_image(image.data, f"images[{index}].data", max_pixels, stop) for index, image in enumerate(images)]
+
+
+def complete_images(
+    request: generation_pb2.GenerateRequest,
+    limits: stages_pb2.ModelLimits,
+    probed: Sequence[ImageInfo] | None = None,
+) -> None:
+    """Checks `request.images` against the model's limits and records each image's role, digest and size.
+
+    `probed` holds what `probe_images` read of each image, on the image workers; without it the headers
+    are read here, on the calling thread.
+    """
+    images = request.images
+    check_image_budget(images, limits)
     roles = image_roles(images, list(limits.image_roles), list(limits.required_image_roles), request.model)
-    for index, (image, role) in enumerate(zip(images, roles, strict=True)):
-        info = probe_image(image.data, f"images[{index}].data", limits.max_image_pixels)
+    if probed is None:
+        probed = probe_images(images, limits.max_image_pixels)
+    for image, role, info in zip(images, roles, probed, strict=True):
         image.role = ROLE_VALUES[role]
         image.sha256 = info.sha256
         image.width, image.height = info.decoded_size
@@ -56,12 +79,14 @@ def size_from_images(
     return index, image, images.size_from.size(image.width, image.height)
 
 
-def verify_images(request: generation_pb2.GenerateRequest, limits: stages_pb2.ModelLimits) -> None:
+def verify_images(
+    request: generation_pb2.GenerateRequest, limits: stages_pb2.ModelLimits, stop: Stop | None = None
+) -> None:
     """Decodes every image whole; raises RequestError naming the first that does not decode, or that decodes to
     another size than its header gave (`complete_images` recorded that size, and an output size may have
     been made from it: neither would be the image's)."""
     for index, image in enumerate(request.images):
-        decoded = decode_image(image.data, f"images[{index}].data", limits.max_image_pixels)
+        decoded = decode_image(image.data, f"images[{index}].data", limits.max_image_pixels, stop)
         if decoded.size != (image.width, image.height):
             raise RequestError(
                 f"images[{index}].data: the image decodes to {decoded.width}x{decoded.height}, not the "

@@ -13,12 +13,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import random
+from collections.abc import Sequence
 
 import grpc
 
+from services.allocator import return_large_buffers_to_the_system
 from services.auth import (
     CLUSTER_SECRET_ENV,
     ClusterSecretError,
@@ -30,16 +33,26 @@ from services.auth import (
 from services.encoding import check_output
 from services.environment_options import parse_args
 from services.errors import RequestError, bounded
-from services.images import MAX_IMAGE_BYTES
+from services.image_work import ImageWorkers
+from services.images import ImageInfo
 from services.metrics import OrchestratorMetrics, ServerMetrics, start_metrics_server
+from services.orchestrator.adapter_rate import AdapterRate
 from services.orchestrator.chain import StageNotDeployed, chain_problem, check_request, missing_stages, served_family
+from services.orchestrator.error_redaction import for_tenant, job_for_tenant
 from services.orchestrator.followers import JobFollowers, TooManyWatchers
+from services.orchestrator.image_uploads import UPLOADS_DIR, ImageUploads, UploadRefused
 from services.orchestrator.jobs import AdmissionRefused, Job, JobManager, JobState
 from services.orchestrator.lora_access import LoraNotAllowed, LoraNotFound, check_loras, visible
-from services.orchestrator.options import DEFAULT_DETACH_GRACE_S, build_parser
+from services.orchestrator.options import DEFAULT_DETACH_GRACE_S, batch_per_tenant, build_parser
 from services.orchestrator.pipeline import Pipeline, restore_intermediates
 from services.orchestrator.request_bounds import RequestBoundsInterceptor
-from services.orchestrator.request_images import complete_images, size_from_images, verify_images
+from services.orchestrator.request_images import (
+    check_image_budget,
+    complete_images,
+    probe_images,
+    size_from_images,
+    verify_images,
+)
 from services.orchestrator.scheduler import FairScheduler
 from services.orchestrator.stage_clients import NOT_SERVING, STAGE_ORDER, StagePool
 from services.orchestrator.store import JobStore, ResultGone, StoreError
@@ -47,29 +60,35 @@ from services.orchestrator.tenant_auth import TenantAuthInterceptor, current_ten
 from services.orchestrator.tenants import LimitExceeded, RateLimited, TenantConfigError, TenantRegistry, output_frames
 from services.server import check_server_arguments, configure_logging, is_loopback, serve
 from services.tracing import configure_tracing
-from services.validation import resolve_cache, resolve_loras, validate_sampling, validate_seed, validate_size
+from services.validation import (
+    ALLOWED_INTERP_SCALES,
+    MAX_FPS,
+    MAX_INTERP_EXP,
+    resolve_cache,
+    resolve_loras,
+    validate_sampling,
+    validate_seed,
+    validate_size,
+)
 from stagediff import __version__
 from stagediff.protocol import JOB_FAILED_METADATA_KEY
 from stagediff.status_details import abort_with_retry
-from stagediff.v1 import generation_pb2, generation_pb2_grpc, stages_pb2
+from stagediff.v1 import generation_pb2, generation_pb2_grpc, image_pb2, stages_pb2
 
 logger = logging.getLogger(__name__)
 
-MAX_INTERP_EXP = 4
-ALLOWED_INTERP_SCALES = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
-MAX_FPS = 240.0
 MAX_LIST_LIMIT = 1000
 # The model label of a request refused before it named a served model: metric labels come from bounded sets.
 UNKNOWN_MODEL_LABEL = "unknown"
 # When a tenant at its max_watch_streams may try again.
 WATCH_RETRY_AFTER_S = 1.0
 # The public port receives small requests only: the bounded fields of a GenerateRequest need well under
-# 1 MiB besides its input images (at most MAX_IMAGE_BYTES in all), so a larger message is refused by grpc
-# (RESOURCE_EXHAUSTED) before it is parsed. Without BDP
-# probing the receive window stays at its default, so grpc does not take in megabytes of a message it will
-# refuse (24 refused requests of 16 MiB left the orchestrator 43 MiB larger with probing, 1 MiB without;
-# bench/hostile.py). Responses, where the frames are, flow under the client's window and are unaffected.
-MAX_REQUEST_BYTES = MAX_IMAGE_BYTES + (1 << 20)
+# 1 MiB, and an image file larger than fits beside them arrives through UploadImage in 1 MiB chunks
+# (services/orchestrator/image_uploads.py), so a larger message is refused by grpc (RESOURCE_EXHAUSTED)
+# before it is parsed, and without BDP probing the receive window stays at its default, so grpc does not
+# take in megabytes of a message it will refuse (bench/hostile.py measures both). Responses, where the
+# frames are, flow under the client's window and are unaffected.
+MAX_REQUEST_BYTES = 4 << 20
 PUBLIC_PORT_OPTIONS = (("grpc.max_receive_message_length", MAX_REQUEST_BYTES), ("grpc.http2.bdp_probe", 0))
 
 
@@ -95,6 +114,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         tenants: TenantRegistry | None = None,
         metrics: OrchestratorMetrics | None = None,
         detach_grace_s: float = DEFAULT_DETACH_GRACE_S,
+        image_workers: ImageWorkers | None = None,
+        uploads: ImageUploads | None = None,
+        adapter_rate: AdapterRate | None = None,
     ) -> None:
         self.stages = stages
         self.jobs = jobs
@@ -102,8 +124,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.metrics = metrics
         # Who follows which job, and the grace period of a lost Generate stream (services/orchestrator/followers.py).
         self.followers = JobFollowers(jobs, detach_grace_s)
+        # The distinct adapters each tenant names per minute (services/orchestrator/adapter_rate.py).
+        self.adapter_rate = adapter_rate if adapter_rate is not None else AdapterRate()
         # Set once every stage has answered SERVING; requests before that get UNAVAILABLE.
         self.ready = asyncio.Event()
+        # Clients' image files are parsed and decoded there, never on the event loop.
+        self.image_workers = image_workers if image_workers is not None else ImageWorkers()
+        # Image files sent ahead of their request (UploadImage), held until a request names them.
+        self.uploads = uploads if uploads is not None else ImageUploads(jobs.store.state_dir / UPLOADS_DIR)
 
     async def start(self) -> None:
         """Readies the orchestrator while its health says NOT_SERVING (the `load` of services.server.serve).
@@ -136,9 +164,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         info = self._stage_info("dit")
         return {info.model: info} if info is not None else {}
 
-    def complete_request(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
+    async def _probe_images(self, request: generation_pb2.GenerateRequest) -> list[ImageInfo] | None:
+        """The headers of the request's images, read on the image workers once their count and bytes are
+        within the model's limits; None when the request names no served model (complete_request says so)."""
+        info = self._models().get(request.model or next(iter(self._models()), ""))
+        if info is None or not request.images or not self.ready.is_set():
+            return None
+        check_image_budget(request.images, info.limits)
+        return await self.image_workers.run(
+            functools.partial(probe_images, request.images, info.limits.max_image_pixels)
+        )
+
+    def complete_request(
+        self, request: generation_pb2.GenerateRequest, probed: Sequence[ImageInfo] | None = None
+    ) -> generation_pb2.GenerateRequest:
         """Validates a request and fills in every default; raises RequestError, ModelNotFound, StageNotDeployed
-        or ClusterNotReady."""
+        or ClusterNotReady. `probed` is what `_probe_images` read of the request's images."""
         problem = self.chain_problem()
         if problem is not None:
             raise StageNotDeployed(problem)
@@ -169,7 +210,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             length = len(getattr(request, field))
             if length > limits.max_prompt_chars:
                 raise RequestError(f"{field}: {length} characters; at most {limits.max_prompt_chars} are allowed")
-        complete_images(full, limits)
+        complete_images(full, limits, probed)
         # A family that takes the output size from an input image (Qwen-Image-Edit) does so for each side the
         # request leaves unset, as its pipeline does (`height = height or calculated_height`); the job
         # records the size it used.
@@ -260,17 +301,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         existing = await self.jobs.find_request(tenant.name, request.request_id)
         if existing is not None:
             return existing, False
+        # An upload serves one request: the job that takes it, or a refusal that a retry of the same request
+        # would meet again; a refusal for load (rate, queue, a starting cluster) leaves it for the retry.
+        upload_ids = [image.upload_id for image in request.images if image.upload_id]
         try:
             self.tenants.check_rate(tenant)
-            full = self.complete_request(request)
+            request = await self.uploads.resolve(tenant.name, request)
+            # The images count in the tenant's stored bytes before a byte of them is parsed.
+            self.jobs.check_stored_bytes(tenant, sum(len(image.data) for image in request.images))
+            full = self.complete_request(request, await self._probe_images(request))
             model = full.model
-            # Decoding proves the images whole (a truncated file is refused here, not by a stage later).
-            await asyncio.to_thread(verify_images, full, self._models()[full.model].limits)
+            if full.images:
+                # Decoding proves the images whole (a truncated file is refused here, not by a stage later).
+                limits = self._models()[full.model].limits
+                await self.image_workers.run(functools.partial(verify_images, full, limits))
             self.tenants.check_request_limits(tenant, full)
             check_loras(tenant, full.loras, self._models()[full.model].limits)
+            self.adapter_rate.take(tenant, [lora.name for lora in full.loras])
             remaining = context.time_remaining()
             deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
             job, created = await self.jobs.submit(full, tenant, deadline)
+            self.uploads.discard(tenant.name, upload_ids)
         except RateLimited as error:
             self._count_refusal(tenant.name, model, grpc.StatusCode.RESOURCE_EXHAUSTED)
             await abort_with_retry(context, error.message, error.retry_after)
@@ -278,12 +329,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._count_refusal(tenant.name, model, grpc.StatusCode.RESOURCE_EXHAUSTED)
             await abort_with_retry(context, str(error), error.retry_after_s)
         except (LimitExceeded, LoraNotFound, LoraNotAllowed) as error:
+            self.uploads.discard(tenant.name, upload_ids)
             await self._refuse(context, tenant.name, model, error.code, error.message)
         except RequestError as error:
+            self.uploads.discard(tenant.name, upload_ids)
             await self._refuse(context, tenant.name, model, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except ModelNotFound as error:
+            self.uploads.discard(tenant.name, upload_ids)
             await self._refuse(context, tenant.name, model, grpc.StatusCode.NOT_FOUND, str(error))
         except StageNotDeployed as error:
+            self.uploads.discard(tenant.name, upload_ids)
             await self._refuse(context, tenant.name, model, grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except ClusterNotReady as error:
             await self._refuse(context, tenant.name, model, grpc.StatusCode.UNAVAILABLE, str(error))
@@ -330,7 +385,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INTERNAL, bounded(f"the result of job '{job.job_id}' cannot be read"))
         if job.state != JobState.JOB_STATE_SUCCEEDED:
             context.set_trailing_metadata(((JOB_FAILED_METADATA_KEY, "1"),))
-            await context.abort(_abort_code(job), bounded(job.error_message or "job did not succeed"))
+            message = for_tenant(current_tenant(), job.error_message, self._endpoints())
+            await context.abort(_abort_code(job), bounded(message or "job did not succeed"))
 
     async def _replaying(self, context) -> contextlib.AbstractContextManager[None]:
         """Counts a replay stream of the caller's tenant, or refuses it with RESOURCE_EXHAUSTED."""
@@ -362,9 +418,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 else:
                     await self.jobs.cancel(job, grpc.StatusCode.CANCELLED, "the client cancelled or disconnected")
 
+    def _endpoints(self) -> list[str]:
+        """Every stage replica's endpoint: what a job's error shows only admins (error_redaction.py)."""
+        return [replica.endpoint for stage in self.stages.stages.values() for replica in stage.replicas]
+
+    def _shown(self, job: generation_pb2.Job) -> generation_pb2.Job:
+        """`job` as the caller may read it: its error names no stage endpoint unless the caller is an admin."""
+        return job_for_tenant(current_tenant(), job, self._endpoints())
+
     async def Submit(self, request, context):
         job, _ = await self._admit(request, context)
-        return job.to_proto(self.jobs.position(job))
+        return self._shown(job.to_proto(self.jobs.position(job)))
 
     async def WatchJob(self, request, context):
         job = await self._find(request.job_id, context)
@@ -374,12 +438,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def GetJob(self, request, context):
         job = await self._find(request.job_id, context)
-        return job.to_proto(self.jobs.position(job))
+        return self._shown(job.to_proto(self.jobs.position(job)))
 
     async def CancelJob(self, request, context):
         job = await self._find(request.job_id, context)
         await self.jobs.cancel(job)
-        return job.to_proto()
+        return self._shown(job.to_proto())
 
     async def DeleteJob(self, request, context):
         job = await self._find(request.job_id, context)
@@ -400,8 +464,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"state: {request.state} is not one of {list(JobState.keys())}"
             )
-        jobs = self.jobs.list_jobs(current_tenant().name, request.state, limit)
-        return generation_pb2.ListJobsResponse(jobs=jobs)
+        jobs = await self.jobs.list_jobs(current_tenant().name, request.state, limit)
+        return generation_pb2.ListJobsResponse(jobs=[self._shown(job) for job in jobs])
 
     async def ListModels(self, request, context):
         tenant = current_tenant()
@@ -414,6 +478,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             limits.loras.extend(visible(tenant, info.limits.loras))
             models.append(generation_pb2.ModelDescription(id=model, family=info.family, limits=limits))
         return generation_pb2.ListModelsResponse(models=models)
+
+    async def UploadImage(self, request_iterator, context):
+        tenant = current_tenant()
+
+        async def chunks():
+            async for chunk in request_iterator:
+                yield chunk.data
+
+        try:
+            uploaded = await self.uploads.receive(tenant.name, chunks())
+        except UploadRefused as error:
+            if error.retry_after_s is not None:
+                await abort_with_retry(context, error.message, error.retry_after_s)
+            await context.abort(error.code, error.message)
+        except RequestError as error:  # a chunk over its size, from the bounds check
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return image_pb2.UploadedImage(
+            upload_id=uploaded.upload_id,
+            size_bytes=uploaded.size_bytes,
+            sha256=uploaded.sha256,
+            expires_in_s=uploaded.expires_in_s,
+        )
 
     async def GetClusterInfo(self, request, context):
         # Endpoints, devices, weights and every tenant's load are for operators only.
@@ -503,6 +589,7 @@ def main(argv: list[str] | None = None) -> None:
         ("--stage-retries", args.stage_retries, 0),
         ("--max-kept-jobs", args.max_kept_jobs, 1),
         ("--max-job-attempts", args.max_job_attempts, 1),
+        ("--adapters-per-minute", args.adapters_per_minute, 0),
     ):
         if value < least:
             parser.error(f"{flag} {value}: use {least} or more")
@@ -513,6 +600,7 @@ def main(argv: list[str] | None = None) -> None:
     if not (math.isfinite(args.detach_grace) and 0 <= args.detach_grace <= 3600):
         parser.error(f"--detach-grace {args.detach_grace}: use 0 to 3600 seconds")
     configure_logging(args.log_level, args.log_format)
+    return_large_buffers_to_the_system()  # clients' images and uploads pass through here
     configure_tracing("stagediff-orchestrator")
     try:
         tenants = TenantRegistry.from_file(args.tenants) if args.tenants else TenantRegistry.open()
@@ -557,7 +645,14 @@ async def _serve(
         metrics=metrics,
         credentials=stage_credentials,
     )
-    pipeline = Pipeline(stages, stage_retries=args.stage_retries, store=store, metrics=metrics, cluster_secret=secret)
+    pipeline = Pipeline(
+        stages,
+        stage_retries=args.stage_retries,
+        store=store,
+        metrics=metrics,
+        cluster_secret=secret,
+        batch_per_tenant=batch_per_tenant(args, has_tenants=not tenants.is_open),
+    )
     scheduler = FairScheduler(max_queued=args.max_queued_jobs, max_running=args.max_running_jobs)
     jobs = JobManager(
         pipeline.run,
@@ -572,7 +667,14 @@ async def _serve(
         tenants=tenants.tenants,
         metrics=metrics,
     )
-    servicer = GenerationServicer(stages, jobs, tenants, metrics, detach_grace_s=args.detach_grace)
+    servicer = GenerationServicer(
+        stages,
+        jobs,
+        tenants,
+        metrics,
+        detach_grace_s=args.detach_grace,
+        adapter_rate=AdapterRate(args.adapters_per_minute),
+    )
 
     def register(server: grpc.aio.Server) -> list[str]:
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)

@@ -11,7 +11,8 @@ UNAVAILABLE, or whose probe fails, is taken out of rotation at once; it rejoins
 once a probe finds it SERVING again and its StageInfo has been fetched anew.
 
 Any failure of a stage call becomes a `StageError` that names the stage and the
-replica's endpoint, so a user who sees UNAVAILABLE knows which process to look at.
+replica's endpoint, so an operator who sees UNAVAILABLE knows which process to look at;
+tenants other than admins read it without the endpoint (error_redaction.py).
 
 Every channel, health probes included, carries the cluster secret when there is
 one, and runs over TLS when given channel credentials (`--stage-tls-ca`): the

@@ -5,6 +5,7 @@ Layout of `state_dir`:
     jobs.sqlite3 (+ -wal, -shm)   job records, which intermediates and results exist, and their sizes
     LOCK                          held (flock) by the one process that owns the directory
     jobs/<job_id>/stage-<stage>.chunks        what a finished stage of an unfinished job sent
+    jobs/<job_id>/stage-input-images.<hex>.chunks   the input images of a job whose conditioning is not done
     jobs/<job_id>/.result-frames.npy.<hex>.partial   the result of a running job, written as it streams
     jobs/<job_id>/result-frames.npy           the final frames, uint8 [F, H, W, 3]
     jobs/<job_id>/.result.<ext>.<hex>.partial the encoded result of a running job (output_format), as encoded
@@ -37,6 +38,12 @@ Stage outputs are kept as they came off the wire. A finished stage's output
 of `TensorChunk` messages the stage sent, stored length-prefixed, in order, and
 read back as the same messages: the orchestrator relays bytes and never holds a
 tensor (nor imports torch).
+
+Input images are files too. A job's request row holds its images' digests and sizes, never their bytes:
+`insert` writes the images (InputImage messages, length-prefixed) to the job's folder as the intermediate
+of the pseudo-stage INPUT_IMAGES, so they count in the tenant's bytes like any intermediate, the stages
+that encode them read them back (`load_input_images`), and they are deleted once those stages are done
+(`drop_input_images`) or the job ends.
 
 Space. Every file's size is recorded with its row: `usage` says how many bytes
 a tenant's jobs hold, and `prune` keeps each tenant within its own limits on
@@ -106,7 +113,7 @@ from services.orchestrator.store_errors import (
     fsync_dir,
     io_error,
 )
-from stagediff.v1 import generation_pb2, tensor_pb2
+from stagediff.v1 import generation_pb2, image_pb2, tensor_pb2
 
 # The store's public names, with the errors (store_errors.py) and result files (result_files.py) it uses,
 # so that callers import them from one place.
@@ -146,6 +153,8 @@ JOBS_DIR = "jobs"
 _TMP_SUFFIX = ".tmp"
 _PARTIAL_SUFFIX = ".partial"
 _CHUNKS_SUFFIX = ".chunks"
+# The intermediates row of a job's input images (see the module's doc); never a stage's name.
+INPUT_IMAGES = "input-images"
 _NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
 
 _SCHEMA = """
@@ -280,6 +289,14 @@ class JobRecord:
 
 
 @dataclass(frozen=True)
+class SavedImages:
+    """The file `save_input_images` wrote in a job's folder, and its size."""
+
+    file: str
+    size: int
+
+
+@dataclass(frozen=True)
 class Usage:
     """Bytes a tenant's jobs hold in the state directory."""
 
@@ -406,10 +423,66 @@ class JobStore:
 
     # ------------------------------------------------------------ records --
 
-    def insert(self, record: JobRecord) -> JobRecord:
-        """Stores a new job; returns it with `seq` (and `created_at` if unset) filled in."""
+    def insert(self, record: JobRecord, images: SavedImages | None = None) -> JobRecord:
+        """Stores a new job, with the input images `save_input_images` wrote for it; returns the job with `seq`
+        (and `created_at` if unset) filled in. The images' file is deleted if the job cannot be stored."""
         _check_name("job_id", record.job_id)
         record = replace(record, created_at=record.created_at or self.clock())
+        try:
+            return self._insert(record, images)
+        except BaseException:
+            if images is not None:
+                self.discard_saved_images(record.job_id, images)
+            raise
+
+    def save_input_images(self, job_id: str, images: Iterable[image_pb2.InputImage]) -> SavedImages | None:
+        """Writes a new job's input images (with their bytes) to its folder, before `insert` stores the job;
+        None without images. Blocking: use to_thread."""
+        _check_name("job_id", job_id)
+        buffer = io.BytesIO()
+        for image in images:
+            proto.serialize_length_prefixed(image, buffer)
+        if not buffer.tell():
+            return None
+        data = buffer.getbuffer()
+        file = f"stage-{INPUT_IMAGES}.{uuid.uuid4().hex}{_CHUNKS_SUFFIX}"  # never another job's, by any id
+        try:
+            _atomic_write(self._job_dir(job_id, create=True) / file, lambda out: out.write(data))
+        except OSError as error:
+            raise io_error(error, f"job {job_id}: saving its input images") from None
+        return SavedImages(file, len(data))
+
+    def discard_saved_images(self, job_id: str, images: SavedImages) -> None:
+        """Deletes images saved for a job that was never stored (refused after they were written)."""
+        (self.jobs_dir / job_id / images.file).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            (self.jobs_dir / job_id).rmdir()  # only when nothing else is there
+
+    def load_input_images(self, job_id: str) -> list[image_pb2.InputImage]:
+        """The job's input images with their bytes, as `insert` stored them; blocking. StoreError once dropped."""
+        row = self._fetchone("SELECT file FROM intermediates WHERE job_id = ? AND stage = ?", (job_id, INPUT_IMAGES))
+        if row is None:
+            raise StoreError(f"job {job_id}: its input images are no longer stored")
+        images: list[image_pb2.InputImage] = []
+        try:
+            with open(self.jobs_dir / job_id / row["file"], "rb") as file:
+                while (image := proto.parse_length_prefixed(image_pb2.InputImage, file)) is not None:
+                    images.append(image)
+        except (OSError, ValueError, DecodeError) as error:
+            raise StoreError(f"job {job_id}: its input images cannot be read: {error}") from None
+        return images
+
+    def drop_input_images(self, job_id: str) -> None:
+        """Deletes the job's input images once the stages that encode them are done; blocking."""
+        with self._transaction() as db:
+            row = db.execute(
+                "SELECT file FROM intermediates WHERE job_id = ? AND stage = ?", (job_id, INPUT_IMAGES)
+            ).fetchone()
+            db.execute("DELETE FROM intermediates WHERE job_id = ? AND stage = ?", (job_id, INPUT_IMAGES))
+        if row is not None:
+            (self.jobs_dir / job_id / row["file"]).unlink(missing_ok=True)
+
+    def _insert(self, record: JobRecord, images: SavedImages | None) -> JobRecord:
         with self._transaction() as db:
             if record.request_id:
                 existing = db.execute(
@@ -446,6 +519,11 @@ class JobStore:
                 )
             except sqlite3.IntegrityError:
                 raise StoreError(f"job_id '{record.job_id}' is already stored") from None
+            if images is not None:
+                db.execute(
+                    "INSERT INTO intermediates (job_id, stage, file, done_at, bytes) VALUES (?, ?, ?, ?, ?)",
+                    (record.job_id, INPUT_IMAGES, images.file, record.created_at, images.size),
+                )
             return replace(record, seq=cursor.lastrowid)
 
     def get(self, job_id: str) -> JobRecord | None:
@@ -607,7 +685,8 @@ class JobStore:
     def load_intermediates(self, job_id: str) -> dict[str, list[tensor_pb2.TensorChunk]]:
         """{stage: the chunks it sent} of every saved stage, in the order they finished; blocking."""
         rows = self._fetchall(
-            "SELECT stage, file FROM intermediates WHERE job_id = ? ORDER BY done_at, rowid", (job_id,)
+            "SELECT stage, file FROM intermediates WHERE job_id = ? AND stage != ? ORDER BY done_at, rowid",
+            (job_id, INPUT_IMAGES),
         )
         loaded: dict[str, list[tensor_pb2.TensorChunk]] = {}
         for row in rows:

@@ -15,7 +15,14 @@ from typing import Any
 
 import grpc
 
-from services.auth import HEALTH_SERVICE, REFLECTION_SERVICES, RateLimitedLog, refusing_handler, service_of
+from services.auth import (
+    HEALTH_SERVICE,
+    REFLECTION_SERVICES,
+    RateLimitedLog,
+    install_metadata_encoding_filter,
+    refusing_handler,
+    service_of,
+)
 from services.orchestrator.tenants import AuthenticationError, Tenant, TenantRegistry
 
 logger = logging.getLogger(__name__)
@@ -83,6 +90,7 @@ class TenantAuthInterceptor(grpc.aio.ServerInterceptor):
         self.registry = registry
         self.exempt_services = frozenset(exempt_services)
         self.refusals = RateLimitedLog(logger, logging.INFO)
+        install_metadata_encoding_filter()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)

@@ -23,6 +23,8 @@ Tenants come from a YAML file (`--tenants FILE`, see deploy/tenants.example.yaml
           max_kept_jobs: 200          # finished jobs kept (default: the orchestrator's --max-kept-jobs)
           max_stored_bytes: 21474836480  # bytes of results and intermediates kept (default: its
                                          # --max-stored-bytes-per-tenant)
+          adapters_per_minute: 12     # distinct LoRA adapters named in any minute (default: the
+                                      # orchestrator's --adapters-per-minute)
         admin: false            # may call GetClusterInfo (default false)
         loras: ["style-*", "anime"]  # LoRA adapters of the DiT's --lora-dir it may use: names or shell
                                 # patterns (default none); its own private ones (acme/*) are always allowed
@@ -133,6 +135,9 @@ class Quotas(BaseModel):
     # intermediates. Absent (or null): the orchestrator's --max-kept-jobs and --max-stored-bytes-per-tenant.
     max_kept_jobs: Annotated[int, Field(gt=0)] | None = None
     max_stored_bytes: Annotated[int, Field(gt=0)] | None = None
+    # Distinct LoRA adapters its requests may name in any minute (services/orchestrator/adapter_rate.py).
+    # Absent (or null): the orchestrator's --adapters-per-minute.
+    adapters_per_minute: Annotated[int, Field(gt=0)] | None = None
 
     @model_validator(mode="after")
     def _burst_needs_a_rate(self) -> Quotas:

@@ -3,7 +3,8 @@
 A service's environment is its env files and `environment`, as in a container: STAGEDIFF_* option variables
 of the calling shell do not leak in. Every process gets the same cluster secret. A service is up once it
 answers SERVING on grpc.health.v1; the HTTP gateway (`serve http`), once its GET /readyz answers 200, which it
-does once the orchestrator serves.
+does once the orchestrator serves; each answer must carry the launch id given to that process, and the ports
+and the state dir must be free before anything starts (ownership.py).
 """
 
 from __future__ import annotations
@@ -14,24 +15,19 @@ import json
 import os
 import secrets
 import signal
-import ssl
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from families.base import Family
 from families.registry import REGISTRY, family_for_index
+from services.launch_id import LAUNCH_ID_ENV
 from stagediff.local.compose import (
     DEFAULT_COMPOSE_FILE,
     ComposeService,
@@ -41,6 +37,11 @@ from stagediff.local.compose import (
     start_order,
     with_replicas,
 )
+from stagediff.local.health import HEALTH_POLL_SECONDS
+from stagediff.local.health import is_http_ready as is_http_ready  # re-exported: tests and benches wait with them
+from stagediff.local.health import is_serving as is_serving
+from stagediff.local.health import wait_for_http_ready as wait_for_http_ready
+from stagediff.local.health import wait_for_serving as wait_for_serving
 from stagediff.local.launch import (
     LaunchSpec,
     connect_host,
@@ -50,6 +51,7 @@ from stagediff.local.launch import (
     host_path,
     rewrite_command,
 )
+from stagediff.local.ownership import grpc_ready_as, http_ready_as, startup_problems
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_SECRET_ENV = "STAGEDIFF_CLUSTER_SECRET"  # read by every service (services/auth.py)
@@ -58,62 +60,7 @@ OPTION_ENV_PREFIX = "STAGEDIFF_"  # every `stagediff serve` option can come from
 MODEL_MOUNT = "/models/model"
 TLS_CERT_ENV = "STAGEDIFF_TLS_CERT"  # --tls-cert, from the environment
 READINESS_PATH = "/readyz"  # the HTTP gateway's: 200 once the orchestrator answers its health check
-HEALTH_POLL_SECONDS = 0.25
 LOG_TAIL_LINES = 40
-
-
-# ---------------------------------------------------------------------------
-# Health
-# ---------------------------------------------------------------------------
-
-
-def is_serving(endpoint: str, timeout: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> bool:
-    """One grpc.health.v1 check of the whole server (service name ""), over TLS when given `credentials`."""
-    try:
-        with (
-            grpc.secure_channel(endpoint, credentials) if credentials is not None else grpc.insecure_channel(endpoint)
-        ) as channel:
-            request = health_pb2.HealthCheckRequest(service="")
-            response = health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout)
-    except grpc.RpcError:
-        return False
-    return response.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def wait_for_serving(endpoint: str, timeout: float, credentials: grpc.ChannelCredentials | None = None) -> None:
-    """Waits until `endpoint` answers SERVING on grpc.health.v1 (over TLS with `credentials`); TimeoutError
-    otherwise."""
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"{endpoint} was not SERVING within {timeout:.0f}s")
-        if is_serving(endpoint, timeout=min(1.0, remaining), credentials=credentials):
-            return
-        time.sleep(min(HEALTH_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
-
-
-def is_http_ready(url: str, timeout: float = 1.0) -> bool:
-    """One GET of an HTTP readiness URL (the gateway's /readyz): True on a 2xx answer. An https URL is not
-    verified: it is this machine's own process, asked whether it is ready, not who it is."""
-    context = ssl._create_unverified_context() if url.startswith("https:") else None
-    try:
-        with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
-            return 200 <= response.status < 300
-    except (urllib.error.URLError, OSError, ValueError):  # HTTPError (a 503) is a URLError
-        return False
-
-
-def wait_for_http_ready(url: str, timeout: float) -> None:
-    """Waits until GET `url` answers 2xx; TimeoutError otherwise."""
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"{url} did not answer 200 within {timeout:.0f}s")
-        if is_http_ready(url, timeout=min(1.0, remaining)):
-            return
-        time.sleep(min(HEALTH_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
 
 
 def readiness_url(service: ComposeService, args: list[str], environment: dict[str, str], endpoint: str) -> str | None:
@@ -161,6 +108,7 @@ class ServiceProcess:
     endpoint: str
     log_path: Path
     process: subprocess.Popen[bytes]
+    launch_id: str = ""  # given to this process only; its health answers carry it (services/launch_id.py)
     _log_file: IO[bytes] | None = field(default=None, repr=False)
     _echo_thread: threading.Thread | None = field(default=None, repr=False)
 
@@ -189,6 +137,14 @@ def _cluster_secret_of(services: dict[str, ComposeService]) -> str | None:
         if file.is_file():
             return file.read_text().strip()
     return None
+
+
+class StartupConflict(RuntimeError):
+    """Ports or the state dir of a cluster are held by another server or cluster: one line each in `problems`."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
 
 
 class LocalCluster:
@@ -337,6 +293,7 @@ class LocalCluster:
         atexit.register(self.stop)
         try:
             plans = self._plans = self.plan()
+            self._check_free(plans)
             for plan in plans.values():
                 self._wait_healthy(plan.waits_for, deadline, timeout)
                 started = self._spawn(plan)
@@ -347,6 +304,20 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def _check_free(self, plans: dict[str, LaunchSpec]) -> None:
+        """StartupConflict, one line per port or state dir that another server or cluster holds."""
+        flags = {}
+        for name, plan in plans.items():
+            if self.compose[name].is_entry:
+                flags[name] = (plan.port, "--port")
+            elif self.compose[name].is_http:
+                flags[name] = (plan.port, "--http-port")
+            else:
+                flags[name] = (plan.port, f"the port chosen for {name}")
+        problems = startup_problems(self.host, flags, self.state_dir)
+        if problems:
+            raise StartupConflict(problems)
 
     def replicas(self, stage: str) -> list[str]:
         """The services that run `stage` (`dit`, `dit-2`, ...)."""
@@ -378,6 +349,7 @@ class LocalCluster:
         environment = {**inherited, **plan.environment, **self.env}
         # Children import stagediff from the same tree as this process, whatever their cwd.
         environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), environment.get("PYTHONPATH")]))
+        launch_id = environment[LAUNCH_ID_ENV] = secrets.token_hex(16)
         log_file = log_path.open(log_mode)
         process = subprocess.Popen(
             [sys.executable, "-m", "stagediff.cli", *plan.args],
@@ -387,7 +359,9 @@ class LocalCluster:
             env=environment,
             start_new_session=True,
         )
-        service = ServiceProcess(plan.name, plan.args, plan.port, plan.endpoint, log_path, process, log_file)
+        service = ServiceProcess(
+            plan.name, plan.args, plan.port, plan.endpoint, log_path, process, launch_id=launch_id, _log_file=log_file
+        )
         if self.echo_logs:
             service._echo_thread = threading.Thread(
                 target=_echo, args=(process.stdout, log_file, f"[{plan.name}] "), name=f"log-{plan.name}", daemon=True
@@ -422,11 +396,12 @@ class LocalCluster:
             time.sleep(HEALTH_POLL_SECONDS)
 
     def _is_ready(self, name: str, service: ServiceProcess, timeout: float) -> bool:
-        """SERVING on grpc.health.v1, or for the HTTP gateway a 200 from its /readyz."""
+        """SERVING on grpc.health.v1, or for the HTTP gateway a 200 from its /readyz, answered with the launch id
+        of this very process."""
         ready_url = self._plans[name].ready_url if name in self._plans else None
         if ready_url is not None:
-            return is_http_ready(ready_url, timeout=timeout)
-        return is_serving(service.endpoint, timeout=timeout)
+            return http_ready_as(ready_url, service.launch_id, timeout=timeout)
+        return grpc_ready_as(service.endpoint, service.launch_id, timeout=timeout)
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM in reverse start order, a service only after everything that depends on it has

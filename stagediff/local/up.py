@@ -2,7 +2,10 @@
 
 It prints `started NAME pid=N endpoint=HOST:PORT` for each service, then `http URL` (the HTTP gateway's, where
 the file has a `serve http` service) and `ready HOST:PORT` (the orchestrator's) once every one is SERVING (the
-gateway: once its GET /readyz answers 200), and `exited NAME code=N` for a service that ends. `--model DIR` is
+gateway: once its GET /readyz answers 200), and `exited NAME code=N` for a service that ends. A service is ready
+only once its answer carries the launch id given to that process, so another server on its port never passes for
+it; before anything starts, a taken --port, --http-port or stage port, or a --state-dir that another running
+cluster uses, ends `up` with one line each (exit code 2). `--model DIR` is
 mounted where the compose file mounts the model (/models/model), and decides the stages: those of its family's
 chain (families/).
 
@@ -26,7 +29,7 @@ from services.gateway.options import DEFAULT_PORT as DEFAULT_HTTP_PORT
 from services.orchestrator.options import DEFAULT_PORT, DEFAULT_STATE_DIR
 from services.stage_table import SERVE_TARGETS
 from stagediff.local.compose import DEFAULT_COMPOSE_FILE
-from stagediff.local.supervisor import LocalCluster, ServiceProcess
+from stagediff.local.supervisor import LocalCluster, ServiceProcess, StartupConflict
 
 # Stage options `stagediff up` passes on, each to the stage whose parser declares it.
 FORWARDED_OPTIONS = (
@@ -183,6 +186,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         try:
             cluster.start(timeout=args.startup_timeout, on_started=started)
+        except StartupConflict as conflict:
+            for problem in conflict.problems:
+                print(f"stagediff up: {problem}", file=sys.stderr, flush=True)
+            return 2
         except RuntimeError as error:
             print(f"stagediff up: {error}", file=sys.stderr, flush=True)
             return 1

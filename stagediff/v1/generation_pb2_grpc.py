@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from stagediff.v1 import generation_pb2 as stagediff_dot_v1_dot_generation__pb2
+from stagediff.v1 import image_pb2 as stagediff_dot_v1_dot_image__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -79,6 +80,11 @@ class GenerationStub:
                 request_serializer=stagediff_dot_v1_dot_generation__pb2.GetClusterInfoRequest.SerializeToString,
                 response_deserializer=stagediff_dot_v1_dot_generation__pb2.ClusterInfo.FromString,
                 _registered_method=True)
+        self.UploadImage = channel.stream_unary(
+                '/stagediff.v1.Generation/UploadImage',
+                request_serializer=stagediff_dot_v1_dot_image__pb2.ImageUploadChunk.SerializeToString,
+                response_deserializer=stagediff_dot_v1_dot_image__pb2.UploadedImage.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -143,6 +149,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadImage(self, request_iterator, context):
+        """Receives an input image file in chunks, counted against the tenant's
+        limits as they arrive, for a request to name (InputImage.upload_id).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -190,6 +204,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetClusterInfo,
                     request_deserializer=stagediff_dot_v1_dot_generation__pb2.GetClusterInfoRequest.FromString,
                     response_serializer=stagediff_dot_v1_dot_generation__pb2.ClusterInfo.SerializeToString,
+            ),
+            'UploadImage': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadImage,
+                    request_deserializer=stagediff_dot_v1_dot_image__pb2.ImageUploadChunk.FromString,
+                    response_serializer=stagediff_dot_v1_dot_image__pb2.UploadedImage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -435,6 +454,33 @@ class Generation:
             '/stagediff.v1.Generation/GetClusterInfo',
             stagediff_dot_v1_dot_generation__pb2.GetClusterInfoRequest.SerializeToString,
             stagediff_dot_v1_dot_generation__pb2.ClusterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadImage(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/stagediff.v1.Generation/UploadImage',
+            stagediff_dot_v1_dot_image__pb2.ImageUploadChunk.SerializeToString,
+            stagediff_dot_v1_dot_image__pb2.UploadedImage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,17 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18stagediff/v1/image.proto\x12\x0cstagediff.v1\"p\n\nInputImage\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.stagediff.v1.ImageRole\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\r\n\x05width\x18\x04 \x01(\x05\x12\x0e\n\x06height\x18\x05 \x01(\x05\"*\n\tImageSize\x12\r\n\x05width\x18\x01 \x01(\x05\x12\x0e\n\x06height\x18\x02 \x01(\x05*x\n\tImageRole\x12\x1a\n\x16IMAGE_ROLE_UNSPECIFIED\x10\x00\x12\x1a\n\x16IMAGE_ROLE_FIRST_FRAME\x10\x01\x12\x19\n\x15IMAGE_ROLE_LAST_FRAME\x10\x02\x12\x18\n\x14IMAGE_ROLE_REFERENCE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18stagediff/v1/image.proto\x12\x0cstagediff.v1\"\x83\x01\n\nInputImage\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.stagediff.v1.ImageRole\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\r\n\x05width\x18\x04 \x01(\x05\x12\x0e\n\x06height\x18\x05 \x01(\x05\x12\x11\n\tupload_id\x18\x06 \x01(\t\" \n\x10ImageUploadChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\\\n\rUploadedImage\x12\x11\n\tupload_id\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x14\n\x0c\x65xpires_in_s\x18\x04 \x01(\x01\"*\n\tImageSize\x12\r\n\x05width\x18\x01 \x01(\x05\x12\x0e\n\x06height\x18\x02 \x01(\x05*x\n\tImageRole\x12\x1a\n\x16IMAGE_ROLE_UNSPECIFIED\x10\x00\x12\x1a\n\x16IMAGE_ROLE_FIRST_FRAME\x10\x01\x12\x19\n\x15IMAGE_ROLE_LAST_FRAME\x10\x02\x12\x18\n\x14IMAGE_ROLE_REFERENCE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stagediff.v1.image_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_IMAGEROLE']._serialized_start=200
-  _globals['_IMAGEROLE']._serialized_end=320
-  _globals['_INPUTIMAGE']._serialized_start=42
-  _globals['_INPUTIMAGE']._serialized_end=154
-  _globals['_IMAGESIZE']._serialized_start=156
-  _globals['_IMAGESIZE']._serialized_end=198
+  _globals['_IMAGEROLE']._serialized_start=348
+  _globals['_IMAGEROLE']._serialized_end=468
+  _globals['_INPUTIMAGE']._serialized_start=43
+  _globals['_INPUTIMAGE']._serialized_end=174
+  _globals['_IMAGEUPLOADCHUNK']._serialized_start=176
+  _globals['_IMAGEUPLOADCHUNK']._serialized_end=208
+  _globals['_UPLOADEDIMAGE']._serialized_start=210
+  _globals['_UPLOADEDIMAGE']._serialized_end=302
+  _globals['_IMAGESIZE']._serialized_start=304
+  _globals['_IMAGESIZE']._serialized_end=346
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,134 @@
+"""A job's input images are a file beside the job, counted in its tenant's bytes, never in its row or in memory."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from services.orchestrator.jobs import without_image_bytes
+from services.orchestrator.store import INPUT_IMAGES, JobRecord, JobStore, StoreError
+from stagediff.v1 import generation_pb2, image_pb2
+
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(3 << 20)
+
+
+def request_with_images() -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        prompt="a fox",
+        images=[
+            image_pb2.InputImage(data=PNG, role=image_pb2.IMAGE_ROLE_FIRST_FRAME, sha256="a" * 64, width=8, height=8),
+            image_pb2.InputImage(data=b"second", role=image_pb2.IMAGE_ROLE_LAST_FRAME, sha256="b" * 64),
+        ],
+    )
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with JobStore.open(tmp_path / "state") as opened:
+        yield opened
+
+
+def insert(store: JobStore, job_id: str = "job1") -> generation_pb2.GenerateRequest:
+    request = request_with_images()
+    stored = without_image_bytes(request)
+    store.insert(JobRecord.new(job_id, "acme", stored), store.save_input_images(job_id, request.images))
+    return request
+
+
+def test_the_images_are_a_file_the_row_holds_no_bytes_and_the_tenant_is_charged(store: JobStore) -> None:
+    request = insert(store)
+    row_bytes = sqlite3.connect(store.state_dir / "jobs.sqlite3").execute("SELECT length(request) FROM jobs").fetchone()
+    assert row_bytes[0] < 1024
+    parsed = store.get("job1").parse_request()
+    assert [image.data for image in parsed.images] == [b"", b""]
+    assert [image.sha256 for image in parsed.images] == ["a" * 64, "b" * 64]
+    assert store.usage("acme").active >= len(PNG) + len(b"second")
+    assert list(store.load_input_images("job1")) == list(request.images)
+    # The stages' outputs, which a restarted job resumes from, do not include them.
+    assert INPUT_IMAGES not in store.load_intermediates("job1")
+
+
+def test_the_images_are_dropped_once_encoded_and_then_no_longer_counted(store: JobStore) -> None:
+    insert(store)
+    folder = store.jobs_dir / "job1"
+    assert any(folder.iterdir())
+    store.drop_input_images("job1")
+    assert not any(folder.iterdir())
+    assert store.usage("acme").active == 0
+    with pytest.raises(StoreError, match="input images are no longer stored"):
+        store.load_input_images("job1")
+
+
+def test_a_finished_job_keeps_no_images(store: JobStore) -> None:
+    insert(store)
+    store.update_state("job1", generation_pb2.JOB_STATE_CANCELLED, error_code=1, error_message="cancelled")
+    assert store.usage("acme").active == 0
+    assert not (store.jobs_dir / "job1").exists() or not any((store.jobs_dir / "job1").iterdir())
+
+
+def test_the_images_survive_a_reopen_of_the_store(tmp_path: Path) -> None:
+    with JobStore.open(tmp_path / "state") as first:
+        request = insert(first)
+    with JobStore.open(tmp_path / "state") as second:  # the sweep keeps files a row names
+        assert list(second.load_input_images("job1")) == list(request.images)
+
+
+def test_a_job_that_cannot_be_stored_leaves_no_image_file(store: JobStore) -> None:
+    insert(store)
+    with pytest.raises(StoreError, match="already stored"):
+        insert(store)  # the same job id
+    assert list(store.load_input_images("job1"))  # the first job's images are still there
+    refused = store.save_input_images("job9", request_with_images().images)
+    store.discard_saved_images("job9", refused)  # refused by the queue after its images were written
+    assert sorted(path.name for path in store.jobs_dir.iterdir()) == ["job1"]
+
+
+def test_a_job_without_images_writes_no_file(store: JobStore) -> None:
+    assert store.save_input_images("job2", []) is None
+    store.insert(JobRecord.new("job2", "acme", generation_pb2.GenerateRequest(prompt="a fox")))
+    assert not (store.jobs_dir / "job2").exists()
+
+
+def test_saving_runs_off_the_loop(store: JobStore) -> None:
+    request = request_with_images()
+
+    async def main() -> None:
+        saved = await asyncio.to_thread(store.save_input_images, "job3", request.images)
+        store.insert(JobRecord.new("job3", "acme", without_image_bytes(request)), saved)
+
+    asyncio.run(main())
+    assert list(store.load_input_images("job3")) == list(request.images)
+
+
+def test_concurrent_submits_with_images_are_each_known_once_queued(tmp_path: Path) -> None:
+    """Saving the images off the loop opens no gap in which a queued job is unknown to the manager (another
+    submit announcing queue positions, or dispatch, would look it up)."""
+    from services.orchestrator.jobs import JobManager
+    from services.orchestrator.scheduler import FairScheduler
+    from services.orchestrator.tenants import TenantRegistry
+
+    async def main() -> None:
+        release = asyncio.Event()
+
+        async def run(job) -> None:
+            await release.wait()
+
+        with JobStore.open(tmp_path / "state") as store:
+            manager = JobManager(run, FairScheduler(max_running=1), store)
+            tenant = TenantRegistry.open().authenticate(None)
+            requests = [request_with_images() for _ in range(12)]
+            for index, request in enumerate(requests):
+                request.request_id = f"r{index % 10}"  # two of them repeat a request id
+            submitted = await asyncio.gather(*(manager.submit(request, tenant) for request in requests))
+            assert sum(created for _, created in submitted) == 10
+            assert len({job.job_id for job, _ in submitted}) == 10
+            for job, _ in submitted:
+                assert not any(image.data for image in job.request.images)
+            assert store.usage(tenant.name).active >= 10 * (len(PNG) + len(b"second"))
+            release.set()
+            await manager.shutdown()
+
+    asyncio.run(main())
