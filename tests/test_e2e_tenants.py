@@ -48,7 +48,17 @@ TENANTS = {
     "gamma": dict(priority="low", quotas=GAMMA_QUOTAS),
     "delta": dict(priority="normal", quotas=dict(requests_per_minute=30, burst=2)),
 }
-GENERATION_RPCS = {"Generate", "Submit", "WatchJob", "GetJob", "CancelJob", "ListJobs", "ListModels", "GetClusterInfo"}
+GENERATION_RPCS = {
+    "Generate",
+    "Submit",
+    "WatchJob",
+    "GetJob",
+    "CancelJob",
+    "ListJobs",
+    "ListModels",
+    "GetClusterInfo",
+    "UploadImage",
+}
 
 TINY = dict(height=32, width=32, num_frames=1, num_inference_steps=1, guidance_scale=1.0)
 SMALL = dict(height=64, width=64, num_frames=9, num_inference_steps=2, guidance_scale=5.0)
@@ -136,7 +146,7 @@ def _idle(client: Client) -> bool:
 
 def _request_for(method, job_id: str):
     """A well-formed request for a Generation method: only the credentials can be wrong with it."""
-    request = getattr(generation_pb2, method.input_type.name)()
+    request = method.input_type._concrete_class()
     fields = request.DESCRIPTOR.fields_by_name
     if "job_id" in fields:
         request.job_id = job_id
@@ -151,6 +161,8 @@ def _request_for(method, job_id: str):
 def _refusal(stub, method, request, metadata) -> grpc.RpcError | None:
     """The error a call ends with, or None when it succeeds."""
     call = getattr(stub, method.name)
+    if method.client_streaming:  # UploadImage: its chunks
+        request = iter([request])
     try:
         if method.server_streaming:
             list(call(request, metadata=metadata, timeout=30))
