@@ -40,9 +40,11 @@ class ImageWorkers:
             stop.start()
             return work(stop)
 
-        future = asyncio.get_running_loop().run_in_executor(self._executor, started)
         try:
-            return await future
+            # The future is never a local: this frame is in the traceback of what the work raises, and a local
+            # holding the future (which holds that exception) would make a cycle that keeps the work's bytes
+            # (a 16 MiB image) until the cyclic collector runs.
+            return await asyncio.get_running_loop().run_in_executor(self._executor, started)
         except asyncio.CancelledError:
             stop.cancel()
             raise

@@ -120,13 +120,29 @@ def result_shape(request: generation_pb2.GenerateRequest) -> tuple[int, int, int
 
 
 def without_image_bytes(request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
-    """`request` with its images' bytes cleared (their roles, digests and sizes kept); itself without images."""
+    """`request` without its images' bytes (their roles, digests and sizes kept); itself when it holds none.
+
+    The copy is built field by field, never by CopyFrom and ClearField: protobuf (upb) keeps the bytes a
+    message copied in its own memory until the message is freed, cleared or not, so a job would keep every
+    input image it ever took.
+    """
     if not any(image.data for image in request.images):
         return request
     cleared = generation_pb2.GenerateRequest()
-    cleared.CopyFrom(request)
-    for image in cleared.images:
-        image.ClearField("data")
+    for descriptor, value in request.ListFields():
+        if descriptor.name == "images":
+            continue
+        if descriptor.is_repeated:
+            getattr(cleared, descriptor.name).extend(value)
+        elif descriptor.message_type is not None:
+            getattr(cleared, descriptor.name).CopyFrom(value)
+        else:
+            setattr(cleared, descriptor.name, value)
+    for image in request.images:
+        kept = cleared.images.add()
+        for descriptor, value in image.ListFields():
+            if descriptor.name != "data":
+                setattr(kept, descriptor.name, value)
     return cleared
 
 
