@@ -728,6 +728,8 @@ CHEAP_STAGE_STREAMS = {
         ("frames", np.zeros((2, 4, 4, 3), np.uint8)),
     ),
     ENCODE: [stages_pb2.EncodeRequest(texts=["a fox"]).SerializeToString()],
+    # The orchestrator's one request stream: an image file's chunks.
+    GENERATION["UploadImage"]: [image_pb2.ImageUploadChunk(data=b"\x89PNG\r\n\x1a\n" + bytes(64)).SerializeToString()],
 }
 
 
