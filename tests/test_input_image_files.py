@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 from pathlib import Path
 
@@ -13,6 +14,28 @@ from services.orchestrator.store import INPUT_IMAGES, JobRecord, JobStore, Store
 from stagediff.v1 import generation_pb2, image_pb2
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(3 << 20)
+
+
+@contextlib.asynccontextmanager
+async def held_jobs(state_dir: Path):
+    """A JobManager on a store in `state_dir` whose jobs run until the block ends, one at a time; yields
+    (manager, store, the open tenant)."""
+    from services.orchestrator.jobs import JobManager
+    from services.orchestrator.scheduler import FairScheduler
+    from services.orchestrator.tenants import TenantRegistry
+
+    release = asyncio.Event()
+
+    async def run(job) -> None:
+        await release.wait()
+
+    with JobStore.open(state_dir) as store:
+        manager = JobManager(run, FairScheduler(max_running=1), store)
+        try:
+            yield manager, store, TenantRegistry.open().authenticate(None)
+        finally:
+            release.set()
+            await manager.shutdown()
 
 
 def request_with_images() -> generation_pb2.GenerateRequest:
@@ -106,19 +129,9 @@ def test_saving_runs_off_the_loop(store: JobStore) -> None:
 def test_concurrent_submits_with_images_are_each_known_once_queued(tmp_path: Path) -> None:
     """Saving the images off the loop opens no gap in which a queued job is unknown to the manager (another
     submit announcing queue positions, or dispatch, would look it up)."""
-    from services.orchestrator.jobs import JobManager
-    from services.orchestrator.scheduler import FairScheduler
-    from services.orchestrator.tenants import TenantRegistry
 
     async def main() -> None:
-        release = asyncio.Event()
-
-        async def run(job) -> None:
-            await release.wait()
-
-        with JobStore.open(tmp_path / "state") as store:
-            manager = JobManager(run, FairScheduler(max_running=1), store)
-            tenant = TenantRegistry.open().authenticate(None)
+        async with held_jobs(tmp_path / "state") as (manager, store, tenant):
             requests = [request_with_images() for _ in range(12)]
             for index, request in enumerate(requests):
                 request.request_id = f"r{index % 10}"  # two of them repeat a request id
@@ -128,8 +141,6 @@ def test_concurrent_submits_with_images_are_each_known_once_queued(tmp_path: Pat
             for job, _ in submitted:
                 assert not any(image.data for image in job.request.images)
             assert store.usage(tenant.name).active >= 10 * (len(PNG) + len(b"second"))
-            release.set()
-            await manager.shutdown()
 
     asyncio.run(main())
 
@@ -151,9 +162,6 @@ def test_a_request_without_its_image_bytes_keeps_every_other_field() -> None:
 def test_queued_jobs_hold_no_image_bytes_in_memory(tmp_path: Path) -> None:
     """Ten jobs with a 16 MiB image each: the manager's memory grows by far less than one image per job."""
     from services.allocator import return_large_buffers_to_the_system
-    from services.orchestrator.jobs import JobManager
-    from services.orchestrator.scheduler import FairScheduler
-    from services.orchestrator.tenants import TenantRegistry
 
     def rss_mib() -> float:
         with open("/proc/self/status") as status:
@@ -162,14 +170,7 @@ def test_queued_jobs_hold_no_image_bytes_in_memory(tmp_path: Path) -> None:
     return_large_buffers_to_the_system()  # as the orchestrator does: freed 16 MiB buffers leave the process
 
     async def main() -> float:
-        release = asyncio.Event()
-
-        async def run(job) -> None:
-            await release.wait()
-
-        with JobStore.open(tmp_path / "state") as store:
-            manager = JobManager(run, FairScheduler(max_running=1), store)
-            tenant = TenantRegistry.open().authenticate(None)
+        async with held_jobs(tmp_path / "state") as (manager, _, tenant):
             before = rss_mib()
             for _ in range(10):
                 request = generation_pb2.GenerateRequest(
@@ -177,9 +178,6 @@ def test_queued_jobs_hold_no_image_bytes_in_memory(tmp_path: Path) -> None:
                 )
                 await manager.submit(request, tenant)
                 del request
-            grown = rss_mib() - before
-            release.set()
-            await manager.shutdown()
-            return grown
+            return rss_mib() - before
 
     assert asyncio.run(main()) < 48
