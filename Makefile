@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
 INSTALLED := $(VENV)/.installed
 
-.PHONY: venv demo test test-gpu bench-gpu lint proto clean
+.PHONY: venv demo test test-quick test-gpu bench-gpu lint proto clean
 
 venv: $(INSTALLED)
 
@@ -22,12 +22,17 @@ demo: venv
 	$(BIN)/python -m stagediff.cli init-model --family wan-t2v --preset demo --out models/demo
 	bash scripts/demo.sh
 
-test: venv
-	$(BIN)/python -m ruff check . && $(BIN)/python -m pytest -q --durations=15
+# Everything: lint, then every tier (unit, integration, e2e); prints each tier's time and the 15 slowest tests.
+test: lint
+	$(BIN)/python -m pytest -q --durations=15
+
+# The unit tier (tests/unit: no cluster, no process, no rank group), for the edit-test loop.
+test-quick: venv
+	$(BIN)/python -m pytest -q --durations=15 tests/unit
 
 # The CUDA paths, on a machine with an NVIDIA GPU (deselected from `make test`); -s prints their evidence.
 test-gpu: venv
-	$(BIN)/python -m pytest -m cuda -s -v tests/test_cuda.py
+	$(BIN)/python -m pytest -m cuda -s -v tests/e2e/test_cuda.py
 
 # The GPU benchmarks on one CUDA GPU in bf16, written together to $OUT/bench-gpu.json: first bench/wan_gpu.py
 # (Wan2.1-1.3B at real size, our DiT and cluster against diffusers' WanPipeline), then the DiT's throughput
@@ -35,8 +40,11 @@ test-gpu: venv
 bench-gpu: venv
 	bash scripts/bench_gpu.sh
 
+# ruff (lint and format) and mypy over the product packages (configured in pyproject.toml).
 lint: venv
 	$(BIN)/python -m ruff check .
+	$(BIN)/python -m ruff format --check .
+	$(BIN)/python -m mypy
 
 proto: venv
 	$(BIN)/python -m stagediff._protogen

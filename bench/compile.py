@@ -25,12 +25,12 @@ import torch
 from torch._dynamo.utils import counters
 
 from dit_svc.compile import compile_repeated_blocks
-from dit_svc.denoise import DenoiseSpec
-from dit_svc.parallel import ParallelConfig
-from dit_svc.parallel.launch import run_ranks
 from families.init_model import init_model
 from families.wan.denoise import WanDenoiser
-from families.wan.init_model import DEFAULT_REQUESTS
+from families.wan.presets import DEFAULT_REQUESTS
+from stagekit.denoise import DenoiseSpec
+from stagekit.parallel import ParallelConfig
+from stagekit.parallel.launch import run_ranks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TEXT_LENGTH = 512

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from dit_svc.denoise import DenoiseSpec
-from dit_svc.parallel import ParallelConfig
-from dit_svc.parallel.launch import run_ranks
 from families.init_model import init_model
 from families.wan.denoise import WanDenoiser
-from families.wan.init_model import DEFAULT_REQUESTS
+from families.wan.presets import DEFAULT_REQUESTS
+from stagekit.denoise import DenoiseSpec
+from stagekit.parallel import ParallelConfig
+from stagekit.parallel.launch import run_ranks
 
 LAYOUTS = {
     "ulysses2": ParallelConfig(ulysses_degree=2),
@@ -118,9 +118,14 @@ def main() -> None:
             {
                 "benchmark": "dit_scaling",
                 "preset": args.preset,
-                "request": {"height": spec.height, "width": spec.width, "num_frames": spec.num_frames,
-                            "video_tokens": tokens, "guidance_scale": spec.guidance_scale,
-                            "timed_steps": args.steps - 1},
+                "request": {
+                    "height": spec.height,
+                    "width": spec.width,
+                    "num_frames": spec.num_frames,
+                    "video_tokens": tokens,
+                    "guidance_scale": spec.guidance_scale,
+                    "timed_steps": args.steps - 1,
+                },
                 "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
                 "threads_per_rank": 1,
                 "one_rank_step_s": round(one_rank, 3),

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from families.init_model import init_model
-from families.wan.init_model import DEFAULT_REQUESTS
+from families.wan.presets import DEFAULT_REQUESTS
 from stagediff import Client
 from stagediff.local.supervisor import LocalCluster
 

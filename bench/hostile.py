@@ -86,7 +86,7 @@ SAMPLE_INTERVAL_S = 0.01
 # A client that sends 16 MiB strings and reads whole results: far above any size used here.
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
 PROMPT = "a red fox running through fresh snow"
-# The tiny preset's default size and steps (families.wan.init_model.DEFAULT_REQUESTS["tiny"]).
+# The tiny preset's default size and steps (families.wan.presets.DEFAULT_REQUESTS["tiny"]).
 HEIGHT, WIDTH, STEPS, GUIDANCE = 64, 64, 2, 5.0
 # The targets: MiB of memory or database growth, seconds of a call's answer.
 TARGETS = {

@@ -28,7 +28,7 @@ import torch
 from PIL import Image
 
 from families.init_model import init_model
-from families.wan.init_model import DEFAULT_REQUESTS
+from families.wan.presets import DEFAULT_REQUESTS
 from stagediff import Client
 from stagediff.local.supervisor import LocalCluster
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from families.init_model import init_model
-from families.wan.init_model import DEFAULT_REQUESTS
+from families.wan.presets import DEFAULT_REQUESTS
 from stagediff import AsyncClient
 from stagediff.local.supervisor import LocalCluster
 

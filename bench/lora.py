@@ -26,15 +26,16 @@ from pathlib import Path
 
 import torch
 
-from dit_svc.denoise import DenoiseSpec, denoise_request, make_adapter_cache
+from dit_svc.denoise import denoise_request, make_adapter_cache
 from dit_svc.lora import LoraSettings
 from dit_svc.model_options import ModelOptions
 from families.init_model import init_model
 from families.wan.denoise import WanDenoiser
-from families.wan.init_model import DEFAULT_REQUESTS
+from families.wan.presets import DEFAULT_REQUESTS
+from stagekit.denoise import DenoiseSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.lora_adapters import wan_adapter  # noqa: E402  (the same writer as the tests)
+from tests.helpers.lora_adapters import wan_adapter  # noqa: E402  (the same writer as the tests)
 
 TEXT_LENGTH = 512
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

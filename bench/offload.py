@@ -31,7 +31,8 @@ from dit_svc.offload import (
     group_offload_units,
     parameter_bytes,
 )
-from families.wan.init_model import DEFAULT_REQUESTS, build_transformer
+from families.wan.components import build_transformer
+from families.wan.presets import DEFAULT_REQUESTS
 
 
 def load_experts(path: Path, device: torch.device) -> list[torch.nn.Module]:

@@ -79,7 +79,7 @@ from typing import Any
 import torch
 
 from families.init_model import init_model
-from families.wan.init_model import DEFAULT_REQUESTS
+from families.wan.presets import DEFAULT_REQUESTS
 from stagediff import AsyncClient
 from stagediff.client import Event, Progress
 from stagediff.local.supervisor import LocalCluster

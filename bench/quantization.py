@@ -6,7 +6,7 @@ WanDenoiser in the compute dtype, then WanStreamingDecoder decodes the latents i
 report gives the PSNR of each quantized run's uint8 frames against the unquantized run's, and
 the DiT's parameter bytes against the bf16 model (loaded as the stage loads it: bf16 with the
 model's float32-kept modules). Each GGUF type is the checkpoint's transformer written by `init-model --gguf`
-(families/gguf.py) and loaded as the stage loads it (dit_svc/gguf.py). Prints JSON.
+(families/gguf.py) and loaded as the stage loads it (stagekit/gguf.py). Prints JSON.
 
 With a random-weight preset (tiny, small) the embeddings are random and seeded. With
 `--preset demo` (the trained shape-world model, shapeworld/checkpoint) they are the real
@@ -33,8 +33,6 @@ from pathlib import Path
 
 import torch
 
-from dit_svc.denoise import DenoiseSpec
-from dit_svc.gguf import gguf_file, gguf_files
 from dit_svc.model_options import ModelOptions
 from dit_svc.quantization import METHODS, parameter_bytes, quantize_transformer, torchao_available
 from families.gguf import WRITABLE_TYPES, convert_checkpoint
@@ -43,12 +41,14 @@ from families.registry import FAMILIES
 from families.wan.decode import WanStreamingDecoder
 from families.wan.denoise import WanDenoiser
 from families.wan.encode import WanPromptEncoder
-from families.wan.init_model import DEFAULT_REQUESTS
+from families.wan.presets import DEFAULT_REQUESTS
 from shapeworld.demo_model import CHECKPOINT as DEMO_CHECKPOINT
 from shapeworld.demo_model import DEFAULT_REQUEST as DEMO_REQUEST
 from shapeworld.demo_model import SEQUENCE_LENGTH
 from shapeworld.evaluation import Case, evaluation_set
 from shapeworld.score import read_video, score
+from stagekit.denoise import DenoiseSpec
+from stagekit.gguf import gguf_file, gguf_files
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CPU = torch.device("cpu")
@@ -182,7 +182,7 @@ def main() -> None:
                     }
                 )
         for quant_type in [t for t in args.gguf_types.split(",") if t]:
-            # The checkpoint with its transformer as a GGUF file, loaded as the stage loads it (dit_svc/gguf.py).
+            # The checkpoint with its transformer as a GGUF file, loaded as the stage loads it (stagekit/gguf.py).
             gguf_model = Path(tmp) / quant_type
             shutil.copytree(model, gguf_model)
             convert_checkpoint(gguf_model, FAMILIES["wan-t2v"], quant_type)

@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.weight_loading import MODES, run_worker, summarise, warm, weight_files  # noqa: E402
-from families.wan.init_model import REAL_TRANSFORMER_CONFIG  # noqa: E402
+from families.wan.real_size import REAL_TRANSFORMER_CONFIG  # noqa: E402
 
 PRESET = "wan2.1-1.3b-config"
 COMPONENTS = {
@@ -227,9 +227,9 @@ def _transformer_worker(model: str, gguf: bool, latent_shape: tuple[int, ...], t
     import torch
     from diffusers import WanTransformer3DModel
 
-    from dit_svc.gguf import load_gguf_transformer
     from dit_svc.quantization import parameter_bytes
     from services.weights import load_pretrained
+    from stagekit.gguf import load_gguf_transformer
 
     torch.set_num_threads(threads)
     component, cpu = Path(model) / "transformer", torch.device("cpu")

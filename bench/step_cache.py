@@ -34,15 +34,15 @@ import torch
 # bench/ is the script's directory: the quality and PSNR helpers of the quantization benchmark.
 from quantization import prompt_conditioning, psnr, quality, random_conditioning
 
-from dit_svc.denoise import DenoiseSpec, denoise_request
-from dit_svc.step_cache import CacheSpec
+from dit_svc.denoise import denoise_request
 from families.init_model import init_model
 from families.wan.decode import WanStreamingDecoder
 from families.wan.denoise import WanDenoiser
-from families.wan.init_model import DEFAULT_REQUESTS
+from families.wan.presets import DEFAULT_REQUESTS
 from shapeworld.demo_model import CHECKPOINT as DEMO_CHECKPOINT
 from shapeworld.demo_model import DEFAULT_REQUEST as DEMO_REQUEST
 from shapeworld.evaluation import evaluation_set
+from stagekit.denoise import CacheSpec, DenoiseSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 THRESHOLDS = {

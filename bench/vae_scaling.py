@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from dit_svc.parallel.launch import run_ranks
 from families.init_model import init_model
 from families.wan.decode import WanStreamingDecoder
-from families.wan.init_model import DEFAULT_REQUESTS
+from families.wan.presets import DEFAULT_REQUESTS
+from stagekit.parallel.launch import run_ranks
 from vae_svc.patch_parallel import PatchParallelDecodeSession
 
 

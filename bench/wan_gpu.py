@@ -36,7 +36,7 @@ size and frames (so step_time, which always times the same 6-step run, is the sa
 and runs 10 steps in the other sections, to fit a 10-minute window on an H100 with the checkpoint write.
 `--dry-run` runs every section on the CPU with the tiny preset at its size, 2 steps, float32 (the
 cluster on the same single-GPU compose file, whose stages then pick the CPU), in well under a minute;
-tests/test_bench_wan_gpu.py runs it. Without CUDA and without --dry-run the script stops with an error.
+tests/e2e/test_bench_wan_gpu.py runs it. Without CUDA and without --dry-run the script stops with an error.
 
 The JSON records the published figures to compare with (ANCHORS) and, for a run of their size, our
 seconds over theirs; the device and the torch, diffusers and transformers versions; the checkpoint's
@@ -75,14 +75,15 @@ from diffusers import WanPipeline
 from step_cache import calibrate, synchronize
 
 from dit_svc.compile import repeated_blocks
-from dit_svc.denoise import DenoiseSpec, denoise_request, make_denoiser
+from dit_svc.config import DenoiserBuild
+from dit_svc.denoise import denoise_request, make_denoiser
 from dit_svc.model_options import ModelOptions
-from dit_svc.step_cache import CacheSpec
 from families.base import CACHE_FEATURES, DEFAULT_CACHE_THRESHOLDS
 from families.init_model import init_model
 from services.checkpoint import read_checkpoint
 from stagediff import Client
 from stagediff.local.supervisor import PACKAGE_ROOT, LocalCluster
+from stagekit.denoise import CacheSpec, DenoiseSpec
 
 REAL_PRESET = "wan2.1-1.3b-config"  # Wan2.1-T2V-1.3B's configs, random bf16 weights
 DRY_RUN_PRESET = "tiny"
@@ -371,7 +372,7 @@ def our_denoiser_sections(model: Path, mode: Mode, device: torch.device, dtype: 
 
 def compile_section(model: Path, mode: Mode, device: torch.device, dtype: torch.dtype) -> dict:
     """The denoiser as `serve dit --compile` builds it: the first request compiles, the next is timed."""
-    denoiser = make_denoiser(model, device, dtype, options=ModelOptions(compile=True))
+    denoiser = make_denoiser(model, device, dtype, DenoiserBuild(options=ModelOptions(compile=True)))
     set_attention_backend(denoiser.experts)
     conditioning = random_embeddings(denoiser.text_dim)
     spec = spec_of(mode, mode.timing_steps)

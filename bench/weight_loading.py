@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from families.wan.init_model import REAL_TRANSFORMER_CONFIG
+from families.wan.real_size import REAL_TRANSFORMER_CONFIG
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("ours-1", "ours-4", "diffusers", "diffusers-parallel")

@@ -1,27 +1,21 @@
 """Request batching in the DiT stage: concurrent compatible requests denoised as one batch.
 
-With `--max-batch-size N` (N > 1) a Denoise call whose request can share a batch (dit_svc/denoise.py
-`batch_key`: the same latent shape, schedule and guidance branches; seeds, prompts and guidance scales may
-differ) waits in the `RequestBatcher` instead of running alone. The batcher takes the oldest waiting
-request, waits at most `--batch-wait-ms` from its arrival for partners of the same key (less once the
-batch is full), and runs them together on the stage's compute thread, one transformer pass per step and
-branch for the whole batch. While a batch runs, the next one gathers, so under load batches form without
-waiting at all.
+With `--max-batch-size N` (N > 1) a Denoise call whose request can share a batch (dit_svc/denoise.py `batch_key`:
+the same latent shape, schedule and guidance branches; seeds, prompts and guidance scales may differ) waits in the
+`RequestBatcher`. The batcher takes the oldest waiting request, waits at most `--batch-wait-ms` from its arrival
+for partners of the same key, and runs them together on the stage's compute thread, one transformer pass per
+step and branch; while a batch runs, the next one gathers.
 
-Each request keeps its own stream: its progress events, its passes and its latents, nothing of the others
-(the stage never tells a request who shared its batch). A request whose call ends (cancelled, deadline,
-client gone) is dropped from its batch before the next step; the others go on. Requests with a step cache run
-alone: the cache decides from the request's own activations. Requests of different batch groups (tenants,
-when the orchestrator runs --batch-per-tenant) never share a batch.
+Each request keeps its own stream (progress events, passes, latents), and is never told who shared its batch. A
+request whose call ends (cancelled, deadline, client gone) is dropped before the next step; the others go on.
+Requests with a step cache run alone (the cache decides from the request's own activations), and requests of
+different batch groups (tenants, under the orchestrator's --batch-per-tenant) never share a batch.
 
-One member cannot fail the others. A batch's members share their adapters, shapes and schedule (the key), so
-what could fail one fails each alone; what batching adds is memory, and a batch holds members only while their
-work (pixels x frames x guidance branches, `request_work`) stays within that of the largest request the stage
-admits alone (`max_work`): a batch never needs more activation memory than one admitted request, and a request
-that would push it past that waits for the next batch (the largest ones run alone). Retrying each member alone
-after a failed batch was the other way: it repeats the failure (an out-of-memory error, N times, on the one
-compute thread) instead of preventing it. An error of the batch's compute fails every request in it with that
-error, which names no request.
+One member cannot fail the others: members share adapters, shapes and schedule, so what could fail one fails each
+alone, and a batch holds members only while their work (`request_work`: pixels x frames x guidance branches)
+stays within that of the largest request the stage admits alone (`max_work`), so a batch never needs more
+activation memory than one admitted request. A failed batch is not retried member by member, which would repeat
+the failure N times on the one compute thread; its error fails every request in it.
 """
 
 from __future__ import annotations
@@ -36,11 +30,11 @@ from typing import Any
 
 import torch
 
-from dit_svc.denoise import DenoiseSpec
 from dit_svc.step_cache import CachePasses
 from services.errors import RequestError
 from services.stage import Cancelled, StageRuntime
 from stagediff.v1 import stages_pb2
+from stagekit.denoise import DenoiseSpec
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A method is offered when the checkpoint's family supports it (its `first_block_cache`, `mag_cache` and
 `teacache` features, each backed by tests) and, for MagCache, when the checkpoint has calibrated ratios
-(`stagediff calibrate-cache` writes them; dit_svc/calibrate.py). The stage reports the offer in
+(`stagediff calibrate-cache` writes them; tools/calibrate.py). The stage reports the offer in
 `ModelLimits.cache_methods` and `default_cache`, and the orchestrator and the stage check every request's
 `cache` against it (services/validation.py resolve_cache). No torch here: the offer is settled, and a bad
 flag refused, before the model loads.
@@ -10,7 +10,6 @@ flag refused, before the model loads.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from dataclasses import dataclass
@@ -62,9 +61,18 @@ def load_mag_ratios(path: Path, experts: tuple[str, ...]) -> dict[str, list[floa
     return ratios
 
 
-def cache_offer_from(args: argparse.Namespace, family: Family, experts: tuple[str, ...]) -> CacheOffer:
-    """The offer for `--cache-backend`, `--cache-threshold` and `--cache-mag-ratios`; ValueError naming the flag."""
-    ratios_path = Path(args.cache_mag_ratios) if args.cache_mag_ratios else Path(args.model) / MAG_RATIOS_FILE
+def cache_offer_from(
+    family: Family,
+    experts: tuple[str, ...],
+    *,
+    model: Path,
+    backend: str,
+    threshold: float | None,
+    mag_ratios_file: str | None,
+) -> CacheOffer:
+    """The offer for `--cache-backend`, `--cache-threshold` and `--cache-mag-ratios` (`mag_ratios_file`) for the
+    checkpoint at `model`; ValueError naming the flag."""
+    ratios_path = Path(mag_ratios_file) if mag_ratios_file else model / MAG_RATIOS_FILE
     mag_ratios = None
     thresholds = {}
     for method, feature in CACHE_FEATURES.items():
@@ -72,12 +80,12 @@ def cache_offer_from(args: argparse.Namespace, family: Family, experts: tuple[st
             continue
         if method == "mag":
             if not ratios_path.is_file():
-                if args.cache_mag_ratios:
-                    raise ValueError(f"--cache-mag-ratios {args.cache_mag_ratios}: no such file")
+                if mag_ratios_file:
+                    raise ValueError(f"--cache-mag-ratios {mag_ratios_file}: no such file")
                 continue
             mag_ratios = load_mag_ratios(ratios_path, experts)
         thresholds[method] = DEFAULT_CACHE_THRESHOLDS[method]
-    method = args.cache_backend
+    method = backend
     if method != "none" and method not in thresholds:
         feature = CACHE_FEATURES[method]
         reason = (
@@ -86,12 +94,12 @@ def cache_offer_from(args: argparse.Namespace, family: Family, experts: tuple[st
             else f"no calibrated ratios at {ratios_path}; write them with `stagediff calibrate-cache --model DIR`"
         )
         raise ValueError(f"--cache-backend {method}: not offered for the {family.name} family: {reason}")
-    if args.cache_threshold is not None:
+    if threshold is not None:
         if method == "none":
             raise ValueError("--cache-threshold needs --cache-backend first_block, mag or teacache")
-        if not math.isfinite(args.cache_threshold) or not 0 < args.cache_threshold <= MAX_CACHE_THRESHOLD:
-            raise ValueError(f"--cache-threshold {args.cache_threshold}: use a value in (0, {MAX_CACHE_THRESHOLD:g}]")
+        if not math.isfinite(threshold) or not 0 < threshold <= MAX_CACHE_THRESHOLD:
+            raise ValueError(f"--cache-threshold {threshold}: use a value in (0, {MAX_CACHE_THRESHOLD:g}]")
     default = stages_pb2.StepCache(method=method)
     if method != "none":
-        default.threshold = args.cache_threshold if args.cache_threshold is not None else thresholds[method]
+        default.threshold = threshold if threshold is not None else thresholds[method]
     return CacheOffer(thresholds, default, mag_ratios)

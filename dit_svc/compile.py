@@ -1,48 +1,20 @@
 """Regional compilation of the DiT (`--compile`): torch.compile each repeated transformer block.
 
-A DiT is a stack of identical blocks (the classes the model lists in diffusers' `_repeated_blocks`:
-WanTransformerBlock, QwenImageTransformerBlock). Compiling one block's code and reusing it for every block
-costs a fraction of compiling the whole model and gives most of its speed, which is why diffusers
-(`ModelMixin.compile_repeated_blocks`) and vLLM-Omni (`regionally_compile`) compile this way. Each block is
-compiled with `nn.Module.compile`, as both do, so the compiled region is the block's whole call: its forward
-and the hooks that the parallel plan, quantization and offload put on it. Every rank of a DiT group compiles
-its own blocks, after those were applied (dit_svc/denoise.py `make_denoiser`): compiling first would trace
-blocks that the parallel plan then changes.
+A DiT is a stack of identical blocks (the classes the model lists in diffusers' `_repeated_blocks`), so one
+block's code is compiled and reused for every block, as diffusers' `compile_repeated_blocks` and vLLM-Omni's
+`regionally_compile` do. Each block is compiled with `nn.Module.compile`, so the compiled region is the
+block's whole call: its forward and the hooks the parallel plan, quantization and offload put on it.
 
-`module.compile` is lazy: a block compiles on its first call, so the first request pays the compile time
-(`bench/compile.py` measures it) and later ones reuse it. The backend is inductor on every device: Triton
-kernels on CUDA, C++ (g++) with OpenMP on CPU, so the same flag runs on both.
-
-Recompilation stays bounded. dynamo caches one compiled graph per variant of a block's code and recompiles
-when a guard of every cached one fails; a request of a new size must not be such a variant:
-
-- `dynamic=True` traces every size as a symbol from the first call, so a new height, width, frame count
-  or text length reuses the compiled graph instead of compiling another (dynamo's default would compile
-  the first size static and recompile the first time a size changes).
-- `allow_unspec_int_on_nn_module`: dynamo would take an int attribute reached through a module as a
-  constant. Under Ulysses and Ring the block's attention processor reads the request's token count
-  (`SequenceParallelState.seq_len`, through `block.attn1.processor`), so every token count would compile
-  again; with this setting it is a symbol like the sizes.
-- `use_duck_shape = False`: dynamo gives two sizes that are equal at the first trace one symbol, and then
-  guards on their being equal. Qwen-Image's text rotary table is a view whose offset equalled the image
-  token count at 64x64 and not at 48x80, which cost four more graphs on one rank; without duck sizing the
-  second size compiles nothing.
-- What is left are variants of structure, not size: a text mask present or absent (Qwen-Image's two
-  guidance branches), sequence-parallel padding or none, the first block's inputs being views of the
-  split sequence, a step cache's hooks. On the tests' requests dynamo compiled 1 graph for Wan on one rank
-  and under HSDP, 5 or 6 under Ulysses 2 (the split hook's region counted), 4 for Qwen-Image on one rank;
-  Qwen-Image's block forward under Ulysses 2 needs 8 graphs (mask x padding x first block), as many as
-  dynamo's default limit. `RECOMPILE_LIMIT` caps the graphs of one code at 16 for headroom; past it dynamo
-  runs that variant eagerly and logs it: slower, never wrong.
-
-The three settings are dynamo's process-wide configuration; a DiT stage process compiles nothing else.
-
-What stays eager around or inside a block: the ring's point-to-point passes (dynamo does not compile P2P
-operations, so Ring attention breaks the graph around each hop), HSDP's FSDP2 hooks (the all-gather before
-the forward and the reshard after it; torch marks them not to be compiled) and diffusers' group-offload
-hooks (marked `torch.compiler.disable`). Everything else is in the compiled graph: Ulysses' all-to-alls and
-the padding mask's all-gather (which travels as uint8 for that, dit_svc/parallel/attention.py), and tensor
-parallelism's DTensors.
+Rules:
+- Every rank compiles its own blocks after those were applied (dit_svc/denoise.py `make_denoiser`):
+  compiling first would trace blocks that the parallel plan then changes.
+- Compilation is lazy: the first request pays it, later ones reuse it. The backend is inductor on every
+  device (Triton on CUDA, C++ with OpenMP on CPU).
+- A request of a new size must not recompile: `configure_dynamo` sets dynamo's process-wide options for
+  that (a DiT stage process compiles nothing else), and `RECOMPILE_LIMIT` bounds the structural variants
+  that remain; past it dynamo runs a variant eagerly, slower but never wrong.
+- The ring's point-to-point passes, HSDP's FSDP2 hooks and diffusers' group-offload hooks stay eager;
+  Ulysses' all-to-alls, the padding mask's all-gather and tensor parallelism's DTensors are compiled.
 """
 
 from __future__ import annotations
@@ -76,7 +48,10 @@ def repeated_blocks(transformer: nn.Module) -> list[nn.Module]:
 def configure_dynamo() -> None:
     """The process-wide settings that keep recompilation bounded (see the module docstring)."""
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    # Under Ulysses and Ring the attention processor reads the request's token count through the block
+    # (`SequenceParallelState.seq_len`): a symbol like the sizes, not a constant that recompiles.
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    # Sizes equal at the first trace get symbols of their own, not one symbol guarded on their equality.
     torch.fx.experimental._config.use_duck_shape = False
 
 

@@ -1,11 +1,10 @@
-"""What every family's denoising loop shares: the request's arguments, the stage's view of a denoiser, and
-the two pieces of a step that do not depend on the model (agreeing to go on, running the guidance branches).
+"""How the DiT stage builds a family's denoiser and runs its requests on one rank.
 
-A family's denoiser (families/<family>/denoise.py) follows its diffusers pipeline step for step, so that
-its latents equal the pipeline's for the same arguments. The stage constructs it with `make_denoiser`, which
-asks the checkpoint's family in the registry which class that is, and runs each request with
-`denoise_request`, which applies the request's LoRA adapters (dit_svc/lora.py) and step cache
-(dit_svc/step_cache.py) around the loop and takes both off after it.
+The stage constructs the checkpoint's denoiser with `make_denoiser`, which asks the checkpoint's family in the
+registry which class that is, and runs each request with `denoise_request` (or a batch of one `batch_key` with
+`denoise_batch_request`), which applies the request's LoRA adapters (dit_svc/lora/) and step cache
+(dit_svc/step_cache/) around the family's loop and takes both off after it. What a denoiser is, and the
+request's arguments, are stagekit/denoise.py's.
 """
 
 from __future__ import annotations
@@ -16,122 +15,46 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from dit_svc.compile import compile_repeated_blocks
 from dit_svc.lora import AdapterCache
 from dit_svc.model_options import ModelOptions
-from dit_svc.parallel import ParallelConfig
-from dit_svc.parallel.cfg import agree_on_members, agree_to_continue, cfg_parallel_predictions
-from dit_svc.step_cache import CachePasses, CacheSetting, CacheSpec, GroupConsensus, step_cache
+from dit_svc.step_cache import CachePasses, CacheSetting, GroupConsensus, step_cache
 from services.checkpoint import read_checkpoint
 from services.errors import NotFoundError
-from services.stage import Cancelled
+from stagekit.denoise import Denoiser, DenoiseSpec, runs_batches
+
+if TYPE_CHECKING:
+    from dit_svc.config import DenoiserBuild
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class DenoiseSpec:
-    """One request's denoising arguments, already validated."""
-
-    height: int
-    width: int
-    num_frames: int
-    num_inference_steps: int
-    guidance_scale: float
-    seed: int
-    # Roles of the input images whose tensors condition the request (families/base.py IMAGE_ROLES), in the
-    # model's role order, and the decoded size (width, height) of each, () when the caller sent none.
-    image_roles: tuple[str, ...] = ()
-    image_sizes: tuple[tuple[int, int], ...] = ()
-    # The step cache of the request (its method "none" when it runs every pass).
-    cache: CacheSpec = CacheSpec()
-    # The request's LoRA adapters as (name, scale), in the order it named them.
-    loras: tuple[tuple[str, float], ...] = ()
-    # Requests of different batch groups never share a batch (DenoiseParams.batch_group: one per tenant when the
-    # orchestrator keeps batches to one tenant); opaque to the stage.
-    batch_group: bytes = b""
-
-    @property
-    def do_classifier_free_guidance(self) -> bool:
-        return self.guidance_scale > 1.0
-
-
-class Denoiser(Protocol):
-    """What the DiT stage asks of a family's denoiser."""
-
-    transformer: torch.nn.Module
-    # The rank group's layout, None on one rank; the process group of the CFG branches, None without CFG-parallel.
-    parallel: ParallelConfig | None
-    cfg_group: torch.distributed.ProcessGroup | None
-
-    @property
-    def experts(self) -> list[torch.nn.Module]:
-        """Every transformer the loop runs (Wan2.2 A14B has two), as their stage reports them."""
-        ...
-
-    @property
-    def text_dim(self) -> int:
-        """The width of the embeddings the transformer takes."""
-        ...
-
-    def image_tensor_shape(self, name: str, spec: DenoiseSpec) -> tuple[int | None, ...] | None:
-        """The shape of a conditioning tensor made from the request's input images (families that take
-        images; see TensorSlot.image), None in place of a token count; None when the request cannot take it."""
-        ...
-
-    def denoise(
-        self,
-        spec: DenoiseSpec,
-        conditioning: dict[str, torch.Tensor],
-        on_step: Callable[[int, int], None],
-        cancelled: Callable[[], bool],
-    ) -> torch.Tensor:
-        """Runs every step and returns float32 latents [1, C, T, h, w]; on_step(step, total) after each.
-
-        `conditioning` holds the tensors the family declares (families/base.py TensorSlot), by name.
-        """
-        ...
-
-
-class BatchDenoiser(Denoiser, Protocol):
-    """A denoiser that also runs several requests of one `batch_key` as one batch (the family's `batching`
-    feature): each request's latents equal its own run's."""
-
-    def denoise_batch(
-        self,
-        specs: list[DenoiseSpec],
-        conditionings: list[dict[str, torch.Tensor]],
-        on_step: Callable[[int, int, int], None],
-        wanted: Callable[[], list[bool]],
-    ) -> list[torch.Tensor | None]:
-        """The latents of each request, None for those dropped; on_step(member, step, total) after each step.
-
-        Before each step `wanted()` says which members still want their result (see `members_still_wanted`);
-        a member dropped once is not denoised further.
-        """
-        ...
-
-
 def make_denoiser(
-    model_dir: str | Path,
-    device: torch.device,
-    dtype: torch.dtype,
-    parallel: ParallelConfig | None = None,
-    options: ModelOptions | None = None,
-    load_threads: int = 4,
+    model_dir: str | Path, device: torch.device, dtype: torch.dtype, build: DenoiserBuild | None = None
 ) -> Denoiser:
-    """The checkpoint's family's denoiser; every rank of a DiT group builds its own with this.
+    """The checkpoint's family's denoiser, built as `build` says (dit_svc/config.py; one rank, no options when
+    None); every rank of a DiT group builds its own with this.
 
     With `options.compile` its blocks are compiled last (dit_svc/compile.py): the constructor has applied
     quantization, offload and the parallel plan by then.
     """
     denoiser_class = read_checkpoint(model_dir).traits.load("denoiser")
-    denoiser = denoiser_class(model_dir, device, dtype, parallel=parallel, options=options, load_threads=load_threads)
-    if options is not None and options.compile:
+    if build is None:
+        denoiser = denoiser_class(model_dir, device, dtype)
+    else:
+        denoiser = denoiser_class(
+            model_dir,
+            device,
+            dtype,
+            parallel=build.parallel,
+            options=build.options,
+            load_threads=build.load_threads,
+        )
+    if build is not None and build.options.compile:
         started = time.perf_counter()
         blocks = compile_repeated_blocks(denoiser.experts)
         logger.info(
@@ -142,7 +65,9 @@ def make_denoiser(
     return denoiser
 
 
-def make_adapter_cache(denoiser: Denoiser, options: ModelOptions | None, load_threads: int = 4) -> AdapterCache | None:
+def make_adapter_cache(
+    denoiser: Denoiser, options: ModelOptions | None, *, load_threads: int = 4
+) -> AdapterCache | None:
     """The rank's cache of per-request adapters, on the pipeline's `transformer` (where diffusers'
     load_lora_weights puts them); None when the stage has no --lora-dir."""
     if options is None or not options.lora.per_request:
@@ -220,7 +145,7 @@ def batch_key(spec: DenoiseSpec, conditioning: dict[str, torch.Tensor]) -> tuple
 
 
 def denoise_batch_request(
-    denoiser: BatchDenoiser,
+    denoiser: Denoiser,
     specs: list[DenoiseSpec],
     conditionings: list[dict[str, torch.Tensor]],
     on_step: Callable[[int, int, int], None],
@@ -229,6 +154,8 @@ def denoise_batch_request(
 ) -> list[tuple[torch.Tensor | None, CachePasses]]:
     """Runs a batch of requests of one `batch_key` (so one set of adapters) on this rank; each member's latents
     (None once dropped) and passes. Every rank of a group calls it with the same batch."""
+    # The stage batches requests only where the family has the `batching` feature.
+    assert runs_batches(denoiser), f"{type(denoiser).__name__} does not run batches"
     with adapters_applied(adapters, specs[0]):
         results = denoiser.denoise_batch(specs, conditionings, on_step, wanted)
     branches = 2 if specs[0].do_classifier_free_guidance else 1
@@ -244,66 +171,22 @@ class OneRank:
     mag_ratios: dict[str, list[float]] | None = None
     adapters: AdapterCache | None = None
 
-    def denoise_request(self, spec, conditioning, on_step, cancelled) -> tuple[torch.Tensor, CachePasses]:
+    def denoise_request(
+        self,
+        spec: DenoiseSpec,
+        conditioning: dict[str, torch.Tensor],
+        on_step: Callable[[int, int], None],
+        cancelled: Callable[[], bool],
+    ) -> tuple[torch.Tensor, CachePasses]:
         return denoise_request(
             self.denoiser, spec, conditioning, on_step, cancelled, mag_ratios=self.mag_ratios, adapters=self.adapters
         )
 
-    def denoise_batch_request(self, specs, conditionings, on_step, wanted) -> list:
+    def denoise_batch_request(
+        self,
+        specs: list[DenoiseSpec],
+        conditionings: list[dict[str, torch.Tensor]],
+        on_step: Callable[[int, int, int], None],
+        wanted: Callable[[], list[bool]],
+    ) -> list[tuple[torch.Tensor | None, CachePasses]]:
         return denoise_batch_request(self.denoiser, specs, conditionings, on_step, wanted, adapters=self.adapters)
-
-
-def members_still_wanted(
-    wanted: Callable[[], list[bool]], parallel: ParallelConfig | None, device: torch.device
-) -> list[bool]:
-    """Before a batch step: which members still want their result; in a group, rank 0's answer holds for all."""
-    keep = wanted()
-    return agree_on_members(keep, device) if parallel is not None else keep
-
-
-# Per scheduler class, its attributes that hold one row per request of the batch (the multistep solvers'
-# history); the others hold the schedule, shared by every row.
-SCHEDULER_BATCH_STATE = {
-    "UniPCMultistepScheduler": ("model_outputs", "last_sample"),
-    "FlowMatchEulerDiscreteScheduler": (),
-}
-
-
-def keep_batch_rows(scheduler: object, rows: list[int]) -> bool:
-    """Drops every other row from the scheduler's per-request state; False for a scheduler whose state is not
-    known here (the caller then keeps denoising the dropped rows and discards them at the end)."""
-    attributes = SCHEDULER_BATCH_STATE.get(type(scheduler).__name__)
-    if attributes is None:
-        return False
-
-    def keep(tensor: torch.Tensor | None) -> torch.Tensor | None:
-        return None if tensor is None else tensor.index_select(0, torch.tensor(rows, device=tensor.device))
-
-    for name in attributes:
-        value = getattr(scheduler, name)
-        setattr(scheduler, name, [keep(item) for item in value] if isinstance(value, list) else keep(value))
-    return True
-
-
-def stop_if_cancelled(cancelled: Callable[[], bool], parallel: ParallelConfig | None, device: torch.device) -> None:
-    """Raises Cancelled before a step when the request is cancelled; in a group, rank 0's answer holds for all."""
-    keep_going = not cancelled()
-    if parallel is not None:
-        keep_going = agree_to_continue(keep_going, device)
-    if not keep_going:
-        raise Cancelled()
-
-
-def guidance_predictions(
-    predict: Callable[[object, str], torch.Tensor],
-    positive: object,
-    negative: object,
-    cfg_group: torch.distributed.ProcessGroup | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (cond, uncond) predictions of a CFG step: both on this rank, or one branch per CFG rank group.
-
-    `predict(conditioning, branch)` runs the transformer; `branch` is "cond" or "uncond".
-    """
-    if cfg_group is not None:
-        return cfg_parallel_predictions(predict, positive, negative, cfg_group)
-    return predict(positive, "cond"), predict(negative, "uncond")

@@ -1,48 +1,37 @@
-"""The DiT stage as a process group (see services/rank_group.py for how the group runs).
+"""The DiT stage as a process group (see services/rank_group/ for how the group runs).
 
 The group may span several machines: node 0 is the stage (`DenoiserGroup`), every other node runs
 `serve_dit_node`, which follows it. Every rank holds the family's denoiser (dit_svc/denoise.py make_denoiser) with
 the same parallel layout; for each request rank 0 hands the embeddings to the followers and all ranks
 run the denoising loop in step. At the start of each step rank 0 tells the group whether to go on
-(dit_svc/parallel/cfg.py), so a cancelled request stops every rank within a step. A request's LoRA
-adapters are read and checked on rank 0 before the group runs it (dit_svc/lora.py `AdapterCache.check`): a bad
+(stagekit/parallel/cfg.py), so a cancelled request stops every rank within a step. A request's LoRA
+adapters are read and checked on rank 0 before the group runs it (dit_svc/lora/cache.py `AdapterCache.check`): a bad
 adapter fails that request alone, while an error on a rank inside the group would end the group.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import torch
 
-from dit_svc.denoise import (
-    Denoiser,
-    DenoiseSpec,
-    denoise_batch_request,
-    denoise_request,
-    make_adapter_cache,
-    make_denoiser,
-)
+from dit_svc.config import DenoiserBuild, DitConfig
+from dit_svc.denoise import denoise_batch_request, denoise_request, make_adapter_cache, make_denoiser
 from dit_svc.lora import AdapterCache
-from dit_svc.model_options import ModelOptions
-from dit_svc.parallel import ParallelConfig
 from dit_svc.step_cache import CachePasses
-from services.auth import TLSConfigError, server_credentials_from_args
 from services.errors import NotFoundError
 from services.rank_group import ONE_NODE, NodeLayout, RankGroup, serve_follower_node
-from services.stage_main import prepare_stage_process
+from stagekit.denoise import Denoiser, DenoiseSpec, takes_images
 
 
 @dataclass(frozen=True)
 class DitPayload:
     model_dir: str
     dtype: torch.dtype
-    config: ParallelConfig
-    options: ModelOptions
-    load_threads: int = 4
+    build: DenoiserBuild
     # MagCache's calibrated ratios per expert (dit_svc/cache_offer.py), None when the stage offers no mag.
     mag_ratios: dict[str, list[float]] | None = None
 
@@ -66,7 +55,9 @@ class DitWorker:
         self.mag_ratios = mag_ratios
         self.adapters = adapters
 
-    def handle(self, message: tuple[DenoiseSpec, dict[str, torch.Tensor]] | BatchMessage):
+    def handle(
+        self, message: tuple[DenoiseSpec, dict[str, torch.Tensor]] | BatchMessage
+    ) -> tuple[torch.Tensor, CachePasses] | list[tuple[torch.Tensor | None, CachePasses]]:
         if isinstance(message, BatchMessage):
             # Rank 0's cancellations reach every rank inside the loop (members_still_wanted).
             everyone = [True] * len(message.specs)
@@ -91,15 +82,11 @@ class DitWorker:
 
 
 def make_dit_worker(rank: int, device: torch.device, payload: DitPayload) -> DitWorker:
-    denoiser = make_denoiser(
-        payload.model_dir,
-        device,
-        payload.dtype,
-        parallel=payload.config,
-        options=payload.options,
-        load_threads=payload.load_threads,
+    build = payload.build
+    denoiser = make_denoiser(payload.model_dir, device, payload.dtype, build)
+    return DitWorker(
+        denoiser, payload.mag_ratios, make_adapter_cache(denoiser, build.options, load_threads=build.load_threads)
     )
-    return DitWorker(denoiser, payload.mag_ratios, make_adapter_cache(denoiser, payload.options, payload.load_threads))
 
 
 class DenoiserGroup:
@@ -111,14 +98,13 @@ class DenoiserGroup:
         device: torch.device,
         dtype: torch.dtype,
         threads: int,
-        config: ParallelConfig,
-        options: ModelOptions,
-        load_threads: int = 4,
+        build: DenoiserBuild,
+        *,
         layout: NodeLayout = ONE_NODE,
         mag_ratios: dict[str, list[float]] | None = None,
     ) -> None:
-        settings = layout.settings("dit", config.total_ranks, device.type, threads)
-        payload = DitPayload(str(model_dir), dtype, config, options, load_threads, mag_ratios)
+        settings = layout.settings("dit", build.parallel.total_ranks, device.type, threads)
+        payload = DitPayload(str(model_dir), dtype, build, mag_ratios)
         self.group = RankGroup(settings, make_dit_worker, payload, layout.channel)
         self.denoiser: Denoiser = self.group.worker.denoiser
         self.mag_ratios = mag_ratios
@@ -137,7 +123,9 @@ class DenoiserGroup:
         return self.denoiser.text_dim
 
     def image_tensor_shape(self, name: str, spec: DenoiseSpec) -> tuple[int | None, ...] | None:
-        return self.denoiser.image_tensor_shape(name, spec)
+        denoiser = self.denoiser
+        assert takes_images(denoiser), "asked only of a family that takes input images"
+        return denoiser.image_tensor_shape(name, spec)
 
     def failure(self) -> str | None:
         return self.group.failure()
@@ -200,24 +188,22 @@ class DenoiserGroup:
 
 
 def serve_dit_node(
-    args: argparse.Namespace,
-    config: ParallelConfig,
-    options: ModelOptions,
-    layout: NodeLayout,
-    mag_ratios: dict[str, list[float]] | None = None,
+    config: DitConfig,
+    model_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    host: str,
+    port: int,
+    credentials: grpc.ServerCredentials | None,
 ) -> None:
     """Node r > 0 of a multi-node DiT group: loads the same checkpoint with the same layout on its ranks and
-    follows node 0, answering only health on --port; exits non-zero when the group ends under it."""
-    spec, device, dtype = prepare_stage_process("dit", args)
-    load_threads = 1 if args.disable_multithread_weight_load else args.num_weight_load_threads
-    settings = layout.settings("dit", config.total_ranks, device.type, args.threads)
-    payload = DitPayload(str(spec.path), dtype, config, options, load_threads, mag_ratios)
+    follows node 0, answering only health on `host`:`port`; exits non-zero when the group ends under it."""
+    layout = config.layout
+    settings = layout.settings("dit", config.parallel.total_ranks, device.type, config.threads)
+    payload = DitPayload(str(model_dir), dtype, config.build, config.step_cache.mag_ratios)
     if layout.channel is None:
         raise ValueError("a follower node needs the control channel to node 0")
-    try:
-        credentials = server_credentials_from_args(args)
-    except TLSConfigError as error:
-        raise SystemExit(f"stagediff serve dit: {error}") from None
     serve_follower_node(
-        settings, layout.channel, make_dit_worker, payload, host=args.host, port=args.port, credentials=credentials
+        settings, layout.channel, make_dit_worker, payload, host=host, port=port, credentials=credentials
     )

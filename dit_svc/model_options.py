@@ -1,10 +1,11 @@
-"""Options of the DiT's transformers: adapters fused in (--lora), weight-only quantization, then CPU offload;
-whether the stage compiles their blocks (`compile`, applied by dit_svc/denoise.py `make_denoiser` after
-everything else); and the adapters requests may apply (`lora`, dit_svc/lora.py).
+"""The DiT stage's options for its transformers: adapters fused in (--lora), weight-only quantization, then
+CPU offload; whether the stage compiles their blocks (`compile`, applied by dit_svc/denoise.py `make_denoiser`
+after everything else); and the adapters requests may apply (`lora`, dit_svc/lora/).
 
-Every rank of a DiT group applies the same options to its experts right after
-loading them and before any parallel layout: fused adapters change the full-precision weights, quantization
-must see the weights on the device, and offload moves whatever quantization left.
+A family's denoiser sees them as stagekit/model_options.py `TransformerOptions`: every rank of a DiT group
+calls `apply` on its experts right after loading them and before any parallel layout: fused adapters change
+the full-precision weights, quantization must see the weights on the device, and offload moves whatever
+quantization left.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ class ModelOptions:
         if self.lora.fused:
             described["fused_loras"] = ",".join(f"{name}:{scale:g}" for name, scale in self.lora.fused)
         return described
+
+    def apply(self, experts: list[nn.Module], device: torch.device, load_threads: int = 4) -> None:
+        """`apply_model_options` with these options (stagekit/model_options.py TransformerOptions)."""
+        apply_model_options(experts, self, device, load_threads)
 
 
 def apply_model_options(

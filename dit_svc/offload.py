@@ -21,7 +21,7 @@ resident is the machinery's own onload/offload state, which `ResidencyCounter` o
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -29,6 +29,7 @@ import torch
 from diffusers.hooks import apply_group_offloading
 from diffusers.hooks.group_offloading import (
     _GROUP_OFFLOADING,
+    ModuleGroup,
     _is_torchao_tensor,
     _restore_torchao_tensor,
     _swap_torchao_tensor,
@@ -237,7 +238,7 @@ def group_offload_units(module: nn.Module) -> list:
     return list(groups.values())
 
 
-def _unit_tensors(unit) -> list[torch.Tensor]:
+def _unit_tensors(unit: ModuleGroup) -> list[torch.Tensor]:
     tensors = [tensor for module in unit.modules for tensor in _tensors(module)]
     tensors += list(getattr(unit, "parameters", None) or []) + list(getattr(unit, "buffers", None) or [])
     return list(dict.fromkeys(tensors))
@@ -281,10 +282,10 @@ class ResidencyCounter:
                         self._handles.append(leaf.register_forward_pre_hook(self._leaf_check(unit, leaf, name)))
         self._note()
 
-    def _is_onloaded(self, unit) -> bool:
+    def _is_onloaded(self, unit: ModuleGroup) -> bool:
         return bool(getattr(unit, "onloaded", False))
 
-    def _wrap(self, unit) -> None:
+    def _wrap(self, unit: ModuleGroup) -> None:
         onload, offload = unit.onload_, unit.offload_
 
         def counted_onload() -> None:
@@ -312,7 +313,7 @@ class ResidencyCounter:
     def resident_bytes(self) -> int:
         return sum(self._bytes_in[i] for i in self.onloaded)
 
-    def _leaf_check(self, unit, leaf: nn.Module, name: str):
+    def _leaf_check(self, unit: ModuleGroup, leaf: nn.Module, name: str) -> Callable[[nn.Module, tuple], None]:
         def check(module: nn.Module, args: tuple) -> None:
             self.leaf_calls += 1
             if id(unit) not in self.onloaded:

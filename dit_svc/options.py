@@ -11,7 +11,7 @@ from services.stage_options import add_stage_kind_arguments, stage_parser
 # torchrun's defaults for the store; the control channel of a multi-node group takes the next port.
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_GROUP_PORT = 29501
-# LoRA adapters (dit_svc/lora.py): bytes of loaded adapters each rank keeps, the largest adapter file it reads,
+# LoRA adapters (dit_svc/lora/): bytes of loaded adapters each rank keeps, the largest adapter file it reads,
 # and the adapters one request may apply.
 DEFAULT_LORA_CACHE_BYTES = 4 * 1024**3
 DEFAULT_LORA_MAX_FILE_BYTES = 2 * 1024**3

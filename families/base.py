@@ -5,8 +5,9 @@ serves it. This module holds the declarations only and imports nothing heavy, so
 CLI and the docs can read every family's traits without loading torch. The compute of a family lives in its
 own folder and is named here by import path ("package.module:Class"); a stage imports it when it loads.
 
-What a stage asks of a family's compute (the protocols beside each stage: text_encoder_svc/encoder.py,
-dit_svc/denoise.py, vae_svc/decode.py):
+What a stage asks of a family's compute (the protocols of stagekit/, the layer below families and stages:
+stagekit/encoder.py, stagekit/denoise.py, stagekit/decode.py; the parts that build them are typed by
+stagekit/family_parts.py):
 - the text encoder: `encode(texts, max_sequence_length, namespace) -> ({name: [N, ...]}, cache_hit)`;
 - the DiT: `denoise(spec, conditioning, on_step, cancelled) -> latents [1, C, T, H, W]`;
 - the VAE: `session().decode_next(latent_frame) -> uint8 frames [F, H, W, 3]`; for a family that takes
@@ -19,7 +20,18 @@ from __future__ import annotations
 import importlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, overload
+
+if TYPE_CHECKING:
+    from stagekit.decode import LatentDecoder
+    from stagekit.family_parts import (
+        CheckpointWriter,
+        DenoiserFactory,
+        GeometryReader,
+        GgufNames,
+        ImageEncoderFactory,
+        PromptEncoderFactory,
+    )
 
 # Every serving feature a family may support; docs/features.md is the table of families x features.
 FEATURES = {
@@ -47,11 +59,10 @@ FEATURES = {
 }
 
 # Step caches a request may name (GenerateRequest.cache.method), the feature that says whether a family
-# offers each, and the threshold a request that names only the method gets (dit_svc/step_cache.py says what
+# offers each, and the threshold a request that names only the method gets (dit_svc/step_cache/ says what
 # each measures): MagCacheConfig's default; TeaCache's reference setting for Wan2.1 1.3B between its "slow"
-# and "fast" ones; for the first-block cache 0.1, not FirstBlockCacheConfig's 0.05, which skipped nothing on
-# our Wan models while 0.1 skipped a third of the demo model's passes and kept every video right
-# (BENCHMARKS.md, step caches).
+# and "fast" ones; for the first-block cache 0.1, not FirstBlockCacheConfig's 0.05, which skips nothing on
+# the Wan models (BENCHMARKS.md, "Step caches", has the measurements).
 CACHE_FEATURES = {"first_block": "first_block_cache", "mag": "mag_cache", "teacache": "teacache"}
 CACHE_METHODS = ("none", *CACHE_FEATURES)
 DEFAULT_CACHE_THRESHOLDS = {"first_block": 0.1, "mag": 0.06, "teacache": 0.08}
@@ -62,7 +73,9 @@ MAX_CACHE_THRESHOLD = 1.0
 
 @dataclass(frozen=True)
 class Support:
-    """A supported cell names the tests behind it (`path::test_name`); an unsupported one says why.
+    """A supported cell names the tests behind it (`path::test_name`, or `path::TestClass` for a class that
+    combines the family's tester config with the feature's mixin, tests/helpers/feature_mixins.py); an
+    unsupported one says why.
 
     An unsupported cell whose flag the stage refuses at startup names the tests of that refusal in
     `refusal_tests`, so that a user who passes the flag anyway gets an error, never a wrong result.
@@ -87,7 +100,7 @@ class Support:
         return f"no: {self.reason}; refused at startup" if self.refused_at_startup else f"no: {self.reason}"
 
 
-_LORA_TESTS = "tests/test_lora.py::"
+_LORA_TESTS = "tests/integration/test_lora.py::"
 _LORA_REFUSED = (_LORA_TESTS + "test_adapters_per_request_are_refused_with_options_they_cannot_follow",)
 # How adapters applied per request (--lora-dir) combine with the DiT's other options, for every family that
 # serves them (docs/features.md shows it; `stagediff serve dit` refuses each unsupported combination with its
@@ -119,7 +132,9 @@ LORA_WITH: dict[str, Support] = {
     "gguf": Support(
         reason="a GGUF layer keeps its weight packed, and the adapters' shape checks and PEFT's layers read the "
         "linear's weight; serve the safetensors weights with the adapter, or fuse it before converting to GGUF",
-        refusal_tests=("tests/test_gguf.py::test_gguf_is_chosen_by_the_file_and_refused_where_it_cannot_work",),
+        refusal_tests=(
+            "tests/integration/test_gguf.py::test_gguf_is_chosen_by_the_file_and_refused_where_it_cannot_work",
+        ),
     ),
     "cpu_offload": Support(
         reason="adapters are loaded into the transformer while requests run, and the offload hooks move the "
@@ -236,6 +251,12 @@ class RequestDefaults:
     fps: float = 16.0
 
 
+# The parts of a Family named by import path, the argument of `Family.load`.
+FamilyPart = Literal[
+    "checkpoint_reader", "text_encoder", "denoiser", "decoder", "image_encoder", "writer", "gguf_names"
+]
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -252,13 +273,15 @@ class Family:
     optional_stages: tuple[str, ...]
     conditioning: tuple[TensorSlot, ...]
     defaults: RequestDefaults
-    # Import paths ("module:attribute") of the family's compute, loaded by the stage that runs it.
-    checkpoint_reader: str  # (root, model_index, configs) -> CheckpointSpec fields
-    text_encoder: str
-    denoiser: str
-    decoder: str
-    writer: str  # init-model: (family, out, preset, seed, save_kwargs) -> None
-    # The VAE stage's Encode of input images, for families that take them ("" for text-only families).
+    # Import paths ("module:attribute") of the family's compute, loaded by the stage that runs it (`load`); each
+    # part's type is its protocol in stagekit/family_parts.py.
+    checkpoint_reader: str  # GeometryReader: (configs) -> CheckpointSpec fields
+    text_encoder: str  # PromptEncoderFactory: a PromptEncoder class
+    denoiser: str  # DenoiserFactory: a Denoiser class
+    decoder: str  # a LatentDecoder subclass (DecoderFactory)
+    writer: str  # CheckpointWriter, for init-model: (family, out, preset, seed, save_kwargs) -> None
+    # ImageEncoderFactory: the VAE stage's Encode of input images, for families that take them ("" for text-only
+    # families).
     image_encoder: str = ""
     images: ImageInputs = ImageInputs()
     features: dict[str, Support] = field(default_factory=dict)
@@ -269,7 +292,7 @@ class Family:
     # family has: preset name -> what it is (its writer knows how to write it). Used for the published
     # checkpoints' real configs, so that memory and load times are measured at real size.
     own_presets: dict[str, str] = field(default_factory=dict)
-    # GGUF files of the family's transformer (families/gguf.py, dit_svc/gguf.py): "module:function" giving the
+    # GGUF files of the family's transformer (families/gguf.py, stagekit/gguf.py): "module:function" giving the
     # name such files use for a diffusers state-dict key, and their `general.architecture` ("" for both where
     # the family serves no GGUF weights).
     gguf_names: str = ""
@@ -290,9 +313,23 @@ class Family:
     def required_stages(self) -> tuple[str, ...]:
         return tuple(stage for stage in self.chain if stage not in self.optional_stages)
 
-    def load(
-        self, part: Literal["checkpoint_reader", "text_encoder", "denoiser", "decoder", "writer", "image_encoder"]
-    ) -> Any:
+    @overload
+    def load(self, part: Literal["checkpoint_reader"]) -> GeometryReader: ...
+    @overload
+    def load(self, part: Literal["text_encoder"]) -> PromptEncoderFactory: ...
+    @overload
+    def load(self, part: Literal["denoiser"]) -> DenoiserFactory: ...
+    @overload
+    def load(self, part: Literal["decoder"]) -> type[LatentDecoder]: ...
+    @overload
+    def load(self, part: Literal["image_encoder"]) -> ImageEncoderFactory: ...
+    @overload
+    def load(self, part: Literal["writer"]) -> CheckpointWriter[Family]: ...
+    @overload
+    def load(self, part: Literal["gguf_names"]) -> GgufNames: ...
+    @overload
+    def load(self, part: FamilyPart) -> object: ...
+    def load(self, part: FamilyPart) -> Any:
         """The family's compute for one part, imported now (it may import torch)."""
         module, _, attribute = getattr(self, part).partition(":")
         return getattr(importlib.import_module(module), attribute)

@@ -13,7 +13,7 @@ in float32. `write_gguf` writes that layout with the `gguf` package's own quanti
 
 `convert_checkpoint` replaces each transformer component's safetensors weights by one such file, leaving
 its config.json: the folder then looks like what a user assembles from a diffusers repository's configs and
-a downloaded GGUF file, and the DiT stage loads it (dit_svc/gguf.py).
+a downloaded GGUF file, and the DiT stage loads it (stagekit/gguf.py).
 
 The `gguf` package quantizes the legacy types only; the k-quants (Q4_K, Q5_K, Q6_K, ...) it can read but not
 write, so files of those types come from llama.cpp's tools, and the stage loads them like any other.
@@ -21,13 +21,16 @@ write, so files of those types come from llama.cpp's tools, and the stage loads 
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from families.base import Family
+
+if TYPE_CHECKING:  # torch is imported lazily
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +48,7 @@ def original_names(family: Family) -> Callable[[str], str]:
     """The family's function from a diffusers state-dict key to the name GGUF files give that tensor."""
     if not family.gguf_names:
         raise ValueError(f"the {family.name} family has no GGUF layout; --gguf is for families with one")
-    module, _, attribute = family.gguf_names.partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    return family.load("gguf_names")
 
 
 def write_gguf(
@@ -86,7 +88,7 @@ def write_gguf(
     return out
 
 
-def _is_quantizable(tensor, block_size: int) -> bool:  # noqa: ANN001 - torch is imported lazily
+def _is_quantizable(tensor: torch.Tensor, block_size: int) -> bool:
     return tensor.ndim == 2 and tensor.shape[1] % block_size == 0
 
 

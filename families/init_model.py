@@ -1,27 +1,22 @@
 """Write random-weight checkpoints in the real diffusers layout: the entry point and what every family shares.
 
-No model hub is reachable where StageDiff is built and tested, so tests and benchmarks run on checkpoints
-made here: the real classes (diffusers for transformer, VAE and scheduler, transformers for the text encoder
-and tokenizer) with their real config keys, random weights saved as safetensors, and a tokenizer trained
-locally with the `tokenizers` library. A directory written by `init_model` loads unchanged with the family's
-pipeline (`diffusers.WanPipeline.from_pretrained(out_dir)`, `diffusers.QwenImagePipeline.from_pretrained(...)`),
-exactly as a downloaded checkpoint does, so every stage can be checked against in-process diffusers.
+No model hub is reachable where StageDiff is built and tested, so tests and benchmarks run on checkpoints made
+here: the real classes with their real config keys, random weights saved as safetensors, and a tokenizer trained
+locally with `tokenizers`. A directory written by `init_model` loads unchanged with the family's pipeline
+(`diffusers.WanPipeline.from_pretrained(out_dir)`, ...), so every stage can be checked against diffusers.
 
 `init_model` looks the family up in the registry and calls the writer the family names (`Family.writer`):
 
     write_checkpoint(family: Family, out: Path, preset: str, seed: int, save_kwargs: dict) -> None
 
-The writer lives in the family's folder with the family's preset tables (component configs per preset, and
-the request each preset is sized for), writes every component, model_index.json and the defaults file, and
-uses the helpers below. It runs with the global RNG forked (seeding stays local to the call) and float32 as
-the default dtype (weights of "tiny" and "small" are created and saved in float32).
+The writer lives in the family's folder with its preset tables, writes every component, model_index.json and the
+defaults file, and uses the helpers below. It runs with the global RNG forked (seeding stays local to the call)
+and float32 as the default dtype. Every family writes the random presets in PRESETS; a family may declare presets
+of its own (`Family.own_presets`, e.g. a published checkpoint's real configs with random weights), written in
+whatever dtype and shard layout the preset stands for.
 
-Every family writes the random presets in PRESETS. A family may declare presets of its own
-(`Family.own_presets`, e.g. wan-t2v's "wan2.1-1.3b-config": a published checkpoint's real configs with random
-weights); its writer writes those too, in whatever dtype and shard layout the preset stands for.
-
-torch, diffusers and transformers are imported where they are used, so reading PRESETS (as the CLI does to
-build its parser) stays cheap.
+torch, diffusers and transformers are imported where they are used, so reading PRESETS (as the CLI does to build
+its parser) stays cheap.
 """
 
 from __future__ import annotations

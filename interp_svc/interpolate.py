@@ -31,7 +31,7 @@ FULL_RES_FLOW_MAX_PIXELS = 256 * 256
 """Frames with at most this many pixels get flow refined down to full resolution.
 
 The MEDIUM preset stops at half resolution, which is fine for large frames but smears the motion of objects only a
-few pixels wide on small ones. Refining to full resolution costs about 3-4 times as much, so only small frames get it.
+few pixels wide on small ones. Refining to full resolution costs several times as much, so only small frames get it.
 """
 
 # Forward-backward check (Sundaram et al., 2010): a flow vector is consistent when following it forward and the
@@ -194,7 +194,7 @@ def _dis_flow(source: np.ndarray, target: np.ndarray) -> np.ndarray:
     A fresh DIS object per call: DIS rewrites its own patch size and scales for some frame sizes, and a shared
     object would make one pair's result depend on the pairs before it.
     """
-    dis = cv2.DISOpticalFlow_create(cv2.DISOPTICAL_FLOW_PRESET_MEDIUM)
+    dis = cv2.DISOpticalFlow.create(cv2.DISOPTICAL_FLOW_PRESET_MEDIUM)
     if source.size <= FULL_RES_FLOW_MAX_PIXELS:
         dis.setFinestScale(0)
     return dis.calc(source, target, None)

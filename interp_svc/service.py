@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
+import functools
+from collections.abc import AsyncIterator
 
 import grpc
 
+from interp_svc.config import InterpConfig
 from interp_svc.interpolate import StreamingInterpolator
 from interp_svc.options import build_parser
 from interp_svc.rife import SUPPORTED_SCALES, IFNet, StreamingRifeInterpolator, load_rife
@@ -23,9 +25,10 @@ MAX_EXP = 4
 class InterpolatorServicer(stages_pb2_grpc.InterpolatorServicer, StageServicer):
     service_name = stages_pb2.DESCRIPTOR.services_by_name["Interpolator"].full_name
 
-    def __init__(self, args: argparse.Namespace, runtime: StageRuntime) -> None:
+    def __init__(self, model_path: str, runtime: StageRuntime) -> None:
+        """`model_path`: the RIFE weights served (InterpConfig.model_path); empty: optical flow."""
         self.runtime = runtime
-        self.model_path = args.interp_model_path
+        self.model_path = model_path
         # The largest frames taken: the checkpoint's limits, or without --model those every checkpoint has.
         bounds = runtime.spec if runtime.spec is not None else CheckpointSpec
         self.max_height, self.max_width = bounds.max_height, bounds.max_width
@@ -55,9 +58,7 @@ class InterpolatorServicer(stages_pb2_grpc.InterpolatorServicer, StageServicer):
         if not 0 <= params.exp <= MAX_EXP:
             raise RequestError(f"exp: {params.exp} is not allowed; use 0 (pass through) to {MAX_EXP}")
         if params.scale and params.scale not in SUPPORTED_SCALES:
-            raise RequestError(
-                f"scale: {params.scale} is not allowed; use one of {list(SUPPORTED_SCALES)}, or 0 for 1"
-            )
+            raise RequestError(f"scale: {params.scale} is not allowed; use one of {list(SUPPORTED_SCALES)}, or 0 for 1")
         if params.model_path and params.model_path != (self.model_path or ""):
             served = f"'{self.model_path}'" if self.model_path else "no learned model (optical flow)"
             raise RequestError(
@@ -65,7 +66,11 @@ class InterpolatorServicer(stages_pb2_grpc.InterpolatorServicer, StageServicer):
                 "(set with --interp-model-path)"
             )
 
-    async def Interpolate(self, request_iterator, context):
+    async def Interpolate(
+        self,
+        request_iterator: AsyncIterator[stages_pb2.InterpolateRequest],
+        context: grpc.aio.ServicerContext[stages_pb2.InterpolateRequest, stages_pb2.InterpolateResponse],
+    ) -> AsyncIterator[stages_pb2.InterpolateResponse]:
         if not self.loaded:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "interp: still starting")
         try:
@@ -111,7 +116,8 @@ class InterpolatorServicer(stages_pb2_grpc.InterpolatorServicer, StageServicer):
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_stage("interp", parse_args(build_parser(), argv), InterpolatorServicer)
+    config = InterpConfig.from_args(parse_args(build_parser(), argv))
+    run_stage(config.stage, functools.partial(InterpolatorServicer, config.model_path))
 
 
 if __name__ == "__main__":

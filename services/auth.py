@@ -1,27 +1,21 @@
 """Who may call a cluster's services: the cluster's shared secret between services, and TLS.
 
-Two independent pieces, each opt-in (tenants' API keys on the orchestrator's
-public port are services/orchestrator/tenant_auth.py, which builds on this):
+Two independent pieces, each opt-in (tenants' API keys on the orchestrator's public port are
+services/orchestrator/tenant_auth.py, which builds on this):
 
-* `ClusterSecretInterceptor` (stage ports) and `cluster_channel` or
-  `cluster_secret_interceptors` (the orchestrator's channels to them): internal calls carry the cluster's shared
-  secret in `x-stagediff-cluster-secret` metadata, so a stage answers only
-  its own cluster. Health stays open: docker and Kubernetes probes carry no
-  secret. The secret comes from `--cluster-secret-file` (docker secrets) or
-  the STAGEDIFF_CLUSTER_SECRET environment variable.
-* `server_credentials` / `channel_credentials`: TLS for the public port and
-  the stage ports, with client certificates required when a client CA is
-  given; `stage_channel_credentials_from_args` for the orchestrator's channels
-  to TLS stages (`--stage-tls-ca`, and `--stage-tls-cert/--stage-tls-key` for
-  mutual TLS).
+* `ClusterSecretInterceptor` (stage ports) and `cluster_channel` or `cluster_secret_interceptors` (the
+  orchestrator's channels to them): internal calls carry the cluster's shared secret in
+  `x-stagediff-cluster-secret` metadata, so a stage answers only its own cluster. Health stays open: docker and
+  Kubernetes probes carry no secret. The secret comes from `--cluster-secret-file` (docker secrets) or the
+  STAGEDIFF_CLUSTER_SECRET environment variable.
+* `server_credentials` / `channel_credentials`: TLS for the public port and the stage ports, with client
+  certificates required when a client CA is given; `stage_channel_credentials` for the orchestrator's channels to
+  TLS stages (`--stage-tls-ca`, and `--stage-tls-cert/--stage-tls-key` for mutual TLS).
 
-Refusals are logged at a bounded rate (`RateLimitedLog`): a caller without
-credentials decides how often it is refused, not how much the server logs.
-So is grpc's own line for metadata that is not UTF-8 (`MetadataEncodingFilter`).
-
-Interceptors follow grpc's aio examples: they find the real handler with
-`continuation`, then either return it wrapped or return a handler of the same
-kind that aborts.
+Refusals are logged at a bounded rate (`RateLimitedLog`): a caller without credentials decides how often it is
+refused, not how much the server logs. So is grpc's own line for metadata that is not UTF-8
+(`MetadataEncodingFilter`). Interceptors follow grpc's aio examples: they find the real handler with
+`continuation`, then either return it wrapped or return a handler of the same kind that aborts.
 """
 
 from __future__ import annotations
@@ -32,13 +26,14 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
 from services.server import GRPC_OPTIONS
+from services.server_config import TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -220,10 +215,15 @@ class ClusterSecretInterceptor(grpc.aio.ServerInterceptor):
             return "wrong cluster secret: the caller's secret differs from this service's"
         return None
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        # None for a method no servicer has (grpc-stubs leave None out).
+        handler: grpc.RpcMethodHandler | None = await continuation(handler_call_details)
         if handler is None or service_of(handler_call_details.method) in self.exempt_services:
-            return handler
+            return handler  # type: ignore[return-value]  # grpc takes None: no such method
         reason = self._refusal_reason(handler_call_details.invocation_metadata)
         if reason is None:
             return handler
@@ -248,22 +248,30 @@ class _SecretMetadata:
 
 
 class _UnaryUnarySecret(_SecretMetadata, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
+    async def intercept_unary_unary(
+        self, continuation: Callable[..., Any], client_call_details: grpc.aio.ClientCallDetails, request: Any
+    ) -> Any:
         return await continuation(self._details(client_call_details), request)
 
 
 class _UnaryStreamSecret(_SecretMetadata, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
+    async def intercept_unary_stream(
+        self, continuation: Callable[..., Any], client_call_details: grpc.aio.ClientCallDetails, request: Any
+    ) -> Any:
         return await continuation(self._details(client_call_details), request)
 
 
 class _StreamUnarySecret(_SecretMetadata, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+    async def intercept_stream_unary(
+        self, continuation: Callable[..., Any], client_call_details: grpc.aio.ClientCallDetails, request_iterator: Any
+    ) -> Any:
         return await continuation(self._details(client_call_details), request_iterator)
 
 
 class _StreamStreamSecret(_SecretMetadata, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+    async def intercept_stream_stream(
+        self, continuation: Callable[..., Any], client_call_details: grpc.aio.ClientCallDetails, request_iterator: Any
+    ) -> Any:
         return await continuation(self._details(client_call_details), request_iterator)
 
 
@@ -275,7 +283,9 @@ def cluster_secret_interceptors(secret: str) -> list[grpc.aio.ClientInterceptor]
     gRPC sends call credentials only over TLS, and traffic between stages may
     be plaintext on a private network.
     """
-    return [kind(secret) for kind in (_UnaryUnarySecret, _UnaryStreamSecret, _StreamUnarySecret, _StreamStreamSecret)]
+    # grpc-stubs leave the aio interceptor kinds untyped and ask for a cast.
+    kinds = (_UnaryUnarySecret, _UnaryStreamSecret, _StreamUnarySecret, _StreamStreamSecret)
+    return [cast(grpc.aio.ClientInterceptor, kind(secret)) for kind in kinds]
 
 
 def cluster_channel(
@@ -352,18 +362,21 @@ def add_stage_tls_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stage-tls-key", default=None, metavar="PEM", help="private key of --stage-tls-cert")
 
 
-def stage_channel_credentials_from_args(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
-    """Credentials for the channels to the stages, or None for plaintext (no --stage-tls-ca)."""
-    if args.stage_tls_ca is None:
-        if args.stage_tls_cert is not None or args.stage_tls_key is not None:
+def stage_channel_credentials(
+    ca_file: str | None, cert_file: str | None, key_file: str | None
+) -> grpc.ChannelCredentials | None:
+    """Credentials for the channels to the stages (`--stage-tls-ca`, `--stage-tls-cert`, `--stage-tls-key`), or
+    None for plaintext (no CA)."""
+    if ca_file is None:
+        if cert_file is not None or key_file is not None:
             raise TLSConfigError("--stage-tls-cert and --stage-tls-key need --stage-tls-ca (the stages' CA)")
         return None
-    if (args.stage_tls_cert is None) != (args.stage_tls_key is None):
+    if (cert_file is None) != (key_file is None):
         raise TLSConfigError("--stage-tls-cert and --stage-tls-key go together")
     return grpc.ssl_channel_credentials(
-        root_certificates=_read("--stage-tls-ca", args.stage_tls_ca),
-        private_key=_read("--stage-tls-key", args.stage_tls_key) if args.stage_tls_key is not None else None,
-        certificate_chain=_read("--stage-tls-cert", args.stage_tls_cert) if args.stage_tls_cert is not None else None,
+        root_certificates=_read("--stage-tls-ca", ca_file),
+        private_key=_read("--stage-tls-key", key_file) if key_file is not None else None,
+        certificate_chain=_read("--stage-tls-cert", cert_file) if cert_file is not None else None,
     )
 
 
@@ -375,12 +388,12 @@ def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def server_credentials_from_args(args: argparse.Namespace) -> grpc.ServerCredentials | None:
+def server_credentials_for(tls: TlsConfig) -> grpc.ServerCredentials | None:
     """The credentials `add_tls_arguments` asked for, or None for plaintext (no --tls-cert)."""
-    if args.tls_cert is None and args.tls_key is None:
-        if args.tls_client_ca is not None:
+    if tls.cert_file is None and tls.key_file is None:
+        if tls.client_ca_file is not None:
             raise TLSConfigError("--tls-client-ca needs --tls-cert and --tls-key")
         return None
-    if args.tls_cert is None or args.tls_key is None:
+    if tls.cert_file is None or tls.key_file is None:
         raise TLSConfigError("--tls-cert and --tls-key go together")
-    return server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+    return server_credentials(tls.cert_file, tls.key_file, tls.client_ca_file)

@@ -63,26 +63,30 @@ def wrap_rpc_handler(handler: grpc.RpcMethodHandler, scope: RpcScope) -> grpc.Rp
     handler's exception, if any, so a scope can time the call and see how it ended.
     """
     deserialize, serialize = handler.request_deserializer, handler.response_serializer
-    if handler.unary_unary:
-        unary_unary = handler.unary_unary
+    # grpc-stubs type the behaviours as sync functions; a grpc.aio server's are coroutines and async generators.
+    unary_unary: Callable[..., Any] | None = handler.unary_unary
+    unary_stream: Callable[..., Any] | None = handler.unary_stream
+    stream_unary: Callable[..., Any] | None = handler.stream_unary
+    stream_stream: Callable[..., Any] | None = handler.stream_stream
+    if unary_unary is not None:
 
         async def wrapped_unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             with scope(context):
                 return await unary_unary(request, context)
 
         return grpc.unary_unary_rpc_method_handler(wrapped_unary_unary, deserialize, serialize)
-    if handler.unary_stream:
-        unary_stream = handler.unary_stream
+    if unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(_wrap_streaming(unary_stream, scope), deserialize, serialize)
-    if handler.stream_unary:
-        stream_unary = handler.stream_unary
+    if stream_unary is not None:
 
         async def wrapped_stream_unary(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
             with scope(context):
                 return await stream_unary(requests, context)
 
         return grpc.stream_unary_rpc_method_handler(wrapped_stream_unary, deserialize, serialize)
-    return grpc.stream_stream_rpc_method_handler(_wrap_streaming(handler.stream_stream, scope), deserialize, serialize)
+    if stream_stream is None:
+        raise ValueError("the handler has no behaviour")
+    return grpc.stream_stream_rpc_method_handler(_wrap_streaming(stream_stream, scope), deserialize, serialize)
 
 
 def _wrap_streaming(behavior: Callable[..., Any], scope: RpcScope) -> Callable[..., Any]:

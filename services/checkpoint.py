@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from families.base import Family, RequestDefaults
 from families.registry import REGISTRY, family_for_index, family_named
@@ -112,7 +113,7 @@ def read_checkpoint(path: str | Path, model_id: str | None = None) -> Checkpoint
         raise CheckpointError(
             f"{root}: pipeline '{index.get('_class_name', '')}' is not supported; supported: {', '.join(REGISTRY)}"
         )
-    configs = {
+    configs: dict[str, dict[str, Any]] = {
         "vae": _read_json(root / "vae" / "config.json"),
         "transformer": _read_json(root / "transformer" / "config.json"),
         "scheduler": _read_json(root / "scheduler" / "scheduler_config.json"),

@@ -23,6 +23,7 @@ import contextlib
 import io
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 import av
 import numpy as np
@@ -157,7 +158,7 @@ class ResultEncoder:
         self._written: list[bytes] = []
         self._image: np.ndarray | None = None
         self._frames = 0
-        self._container = None
+        self._container: Any = None  # an av OutputContainer once a video is open
         self._bounds = memory_bounds(output, threads, lookahead_frames)
         if output.video:
             self._open_video(Fraction(fps).limit_denominator(_MAX_RATE_DENOMINATOR))
@@ -173,7 +174,7 @@ class ResultEncoder:
         stream.pix_fmt = "rgb8" if self.output.name == "gif" else "yuv420p"
         stream.codec_context.time_base = 1 / rate
         options = {}
-        if self.output.quality_option:
+        if self.output.quality_option and self.quality is not None:
             factor = round(self.output.quality_scale * (100 - self.quality) / 100)
             options[self.output.quality_option] = str(factor)
             options["g"] = str(max(1, round(float(rate) * _KEYFRAME_INTERVAL_S)))
@@ -222,6 +223,7 @@ class ResultEncoder:
         if self._frames == 0:
             raise ValueError("no frames were encoded")
         if not self.output.video:
+            assert self._image is not None  # an image format keeps its one frame until here
             buffer = io.BytesIO()
             options = {"quality": self.quality} if self.quality is not None else {}
             Image.fromarray(self._image).save(buffer, format=self.output.name.upper(), **options)

@@ -13,11 +13,9 @@ from (the variable, or the config file and its key). A `STAGEDIFF_*` variable th
 service is only warned about: one environment file may serve several services. `--config` itself is read
 from the command line only.
 
-The sources and their precedence come from ConfigArgParse: it is argparse with the environment and config
-files added, so every service declares its options once, as plain argparse arguments (in its own
-`options.py`, which imports neither torch nor the stage's compute). pydantic-settings reads the same three
-sources, but into a settings model: every option would be declared a second time, as a field, beside the
-argparse parser that gives `--help` and the flag names users know.
+The sources and their precedence come from ConfigArgParse (argparse with the environment and config files
+added), so every service declares its options once, as plain argparse arguments in its own `options.py`, which
+imports neither torch nor the stage's compute (pydantic-settings would declare each a second time, as a field).
 """
 
 from __future__ import annotations
@@ -71,7 +69,7 @@ class OptionParser(configargparse.ArgumentParser):
             "the environment and the command line override it",
         )
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> None:
         """Exits with `message`, naming the variable or config file key when the bad value came from one."""
         for source, settings in self.get_source_to_settings_dict().items():
             if source in _TAKEN_AS_GIVEN:
@@ -91,7 +89,7 @@ def parse_args(
     in that precedence; warns about STAGEDIFF_* variables that name no option."""
     environ = os.environ if environ is None else environ
     args = parser.parse_args(args=argv, env_vars=environ)
-    # Every option's variable follows its dest (no option renames its dest: tests/test_options_declared_once.py).
+    # Every option's variable follows its dest (no option renames its dest: tests/unit/test_options_declared_once.py).
     known = {environment_variable(dest) for dest in vars(args)} - {environment_variable(CONFIG_OPTION)}
     unknown = sorted(
         name for name in environ if name.startswith(ENV_PREFIX) and name not in known and name not in NOT_OPTIONS

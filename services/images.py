@@ -1,54 +1,18 @@
 """Input images of generation requests: encoded bytes a client sends, checked and decoded with Pillow.
 
-A client sends an image (e.g. the first frame of an image-to-video request) as
-the bytes of a PNG, JPEG or WebP file. Those bytes are untrusted: they may be
-empty, not an image, an image in a format we do not serve, an animation, a
-truncated or corrupt file, or a few hundred bytes that declare a
-100000x100000 image (a decompression bomb, gigabytes once decoded). Each case
-is refused with a RequestError (INVALID_ARGUMENT) whose message starts with
-the field (e.g. "images[0].data: ...") and says what is allowed.
+The bytes are untrusted (empty, not an image, a format not served, an animation, truncated, corrupt, or a
+decompression bomb): each case is refused with a RequestError (INVALID_ARGUMENT) whose message starts with the
+field (e.g. "images[0].data: ...") and says what is allowed.
 
-`probe_image` reads only the file's header: format, size and frame count,
-checked before a single pixel is decoded, so the orchestrator can refuse a
-request without decoding it (it imports this module; nothing here imports
-torch). `decode_image` probes, then decodes the whole file and converts it
-exactly as `diffusers.utils.load_image` converts a PIL image
-(`PIL.ImageOps.exif_transpose`, then `.convert("RGB")`), the input every
-model pipeline expects. The result is therefore what load_image gives,
-including its surprises:
-
-- alpha is dropped, not composited: a transparent pixel becomes the colour
-  stored under it (often black), for RGBA, LA and palette images with
-  transparency alike;
-- a 16-bit grayscale PNG (Pillow mode "I;16") is clipped, not scaled: every
-  value above 255 becomes 255, so most such images turn white. 16-bit RGB,
-  RGBA and gray+alpha PNGs are not affected: Pillow opens them as 8-bit
-  images (the high byte of each sample);
-- colour profiles (ICC) are ignored, and CMYK JPEGs use Pillow's plain
-  CMYK to RGB formula;
-- the EXIF orientation tag is applied, so a JPEG stored 37x23 with
-  orientation 6 comes back 23x37 (`probe_image` reports the stored size,
-  and the orientation its header gives: `ImageInfo.decoded_size` is the
-  size decoding gives, known without decoding; the orchestrator's whole
-  decode confirms it).
-
-A JPEG that carries a Multi-Picture Format index (several pictures in one
-file: the gain map of an "Ultra HDR" phone photo, a stereo pair) is "MPO" to
-Pillow: it is a JPEG, and its first picture is the image, as load_image and
-every viewer take it (reported as format JPEG).
-
-Only Pillow's PNG, JPEG and WebP readers ever parse the bytes (Image.open is
-told so), and only once `check_structure` (services/image_structure.py) has bounded the file's scans,
-segments and header bytes; the name of another format is found from its signature alone, for the error
-message. Pillow's own decompression-bomb check (an error above twice Image.MAX_IMAGE_PIXELS, about 179 M
-pixels) fires inside Image.open, before our check can: its error becomes the same refusal as ours. Pillow's
-warnings about a client's bytes are ignored by filters installed once (`_ignore_pillow_warnings`): no call
-swaps the process-wide filters, so no call takes a lock and decodes run side by side. Global Pillow
-settings are never changed; ImageFile.LOAD_TRUNCATED_IMAGES stays off, so a truncated file fails to decode
-instead of coming back half grey.
-
-Decoding reads the file through a `Stop` check: each block Pillow reads first asks whether the caller gave
-up (its call was cancelled) or the decode ran past its deadline, so a decode ends within one block of it.
+Rules:
+- `probe_image` reads only the header (format, size, frame count), so the orchestrator refuses a request
+  without decoding it; nothing here imports torch. `decode_image` gives exactly what
+  `diffusers.utils.load_image` gives (`exif_transpose`, then `.convert("RGB")`), surprises included.
+- Only Pillow's PNG, JPEG and WebP readers ever parse the bytes, and only once `check_structure`
+  (services/image_structure.py) has bounded the file's scans, segments and header bytes. An MPO is a JPEG.
+- Global Pillow settings are never changed (LOAD_TRUNCATED_IMAGES stays off); Pillow's warnings about a
+  client's bytes are ignored by filters installed once, so decodes take no lock and run side by side.
+- Decoding reads through a `Stop` check, so a decode ends within one block of a cancel or its deadline.
 """
 
 from __future__ import annotations
@@ -59,8 +23,9 @@ import time
 import warnings
 from dataclasses import dataclass
 from io import BytesIO
+from typing import Literal
 
-from PIL import ExifTags, Image, ImageOps
+from PIL import ExifTags, Image, ImageFile, ImageOps
 
 from services.errors import RequestError, bounded
 from services.image_structure import check_structure
@@ -95,7 +60,7 @@ class ImageInfo:
 
 # The filters that keep Pillow's warnings about clients' bytes out of the logs: anything Pillow's own modules
 # warn, and the decompression-bomb warning wherever it is attributed.
-_PILLOW_FILTERS = (
+_PILLOW_FILTERS: tuple[tuple[Literal["ignore"], None, type[Warning], str | None, int], ...] = (
     ("ignore", None, Warning, r"PIL\.", 0),
     ("ignore", None, Image.DecompressionBombWarning, None, 0),
 )
@@ -184,7 +149,7 @@ def _format_by_signature(data: bytes) -> str | None:
     return None
 
 
-def _open(data: bytes, field: str, max_pixels: int, stop: Stop) -> tuple[Image.Image, ImageInfo]:
+def _open(data: bytes, field: str, max_pixels: int, stop: Stop) -> tuple[ImageFile.ImageFile, ImageInfo]:
     """The lazily opened image (nothing decoded yet) and its info, once every check on its header passed."""
     if not data:
         raise RequestError(f"{field}: the image is empty; send the encoded bytes of a {_ALLOWED_TEXT} image")
@@ -270,6 +235,13 @@ def probe_image(data: bytes, field: str, max_pixels: int = MAX_IMAGE_PIXELS, sto
 
 def decode_image(data: bytes, field: str, max_pixels: int = MAX_IMAGE_PIXELS, stop: Stop | None = None) -> Image.Image:
     """The RGB image an encoded image holds, as `diffusers.utils.load_image` makes it; RequestError if refused.
+
+    As load_image: alpha is dropped, not composited (a transparent pixel becomes the colour stored under it);
+    a 16-bit grayscale PNG (mode "I;16") is clipped to 255, not scaled (16-bit RGB, RGBA and gray+alpha PNGs
+    open as 8-bit); ICC profiles are ignored and CMYK JPEGs use Pillow's plain formula; the EXIF orientation
+    is applied (`ImageInfo.decoded_size` gives the size that results). A JPEG with a Multi-Picture Format
+    index ("MPO" to Pillow) gives its first picture. Pillow's own decompression-bomb error (above twice
+    Image.MAX_IMAGE_PIXELS) becomes the same refusal as ours.
 
     Probes first, so nothing is decoded for an image refused by its header.
     A file that fails to decode (truncated, corrupt) is refused too: Pillow

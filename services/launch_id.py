@@ -10,6 +10,8 @@ secret: it is new for every process started, and says nothing about the cluster.
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 
@@ -29,13 +31,19 @@ class LaunchIdInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, value: str) -> None:
         self.value = value
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        # None for a method no servicer has (grpc-stubs leave None out).
+        handler: grpc.RpcMethodHandler | None = await continuation(handler_call_details)
         if handler is None or handler_call_details.method != HEALTH_CHECK_METHOD or not handler.unary_unary:
-            return handler
-        inner = handler.unary_unary
+            return handler  # type: ignore[return-value]  # grpc takes None: no such method
+        # grpc-stubs type the behaviours as sync functions; a grpc.aio server's are coroutines.
+        inner: Callable[..., Any] = handler.unary_unary
 
-        async def check(request, context):
+        async def check(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             await context.send_initial_metadata(((LAUNCH_ID_METADATA, self.value),))
             return await inner(request, context)
 

@@ -1,27 +1,21 @@
 """Whether a stage's weights fit where it will hold them, checked before it loads them.
 
-A stage that loads more than its device holds is killed by the kernel's OOM killer (CPU), without a word
-about which stage or why, or fails deep inside the load (CUDA). So each stage, before it loads, works out
-the bytes its weights will take in the target dtype on the target device (from the safetensors headers, by
-the rule `services.weights.load_pretrained` casts by: `services.weights.planned_bytes`), compares them with
-the memory available there, and when they do not fit refuses to start with one message naming the stage,
-the bytes needed and available, and the flags of that stage that would make it fit
-(services/stage_main.py raises it as the stage's startup error, as it does for a bad flag).
+A stage that loads more than its device holds is killed by the OOM killer (CPU) without a word about which stage
+or why, or fails deep inside the load (CUDA). So each stage, before it loads, computes the bytes its weights will
+take in the target dtype on the target device (`services.weights.planned_bytes`, from the safetensors headers, by
+the rule `load_pretrained` casts by) and, when they do not fit, refuses to start with one message naming the
+stage, the bytes needed and available, and the flags that would make it fit (raised by services/stage_main.py as
+the stage's startup error).
 
-Needed: the weights of every component the stage loads, times the processes on this machine that each hold a
-copy (CPU ranks of a DiT or patch-parallel VAE group), plus RUNTIME_RESERVE_BYTES for the process itself and
-a small request's activations. Weights a CPU stage leaves as views of the mapped files (bf16 on disk, bf16
-served) are counted too: they become resident as the load faults them in.
+Needed: the weights of every component the stage loads, times the processes on this machine that each hold a copy
+(CPU ranks of a DiT or patch-parallel VAE group), plus RUNTIME_RESERVE_BYTES for the process and a small
+request's activations. Weights left as views of the mapped files count too: they become resident as they load.
 
-Available:
-  cpu   psutil's available memory (free plus reclaimable cache), lowered to what a cgroup v2 limit still
-        allows (memory.max less memory.current, for the process's cgroup and each one above it);
-  cuda  the free bytes torch.cuda.mem_get_info reports for the device.
-The environment variable STAGEDIFF_MEMORY_AVAILABLE_BYTES (an integer) replaces the measured figure: to
-keep memory back for other processes on the machine, or to exercise the guard at a small scale.
-
-Stages that start at once on one machine each see the memory the others have not taken yet; the check is
-per process, and does not reserve anything for the stages that start beside it.
+Available: on CPU psutil's available memory, lowered to what a cgroup v2 limit still allows (memory.max less
+memory.current, for the process's cgroup and each one above it); on CUDA torch.cuda.mem_get_info's free bytes.
+STAGEDIFF_MEMORY_AVAILABLE_BYTES (an integer) replaces that figure, to keep memory back for other processes or to
+exercise the guard at a small scale.
+The check is per process: stages starting at once on one machine each see what the others have not taken yet.
 """
 
 from __future__ import annotations
@@ -35,8 +29,8 @@ import torch
 
 # Replaces the measured available memory (bytes) when set.
 AVAILABLE_ENV = "STAGEDIFF_MEMORY_AVAILABLE_BYTES"
-# Added to the weights: the interpreter, torch and gRPC (about 0.6 GB resident on the CPU) and the
-# activations of a small request.
+# Added to the weights: what the interpreter, torch and gRPC keep resident on the CPU, and the activations
+# of a small request.
 RUNTIME_RESERVE_BYTES = 1 << 30
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from families.base import CACHE_METHODS
 from services.call_scope import PROBE_SERVICES, observed_call, wrap_rpc_handler
+from stagediff.v1 import stages_pb2
 
 PREFIX = "stagediff_"
 DEFAULT_LABEL = "default"  # for a tenant or priority class the request does not name
@@ -200,7 +201,7 @@ class OrchestratorMetrics:
     def add_denoising_steps(self, tenant: str, count: int = 1) -> None:
         self.denoising_steps.labels(_label(tenant)).inc(count)
 
-    def add_transformer_passes(self, tenant: str, method: str, passes) -> None:
+    def add_transformer_passes(self, tenant: str, method: str, passes: stages_pb2.TransformerPasses) -> None:
         """Counts a request's passes (a TransformerPasses); `method` is one the request was checked to name."""
         method = method if method in CACHE_METHODS else "none"
         self.transformer_passes.labels(_label(tenant), method, "run").inc(passes.run)

@@ -16,11 +16,12 @@ import ipaddress
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
+from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # grpc-stubs lack aio
 from grpc_reflection.v1alpha import reflection
 
 from services.call_scope import PROBE_SERVICES, observed_call, wrap_rpc_handler
@@ -78,14 +79,21 @@ def _tolerant(deserializer: Callable[[bytes], object] | None, method: str) -> Ca
     return parse
 
 
-async def _checked_stream(requests, method: str):
+# A handler as grpc.aio calls it: grpc-stubs type the behaviours as sync functions, a grpc.aio server's are
+# coroutines or async generators.
+_Behaviour = Callable[..., Any]
+_Context = grpc.aio.ServicerContext[Any, Any]
+_Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
+
+
+async def _checked_stream(requests: AsyncIterable[Any], method: str) -> AsyncIterator[Any]:
     async for request in requests:
         if isinstance(request, _Undecodable):
             raise RequestError(request.message)
         yield request
 
 
-async def _responses(result):
+async def _responses(result: Any) -> AsyncIterator[Any]:
     """The responses of a streaming handler: an async generator's items, or none from a coroutine that
     answers with context.write() (as grpc's aio HealthServicer.Watch does) once it has run."""
     if inspect.isasyncgen(result):
@@ -105,26 +113,30 @@ class RequestDecodingInterceptor(grpc.aio.ServerInterceptor):
     to INVALID_ARGUMENT) for request streams.
     """
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
+    async def intercept_service(
+        self, continuation: _Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        # None for a method no servicer has (grpc-stubs leave None out).
+        handler: grpc.RpcMethodHandler | None = await continuation(handler_call_details)
         if handler is None:
-            return None
+            return None  # type: ignore[return-value]  # grpc takes None: no such method
         method = handler_call_details.method
         logger.debug("call %s", method)
         parse = _tolerant(handler.request_deserializer, method)
         serialize = handler.response_serializer
         if not handler.request_streaming:
-            inner = handler.unary_unary or handler.unary_stream
+            inner: _Behaviour | None = handler.unary_unary or handler.unary_stream
+            assert inner is not None  # a handler that does not stream requests has one of the two
             if handler.unary_unary:
 
-                async def unary_unary(request, context):
+                async def unary_unary(request: Any, context: _Context) -> Any:
                     if isinstance(request, _Undecodable):
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
                     return await inner(request, context)
 
                 return grpc.unary_unary_rpc_method_handler(unary_unary, parse, serialize)
 
-            async def unary_stream(request, context):
+            async def unary_stream(request: Any, context: _Context) -> AsyncIterator[Any]:
                 if isinstance(request, _Undecodable):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
                 async for response in _responses(inner(request, context)):
@@ -132,15 +144,16 @@ class RequestDecodingInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, parse, serialize)
         if handler.stream_unary:
-            inner_su = handler.stream_unary
+            inner_su: _Behaviour = handler.stream_unary
 
-            async def stream_unary(requests, context):
+            async def stream_unary(requests: AsyncIterable[Any], context: _Context) -> Any:
                 return await inner_su(_checked_stream(requests, method), context)
 
             return grpc.stream_unary_rpc_method_handler(stream_unary, parse, serialize)
-        inner_ss = handler.stream_stream
+        inner_ss: _Behaviour | None = handler.stream_stream
+        assert inner_ss is not None  # the one kind left
 
-        async def stream_stream(requests, context):
+        async def stream_stream(requests: AsyncIterable[Any], context: _Context) -> AsyncIterator[Any]:
             async for response in _responses(inner_ss(_checked_stream(requests, method), context)):
                 yield response
 
@@ -162,13 +175,15 @@ class HealthWatchLimitInterceptor(grpc.aio.ServerInterceptor):
         self.limit = limit
         self.open = 0
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
+    async def intercept_service(
+        self, continuation: _Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        handler: grpc.RpcMethodHandler | None = await continuation(handler_call_details)
         if handler is None or handler_call_details.method != HEALTH_WATCH_METHOD or not handler.unary_stream:
-            return handler
-        inner = handler.unary_stream
+            return handler  # type: ignore[return-value]  # grpc takes None: no such method
+        inner: _Behaviour = handler.unary_stream
 
-        async def watch(request, context):
+        async def watch(request: Any, context: _Context) -> AsyncIterator[Any]:
             if self.open >= self.limit:
                 await abort_with_retry(
                     context,
@@ -218,17 +233,6 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_max_rpcs: int 
     )
 
 
-def check_server_arguments(prog: str, args: argparse.Namespace) -> None:
-    """Refuses limits that leave no room for calls (a SystemExit naming the flag)."""
-    if args.max_concurrent_rpcs < 1:
-        raise SystemExit(f"{prog}: --max-concurrent-rpcs {args.max_concurrent_rpcs}: use 1 or more")
-    if not 0 <= args.max_health_watchers < args.max_concurrent_rpcs:
-        raise SystemExit(
-            f"{prog}: --max-health-watchers {args.max_health_watchers}: use 0 up to less than "
-            f"--max-concurrent-rpcs ({args.max_concurrent_rpcs}), so that watchers leave room for calls"
-        )
-
-
 async def _set_serving(health: health_aio.HealthServicer, service_names: list[str], serving: bool) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ["", *service_names]:
@@ -258,7 +262,7 @@ async def serve(
     host: str,
     port: int,
     register: Register,
-    load: Callable[[], Awaitable[None]] | None = None,
+    load: Callable[[], Coroutine[Any, Any, None]] | None = None,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
     grace: float = DEFAULT_GRACE_SECONDS,
     watchdog: Callable[[], str | None] | None = None,
@@ -379,11 +383,13 @@ class AccessLogInterceptor(grpc.aio.ServerInterceptor):
     """Logs one line per finished call (method, status, seconds), inside the call's trace and log context,
     so a job's lines in every service share its trace id. Health checks and reflection are not logged."""
 
-    async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
-        handler = await continuation(handler_call_details)
+    async def intercept_service(
+        self, continuation: _Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        handler: grpc.RpcMethodHandler | None = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or method.lstrip("/").rpartition("/")[0] in PROBE_SERVICES:
-            return handler
+            return handler  # type: ignore[return-value]  # grpc takes None: no such method
         return wrap_rpc_handler(handler, lambda context: _access_log(method, context))
 
 

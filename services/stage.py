@@ -16,7 +16,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import torch
@@ -84,7 +84,7 @@ class StageRuntime:
         # The step caches the DiT offers and the one a request that names none gets (ModelLimits.cache_methods).
         self.cache_methods: list[stages_pb2.StepCache] = []
         self.default_cache: stages_pb2.StepCache | None = None
-        # Threads that read safetensors shards while the stage loads (services/weights.py).
+        # Threads that read safetensors shards while the stage loads (services/weights/).
         self.load_threads = 4
         # Weights a request may name, served besides the checkpoint (StageInfo.weights_path).
         self.weights_path = ""
@@ -95,6 +95,12 @@ class StageRuntime:
         self.lora_cache_bytes = 0  # the DiT's --lora-cache-bytes, when it serves adapters per request
         self.fused_loras: list[stages_pb2.LoraAdapter] = []
         self.served_model: str | None = None
+
+    @property
+    def checkpoint(self) -> CheckpointSpec:
+        """The checkpoint of a stage that reads one (every stage but the interpolator)."""
+        assert self.spec is not None, f"{self.stage}: started without a checkpoint"
+        return self.spec
 
     @property
     def model_id(self) -> str:
@@ -178,11 +184,15 @@ class StageControlServicer(stages_pb2_grpc.StageControlServicer):
     def __init__(self, runtime: StageRuntime) -> None:
         self.runtime = runtime
 
-    async def GetStageInfo(self, request, context):
+    async def GetStageInfo(
+        self,
+        request: stages_pb2.GetStageInfoRequest,
+        context: grpc.aio.ServicerContext[stages_pb2.GetStageInfoRequest, stages_pb2.StageInfo],
+    ) -> stages_pb2.StageInfo:
         return self.runtime.info()
 
 
-async def abort_for(error: BaseException, context: grpc.aio.ServicerContext, stage: str) -> None:
+async def abort_for(error: BaseException, context: grpc.aio.ServicerContext[Any, Any], stage: str) -> NoReturn:
     """Maps an exception raised while serving a call to the status the client should see."""
     if isinstance(error, grpc.aio.AbortError):
         raise error

@@ -1,4 +1,4 @@
-"""Startup shared by the stage services (their options: services/stage_options.py).
+"""Startup shared by the stage services, from their configuration (services/stage_config.py).
 
 A stage refuses to start, with a one-line message and before it serves or loads anything, on a bad flag, a bad
 checkpoint, or weights that do not fit in the memory available (services/memory_budget.py).
@@ -7,7 +7,6 @@ checkpoint, or weights that do not fit in the memory available (services/memory_
 from __future__ import annotations
 
 import abc
-import argparse
 import asyncio
 import logging
 from collections.abc import Callable
@@ -21,14 +20,14 @@ from services.auth import (
     ClusterSecretInterceptor,
     TLSConfigError,
     load_cluster_secret,
-    server_credentials_from_args,
+    server_credentials_for,
 )
-from services.checkpoint import CheckpointSpec, read_checkpoint
 from services.logging_setup import bind_log_fields
 from services.memory_budget import MemoryBudgetError, WeightNeed, check_weights_fit
 from services.metrics import ServerMetrics, start_metrics_server
-from services.server import check_server_arguments, configure_logging, serve
+from services.server import configure_logging, serve
 from services.stage import StageControlServicer, StageRuntime, resolve_device, resolve_dtype
+from services.stage_config import StageConfig
 from services.tracing import configure_tracing
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 
@@ -65,54 +64,44 @@ class StageServicer(abc.ABC):
         """Releases what load() started (worker ranks); called once the server has drained."""
 
 
-def prepare_stage_process(
-    stage: str, args: argparse.Namespace
-) -> tuple[CheckpointSpec | None, torch.device, torch.dtype]:
-    """Logging, intra-op threads, and the checkpoint (None for a stage started without --model, which only
-    a stage that does not read it allows), device and dtype the options name; a bad one exits with a
+def prepare_stage_process(config: StageConfig) -> tuple[torch.device, torch.dtype]:
+    """Logging, intra-op threads, and the device and dtype the configuration names; a bad one exits with a
     one-line message instead of a traceback."""
-    configure_logging(args.log_level, args.log_format)
-    bind_log_fields(stage=stage)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    configure_logging(config.server.logging.level, config.server.logging.format)
+    bind_log_fields(stage=config.stage)
+    if config.threads > 0:
+        torch.set_num_threads(config.threads)
     try:
-        spec = read_checkpoint(args.model, args.model_name) if args.model is not None else None
-        device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, device)
-    except ValueError as error:  # CheckpointError included: say what is wrong, without a traceback
-        raise SystemExit(f"stagediff serve {stage}: {error}") from None
-    return spec, device, dtype
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+    except ValueError as error:
+        raise SystemExit(f"{config.prog}: {error}") from None
+    return device, dtype
 
 
-def run_stage(
-    stage: str, args: argparse.Namespace, make_servicer: Callable[[argparse.Namespace, StageRuntime], StageServicer]
-) -> None:
+def run_stage(config: StageConfig, make_servicer: Callable[[StageRuntime], StageServicer]) -> None:
     """Starts a stage: bind the port, answer NOT_SERVING while loading, then serve until SIGTERM."""
-    configure_tracing(f"stagediff-{stage}")
-    spec, device, dtype = prepare_stage_process(stage, args)
-    runtime = StageRuntime(stage, spec, device, dtype)
-    if args.num_weight_load_threads < 1:
-        raise SystemExit(
-            f"stagediff serve {stage}: --num-weight-load-threads {args.num_weight_load_threads}: use 1 or more"
-        )
-    runtime.load_threads = 1 if args.disable_multithread_weight_load else args.num_weight_load_threads
-    check_server_arguments(f"stagediff serve {stage}", args)
-    interceptors = _secret_interceptors(stage, args)
+    configure_tracing(f"stagediff-{config.stage}")
+    device, dtype = prepare_stage_process(config)
+    runtime = StageRuntime(config.stage, config.checkpoint, device, dtype)
+    runtime.load_threads = config.load_threads
+    server = config.server
+    interceptors = _secret_interceptors(config.stage, server.cluster_secret_file, insecure=server.insecure)
     try:
-        credentials = server_credentials_from_args(args)
+        credentials = server_credentials_for(server.tls)
     except TLSConfigError as error:
-        raise SystemExit(f"stagediff serve {stage}: {error}") from None
+        raise SystemExit(f"{config.prog}: {error}") from None
     metrics = ServerMetrics()
     try:
-        start_metrics_server(args.metrics_port, metrics.registry, addr=args.host)
+        start_metrics_server(server.metrics_port, metrics.registry, addr=server.host)
     except (OSError, ValueError) as error:
-        raise SystemExit(f"stagediff serve {stage}: --metrics-port {args.metrics_port}: {error}") from None
-    servicer = make_servicer(args, runtime)
-    check_memory(stage, servicer)
+        raise SystemExit(f"{config.prog}: --metrics-port {server.metrics_port}: {error}") from None
+    servicer = make_servicer(runtime)
+    check_memory(config.stage, servicer)
 
-    def register(server: grpc.aio.Server) -> list[str]:
-        stages_pb2_grpc.add_StageControlServicer_to_server(StageControlServicer(runtime), server)
-        servicer.add_to_server(server)
+    def register(grpc_server: grpc.aio.Server) -> list[str]:
+        stages_pb2_grpc.add_StageControlServicer_to_server(StageControlServicer(runtime), grpc_server)
+        servicer.add_to_server(grpc_server)
         return [stages_pb2.DESCRIPTOR.services_by_name["StageControl"].full_name, servicer.service_name]
 
     async def load() -> None:
@@ -124,9 +113,9 @@ def run_stage(
 
     asyncio.run(
         serve(
-            name=stage,
-            host=args.host,
-            port=args.port,
+            name=config.stage,
+            host=server.host,
+            port=server.port,
             register=register,
             load=load,
             on_shutdown=shutdown,
@@ -134,8 +123,8 @@ def run_stage(
             interceptors=interceptors,
             credentials=credentials,
             metrics=metrics,
-            max_concurrent_rpcs=args.max_concurrent_rpcs,
-            max_health_watchers=args.max_health_watchers,
+            max_concurrent_rpcs=server.max_concurrent_rpcs,
+            max_health_watchers=server.max_health_watchers,
         )
     )
 
@@ -150,14 +139,16 @@ def check_memory(stage: str, servicer: StageServicer) -> None:
         raise SystemExit(f"stagediff serve {stage}: {error}") from None
 
 
-def _secret_interceptors(stage: str, args: argparse.Namespace) -> list[grpc.aio.ServerInterceptor]:
+def _secret_interceptors(
+    stage: str, cluster_secret_file: str | None, *, insecure: bool
+) -> list[grpc.aio.ServerInterceptor]:
     """The cluster-secret check. Without a secret the stage refuses to start, unless --insecure says
     to answer anyone (then with a warning)."""
     try:
-        secret = load_cluster_secret(args.cluster_secret_file)
+        secret = load_cluster_secret(cluster_secret_file)
     except ClusterSecretError as error:
         raise SystemExit(f"stagediff serve {stage}: {error}") from None
-    if secret is None and not args.insecure:
+    if secret is None and not insecure:
         raise SystemExit(
             f"stagediff serve {stage}: no cluster secret: give the orchestrator's with --cluster-secret-file FILE "
             f"or ${CLUSTER_SECRET_ENV}, or pass --insecure to answer any caller that reaches the port"

@@ -1,37 +1,22 @@
 """Traces across the cluster, with OpenTelemetry's gRPC instrumentation.
 
 One trace spans the client, the orchestrator and every stage it calls:
-
 - the client sends the caller's W3C `traceparent` with each call (stagediff/_tracing.py);
-- every server runs each call inside a SERVER span named after the RPC, a child of
-  the incoming trace context (`server_interceptor`), so that any call the handler
-  makes carries the same trace id onwards;
-- the orchestrator's channels to the stages give each stage call a CLIENT span
-  that sends its own traceparent (`client_interceptors`);
-- a job runs in a task of its own, under a span whose parent is the context of
-  the request that submitted it (`start_span_under`), so its stage calls join
-  that request's trace.
+- every server runs each call in a SERVER span named after the RPC, a child of the incoming trace context
+  (`server_interceptor`), so any call the handler makes carries the same trace id onwards;
+- the orchestrator's channels to the stages give each stage call a CLIENT span (`client_interceptors`);
+- a job's task runs under a span whose parent is the submitting request's context (`start_span_under`).
+Health checks and reflection (`PROBE_SERVICES`) run outside any request and are left out of traces.
 
-Both interceptors come from opentelemetry-instrumentation-grpc; health checks and
-reflection (`PROBE_SERVICES`) run every second or so outside any request, and are
-left out of traces.
-
-Propagation needs only opentelemetry-api. Without an SDK the API's tracer
-records nothing, but a span started under an incoming context carries its
-trace and span ids, so the `traceparent` a process sends on equals the one it
-received and the trace id reaches every stage unchanged. The propagators are
-OpenTelemetry's (`OTEL_PROPAGATORS`, W3C trace context and baggage by default),
-which read what the client sends. Spans are recorded and exported only when the
-process configures an exporter through the standard OpenTelemetry variables
+Propagation needs only opentelemetry-api: without an SDK nothing is recorded, but the trace id still reaches
+every stage unchanged. The propagators are OpenTelemetry's (`OTEL_PROPAGATORS`, W3C trace context and baggage
+by default). Spans are exported only when the process configures an exporter through the standard variables
 (`configure_tracing`):
-
-- `OTEL_TRACES_EXPORTER`: comma-separated exporter names, e.g. `otlp` (needs the
-  opentelemetry-exporter-otlp package) or `console`; `none` turns exporting off;
-- `OTEL_EXPORTER_OTLP_ENDPOINT` / `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` alone
-  imply `otlp`; the OTLP exporter reads its other `OTEL_EXPORTER_OTLP_*`
-  settings (protocol, headers, timeout) itself;
-- `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER[_ARG]`
-  and `OTEL_SDK_DISABLED` mean what the OpenTelemetry specification says.
+- `OTEL_TRACES_EXPORTER`: comma-separated exporter names, e.g. `otlp` (needs opentelemetry-exporter-otlp) or
+  `console`; `none` turns exporting off;
+- `OTEL_EXPORTER_OTLP_ENDPOINT` / `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` alone imply `otlp`;
+- `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER[_ARG]` and `OTEL_SDK_DISABLED` mean what
+  the OpenTelemetry specification says.
 """
 
 from __future__ import annotations

@@ -4,23 +4,19 @@
 
     tokenizer/      a T5-style Unigram tokenizer trained locally on the built-in corpus and the training prompts
     text_encoder/   UMT5EncoderModel, random and frozen (below)
-    vae/            AutoencoderKLWan, trained as a video autoencoder (shapeworld/train_vae.py); latents_mean and
+    vae/            AutoencoderKLWan trained as a video autoencoder (shapeworld/train_vae.py); latents_mean and
                     latents_std in its config are the statistics of its latents over the training scenes
     transformer/    WanTransformer3DModel, trained with flow matching on those latents (shapeworld/train_dit.py)
     scheduler/      UniPCMultistepScheduler with flow sigmas, as Wan2.1 ships it, with FLOW_SHIFT for this model
     model_index.json, stagediff.json (the request the model is made for), training.json (how it was made)
 
-Why the text encoder stays random: its embeddings are then computed once per training prompt, which is most of
-what makes the DiT's training fit this budget; a random UMT5 keeps each word's identity in its output (the
-embedding row plus a little mixing from two layers), which is all the DiT needs to learn to read the prompt;
-and the held-out phrasings then measure whether the DiT reads words wherever they stand, not whether an
-encoder trained on these few templates memorised them.
+The text encoder stays random: its embeddings are then computed once per training prompt (the DiT's training
+fits its budget), a random UMT5 keeps each word's identity, all the DiT needs, and held-out phrasings test reading.
 
 The committed checkpoint (`CHECKPOINT`, used by `stagediff init-model --family wan-t2v --preset demo` and
-`make demo`) was made by `python scripts/train_demo_model.py --out DIR --seed 0 --vae-from shapeworld/checkpoint`:
-everything but the autoencoder trained again, the autoencoder kept from the first checkpoint, which was trained
-on the world's earlier, smaller objects (docs/demo_model.md says why). Its training.json records the command,
-the seed, the wall time, the final losses and, under `vae_from`, how that autoencoder was trained.
+`make demo`) comes from `python scripts/train_demo_model.py --out DIR --seed 0 --vae-from shapeworld/checkpoint`
+(the autoencoder kept from an earlier checkpoint; docs/demo_model.md says why). Its training.json records the
+command, the seed, the wall time, the final losses and, under `vae_from`, how that autoencoder was trained.
 """
 
 from __future__ import annotations
@@ -37,7 +33,8 @@ import torch
 
 from families.init_model import save_component, save_tokenizer, write_default_request, write_model_index
 from families.registry import family_named
-from families.wan.init_model import COMPONENT_CLASSES, TRANSFORMER_CONFIGS, build_tokenizer
+from families.wan.components import build_tokenizer
+from families.wan.presets import COMPONENT_CLASSES, TRANSFORMER_CONFIGS
 from shapeworld.train_dit import DitSchedule, PromptBank, encode_scenes, train_dit, training_prompts
 from shapeworld.train_vae import VaeSchedule, train_vae
 from shapeworld.world import training_concepts
@@ -46,7 +43,7 @@ CHECKPOINT = Path(__file__).parent / "checkpoint"
 
 TOKENIZER: dict[str, int] = dict(vocab_size=2000, corpus_sentences=6000, corpus_names=2000)
 
-# UMT5Config keys (see families/wan/init_model.py for what each means); d_model is the DiT's text_dim.
+# UMT5Config keys (see families/wan/presets.py for what each means); d_model is the DiT's text_dim.
 TEXT_ENCODER: dict[str, Any] = dict(
     d_model=64,
     d_kv=16,

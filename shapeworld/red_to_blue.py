@@ -2,29 +2,21 @@
 
     python -m shapeworld.red_to_blue --out shapeworld/adapters/red_to_blue.safetensors
 
-The demo's text encoder is a frozen random UMT5 that keeps each word's identity in its output, and the DiT
-reads the colour from the embedding of the colour word (swapping that one row of a red prompt's embeddings
-for the blue prompt's row turns the video blue). The DiT's first layer to see those embeddings is
-`condition_embedder.text_embedder.linear_1` (64 -> 128, applied to each token), so the adapter is a low-rank
-delta D on that layer, fitted in closed form:
+The demo's text encoder is a frozen random UMT5 that keeps each word's identity in its output, and the DiT reads
+the colour from the colour word's embedding. The DiT's first layer to see the embeddings is
+`condition_embedder.text_embedder.linear_1` (64 -> 128, per token), so the adapter is a low-rank delta D on that
+layer, fitted in closed form:
 
-- Encode every training-template prompt of the world twice, with "red" and with "blue" (the same tokens but
-  the colour word), with the pipeline's own `encode_prompt`; every one with each other colour; and lines of
-  the tokenizer's own training corpus that do not say "red".
-- Ridge least squares: D x_red = W (x_blue - x_red) for the tokens of red prompts, W being linear_1's weight,
-  so linear_1 plus D maps a red prompt where linear_1 maps the blue one; D x = 0 for the tokens of the other
-  colours' prompts (blue included) and of the corpus, so they are unaffected. The corpus keeps D off words
-  the templates do not use (without it the held-out templates' words moved up to 0.6 as far as the red
-  word). The colour words' rows weigh COLOUR_WEIGHT times the others: unweighted, the many other tokens
-  pull the red word only half way to blue.
-- Truncate D by SVD to rank RANK, as lora_B @ lora_A with lora_alpha = rank (scale 1). D is nearly rank
-  one (a red-word detector times the red-to-blue change): rank one moves the red word as far as rank 4 does.
+- Encode every training-template prompt with "red" and with "blue", with each other colour, and lines of the
+  tokenizer's own corpus that do not say "red", all with the pipeline's own `encode_prompt`.
+- Ridge least squares: D x_red = W (x_blue - x_red) on the tokens of red prompts (W is linear_1's weight), and
+  D x = 0 on the other colours' prompts and the corpus (which keeps D off words the templates do not use). The
+  colour words' rows weigh COLOUR_WEIGHT times the others, or the many other tokens hold the red word back.
+- Truncate D by SVD to rank RANK, as lora_B @ lora_A with lora_alpha = rank (scale 1); D is nearly rank one.
 
-Padding tokens are zero embeddings, which D leaves at zero. The check it prints measures the fit on the
-training templates and on the held-out ones: how far the red word moves towards blue (1 is all the way), and
-the largest change of any other token (other colours' prompts, red prompts' other words) relative to the red
-word's change. The file is diffusers' `WanPipeline.save_lora_weights` format (its PEFT config in the header),
-read by `pipe.load_lora_weights(path)` and by the DiT's --lora-dir.
+Padding tokens are zero embeddings, which D leaves at zero. The printed check reports, on the training and the
+held-out templates, how far the red word moves towards blue (1 is all the way) and the largest change of any other
+token relative to it. The file is `WanPipeline.save_lora_weights`' format (`pipe.load_lora_weights`, --lora-dir).
 """
 
 from __future__ import annotations
@@ -33,6 +25,7 @@ import argparse
 import itertools
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,6 +41,9 @@ from shapeworld.world import (
     TRAINING_TEMPLATES,
     Concept,
 )
+
+if TYPE_CHECKING:  # diffusers is imported where it is used
+    from diffusers import WanPipeline
 
 SOURCE, TARGET = "red", "blue"
 LAYER = "condition_embedder.text_embedder.linear_1"
@@ -67,7 +63,7 @@ def prompts(colour: str, templates: tuple[str, ...]) -> list[str]:
     ]
 
 
-def embed(pipe, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+def embed(pipe: WanPipeline, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 UMT5 embeddings of the texts' tokens [tokens, 64], padding left out, and their token ids."""
     rows, ids = [], []
     for start in range(0, len(texts), BATCH):
@@ -82,12 +78,12 @@ def embed(pipe, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(rows), torch.cat(ids)
 
 
-def encode_world(pipe, templates: tuple[str, ...]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def encode_world(pipe: WanPipeline, templates: tuple[str, ...]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per colour, the token embeddings and ids of `prompts(colour, templates)`; the colours' rows align."""
     return {colour: embed(pipe, prompts(colour, templates)) for colour in COLOURS}
 
 
-def encode_corpus(pipe) -> torch.Tensor:
+def encode_corpus(pipe: WanPipeline) -> torch.Tensor:
     """Token embeddings of the tokenizer's training corpus, less the lines that say the source colour."""
     lines = training_corpus(CORPUS_SENTENCES, TOKENIZER["corpus_names"])
     return embed(pipe, [line for line in lines if SOURCE not in line.lower()])[0]

@@ -1,27 +1,22 @@
 """Reading a video of the shape world: which shape, colour, motion and background it shows.
 
-The reading uses the frames alone, never the prompt; `score` then compares it with what the prompt asked.
+The reading uses the frames alone (numpy only, like shapeworld.world), never the prompt; `score` then compares
+it with what the prompt asked.
 
-- The object: every background is grey and every object colour saturated, so the object is the pixels
-  whose chroma (max - min of R, G, B) is high. Frames where too little of it shows count as missing.
+- The object: every background is grey and every object colour saturated, so the object is the pixels whose
+  chroma (max - min of R, G, B) is high. Frames where too little of it shows count as missing.
 - Colour: the hue of the mean object pixel, nearest of the world's hues.
-- Motion: least-squares fits over the clip of the object's centroid and of the log of its linear size
-  (square root of its area). A size that changes by more than GROWTH_RATIO over the clip is growing or
-  shrinking; otherwise a centroid that travels more than TRAVEL of the frame is moving in the direction of
-  the larger component; otherwise still. When both cross their thresholds the larger, relative to its
-  threshold, decides.
-- Shape: two measures of the outline, each the median over the frames where the object is largest, both
-  chosen because a blur or rounded corners barely move them: the *taper*, the object's width a quarter of the
-  way down its height over its width three quarters of the way down (1 for a circle or a square, 1/3 for
-  the triangle, apex up), and the *diagonal extent*, its extent along the diagonals over its extent along
-  the axes (sqrt 2 for a square, 1 for a circle). A taper below TRIANGLE_TAPER is a triangle, else a
-  diagonal extent above SQUARE_DIAGONAL a square, else a circle. Widths are sums of each pixel's coverage
-  (its chroma over the object's), extents are where the coverage crosses one half.
-- Background: the per-pixel median over time of the luminance where no object is; plain when it is nearly
-  flat (dark, gray or light by its level), else striped when its variation is mostly between rows, else
-  checkered.
-
-numpy only, like shapeworld.world.
+- Motion: least-squares fits of the object's centroid and log linear size over the clip. A size changing by more
+  than GROWTH_RATIO is growing or shrinking, a centroid travelling more than TRAVEL of the frame moves along its
+  larger component, else still; when both cross, the larger relative to its threshold decides.
+- Shape: two blur-robust measures of the outline, each the median over the frames where the object is largest:
+  the *taper*, its width a quarter of the way down over its width three quarters down (1 for a circle or a
+  square, 1/3 for the triangle, apex up), and the *diagonal extent*, its extent along the diagonals over that
+  along the axes (sqrt 2 for a square, 1 for a circle). A taper below TRIANGLE_TAPER is a triangle, else a
+  diagonal extent above SQUARE_DIAGONAL a square, else a circle. Widths sum each pixel's coverage (its chroma
+  over the object's); extents are where the coverage crosses one half.
+- Background: the per-pixel median over time of the luminance where no object is; plain when nearly flat (dark,
+  gray or light by its level), else striped when its variation is mostly between rows, else checkered.
 """
 
 from __future__ import annotations

@@ -11,12 +11,11 @@
   noise - x_0 at timestep 1000 sigma, with sigma = shift u / (1 + (shift - 1) u), u uniform.
 - **Classifier-free guidance**: a prompt is replaced by the empty prompt's embedding (the pipeline's default
   negative prompt) with probability `unconditional_probability`.
-- **The padding folded, exactly.** The pipeline pads every prompt to 512 positions, all zero past the text, and
-  in Wan's cross-attention (no positional encoding there) every padding position gives the same key and value.
-  N equal keys weigh in the softmax as one key with log N added to its logit, so training feeds the text
-  positions, one padding position and that log N as an additive mask (`FoldedPadding`): the same function as
-  the 512 positions the model serves with, at a fraction of the cost (the cross-attention over 512 keys is most
-  of a training step). The saved model has the library's own processors.
+- **The padding folded, exactly.** In Wan's cross-attention (no positional encoding there) every zero padding
+  position of the 512 gives the same key and value, and N equal keys weigh in the softmax as one key with log N
+  added to its logit. So training feeds the text positions, one padding position and that log N as an additive
+  mask (`FoldedPadding`): the same function as the 512 positions the model serves with, at a fraction of the
+  cost. The saved model has the library's own processors.
 - An exponential moving average of the weights is what gets saved.
 """
 
@@ -27,6 +26,7 @@ import copy
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -113,7 +113,15 @@ class FoldedPadding:
         self.inner = inner
         self.padding = padding
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: Any = None,
+    ) -> torch.Tensor:
+        assert encoder_hidden_states is not None  # installed on cross-attention only
         bias = torch.zeros(1, 1, 1, encoder_hidden_states.shape[1], dtype=hidden_states.dtype)
         bias[..., -1] = math.log(self.padding)
         return self.inner(attn, hidden_states, encoder_hidden_states, bias, rotary_emb)

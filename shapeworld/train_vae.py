@@ -1,36 +1,22 @@
 """Training the demo model's video autoencoder, a tiny `AutoencoderKLWan`, on the shape world.
 
-The model is diffusers' own class with the Wan2.1 layout (8x spatial, 4x temporal compression, causal in
-time); only the way it is trained is ours:
+The model is diffusers' own class with the Wan2.1 layout (8x spatial, 4x temporal compression, causal in time);
+only the training is ours (BENCHMARKS.md, "The demo model", records what these choices were measured on):
 
-- **Causal chunks, as the model runs.** `encode` and `decode` below walk the video as
-  `AutoencoderKLWan._encode` / `_decode` do (the first frame alone, then chunks of four frames through the
-  feature caches), keeping the autograd graph, and without the output clamp (a clamped output has no
-  gradient where it overshoots).
-- **Images first, then videos.** At this size the model learns objects slowly from videos; from single frames
-  it learns them several times faster. Before training, every causal convolution sees only the current
-  frame (its earlier time taps are zero), the encoder's temporal downsampling averages frames and the
-  decoder's temporal upsampling repeats them; the model then starts as a per-frame autoencoder. The image
-  phase trains that, and the video phase learns the time taps from there.
-  Each phase has its own warm-up and cosine decay, the video phase from half the image phase's peak: one
-  decay over both phases keeps the image phase near the peak throughout, and on this world it then stalls
-  (L1 stays near 0.45 where a decayed image phase reaches 0.1).
-- **Loss**: L1 + L2 on pixels, object pixels weighted up (`foreground_weight`: they are a few percent of
-  a frame and what the quality check reads), plus a small KL term on the posterior.
-- **Biases start at zero** (but the output's), and the learning rate is low (3e-4). A bias adds the same
-  vector at every pixel, and the model's RMS norms, which do not subtract a mean, then shrink the part that
-  differs between pixels: with PyTorch's random biases the encoder starts by passing the luminance and
-  almost none of the colour (a linear probe of its latents recovers 2-9% of the colour variance), and it
-  learns the colour last, if at all in this budget. Started at zero, the model is nearly scale-free, keeps
-  the colours from the first steps, and learns the biases (the grey levels) as it trains; at 1e-3 it drifts
-  into one colour for every input instead.
-- **Faster RMS norm while training** (`fast_rms_norm`): the same function as `WanRMS_norm.forward`,
-  computed with a sum of squares instead of `F.normalize`, whose vector norm over the channel dimension is
-  about 4x slower on the CPU. The saved model runs the library's own code.
-- Random 32x32 crops of 5-frame 64x64 clips (cheaper; the model is convolutional, and five frames are the
-  first frame and one chunk), with whole 17-frame clips every few steps, so that the mid-block attention sees
-  the full extent and every chunk of a served video runs through caches trained on its place; bf16 autocast
-  where the CPU has the instructions for it.
+- **Causal chunks, as the model runs.** `encode` and `decode` walk the video as `AutoencoderKLWan._encode` /
+  `_decode` do (the first frame alone, then chunks of four frames through the feature caches), keeping the
+  autograd graph and without the output clamp (a clamped output has no gradient where it overshoots).
+- **Images first, then videos.** The model starts as a per-frame autoencoder (earlier time taps zero); the image
+  phase trains that and the video phase learns the time taps. Each phase has its own warm-up and cosine decay,
+  because one decay over both keeps the image phase near the peak, where it stalls.
+- **Loss**: L1 + L2 on pixels, object pixels weighted up (`foreground_weight`: what the quality check reads),
+  plus a small KL term on the posterior.
+- **Biases start at zero** (but the output's) and the learning rate is low (3e-4): RMS norms that do not
+  subtract a mean shrink what random biases leave of the colour, and a higher rate drifts into one colour.
+- **`fast_rms_norm`** computes `WanRMS_norm.forward`'s function with a sum of squares, faster on the CPU than
+  `F.normalize`; the saved model runs the library's own code.
+- Random 32x32 crops of 5-frame 64x64 clips, with whole 17-frame clips every few steps so that the mid-block
+  attention and every chunk's caches train on the full extent and place; bf16 autocast where the CPU has it.
 """
 
 from __future__ import annotations

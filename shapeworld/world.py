@@ -1,25 +1,21 @@
 """The synthetic video world the demo model is trained on: one coloured shape, one motion, one background.
 
-Everything is procedural and deterministic from a seed; no data files. A *concept* is what a prompt says
-(shape, colour, motion, background); a *scene* is one concrete video of it (where the shape starts, how far
-it goes, its exact shades), drawn from a random generator; `render` turns a scene into uint8 frames.
+Everything is procedural and deterministic from a seed; no data files. A *concept* is what a prompt says; a
+*scene* is one concrete video of it, drawn from a random generator; `render` turns a scene into uint8 frames.
 
     shapes       circle, square, triangle
     colours      red, yellow, green, cyan, blue, purple: saturated, six hues 50-70 degrees apart
     motions      moving left / right / up / down, growing, shrinking, standing still
     backgrounds  dark, gray, light (plain), checkered, striped (grey textures)
 
-Every background is grey (no chroma) and every object colour is saturated, which is what lets the quality
-check (shapeworld/score.py) find the object in any frame without being told where it is.
+Every background is grey and every object colour saturated, which lets the quality check (shapeworld/score.py)
+find the object in any frame without being told where. Motion is defined over the whole clip (t from 0 to 1), so
+a 9-frame and a 17-frame video of one scene show the same path; sizes and positions are fractions of the frame,
+so the world renders at any size (the model is trained at 64x64).
 
-Motion is defined over the whole clip (t from 0 at the first frame to 1 at the last), so a 9-frame and a
-17-frame video of the same scene show the same path, sampled more or less densely. Sizes and positions are
-fractions of the frame, so the world renders at any size; the model is trained at 64x64.
-
-Prompts come from templates, several phrasings per concept. Some templates and some (colour, shape, motion)
-combinations are held out of training (`HELD_OUT_TEMPLATES`, `HELD_OUT_COMBINATIONS`), so that the quality
-check measures whether the model composes what it learned rather than recalls a caption.
-
+Prompts come from templates, several phrasings per concept. Some templates and (colour, shape, motion)
+combinations are held out of training (`HELD_OUT_TEMPLATES`, `HELD_OUT_COMBINATIONS`), so that the quality check
+measures whether the model composes what it learned rather than recalls a caption.
 numpy only: the quality check runs beside the client, which never imports torch.
 """
 

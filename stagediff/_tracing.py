@@ -13,7 +13,7 @@ its own; a caller that wants one wraps the call in its own span.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -30,29 +30,44 @@ class _Propagating:
         metadata = grpc.aio.Metadata(*(details.metadata or ()))
         for key, value in carrier.items():
             metadata.add(key, value)
-        return details._replace(metadata=metadata)
+        # grpc.aio.ClientCallDetails is a namedtuple; grpc-stubs declare a plain class.
+        return details._replace(metadata=metadata)  # type: ignore[attr-defined]
 
     async def _intercept(self, continuation: Callable[..., Awaitable[Any]], details: Any, request: Any) -> Any:
         return await continuation(self._with_trace_context(details), request)
 
 
 class _UnaryUnary(_Propagating, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
+    async def intercept_unary_unary(
+        self, continuation: Callable[..., Any], client_call_details: grpc.aio.ClientCallDetails, request: Any
+    ) -> Any:
         return await self._intercept(continuation, client_call_details, request)
 
 
 class _UnaryStream(_Propagating, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
+    async def intercept_unary_stream(
+        self, continuation: Callable[..., Any], client_call_details: grpc.aio.ClientCallDetails, request: Any
+    ) -> Any:
         return await self._intercept(continuation, client_call_details, request)
 
 
 class _StreamUnary(_Propagating, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+    async def intercept_stream_unary(
+        self,
+        continuation: Callable[..., Any],
+        client_call_details: grpc.aio.ClientCallDetails,
+        request_iterator: Any,
+    ) -> Any:
         return await self._intercept(continuation, client_call_details, request_iterator)
 
 
 class _StreamStream(_Propagating, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+    async def intercept_stream_stream(
+        self,
+        continuation: Callable[..., Any],
+        client_call_details: grpc.aio.ClientCallDetails,
+        request_iterator: Any,
+    ) -> Any:
         return await self._intercept(continuation, client_call_details, request_iterator)
 
 
@@ -65,4 +80,6 @@ def trace_context_interceptors() -> list[grpc.aio.ClientInterceptor]:
     except ImportError:
         return []
     propagator = TraceContextTextMapPropagator()
-    return [kind(propagator) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+    # grpc-stubs leave the aio interceptor kinds untyped and ask for a cast.
+    kinds = (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
+    return [cast(grpc.aio.ClientInterceptor, kind(propagator)) for kind in kinds]

@@ -89,7 +89,7 @@ def _init_model(argv: list[str]) -> int:
 
 
 def _calibrate_cache(argv: list[str]) -> int:
-    from dit_svc.calibrate import main as calibrate
+    from tools.calibrate import main as calibrate
 
     return calibrate(argv)
 

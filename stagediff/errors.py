@@ -17,12 +17,15 @@ may attach in its `grpc-status-details-bin` trailer (google.rpc.BadRequest, Erro
 from __future__ import annotations
 
 import re
+from typing import TypeVar
 
 import grpc
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 
 from stagediff.status_details import rich_status
+
+_Detail = TypeVar("_Detail", bound=Message)
 
 # The orchestrator's refusals start with the path of the field they are about ("height: 63 is not ...",
 # "loras[0].name: 'x' is named twice ..."): services/errors.py RequestError.
@@ -165,7 +168,7 @@ def _retry_after(status: status_pb2.Status | None) -> float | None:
     return None if retry_info is None else retry_info.retry_delay.ToNanoseconds() / 1e9
 
 
-def _detail(status: status_pb2.Status | None, kind: type[Message]) -> Message | None:
+def _detail(status: status_pb2.Status | None, kind: type[_Detail]) -> _Detail | None:
     """The first detail of type `kind` in a google.rpc.Status, unpacked; None when there is none."""
     if status is None:
         return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import TypedDict, Unpack
+from typing import Any, TypedDict, Unpack
 
 from stagediff.media import ImageLike, encode_image
 from stagediff.v1 import generation_pb2, image_pb2
@@ -78,7 +78,8 @@ def build_request(prompt: str, **options: Unpack[RequestOptions]) -> generation_
             f"unknown keyword(s) {', '.join(unknown)}; the keywords are RequestOptions': "
             f"{', '.join(sorted(OPTION_NAMES))}"
         )
-    given = {name: value for name, value in options.items() if value is not None}
+    # The options set (None: left out); RequestOptions has typed them for the caller.
+    given: dict[str, Any] = {name: value for name, value in options.items() if value is not None}
     request = generation_pb2.GenerateRequest(
         model=given.get("model", ""),
         prompt=prompt,

@@ -96,6 +96,7 @@ class GenerationResult:
     def frames(self) -> np.ndarray:
         """uint8 RGB frames [F, H, W, 3]; an encoded result is decoded on first access."""
         if self._frames is None:
+            assert self.data is not None  # a result has frames or data
             self._frames = decode_media(self.data, self.media_type)
         return self._frames
 

@@ -13,7 +13,8 @@ Client side:  `retry_after(error)` on a grpc.RpcError or grpc.aio.AioRpcError.
 from __future__ import annotations
 
 import math
-from typing import NoReturn
+from collections.abc import Iterable
+from typing import Any, NoReturn, cast
 
 import grpc
 from google.protobuf.duration_pb2 import Duration
@@ -40,13 +41,14 @@ def retry_status(
 
 
 async def abort_with_retry(
-    context: grpc.aio.ServicerContext,
+    context: grpc.aio.ServicerContext[Any, Any],
     message: str,
     retry_after_s: float,
     code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED,
 ) -> NoReturn:
     """Ends the call with `code` (RESOURCE_EXHAUSTED by default) and a RetryInfo; never returns."""
-    await context.abort_with_status(retry_status(message, retry_after_s, code))
+    # grpc-stubs omit grpc.aio.ServicerContext.abort_with_status, which grpc has.
+    await context.abort_with_status(retry_status(message, retry_after_s, code))  # type: ignore[attr-defined]
     raise AssertionError("abort_with_status returned")  # grpc always raises; this keeps NoReturn honest
 
 
@@ -56,7 +58,8 @@ def rich_status(error: grpc.RpcError) -> status_pb2.Status | None:
     Works for grpc.RpcError from a sync call and grpc.aio.AioRpcError alike:
     both give their trailing metadata without awaiting.
     """
-    trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    # grpc gives (key, value) pairs; grpc-stubs type a metadatum as an object with attributes.
+    trailing = cast(Iterable[tuple[str, Any]], error.trailing_metadata() if hasattr(error, "trailing_metadata") else ())
     for key, value in trailing or ():
         if key == DETAILS_METADATA_KEY:
             status = status_pb2.Status.FromString(value)
@@ -76,5 +79,5 @@ def retry_after(error: grpc.RpcError) -> float | None:
         if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
             info = error_details_pb2.RetryInfo()
             detail.Unpack(info)
-            return info.retry_delay.ToNanoseconds() / 1e9
+            return float(info.retry_delay.ToNanoseconds() / 1e9)
     return None

@@ -77,12 +77,12 @@ def _wire_array(value: np.ndarray, datatype: str | None) -> tuple[str, np.ndarra
             if name != "BF16" and array.dtype.kind == dtype.kind and array.dtype.itemsize == dtype.itemsize:
                 return name, np.ascontiguousarray(array, dtype=dtype)
         raise TypeError(f"numpy dtype {array.dtype} cannot travel on the wire")
-    dtype = _NUMPY_DTYPES.get(datatype)
-    if dtype is None:
+    wire_dtype = _NUMPY_DTYPES.get(datatype)
+    if wire_dtype is None:
         raise ValueError(f"datatype '{datatype}' is not one of {', '.join(DATATYPES)}")
-    if array.dtype.kind != dtype.kind or array.dtype.itemsize != dtype.itemsize:
-        raise TypeError(f"datatype {datatype} travels as numpy {dtype}; got an array of {array.dtype}")
-    return datatype, np.ascontiguousarray(array, dtype=dtype)
+    if array.dtype.kind != wire_dtype.kind or array.dtype.itemsize != wire_dtype.itemsize:
+        raise TypeError(f"datatype {datatype} travels as numpy {wire_dtype}; got an array of {array.dtype}")
+    return datatype, np.ascontiguousarray(array, dtype=wire_dtype)
 
 
 def encode_tensor(
@@ -104,7 +104,7 @@ def encode_tensor(
 
 
 def _chunks(header: tensor_pb2.TensorHeader, array: np.ndarray, chunk_bytes: int) -> Iterator[tensor_pb2.TensorChunk]:
-    data = memoryview(array.reshape(-1)).cast("B")
+    data = array.reshape(-1).data.cast("B")
     total = len(data)
     offset = 0
     while True:
@@ -139,9 +139,10 @@ class TensorAssembler:
     def feed(self, chunk: tensor_pb2.TensorChunk) -> WireTensor | None:
         if chunk.HasField("header"):
             if self._header is not None:
+                expected = 0 if self._buffer is None else len(self._buffer)
                 raise WireError(
                     f"tensor '{self._header.name}': a new header arrived after {self._received} of "
-                    f"{len(self._buffer)} bytes; finish a tensor before starting the next"
+                    f"{expected} bytes; finish a tensor before starting the next"
                 )
             self._start(chunk.header)
         elif self._header is None:
@@ -195,7 +196,8 @@ class TensorAssembler:
             )
         num_bytes = math.prod(header.shape) * itemsize
         try:
-            buffer = np.empty(num_bytes, dtype=np.uint8)  # reserved, not zeroed: pages are used as chunks fill them
+            # Reserved, not zeroed: pages are used as chunks fill them.
+            buffer: np.ndarray = np.empty(num_bytes, dtype=np.uint8)
         except MemoryError:
             raise WireError(
                 f"tensor '{name}': shape {list(header.shape)} needs {num_bytes} bytes, more than this server can hold"

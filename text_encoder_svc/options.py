@@ -6,11 +6,7 @@ import argparse
 
 from services.environment_options import OptionParser
 from services.stage_options import add_stage_kind_arguments, stage_parser
-
-# `--embedding-cache-bytes`: 32 of Wan's largest fp32 embeddings (512 tokens x 4096 x 4 bytes = 8 MiB each).
-DEFAULT_CACHE_BYTES = 256 * 2**20
-# `--embedding-cache-size`: bounds the entries too, for models whose embeddings are small.
-DEFAULT_CACHE_ENTRIES = 1024
+from stagekit.cache_defaults import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES
 
 
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:

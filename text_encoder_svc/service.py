@@ -14,15 +14,15 @@ tensors ("image_embeds": Wan2.1 image-to-video's CLIP vision), or, for an encode
 together with the images (`PromptEncoder.texts_see_images`: Qwen2.5-VL of Qwen-Image-Edit), the texts'
 tensors are made with them and nothing else is sent. A family whose encoder does not see images refuses them.
 
-Embeddings are cached per `cache_namespace` (text_encoder_svc/encoder.py says why), within
+Embeddings are cached per `cache_namespace` (stagekit/encoder.py says why), within
 `--embedding-cache-bytes` and `--embedding-cache-size` entries. Every field of a request is bounded
 before it is used, and a field out of bounds is refused with INVALID_ARGUMENT naming it.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -32,10 +32,12 @@ from services.images import Stop
 from services.input_images import DecodedImage, decode_stage_images
 from services.memory_budget import WeightNeed, checkpoint_components, stage_need
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
+from services.stage_config import StageConfig
 from services.stage_main import StageServicer, run_stage
 from services.torch_wire import encode_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
-from text_encoder_svc.encoder import PromptEncoder
+from stagekit.encoder import PromptEncoder
+from text_encoder_svc.config import EmbeddingCacheConfig, TextEncoderConfig
 from text_encoder_svc.options import build_parser
 
 # The orchestrator sends the prompt, and the negative prompt when guidance is on; each text's tensors are
@@ -51,8 +53,8 @@ MAX_CACHE_NAMESPACE_BYTES = 64
 class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
     service_name = stages_pb2.DESCRIPTOR.services_by_name["TextEncoder"].full_name
 
-    def __init__(self, args: argparse.Namespace, runtime: StageRuntime) -> None:
-        self.args = args
+    def __init__(self, cache: EmbeddingCacheConfig, runtime: StageRuntime) -> None:
+        self.cache = cache
         self.runtime = runtime
         self.encoder: PromptEncoder | None = None
         self.image_workers = ImageWorkers()
@@ -61,15 +63,15 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
         stages_pb2_grpc.add_TextEncoderServicer_to_server(self, server)
 
     def load(self) -> None:
-        spec, runtime = self.runtime.spec, self.runtime
+        spec, runtime = self.runtime.checkpoint, self.runtime
         encoder_class = spec.traits.load("text_encoder")
         self.encoder = encoder_class(
             spec.path,
             spec.model_id,
             runtime.device,
             runtime.dtype,
-            cache_bytes=self.args.embedding_cache_bytes,
-            cache_entries=self.args.embedding_cache_size,
+            cache_bytes=self.cache.max_bytes,
+            cache_entries=self.cache.max_entries,
             load_threads=runtime.load_threads,
         )
         self.runtime.parameter_bytes = {name: parameter_bytes(module) for name, module in self.encoder.modules.items()}
@@ -78,12 +80,12 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
         """The checkpoint's transformers models (the text encoder, and the image encoder of families that have
         one) in the stage's dtype; the stage has no offload, so a smaller dtype is the only fix."""
         runtime = self.runtime
-        components = checkpoint_components(runtime.spec.path, library="transformers")
+        components = checkpoint_components(runtime.checkpoint.path, library="transformers")
         fixes = ["--device cpu, where this machine's memory holds them"] if runtime.device.type == "cuda" else []
         return stage_need(runtime.stage, runtime.device, runtime.dtype, components, fixes=fixes)
 
     def _validate(self, request: stages_pb2.EncodeRequest) -> int:
-        spec = self.runtime.spec
+        spec = self.runtime.checkpoint
         if len(request.model) > MAX_MODEL_CHARS:
             raise RequestError(f"model: {len(request.model)} characters; at most {MAX_MODEL_CHARS} are allowed")
         self.runtime.check_model(request.model)
@@ -106,7 +108,7 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
 
     def _decode_images(self, request: stages_pb2.EncodeRequest, stop: Stop) -> list[DecodedImage]:
         """The request's images, for a family whose conditioning encoder embeds them (else refused)."""
-        spec = self.runtime.spec
+        spec = self.runtime.checkpoint
         if not request.images:
             return []
         if "text-encoder" not in spec.traits.images.encoded_by:
@@ -116,7 +118,11 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
             )
         return decode_stage_images(request.images, spec, stop)
 
-    async def Encode(self, request, context):
+    async def Encode(
+        self,
+        request: stages_pb2.EncodeRequest,
+        context: grpc.aio.ServicerContext[stages_pb2.EncodeRequest, stages_pb2.EncodeResponse],
+    ) -> AsyncIterator[stages_pb2.EncodeResponse]:
         if self.encoder is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "text-encoder: still loading its model")
         image_embeds = None
@@ -159,13 +165,12 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parse_args(parser, argv)
-    for flag, value in (
-        ("--embedding-cache-bytes", args.embedding_cache_bytes),
-        ("--embedding-cache-size", args.embedding_cache_size),
-    ):
-        if value < 0:
-            parser.error(f"{flag} {value}: use 0 or more (0 disables the cache)")
-    run_stage("text-encoder", args, TextEncoderServicer)
+    try:
+        cache = EmbeddingCacheConfig.from_options(args)
+    except ValueError as error:
+        parser.error(str(error))
+    config = TextEncoderConfig(stage=StageConfig.from_args("text-encoder", args), cache=cache)
+    run_stage(config.stage, functools.partial(TextEncoderServicer, config.cache))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The VAE stage as a patch-parallel process group (see services/rank_group.py).
+"""The VAE stage as a patch-parallel process group (see services/rank_group/).
 
 Every rank holds the VAE, with the decoder the checkpoint's family names (the
 streaming causal Wan decoder, or Qwen-Image's, an image being one latent frame);
@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 
-from services.checkpoint import read_checkpoint
 from services.rank_group import GroupSettings, RankGroup, free_port
-from vae_svc.decode import LatentDecoder
+from stagekit.decode import LatentDecoder
 from vae_svc.patch_parallel import PatchParallelDecodeSession
 
 OUTPUT_RANK = 0
@@ -59,8 +58,17 @@ def make_vae_worker(rank: int, device: torch.device, payload: VaePayload) -> Vae
 class PatchParallelDecoder:
     """Rank 0's decoder: sessions decode on every rank of the group."""
 
-    def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype, threads: int, size: int):
-        decoder_class = read_checkpoint(model_dir).traits.load("decoder")
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        threads: int,
+        size: int,
+        *,
+        decoder_class: type[LatentDecoder],
+    ) -> None:
+        """A group of `size` ranks, each loading `decoder_class` (the checkpoint's family's) from `model_dir`."""
         settings = GroupSettings("vae", size, device.type, threads, free_port())
         self.group = RankGroup(settings, make_vae_worker, VaePayload(str(model_dir), dtype, decoder_class))
         self.size = size
@@ -105,6 +113,7 @@ class GroupDecodeSession:
             self.owner._run(("start", self.session_id))
             self.started = True
         frames = self.owner._run(("frame", self.session_id, latent_frame))
+        assert frames is not None  # rank 0 answers a frame with its decoded frames
         self.frames_decoded += frames.shape[0]
         return frames
 

@@ -1,44 +1,22 @@
 """Patch-parallel VAE decode (the Wan and Qwen-Image VAEs): each rank decodes a band of rows, exactly.
 
-Tiled decode (vae_svc/tiled.py) cuts the latent into overlapping tiles that are decoded
-independently and blended: cheap, but the seams differ from the untiled decode. Here the ranks of
-a process group instead split every frame into horizontal bands (split along height) and keep the
-decoder's arithmetic whole:
+Unlike tiled decode (vae_svc/tiled.py), whose blended seams differ from the untiled decode, the ranks split every
+frame into horizontal bands and keep the decoder's arithmetic whole, so the output equals the single-device
+decode up to float rounding. AutoencoderKLQwenImage is the Wan2.1 VAE under other class names, so one set of band
+forwards (`BAND_MODULES`, keyed by the decoder's class) serves both; the Wan names below stand for either.
 
-AutoencoderKLQwenImage is the Wan2.1 VAE under its own class names (`QwenImageCausalConv3d`,
-`QwenImageAttentionBlock`, `QwenImageRMS_norm`, ...), so one set of band forwards serves both; the
-classes they recognise come from `BAND_MODULES`, keyed by the class of the VAE's decoder. Below, the
-Wan names stand for either family's.
+- Every spatial convolution first receives from its neighbours the `kernel // 2` halo rows above and below its
+  band (zeros only at the true image edges), then runs without height padding; width and causal time padding are
+  unchanged. The causal feature cache holds band inputs without halo and the halo exchange runs after the cached
+  frames are concatenated in time, so each conv sees exactly the rows of the full-frame decode.
+- `WanAttentionBlock` computes queries for its own rows and all-gathers the whole frame's keys and values.
+- Everything else in the decoder is row-local (per-pixel norms, pointwise activations, 1x1 convs, 2x upsampling).
+- Latent rows are divided as evenly as possible, earlier ranks taking the remainder (7 rows on 3 ranks: 3, 2, 2);
+  every rank needs at least one latent row, the halo the decoder's convs need.
+- The band forwards are installed once (`enable_patch_parallel`) and act only while `row_bands(bands)` is active
+  in the calling thread or task, so single-device sessions on the same model are untouched.
 
-- Every spatial convolution (`WanCausalConv3d` with kernel height > 1, and the `nn.Conv2d` after the
-  nearest upsampling in `WanResample`) first receives from its neighbours the `kernel // 2` rows it
-  needs above and below its band (the halo), and zeros only at the true image edges (top of the
-  first rank, bottom of the last), then runs without height padding. Width and causal time padding
-  are unchanged.
-- The causal feature cache holds each conv's band input without halo, as the library stores it.
-  The halo exchange runs after the cached frames are concatenated in time, so it also fetches the
-  neighbours' cached rows: the conv sees exactly the rows the full-frame decode would.
-- `WanAttentionBlock` (the mid block's attention over all H*W pixels of a frame) computes queries for
-  its own rows and all-gathers keys and values of the whole frame.
-- Everything else in the decoder is row-local: `WanRMS_norm` normalises each pixel over channels,
-  activations are pointwise, 1x1 convs mix channels only, nearest-exact 2x upsampling and Wan2.2's
-  `DupUp3D` shortcut turn each input row into two output rows.
-
-So the output equals the single-device decode up to float rounding of the convolution kernels.
-
-Bands: latent rows are divided as evenly as possible, earlier ranks taking the remainder (7 rows on
-3 ranks: 3, 2, 2). Every rank needs at least one latent row; the decoder's convs need one halo row
-and the band only doubles from there. Per-rank activation memory and cache are ~1/N of the full
-decode plus two halo rows per conv input; attention holds keys and values of the whole (latent
-resolution) frame but only its own query rows of the attention matrix.
-
-The halo-exchanging forwards are installed on the decoder's modules once (`enable_patch_parallel`)
-and act only while `row_bands(bands)` is active in the calling thread or task; outside of it the
-modules run their library forward, so single-device sessions on the same model are untouched.
-
-The session runs the family's own decode session (its `decode_next_float`: the streaming causal Wan
-decode, or `AutoencoderKLQwenImage.decode` of an image's one latent frame) on its band of latent
-rows inside `row_bands`, then gathers the bands: the family's arithmetic, in the family's order.
+The session runs the family's own decode session on its band inside `row_bands`, then gathers the bands.
 """
 
 from __future__ import annotations
@@ -46,8 +24,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,7 +46,7 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import (
 )
 from torch import nn
 
-from vae_svc.decode import LatentDecoder, to_uint8_frames
+from stagekit.decode import LatentDecoder, to_uint8_frames
 
 
 @dataclass(frozen=True)
@@ -207,6 +186,7 @@ def gather_rows(x: torch.Tensor, bands: RowBands, dst: int | None = None) -> tor
     rows = bands.rows_per_rank(x.shape[-2])
     tallest = max(rows)
     padded = F.pad(x, (0, 0, 0, tallest - x.shape[-2])).contiguous()
+    parts: list[torch.Tensor] | None
     if dst is None:
         parts = [torch.empty_like(padded) for _ in rows]
         dist.all_gather(parts, padded, group=bands.group)
@@ -237,9 +217,9 @@ def _convolve(conv: nn.Conv2d | nn.Conv3d, padded: torch.Tensor) -> torch.Tensor
     """The convolution of an already padded band, with no further padding.
 
     On the CPU, PyTorch picks its kernel by input size and hands band-sized inputs to the reference
-    `slow_conv3d`, about 2.5x slower than the oneDNN kernel a whole frame gets; patch parallelism would
-    then lose on every rank what it gains by splitting. Bands therefore call oneDNN directly where it
-    is available (same arithmetic up to float rounding order).
+    `slow_conv3d`, much slower than the oneDNN kernel a whole frame gets (BENCHMARKS.md, "VAE decode"), so
+    patch parallelism would lose on every rank what it gains by splitting. Bands therefore call oneDNN
+    directly where it is available (same arithmetic up to float rounding order).
     """
     dims = padded.dim() - 2
     if padded.device.type == "cpu" and torch.backends.mkldnn.is_available() and padded.dtype == torch.float32:
@@ -312,7 +292,7 @@ def _attention_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 # --- installing -------------------------------------------------------------------------------------
 
 
-def _spatial_modules(decoder: nn.Module) -> Iterator[tuple[nn.Module, types.FunctionType]]:
+def _spatial_modules(decoder: nn.Module) -> Iterator[tuple[nn.Module, Callable[..., Any]]]:
     """(module, band forward) for every decoder module that needs rows beyond its band."""
     classes = band_modules_for(decoder)
     row_local = _ROW_LOCAL_TYPES + classes.row_local
@@ -350,7 +330,7 @@ def _spatial_modules(decoder: nn.Module) -> Iterator[tuple[nn.Module, types.Func
 _BAND_FORWARDS = (_causal_conv3d_forward, _conv2d_forward, _attention_forward)
 
 
-def _installed_forward(module: nn.Module) -> types.FunctionType | None:
+def _installed_forward(module: nn.Module) -> Callable[..., Any] | None:
     """The function of the instance-level forward on `module`, if any."""
     forward = module.__dict__.get("forward")
     return None if forward is None else getattr(forward, "__func__", forward)

@@ -16,14 +16,13 @@ support them refuses the flags at startup with the registry's reason.
 
 from __future__ import annotations
 
-import argparse
 import functools
+from collections.abc import AsyncIterator
 
 import grpc
 import torch
 
-from families.base import Family
-from services.checkpoint import CheckpointError, read_checkpoint
+from families.wan.decode import WanStreamingDecoder
 from services.environment_options import parse_args
 from services.image_work import ImageWorkers
 from services.images import Stop
@@ -36,7 +35,9 @@ from services.torch_wire import encode_tensor, to_torch
 from services.validation import validate_size
 from stagediff.tensor_codec import TensorAssembler, WireError, WireTensor, expect_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
-from vae_svc.decode import DecodeSession, LatentDecoder
+from stagekit.decode import DecodeSession, LatentDecoder
+from stagekit.family_parts import ImageLatentEncoder
+from vae_svc.config import VaeConfig
 from vae_svc.group import GroupDecodeSession, PatchParallelDecoder
 from vae_svc.options import build_parser
 from vae_svc.tiled import TiledDecodeSession
@@ -47,26 +48,40 @@ LATENT_DATATYPES = ("FP32", "BF16", "FP16")
 class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
     service_name = stages_pb2.DESCRIPTOR.services_by_name["VaeDecoder"].full_name
 
-    def __init__(self, args: argparse.Namespace, runtime: StageRuntime) -> None:
+    def __init__(self, config: VaeConfig, runtime: StageRuntime) -> None:
         self.runtime = runtime
-        self.args = args
-        self.patch_parallel_size = args.vae_patch_parallel_size
+        self.decode = config.decode
+        self.threads = config.stage.threads
+        self.patch_parallel_size = config.decode.patch_parallel_size
         self.decoder: LatentDecoder | PatchParallelDecoder | None = None
-        self.image_encoder = None
+        self.image_encoder: ImageLatentEncoder | None = None
         self.image_workers = ImageWorkers()  # the input images of Encode are decoded there
         # Each rank needs at least one latent row: the smallest height that splits over every rank.
-        multiple = runtime.spec.height_multiple
-        rows = self.patch_parallel_size * runtime.spec.vae_scale_spatial
+        multiple = runtime.checkpoint.height_multiple
+        rows = self.patch_parallel_size * runtime.checkpoint.vae_scale_spatial
         runtime.min_height = -(-rows // multiple) * multiple
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         stages_pb2_grpc.add_VaeDecoderServicer_to_server(self, server)
 
+    @property
+    def _loaded(self) -> LatentDecoder | PatchParallelDecoder:
+        """The decoder: the RPCs refuse calls until `load` has set it."""
+        assert self.decoder is not None, "vae: used before its model loaded"
+        return self.decoder
+
     def load(self) -> None:
-        runtime, args = self.runtime, self.args
+        runtime, spec, tile = self.runtime, self.runtime.checkpoint, self.decode.tile
+        decoder_class = spec.traits.load("decoder")
+        decoder: LatentDecoder | PatchParallelDecoder
         if self.patch_parallel_size > 1:
-            self.decoder = PatchParallelDecoder(
-                runtime.spec.path, runtime.device, runtime.dtype, args.threads, self.patch_parallel_size
+            decoder = PatchParallelDecoder(
+                spec.path,
+                runtime.device,
+                runtime.dtype,
+                self.threads,
+                self.patch_parallel_size,
+                decoder_class=decoder_class,
             )
             devices = (
                 ", ".join(f"cuda:{rank}" for rank in range(self.patch_parallel_size))
@@ -80,19 +95,17 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
                 "devices": devices,
             }
         else:
-            decoder_class = runtime.spec.traits.load("decoder")
-            self.decoder = decoder_class(
-                runtime.spec.path, runtime.device, runtime.dtype, load_threads=runtime.load_threads
-            )
-            if args.vae_use_tiling:
+            decoder = decoder_class(spec.path, runtime.device, runtime.dtype, load_threads=runtime.load_threads)
+            if self.decode.use_tiling:
                 runtime.parallel_config = {
                     "tiling": "approximate: tiles decoded separately and blended",
-                    "tile": f"{args.vae_tile_sample_min_height}x{args.vae_tile_sample_min_width}",
-                    "stride": f"{args.vae_tile_sample_stride_height}x{args.vae_tile_sample_stride_width}",
+                    "tile": f"{tile.min_height}x{tile.min_width}",
+                    "stride": f"{tile.stride_height}x{tile.stride_width}",
                 }
-        runtime.parameter_bytes = {"vae": parameter_bytes(self.decoder.vae)}
-        if runtime.spec.traits.image_encoder:
-            self.image_encoder = runtime.spec.traits.load("image_encoder")(runtime.spec.path)
+        self.decoder = decoder
+        runtime.parameter_bytes = {"vae": parameter_bytes(decoder.vae)}
+        if spec.traits.image_encoder:
+            self.image_encoder = spec.traits.load("image_encoder")(spec.path)
 
     def memory_need(self) -> WeightNeed:
         """The VAE in the stage's dtype; on the CPU every rank of a patch-parallel group holds a whole copy."""
@@ -102,20 +115,17 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
         fixes = []
         if on_cpu and copies > 1:
             fixes.append(f"a smaller --vae-patch-parallel-size (now {copies}: each CPU rank holds the whole VAE)")
-        components = checkpoint_components(runtime.spec.path, names=("vae",))
+        components = checkpoint_components(runtime.checkpoint.path, names=("vae",))
         return stage_need(runtime.stage, runtime.device, runtime.dtype, components, copies=copies, fixes=fixes)
 
-    def _open_session(self):
-        if self.args.vae_use_tiling:
-            args = self.args
-            return TiledDecodeSession(
-                self.decoder,
-                args.vae_tile_sample_min_height,
-                args.vae_tile_sample_min_width,
-                args.vae_tile_sample_stride_height,
-                args.vae_tile_sample_stride_width,
-            )
-        return self.decoder.session()
+    def _open_session(self) -> DecodeSession | GroupDecodeSession | TiledDecodeSession:
+        decoder = self._loaded
+        if self.decode.use_tiling:
+            # Startup refuses --vae-use-tiling for a family whose decoder is not Wan's.
+            assert isinstance(decoder, WanStreamingDecoder)
+            tile = self.decode.tile
+            return TiledDecodeSession(decoder, tile.min_height, tile.min_width, tile.stride_height, tile.stride_width)
+        return decoder.session()
 
     def failure(self) -> str | None:
         return self.decoder.failure() if isinstance(self.decoder, PatchParallelDecoder) else None
@@ -125,13 +135,13 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
             self.decoder.close()
 
     def _check_latent(self, tensor: WireTensor, expected_index: int, first: WireTensor | None) -> None:
-        spec = self.runtime.spec
+        spec, latent_channels = self.runtime.checkpoint, self._loaded.latent_channels
         expect_tensor(tensor, name="latents", datatypes=LATENT_DATATYPES, ndim=5)
         batch, channels, frames, height, width = tensor.shape
-        if batch != 1 or channels != self.decoder.latent_channels or frames != 1:
+        if batch != 1 or channels != latent_channels or frames != 1:
             raise WireError(
                 f"tensor 'latents': shape {list(tensor.shape)} is not allowed; send one latent frame per tensor, "
-                f"[1, {self.decoder.latent_channels}, 1, h, w]"
+                f"[1, {latent_channels}, 1, h, w]"
             )
         max_h, max_w = spec.max_height // spec.vae_scale_spatial, spec.max_width // spec.vae_scale_spatial
         if not (1 <= height <= max_h and 1 <= width <= max_w):
@@ -149,10 +159,15 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
         if tensor.index != expected_index:
             raise WireError(f"tensor 'latents': index {tensor.index} arrived where {expected_index} was expected")
 
-    async def Decode(self, request_iterator, context):
+    async def Decode(
+        self,
+        request_iterator: AsyncIterator[stages_pb2.DecodeRequest],
+        context: grpc.aio.ServicerContext[stages_pb2.DecodeRequest, stages_pb2.DecodeResponse],
+    ) -> AsyncIterator[stages_pb2.DecodeResponse]:
         if self.decoder is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "vae: still loading its model")
-        max_latent_frames = (self.runtime.spec.max_frames - 1) // self.runtime.spec.vae_scale_temporal + 1
+        spec = self.runtime.checkpoint
+        max_latent_frames = (spec.max_frames - 1) // spec.vae_scale_temporal + 1
         try:
             params: stages_pb2.DecodeParams | None = None
             assembler = TensorAssembler()
@@ -204,7 +219,7 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
 
     def _encode_inputs(self, request: stages_pb2.VaeEncodeRequest, stop: Stop) -> list[DecodedImage]:
         """Checks an Encode request against the model and decodes its images, in the model's role order."""
-        spec = self.runtime.spec
+        spec = self.runtime.checkpoint
         self.runtime.check_model(request.model)
         if self.image_encoder is None:
             raise RequestError(f"images: model '{spec.model_id}' ({spec.family}) takes no input images")
@@ -215,10 +230,17 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
 
     def _encode(self, request: stages_pb2.VaeEncodeRequest, images: list[DecodedImage]) -> dict[str, torch.Tensor]:
         # A patch-parallel group's rank 0 holds the whole VAE, and encodes on it alone (see the module's doc).
-        decoder = self.decoder.worker.decoder if isinstance(self.decoder, PatchParallelDecoder) else self.decoder
+        decoder = self._loaded
+        if isinstance(decoder, PatchParallelDecoder):
+            decoder = decoder.worker.decoder
+        assert self.image_encoder is not None  # `_encode_inputs` refused the request otherwise
         return self.image_encoder(decoder, images, request.height, request.width, request.num_frames)
 
-    async def Encode(self, request, context):
+    async def Encode(
+        self,
+        request: stages_pb2.VaeEncodeRequest,
+        context: grpc.aio.ServicerContext[stages_pb2.VaeEncodeRequest, stages_pb2.VaeEncodeResponse],
+    ) -> AsyncIterator[stages_pb2.VaeEncodeResponse]:
         if self.decoder is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "vae: still loading its model")
         try:
@@ -231,51 +253,9 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
                 yield stages_pb2.VaeEncodeResponse(tensor=chunk)
 
 
-def check_decode_arguments(args: argparse.Namespace) -> None:
-    """Refuses impossible decode settings at startup, naming what is allowed."""
-    if args.vae_patch_parallel_size < 1:
-        raise SystemExit(f"stagediff serve vae: --vae-patch-parallel-size {args.vae_patch_parallel_size}: must be >= 1")
-    if args.vae_use_tiling and args.vae_patch_parallel_size > 1:
-        raise SystemExit(
-            "stagediff serve vae: --vae-use-tiling and --vae-patch-parallel-size > 1 are exclusive: "
-            "patch parallel is exact and spreads memory over ranks; tiling is approximate, for one device"
-        )
-    for name in ("height", "width"):
-        size = getattr(args, f"vae_tile_sample_min_{name}")
-        stride = getattr(args, f"vae_tile_sample_stride_{name}")
-        if args.vae_use_tiling and not 0 < stride <= size:
-            raise SystemExit(
-                f"stagediff serve vae: --vae-tile-sample-stride-{name} {stride} must be in 1..{size} "
-                f"(the tile {name}), so that tiles overlap or touch"
-            )
-    family = _family_of(args.model)
-    for used, flag, feature in (
-        (args.vae_patch_parallel_size > 1, "--vae-patch-parallel-size", "vae_patch_parallel"),
-        (args.vae_use_tiling, "--vae-use-tiling", "vae_tiling"),
-    ):
-        if used and family is not None and not family.support(feature).supported:
-            raise SystemExit(
-                f"stagediff serve vae: the {family.name} family does not support {flag}: "
-                f"{family.support(feature).reason}"
-            )
-    if args.device.startswith("cuda") and args.vae_patch_parallel_size > torch.cuda.device_count():
-        raise SystemExit(
-            f"stagediff serve vae: --vae-patch-parallel-size {args.vae_patch_parallel_size} needs that many GPUs; "
-            f"{torch.cuda.device_count()} are visible"
-        )
-
-
-def _family_of(model: str) -> Family | None:
-    try:
-        return read_checkpoint(model).traits
-    except CheckpointError:
-        return None  # the stage itself reports what is wrong with the checkpoint
-
-
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(build_parser(), argv)
-    check_decode_arguments(args)
-    run_stage("vae", args, VaeDecoderServicer)
+    config = VaeConfig.from_args(parse_args(build_parser(), argv))
+    run_stage(config.stage, functools.partial(VaeDecoderServicer, config))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch
 from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
 from families.wan.decode import WanStreamingDecoder
-from vae_svc.decode import denormalize_latents, to_uint8_frames
+from stagekit.decode import denormalize_latents, to_uint8_frames
 
 
 class TiledDecodeSession:

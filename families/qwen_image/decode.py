@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from diffusers import AutoencoderKLQwenImage
 
-from vae_svc.decode import LatentDecoder, denormalize_latents, to_uint8_frames
+from stagekit.decode import LatentDecoder, denormalize_latents, to_uint8_frames
 
 
 class QwenImageDecoder(LatentDecoder):

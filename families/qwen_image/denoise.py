@@ -25,13 +25,13 @@ from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenIm
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
-from dit_svc.denoise import DenoiseSpec, guidance_predictions, stop_if_cancelled
-from dit_svc.model_options import ModelOptions, apply_model_options
-from dit_svc.parallel import ParallelConfig, build_mesh
-from dit_svc.parallel.mesh import device_type_for, refuse_unsupported_methods
 from families.qwen_image.family import QWEN_IMAGE
 from families.qwen_image.parallel import parallelize
 from services.weights import load_pretrained
+from stagekit.denoise import DenoiseSpec, guidance_predictions, stop_if_cancelled
+from stagekit.model_options import TransformerOptions
+from stagekit.parallel import ParallelConfig, build_mesh
+from stagekit.parallel.mesh import device_type_for, refuse_unsupported_methods
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,9 @@ class QwenImageDenoiser:
         model_dir: str | Path,
         device: torch.device,
         dtype: torch.dtype,
+        *,
         parallel: ParallelConfig | None = None,
-        options: ModelOptions | None = None,
+        options: TransformerOptions | None = None,
         load_threads: int = 4,
     ) -> None:
         model_dir = Path(model_dir)
@@ -93,13 +94,14 @@ class QwenImageDenoiser:
             load = partial(load, shard_model=partial(parallelize, config=self.parallel, mesh=mesh, device=device))
         self.transformer = load(QwenImageTransformer2DModel, model_dir / "transformer").eval()
         if options is not None:
-            apply_model_options([self.transformer], options, device, load_threads)
+            options.apply([self.transformer], device, load_threads)
         self.scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model_dir / "scheduler")
         vae_config = json.loads((model_dir / "vae" / "config.json").read_text())
         # QwenImagePipeline: 2 ** len(temperal_downsample), and 2x2 packing on top.
         self.vae_scale_factor = 2 ** len(vae_config.get("temperal_downsample", [False, True, True]))
         self.cfg_group = None
         if self.parallel is not None:
+            assert mesh is not None  # built whenever parallel is set
             if not self.parallel.shards_weights:
                 parallelize(self.transformer, self.parallel, mesh, device)
             if self.parallel.cfg_degree > 1:

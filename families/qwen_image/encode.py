@@ -15,7 +15,8 @@ import torch
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from services.weights import load_pretrained
-from text_encoder_svc.encoder import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES, PromptEncoder
+from stagekit.cache_defaults import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES
+from stagekit.encoder import PromptEncoder
 
 # QwenImagePipeline's prompt template and prompt_template_encode_start_idx.
 PROMPT_TEMPLATE = (

@@ -8,22 +8,27 @@ from __future__ import annotations
 
 from families.base import Family, RequestDefaults, Support, TensorSlot
 
-_QWEN = "tests/test_family_qwen_features.py::"
-_CLUSTER_PARALLEL = "tests/test_families.py::test_qwen_ring_tp_hsdp_equal_pipeline"
+_QWEN = "tests/integration/test_family_qwen_features.py::"
+# Test classes of a tester config and a feature mixin (tests/helpers/feature_mixins.py).
+_FEATURE_CLASSES = "tests/integration/test_family_features.py::TestQwenImage"
+# The one parallel cluster: Ulysses, CFG-parallel and HSDP in the DiT, a patch-parallel VAE.
+_CLUSTER_PARALLEL = "tests/e2e/test_families_cluster.py::test_qwen_parallel_dit_and_vae_equal_pipeline"
+_LATENTS_PARALLEL = "tests/integration/test_family_qwen_parallel.py::test_qwen_parallel_latents_equal_one_rank"
 _PARALLEL = (
-    "tests/test_family_qwen_parallel.py::test_qwen_parallel_latents_equal_one_rank",
-    "tests/test_families.py::test_qwen_dit_layout_check_accepts_ring_tensor_and_hsdp",
+    _LATENTS_PARALLEL,
+    "tests/unit/test_families.py::test_qwen_dit_layout_check_accepts_ring_tensor_and_hsdp",
 )
-_SHARDED_LOADING = "tests/test_family_qwen_parallel.py::test_qwen_sharded_layouts_read_and_hold_part_of_the_weights"
-_VAE_PATCH_PARALLEL = "tests/test_qwen_vae_patch_parallel.py::"
+_SHARDED_LOADING = (
+    "tests/integration/test_family_qwen_parallel.py::test_qwen_sharded_layouts_read_and_hold_part_of_the_weights"
+)
+_VAE_PATCH_PARALLEL = "tests/integration/test_qwen_vae_patch_parallel.py::"
 _QUANTIZATION = (
-    _QWEN + "test_qwen_quantized_parameter_bytes_and_ignored_layers",
-    _QWEN + "test_qwen_quantized_denoiser_stays_close",
+    _FEATURE_CLASSES + "Quantization",
     _QWEN + "test_qwen_ignored_layers_are_checked_against_qwen_layer_names",
 )
 
-_STEP_CACHE = "tests/test_step_cache.py::test_qwen_caches_equal_diffusers_hooks_and_one_rank"
-_LORA = "tests/test_lora.py::"
+_STEP_CACHE = "tests/integration/test_step_cache.py::test_qwen_caches_equal_diffusers_hooks_and_one_rank"
+_LORA = "tests/integration/test_lora.py::"
 QWEN_IMAGE = Family(
     name="qwen-image",
     pipeline="QwenImagePipeline",
@@ -48,43 +53,44 @@ QWEN_IMAGE = Family(
     decoder="families.qwen_image.decode:QwenImageDecoder",
     writer="families.qwen_image.init_model:write_checkpoint",
     features={
-        "cfg_parallel": Support(tests=("tests/test_families.py::test_qwen_cfg_parallel_equals_pipeline",)),
+        "cfg_parallel": Support(tests=(_LATENTS_PARALLEL, _CLUSTER_PARALLEL)),
         "ulysses": Support(
             tests=(
-                "tests/test_families.py::test_qwen_ulysses_equals_pipeline",
-                "tests/test_families.py::test_qwen_ulysses_transformer_equals_one_rank",
+                _CLUSTER_PARALLEL,
+                "tests/integration/test_families_processes.py::test_qwen_ulysses_transformer_equals_one_rank",
             )
         ),
-        "ring": Support(tests=(*_PARALLEL, _CLUSTER_PARALLEL)),
-        "tensor_parallel": Support(tests=(*_PARALLEL, _SHARDED_LOADING, _CLUSTER_PARALLEL)),
+        "ring": Support(tests=_PARALLEL),
+        "tensor_parallel": Support(tests=(*_PARALLEL, _SHARDED_LOADING)),
         "hsdp": Support(tests=(*_PARALLEL, _SHARDED_LOADING, _CLUSTER_PARALLEL)),
         "vae_patch_parallel": Support(
             tests=(
                 _VAE_PATCH_PARALLEL + "test_qwen_patch_parallel_equals_whole_decode",
                 _VAE_PATCH_PARALLEL + "test_vae_rank_group_decodes_with_the_qwen_decoder",
                 _VAE_PATCH_PARALLEL + "test_qwen_vae_decode_check_accepts_patch_parallel",
-                _VAE_PATCH_PARALLEL + "test_qwen_patch_parallel_vae_equals_qwen_image_pipeline",
+                _CLUSTER_PARALLEL,
             )
         ),
         "vae_tiling": Support(
             reason="tiled decode is implemented for the Wan VAE only; AutoencoderKLQwenImage decodes each image "
             "whole on one device",
-            refusal_tests=("tests/test_families.py::test_qwen_vae_refuses_tiling_at_startup",),
+            refusal_tests=("tests/integration/test_families_processes.py::test_qwen_vae_refuses_tiling_at_startup",),
         ),
-        "cpu_offload": Support(tests=(_QWEN + "test_qwen_module_offload_leaves_latents_unchanged",)),
-        "layerwise_offload": Support(tests=(_QWEN + "test_qwen_layerwise_offload_keeps_at_most_n_blocks_resident",)),
+        "cpu_offload": Support(tests=(_FEATURE_CLASSES + "ModuleOffload",)),
+        "layerwise_offload": Support(tests=(_FEATURE_CLASSES + "LayerwiseOffload",)),
         "fp8": Support(tests=_QUANTIZATION),
         "int8": Support(tests=_QUANTIZATION),
         "multithread_loading": Support(
             tests=(
+                _FEATURE_CLASSES + "Loading",
                 _QWEN + "test_qwen_components_load_like_from_pretrained",
                 _QWEN + "test_qwen_stages_read_weights_with_their_load_threads",
             )
         ),
         "compile": Support(
             tests=(
-                "tests/test_compile.py::test_compiled_blocks_equal_eager_on_one_rank",
-                "tests/test_compile.py::test_new_request_sizes_compile_nothing_more",
+                "tests/integration/test_compile.py::test_compiled_blocks_equal_eager_on_one_rank",
+                "tests/integration/test_compile.py::test_new_request_sizes_compile_nothing_more",
             )
         ),
         "interpolation": Support(
@@ -103,7 +109,6 @@ QWEN_IMAGE = Family(
             tests=(
                 _LORA + "test_adapters_equal_diffusers_set_adapters_on_one_rank",
                 _LORA + "test_adapters_under_parallel_layouts_equal_one_rank",
-                "tests/test_e2e_lora.py::test_qwen_cluster_adapters_equal_diffusers_images",
             )
         ),
         "lora_fused": Support(tests=(_LORA + "test_fused_adapter_equals_the_adapter_per_request",)),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -56,7 +56,7 @@ TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 
-# AutoencoderKLQwenImage; the same keys as AutoencoderKLWan's (families/wan/init_model.py VAE_CONFIGS).
+# AutoencoderKLQwenImage; the same keys as AutoencoderKLWan's (families/wan/presets.py VAE_CONFIGS).
 # Latent statistics are drawn from the seed (families.init_model).
 VAE_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": dict(
@@ -109,11 +109,18 @@ TEXT_ENCODER_CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 
+
+class TokenizerConfig(TypedDict):
+    vocab_size: int
+    corpus_sentences: int
+    corpus_names: int
+
+
 # The locally trained byte-level BPE (Qwen2 tokenizer); the corpus and these keys:
 # families.init_model.training_corpus.
-TOKENIZER_CONFIGS: dict[str, dict[str, int]] = {
-    "tiny": dict(vocab_size=2000, corpus_sentences=6000, corpus_names=2000),
-    "small": dict(vocab_size=8000, corpus_sentences=12000, corpus_names=12000),
+TOKENIZER_CONFIGS: dict[str, TokenizerConfig] = {
+    "tiny": TokenizerConfig(vocab_size=2000, corpus_sentences=6000, corpus_names=2000),
+    "small": TokenizerConfig(vocab_size=8000, corpus_sentences=12000, corpus_names=12000),
 }
 
 # Qwen2.5's special tokens: the chat template's markers (which QwenImagePipeline's prompt template uses) and

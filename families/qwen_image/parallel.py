@@ -1,50 +1,43 @@
 """The parallel plan of QwenImageTransformer2DModel: `parallelize`, composing the generic `apply_*` functions,
 and the joint-attention processor that sequence parallelism installs in each block.
 
-Tensor parallelism goes first (dit_svc/parallel/tensor_parallel.py, the Qwen-Image plan): each block's
-heads are split over the tp ranks (to_q/k/v and add_q/k/v_proj column-wise, to_out.0 and to_add_out
-row-wise), and so are img_mlp and txt_mlp; the q/k norms normalise each head alone, so a rank applies
-them to its own heads unchanged. The attention's `heads` and `inner_dim` count the rank's heads, which
-the processors below (and diffusers' own) read.
-
-Sequence parallelism (Ulysses, Ring, or both: USP) then splits the image tokens over the ring x ulysses
-ranks; every rank keeps the text stream whole and computes it. Qwen-Image's blocks attend jointly over
-[text, image] tokens; per block, `QwenSequenceParallelAttnProcessor` calls `joint_usp_attention`
-(dit_svc/parallel/attention.py):
-
-- the image Q/K/V (rank's shard of the tokens, its heads) trade the sequence split for a head split
-  with one all-to-all over the Ulysses group; the text Q/K/V are narrowed to the same head group;
-- the text queries and the image queries attend to the text keys (local) and to every image key
-  block, passed around the ring; the partial results are merged exactly through their log-sum-exp,
-  with the text padding (encoder_hidden_states_mask) and the image padding masked out;
-- the image output trades back (all-to-all) and the text output gathers its heads from every Ulysses
-  rank (all-gather), so each rank again holds its image shard and the whole text stream.
-
-The split is taken where the model's own `_cp_plan` takes it (the input of the first block, the image
-rotary table from `pos_embed`, the per-token `modulate_index`) and gathered at `proj_out`; the text
-inputs stay whole. Image token counts the degree does not divide are zero-padded to a multiple of it
-and the padded keys are masked, so the result stays exact.
-
-HSDP wraps the result (dit_svc/parallel/hsdp.py: one fully_shard group per QwenImageTransformerBlock),
-sharding whatever parameters each rank still holds whole. CFG-parallel needs no change to the model:
-the denoising loop runs one branch per CFG rank group. With tensor parallelism or HSDP the plan is
-applied to the empty model and each rank reads only its shards (families/qwen_image/denoise.py).
+- Tensor parallelism first (stagekit/parallel/tensor_parallel.py): each block's heads are split over the tp
+  ranks (to_q/k/v and add_q/k/v_proj column-wise, to_out.0 and to_add_out row-wise), and so are img_mlp and
+  txt_mlp; the per-head q/k norms apply unchanged. The attention's `heads` and `inner_dim` count the rank's heads.
+- Sequence parallelism (Ulysses, Ring, or both: USP) then splits the image tokens; every rank keeps the text
+  stream whole. `QwenSequenceParallelAttnProcessor` calls `joint_usp_attention` (stagekit/parallel/attention.py):
+  the image Q/K/V trade the sequence split for a head split (all-to-all), the text Q/K/V narrow to the same
+  heads, both attend to the text keys and to every image key block passed around the ring, merged exactly
+  through their log-sum-exp with the padding masked; then the image output trades back and the text output
+  all-gathers its heads.
+- The split is taken where the model's own `_cp_plan` takes it (the first block's input, the image rotary table,
+  `modulate_index`) and gathered at `proj_out`. Image token counts the degree does not divide are zero-padded
+  and the padded keys masked, so the result stays exact.
+- HSDP wraps the result (stagekit/parallel/hsdp.py, one fully_shard group per block). CFG-parallel needs no
+  change to the model. With tensor parallelism or HSDP the plan is applied to the empty model and each rank
+  reads only its shards (families/qwen_image/denoise.py).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel, apply_rotary_emb_qwen
 from torch.distributed.device_mesh import DeviceMesh
 
-from dit_svc.parallel import sequence_parallel
-from dit_svc.parallel.attention import joint_usp_attention
-from dit_svc.parallel.hsdp import apply_hsdp
-from dit_svc.parallel.mesh import ParallelConfig, build_hsdp_mesh, device_type_for, refuse_unsupported_methods
-from dit_svc.parallel.sequence_parallel import SequenceParallelState, install_sequence_parallel, sequence_parallel_state
-from dit_svc.parallel.tensor_parallel import apply_tensor_parallel
 from families.qwen_image.family import QWEN_IMAGE
+from stagekit.parallel import sequence_parallel
+from stagekit.parallel.attention import joint_usp_attention
+from stagekit.parallel.hsdp import apply_hsdp
+from stagekit.parallel.mesh import ParallelConfig, build_hsdp_mesh, device_type_for, refuse_unsupported_methods
+from stagekit.parallel.sequence_parallel import (
+    SequenceParallelState,
+    install_sequence_parallel,
+    sequence_parallel_state,
+)
+from stagekit.parallel.tensor_parallel import apply_tensor_parallel
 
 # Which tensors carry one entry per image token, and where the whole image sequence is gathered back.
 _IMAGE_PLAN = {
@@ -69,7 +62,7 @@ class QwenSequenceParallelAttnProcessor:
 
     def __call__(
         self,
-        attn,
+        attn: Any,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_hidden_states_mask: torch.Tensor | None = None,

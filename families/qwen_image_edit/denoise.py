@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-from dit_svc.denoise import DenoiseSpec
-from dit_svc.model_options import ModelOptions
-from dit_svc.parallel import ParallelConfig
-from dit_svc.parallel.mesh import refuse_unsupported_methods
 from families.qwen_image.denoise import QwenImageDenoiser, QwenTextEmbeds
 from families.qwen_image_edit.vae_encode import LATENTS_NAME, vae_image_size
 from families.registry import family_for_index
+from stagekit.denoise import DenoiseSpec
+from stagekit.model_options import TransformerOptions
+from stagekit.parallel import ParallelConfig
+from stagekit.parallel.mesh import refuse_unsupported_methods
 
 
 class QwenImageEditDenoiser(QwenImageDenoiser):
@@ -41,15 +41,18 @@ class QwenImageEditDenoiser(QwenImageDenoiser):
         model_dir: str | Path,
         device: torch.device,
         dtype: torch.dtype,
+        *,
         parallel: ParallelConfig | None = None,
-        options: ModelOptions | None = None,
+        options: TransformerOptions | None = None,
         load_threads: int = 4,
     ) -> None:
-        self.family = family_for_index(json.loads((Path(model_dir) / "model_index.json").read_text()))
+        family = family_for_index(json.loads((Path(model_dir) / "model_index.json").read_text()))
+        assert family is not None  # the registry chose this class for the checkpoint's family
+        self.family = family
         if parallel is not None and parallel.total_ranks > 1:
             # This family's refusals, before Qwen-Image's (which may run more) and before reading any weight.
             refuse_unsupported_methods(parallel, self.family)
-        super().__init__(model_dir, device, dtype, parallel, options, load_threads)
+        super().__init__(model_dir, device, dtype, parallel=parallel, options=options, load_threads=load_threads)
         self._images: tuple[torch.Tensor, list[tuple[int, int, int]]] | None = None
 
     def image_grids(self, spec: DenoiseSpec) -> list[tuple[int, int, int]] | None:

@@ -11,7 +11,7 @@ pixels (Edit, the size its VAE takes) or 384x384 (Edit-Plus), keeping the aspect
 QwenImagePipeline the edit pipelines do not truncate the sequence, so `max_sequence_length` plays no part.
 
 Prompt and negative prompt are encoded one at a time with the same images, as the pipelines encode them,
-and each is cached on its text and the images' SHA-256 (text_encoder_svc/encoder.py); the padding to the
+and each is cached on its text and the images' SHA-256 (stagekit/encoder.py); the padding to the
 longest text and the masks are Qwen-Image's (families/qwen_image/encode.py).
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers.image_processor import VaeImageProcessor
@@ -32,7 +33,7 @@ from families.qwen_image.encode import QwenPromptEncoder
 from families.qwen_image_edit.family import IMAGE_SIDE_MULTIPLE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS, VAE_IMAGE_AREA
 from families.registry import family_for_index
 from services.errors import RequestError
-from text_encoder_svc.encoder import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES
+from stagekit.cache_defaults import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES
 
 # The edit pipelines' prompt_template_encode, split where the user's turn starts: the prefix is what their
 # prompt_template_encode_start_idx (64) drops; the rest takes the images' vision tokens and the prompt.
@@ -73,7 +74,9 @@ PROMPTS = {
 class _ImageTextProcessor(Qwen2VLProcessor):
     """Qwen2VLProcessor without its video processor, which transformers builds only with torchvision."""
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs) -> None:
+    def __init__(
+        self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
 
@@ -107,6 +110,7 @@ class QwenImageEditPromptEncoder(QwenPromptEncoder):
         super().__init__(model_dir, model_id, device, dtype, cache_bytes, cache_entries, load_threads)
         model_dir = Path(model_dir)
         family = family_for_index(json.loads((model_dir / "model_index.json").read_text()))
+        assert family is not None  # the registry chose this encoder from the checkpoint's family
         self.prompt = PROMPTS[family.name]
         self.processor = load_processor(model_dir / "processor")
         vae_config = json.loads((model_dir / "vae" / "config.json").read_text())

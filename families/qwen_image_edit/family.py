@@ -14,6 +14,8 @@ Declarations only (no torch).
 
 from __future__ import annotations
 
+from typing import Any
+
 from families.base import LORA_UNVERIFIED, Family, ImageInputs, RequestDefaults, SizeFromImage, Support, TensorSlot
 from families.qwen_image.family import QWEN_IMAGE
 
@@ -24,28 +26,28 @@ IMAGE_SIDE_MULTIPLE = 32
 # Qwen-Image-Edit-2509 is made for one to three input images.
 PLUS_MAX_IMAGES = 3
 
-_TESTS = "tests/test_family_qwen_image_edit.py::"
-_E2E = "tests/test_e2e_image_edit.py::"
+_TESTS = "tests/integration/test_family_qwen_image_edit.py::"
+_E2E = "tests/e2e/test_e2e_image_edit.py::"
 _PARALLEL = _TESTS + "test_parallel_latents_equal_one_rank"
-_MEMORY = "tests/test_image_families_options.py::"
+_MEMORY = "tests/integration/test_image_families_options.py::"
+_PLUS_E2E = _E2E + "test_qwen_image_edit_plus_images_equal_pipeline"
 _QUANTIZATION = (_MEMORY + "test_quantized_denoiser_halves_bytes_and_stays_close",)
 
 
-def _features(e2e: str, parallel_e2e: str, ring_tp_e2e: tuple[str, ...] = ()) -> dict[str, Support]:
+def _features(e2e: str, parallel_e2e: str) -> dict[str, Support]:
     """`parallel_e2e`: the family's cluster test with Ulysses, CFG-parallel and HSDP in the DiT and a
-    patch-parallel VAE (whose Encode runs whole on rank 0, the decode in bands over both ranks);
-    `ring_tp_e2e`: the one with Ring and tensor parallelism, where the family has one."""
+    patch-parallel VAE (whose Encode runs whole on rank 0, the decode in bands over both ranks)."""
     return {
         "ulysses": Support(tests=(_PARALLEL, parallel_e2e)),
-        "ring": Support(tests=(_PARALLEL, *ring_tp_e2e)),
+        "ring": Support(tests=(_PARALLEL,)),
         "cfg_parallel": Support(tests=(_PARALLEL, parallel_e2e)),
-        "tensor_parallel": Support(tests=(_PARALLEL, *ring_tp_e2e)),
+        "tensor_parallel": Support(tests=(_PARALLEL,)),
         "hsdp": Support(tests=(_PARALLEL, parallel_e2e)),
         "vae_patch_parallel": Support(tests=(parallel_e2e,)),
         # Qwen-Image's decoder, which has no tiled decode.
         "vae_tiling": Support(
             reason=QWEN_IMAGE.support("vae_tiling").reason,
-            refusal_tests=("tests/test_image_families_options.py::test_vae_tiling_is_refused_at_startup",),
+            refusal_tests=("tests/integration/test_image_families_options.py::test_vae_tiling_is_refused_at_startup",),
         ),
         "cpu_offload": Support(tests=(_MEMORY + "test_module_offload_leaves_latents_unchanged",)),
         "layerwise_offload": Support(tests=(_MEMORY + "test_layerwise_offload_keeps_one_block_resident",)),
@@ -55,7 +57,7 @@ def _features(e2e: str, parallel_e2e: str, ring_tp_e2e: tuple[str, ...] = ()) ->
         # Qwen-Image's blocks, but with the input images' tokens in the sequence, which no test compiles yet.
         "compile": Support(
             reason="not verified yet with the input images' tokens",
-            refusal_tests=("tests/test_compile.py::test_compile_is_refused_at_startup_where_unverified",),
+            refusal_tests=("tests/integration/test_compile.py::test_compile_is_refused_at_startup_where_unverified",),
         ),
         "interpolation": QWEN_IMAGE.support("interpolation"),
         # Qwen-Image's blocks, but the edit pipelines' image tokens are not covered by a test yet.
@@ -73,7 +75,7 @@ CONDITIONING = (
     *QWEN_IMAGE.conditioning,
     TensorSlot("image_latents", "packed", "always", source="vae", image=True),
 )
-_COMPUTE = {
+_COMPUTE: dict[str, Any] = {  # Family's "module:attr" parts, passed as keywords
     "checkpoint_reader": "families.qwen_image_edit.checkpoint:read_geometry",
     "text_encoder": "families.qwen_image_edit.encode:QwenImageEditPromptEncoder",
     "denoiser": "families.qwen_image_edit.denoise:QwenImageEditDenoiser",
@@ -108,7 +110,6 @@ QWEN_IMAGE_EDIT = Family(
     features=_features(
         _E2E + "test_qwen_image_edit_images_equal_pipeline",
         _E2E + "test_qwen_image_edit_parallel_images_equal_pipeline",
-        (_E2E + "test_qwen_image_edit_ring_tp_images_equal_pipeline",),
     ),
     **_COMPUTE,
 )
@@ -135,7 +136,7 @@ QWEN_IMAGE_EDIT_PLUS = Family(
         size_from=SizeFromImage(VAE_IMAGE_AREA, IMAGE_SIDE_MULTIPLE, index=-1),
     ),
     # Its one cluster runs the parallel DiT and VAE.
-    features=_features(*[_E2E + "test_qwen_image_edit_plus_images_equal_pipeline"] * 2),
+    features=_features(_PLUS_E2E, _PLUS_E2E),
     **_COMPUTE,
 )
 

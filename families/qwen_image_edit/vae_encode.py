@@ -23,7 +23,7 @@ from families.base import calculate_dimensions
 from families.qwen_image_edit.family import IMAGE_SIDE_MULTIPLE, VAE_IMAGE_AREA
 from services.errors import RequestError
 from services.input_images import DecodedImage
-from vae_svc.decode import LatentDecoder
+from stagekit.decode import LatentDecoder
 
 LATENTS_NAME = "image_latents"
 

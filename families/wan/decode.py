@@ -19,7 +19,7 @@ import torch
 from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
 
-from vae_svc.decode import LatentDecoder, denormalize_latents, to_uint8_frames
+from stagekit.decode import LatentDecoder, denormalize_latents, to_uint8_frames
 
 
 class WanStreamingDecoder(LatentDecoder):

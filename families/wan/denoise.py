@@ -18,20 +18,14 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.utils.torch_utils import randn_tensor
 
-from dit_svc.denoise import (
-    DenoiseSpec,
-    guidance_predictions,
-    keep_batch_rows,
-    members_still_wanted,
-    stop_if_cancelled,
-)
-from dit_svc.gguf import load_gguf_transformer
-from dit_svc.model_options import ModelOptions, apply_model_options
-from dit_svc.parallel import ParallelConfig, build_mesh
-from dit_svc.parallel.mesh import device_type_for
 from families.wan.parallel import parallelize
 from services.stage import Cancelled
 from services.weights import load_pretrained
+from stagekit.denoise import DenoiseSpec, guidance_predictions, keep_batch_rows, members_still_wanted, stop_if_cancelled
+from stagekit.gguf import load_gguf_transformer
+from stagekit.model_options import TransformerOptions
+from stagekit.parallel import ParallelConfig, build_mesh
+from stagekit.parallel.mesh import device_type_for
 
 
 class WanDenoiser:
@@ -42,8 +36,9 @@ class WanDenoiser:
         model_dir: str | Path,
         device: torch.device,
         dtype: torch.dtype,
+        *,
         parallel: ParallelConfig | None = None,
-        options: ModelOptions | None = None,
+        options: TransformerOptions | None = None,
         load_threads: int = 4,
     ) -> None:
         model_dir = Path(model_dir)
@@ -64,7 +59,7 @@ class WanDenoiser:
             self.transformer_2 = load(WanTransformer3DModel, model_dir / "transformer_2").eval()
         self.boundary_ratio: float | None = index.get("boundary_ratio")
         if options is not None:
-            apply_model_options(self.experts, options, device, load_threads)
+            options.apply(self.experts, device, load_threads)
         scheduler_class = getattr(diffusers, index["scheduler"][1])
         self.scheduler_config = scheduler_class.load_config(model_dir / "scheduler")
         self.scheduler_class = scheduler_class
@@ -74,6 +69,7 @@ class WanDenoiser:
         self.vae_scale_temporal = vae_config.get("scale_factor_temporal", 4)
         self.cfg_group = None
         if self.parallel is not None:
+            assert mesh is not None  # built whenever parallel is set
             if not self.parallel.shards_weights:
                 for expert in self.experts:
                     parallelize(expert, self.parallel, mesh, device)

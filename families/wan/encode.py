@@ -9,7 +9,8 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from transformers import AutoTokenizer, UMT5EncoderModel
 
 from services.weights import load_pretrained
-from text_encoder_svc.encoder import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES, PromptEncoder
+from stagekit.cache_defaults import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES
+from stagekit.encoder import PromptEncoder
 
 
 class WanPromptEncoder(PromptEncoder):

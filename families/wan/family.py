@@ -7,6 +7,8 @@ and init_model.py.
 
 from __future__ import annotations
 
+from typing import Any
+
 from families.base import LORA_UNVERIFIED, Family, RequestDefaults, Support, TensorSlot
 
 CHAIN = ("text-encoder", "dit", "vae", "interp")
@@ -14,7 +16,7 @@ CONDITIONING = (
     TensorSlot("prompt_embeds", "embeds", "always"),
     TensorSlot("negative_prompt_embeds", "embeds", "cfg"),
 )
-_COMPUTE = {
+_COMPUTE: dict[str, Any] = {  # Family's "module:attr" parts, passed as keywords
     "checkpoint_reader": "families.wan.checkpoint:read_geometry",
     "text_encoder": "families.wan.encode:WanPromptEncoder",
     "denoiser": "families.wan.denoise:WanDenoiser",
@@ -22,102 +24,94 @@ _COMPUTE = {
     "writer": "families.wan.init_model:write_checkpoint",
 }
 
-_STEP_CACHE = "tests/test_step_cache.py::"
-_LORA = "tests/test_lora.py::"
+_STEP_CACHE = "tests/integration/test_step_cache.py::"
+_LORA = "tests/integration/test_lora.py::"
 _WAN_TESTS = {
     "ulysses": (
-        "tests/test_dit_parallel.py::test_parallel_latents_equal_one_rank",
-        "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline",
+        "tests/integration/test_dit_parallel.py::test_parallel_latents_equal_one_rank",
+        "tests/e2e/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline",
     ),
-    "ring": (
-        "tests/test_dit_parallel.py::test_parallel_latents_equal_one_rank",
-        "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline",
-    ),
-    "cfg_parallel": (
-        "tests/test_dit_parallel.py::test_parallel_latents_equal_one_rank",
-        "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline",
-    ),
-    "tensor_parallel": (
-        "tests/test_tensor_parallel_hsdp.py::test_tensor_parallel_2_matches_single_rank",
-        "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline",
-    ),
+    "ring": ("tests/integration/test_dit_parallel.py::test_parallel_latents_equal_one_rank",),
+    "cfg_parallel": ("tests/integration/test_dit_parallel.py::test_parallel_latents_equal_one_rank",),
+    "tensor_parallel": ("tests/integration/test_tensor_parallel_hsdp.py::test_tensor_parallel_2_matches_single_rank",),
     "hsdp": (
-        "tests/test_tensor_parallel_hsdp.py::test_hsdp_shard_2_matches_single_rank_and_halves_parameters",
-        "tests/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline",
+        "tests/integration/test_tensor_parallel_hsdp.py::test_hsdp_shard_2_matches_single_rank_and_halves_parameters",
+        "tests/e2e/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline",
     ),
     "vae_patch_parallel": (
-        "tests/test_vae_patch_parallel.py::test_patch_parallel_equals_untiled_decode",
-        "tests/test_e2e_vae_interp.py::test_patch_parallel_vae_frames_equal_wan_pipeline",
+        "tests/integration/test_vae_patch_parallel.py::test_patch_parallel_equals_untiled_decode",
+        "tests/e2e/test_e2e_parallel.py::test_patch_parallel_vae_frames_equal_wan_pipeline",
     ),
     "vae_tiling": (
-        "tests/test_vae_patch_parallel.py::test_tiled_session_equals_diffusers_tiled_decode",
-        "tests/test_e2e_vae_interp.py::test_tiled_vae_is_close_but_approximate",
+        "tests/integration/test_vae_patch_parallel.py::test_tiled_session_equals_diffusers_tiled_decode",
+        "tests/e2e/test_e2e_vae_interp.py::test_tiled_vae_is_close_but_approximate",
     ),
     "interpolation": (
-        "tests/test_e2e_parity.py::test_interpolation_keeps_originals_in_place",
-        "tests/test_e2e_vae_interp.py::test_learned_interpolator_through_the_cluster",
+        "tests/e2e/test_e2e_parity.py::test_interpolation_keeps_originals_in_place",
+        "tests/e2e/test_e2e_vae_interp.py::test_learned_interpolator_through_the_cluster",
     ),
     "cpu_offload": (
-        "tests/test_offload.py::test_transformer_output_unchanged",
-        "tests/test_e2e_memory.py::test_offload_leaves_frames_equal_to_wan_pipeline",
+        "tests/unit/test_offload.py::test_transformer_output_unchanged",
+        "tests/unit/test_offload.py::test_offload_of_a_quantized_transformer",
     ),
     "layerwise_offload": (
-        "tests/test_offload.py::test_layerwise_keeps_at_most_n_blocks_resident",
-        "tests/test_e2e_memory.py::test_offload_leaves_frames_equal_to_wan_pipeline",
+        "tests/unit/test_offload.py::test_layerwise_keeps_at_most_n_blocks_resident",
+        "tests/unit/test_offload.py::test_transformer_output_unchanged",
+        "tests/e2e/test_e2e_memory.py::test_offloaded_int8_dit_serves_close_frames",
     ),
     "fp8": (
-        "tests/test_quantization.py::test_parameter_bytes_at_most_55_percent_of_bf16",
-        "tests/test_e2e_memory.py::test_quantized_dit_serves_close_frames_and_halves_weights",
+        "tests/unit/test_quantization.py::test_parameter_bytes_at_most_55_percent_of_bf16",
+        "tests/unit/test_quantization.py::test_quantized_forward_close_to_unquantized",
     ),
     "int8": (
-        "tests/test_quantization.py::test_parameter_bytes_at_most_55_percent_of_bf16",
-        "tests/test_e2e_memory.py::test_quantized_dit_serves_close_frames_and_halves_weights",
+        "tests/unit/test_quantization.py::test_parameter_bytes_at_most_55_percent_of_bf16",
+        "tests/e2e/test_e2e_memory.py::test_offloaded_int8_dit_serves_close_frames",
     ),
     "gguf": (
-        "tests/test_gguf.py::test_gguf_denoiser_equals_diffusers_from_single_file",
-        "tests/test_gguf.py::test_gguf_under_parallel_layouts_equals_one_rank",
-        "tests/test_e2e_memory.py::test_gguf_dit_serves_frames_equal_to_wan_pipeline",
+        "tests/integration/test_gguf.py::test_gguf_denoiser_equals_diffusers_from_single_file",
+        "tests/integration/test_gguf.py::test_gguf_under_parallel_layouts_equals_one_rank",
+        "tests/e2e/test_e2e_memory.py::test_gguf_dit_serves_frames_equal_to_wan_pipeline",
     ),
     "multithread_loading": (
-        "tests/test_weights.py::test_matches_from_pretrained",
-        "tests/test_e2e_parity.py::test_cluster_frames_equal_wan_pipeline",
+        "tests/unit/test_weights.py::test_matches_from_pretrained",
+        "tests/e2e/test_e2e_parity.py::test_cluster_frames_equal_wan_pipeline",
     ),
     "compile": (
-        "tests/test_compile.py::test_compiled_blocks_equal_eager_on_one_rank",
-        "tests/test_compile.py::test_compiled_blocks_equal_eager_under_ulysses_and_hsdp",
-        "tests/test_compile.py::test_new_request_sizes_compile_nothing_more",
+        "tests/integration/test_compile.py::test_compiled_blocks_equal_eager_on_one_rank",
+        "tests/integration/test_compile.py::test_compiled_blocks_equal_eager_under_ulysses_and_hsdp",
+        "tests/integration/test_compile.py::test_new_request_sizes_compile_nothing_more",
     ),
     "first_block_cache": (
         _STEP_CACHE + "test_first_block_cache_equals_diffusers_hooks",
         _STEP_CACHE + "test_caches_under_parallel_layouts_equal_one_rank",
-        "tests/test_e2e_step_cache.py::test_first_block_cache_equals_pipeline_with_diffusers_cache",
+        "tests/e2e/test_e2e_step_cache.py::test_first_block_cache_equals_pipeline_with_diffusers_cache",
     ),
     "mag_cache": (
         _STEP_CACHE + "test_mag_cache_equals_diffusers_hooks",
         _STEP_CACHE + "test_caches_under_parallel_layouts_equal_one_rank",
-        "tests/test_calibrate_cache.py::test_calibrated_ratios_make_the_dit_offer_mag",
+        "tests/integration/test_calibrate_cache_processes.py::test_calibrated_ratios_make_the_dit_offer_mag",
     ),
     "teacache": (
         _STEP_CACHE + "test_teacache_follows_the_reference_algorithm",
         _STEP_CACHE + "test_caches_under_parallel_layouts_equal_one_rank",
-        "tests/test_e2e_step_cache.py::test_teacache_skips_passes_and_the_model_lists_its_caches",
+        "tests/e2e/test_e2e_step_cache.py::test_teacache_skips_passes_and_the_model_lists_its_caches",
     ),
     "batching": (
-        "tests/test_batching.py::test_each_request_of_a_batch_gets_its_own_latents",
-        "tests/test_batching.py::test_a_dropped_request_stops_and_leaves_the_others_unchanged",
-        "tests/test_batching.py::test_batches_under_parallel_layouts_equal_one_rank_alone",
-        "tests/test_e2e_batching.py::test_concurrent_requests_of_two_tenants_share_a_batch_and_keep_their_frames",
-        "tests/test_e2e_batching.py::test_cancelling_one_request_of_a_batch_stops_only_it",
+        "tests/integration/test_batching.py::test_each_request_of_a_batch_gets_its_own_latents",
+        "tests/integration/test_batching.py::test_a_dropped_request_stops_and_leaves_the_others_unchanged",
+        "tests/integration/test_batching.py::test_batches_under_parallel_layouts_equal_one_rank_alone",
+        "tests/e2e/test_e2e_batching.py::test_concurrent_requests_of_two_tenants_share_a_batch_and_keep_their_frames",
+        "tests/e2e/test_e2e_batching.py::test_cancelling_one_request_of_a_batch_stops_only_it",
     ),
     "lora": (
         _LORA + "test_adapters_equal_diffusers_set_adapters_on_one_rank",
         _LORA + "test_adapters_under_parallel_layouts_equal_one_rank",
-        "tests/test_e2e_lora.py::test_cluster_adapters_equal_diffusers_frames",
-        "tests/test_e2e_lora.py::test_demo_adapter_swaps_a_colour_for_its_tenant_only",
+        "tests/e2e/test_e2e_lora.py::test_cluster_adapters_equal_diffusers_frames",
+        "tests/e2e/test_demo_model_cluster.py::test_demo_adapter_swaps_a_colour_for_its_tenant_only",
     ),
     "lora_fused": (
         _LORA + "test_fused_adapter_equals_the_adapter_per_request",
-        "tests/test_e2e_lora.py::test_fused_adapter_is_served_as_its_own_model",
+        "tests/e2e/test_e2e_lora.py::test_fused_adapter_is_served_as_its_own_model",
     ),
 }
 # Each expert keeps its own cache state, so the cache resets at the switch (the second expert's first step runs).
@@ -125,13 +119,15 @@ _TWO_EXPERTS_CACHE = (
     _STEP_CACHE + "test_a14b_caches_keep_one_state_per_expert",
     _STEP_CACHE + "test_teacache_follows_the_reference_algorithm",
 )
-_A14B_E2E = "tests/test_families.py::test_a14b_parallel_dit_equals_wan_pipeline"
+_A14B_E2E = "tests/e2e/test_families_cluster.py::test_a14b_parallel_dit_equals_wan_pipeline"
 # diffusers loads an adapter into the first expert only unless told otherwise (load_into_transformer_2).
 _A14B_LORA = Support(
     reason="not verified yet with two experts (diffusers loads an adapter into the first unless told otherwise)",
     refusal_tests=LORA_UNVERIFIED.refusal_tests,
 )
-_A14B = "tests/test_family_a14b_features.py::"
+_A14B = "tests/integration/test_family_a14b_features.py::"
+# Test classes of a tester config and a feature mixin (tests/helpers/feature_mixins.py).
+_FEATURE_CLASSES = "tests/integration/test_family_features.py::TestWanA14B"
 
 WAN_T2V = Family(
     name="wan-t2v",
@@ -178,31 +174,35 @@ WAN22_A14B = Family(
         "vae_tiling": Support(tests=_WAN_TESTS["vae_tiling"]),
         "cpu_offload": Support(
             tests=(
-                "tests/test_offload.py::test_module_offload_keeps_one_expert_resident",
-                _A14B + "test_a14b_module_offload_keeps_one_expert_resident",
+                "tests/unit/test_offload.py::test_module_offload_keeps_one_expert_resident",
+                _FEATURE_CLASSES + "ModuleOffload",
             )
         ),
-        "layerwise_offload": Support(tests=(_A14B + "test_a14b_layerwise_offload_keeps_n_blocks_per_expert",)),
-        "fp8": Support(tests=(_A14B + "test_a14b_quantized_experts_halve_bytes_and_stay_close",)),
-        "int8": Support(tests=(_A14B + "test_a14b_quantized_experts_halve_bytes_and_stay_close",)),
-        "gguf": Support(tests=("tests/test_gguf.py::test_a14b_gguf_experts_equal_diffusers_from_single_file",)),
+        "layerwise_offload": Support(tests=(_FEATURE_CLASSES + "LayerwiseOffload",)),
+        "fp8": Support(tests=(_FEATURE_CLASSES + "Quantization",)),
+        "int8": Support(tests=(_FEATURE_CLASSES + "Quantization",)),
+        "gguf": Support(
+            tests=("tests/integration/test_gguf.py::test_a14b_gguf_experts_equal_diffusers_from_single_file",)
+        ),
         "multithread_loading": Support(
             tests=(
-                _A14B + "test_a14b_experts_load_like_from_pretrained",
-                "tests/test_families.py::test_a14b_cluster_equals_wan_pipeline",
+                _FEATURE_CLASSES + "Loading",
+                "tests/e2e/test_families_cluster.py::test_a14b_cluster_equals_wan_pipeline",
             )
         ),
         "interpolation": Support(tests=(_A14B + "test_a14b_interpolation_keeps_decoded_frames_in_place",)),
         "compile": Support(
             reason="not verified yet with two experts",
-            refusal_tests=("tests/test_compile.py::test_compile_is_refused_at_startup_where_unverified",),
+            refusal_tests=("tests/integration/test_compile.py::test_compile_is_refused_at_startup_where_unverified",),
         ),
         "first_block_cache": Support(tests=_TWO_EXPERTS_CACHE),
         "mag_cache": Support(
             reason="MagCache's calibrated ratios index the steps of one schedule; each expert runs only part of it"
         ),
         "teacache": Support(tests=_TWO_EXPERTS_CACHE),
-        "batching": Support(tests=("tests/test_batching.py::test_each_request_of_a_batch_gets_its_own_latents",)),
+        "batching": Support(
+            tests=("tests/integration/test_batching.py::test_each_request_of_a_batch_gets_its_own_latents",)
+        ),
         "lora": _A14B_LORA,
         "lora_fused": _A14B_LORA,
     },

@@ -1,14 +1,14 @@
 """The parallel plan of WanTransformer3DModel: `parallelize`, composing the generic `apply_*` functions, and
 the self-attention processor that sequence parallelism installs in each block.
 
-Sequence parallelism executes the model's own `_cp_plan` (dit_svc/parallel/sequence_parallel.py) and
+Sequence parallelism executes the model's own `_cp_plan` (stagekit/parallel/sequence_parallel.py) and
 replaces each block's self-attention with `WanSequenceParallelAttnProcessor`, which calls `usp_attention`.
 Cross-attention to the text stays whole: each rank's queries attend to every text token.
 
 Tensor parallelism goes first, since it changes each attention's local head count and norms, which the
 sequence-parallel attention then builds on; HSDP wraps the result, sharding whatever parameters each rank
 still holds whole. CFG-parallel needs no change to the model: the denoising loop runs one branch per CFG
-rank group (dit_svc/denoise.py).
+rank group (stagekit/denoise.py `guidance_predictions`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,16 @@ import torch
 from diffusers.models.transformers.transformer_wan import WanAttention, WanTransformer3DModel, _get_qkv_projections
 from torch.distributed.device_mesh import DeviceMesh
 
-from dit_svc.parallel import sequence_parallel
-from dit_svc.parallel.attention import usp_attention
-from dit_svc.parallel.hsdp import apply_hsdp
-from dit_svc.parallel.mesh import ParallelConfig, build_hsdp_mesh, device_type_for
-from dit_svc.parallel.sequence_parallel import SequenceParallelState, install_sequence_parallel, sequence_parallel_state
-from dit_svc.parallel.tensor_parallel import apply_tensor_parallel
+from stagekit.parallel import sequence_parallel
+from stagekit.parallel.attention import usp_attention
+from stagekit.parallel.hsdp import apply_hsdp
+from stagekit.parallel.mesh import ParallelConfig, build_hsdp_mesh, device_type_for
+from stagekit.parallel.sequence_parallel import (
+    SequenceParallelState,
+    install_sequence_parallel,
+    sequence_parallel_state,
+)
+from stagekit.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def parallelize(transformer: torch.nn.Module, config: ParallelConfig, mesh: DeviceMesh, device: torch.device) -> None:

@@ -18,8 +18,8 @@ from functools import partial
 
 import torch
 
-from dit_svc.denoise import DenoiseSpec, stop_if_cancelled
 from families.wan.denoise import WanDenoiser
+from stagekit.denoise import DenoiseSpec, stop_if_cancelled
 
 
 class WanImageToVideoDenoiser(WanDenoiser):

@@ -12,7 +12,7 @@ from transformers import CLIPImageProcessor, CLIPVisionModel
 
 from families.wan.encode import WanPromptEncoder
 from services.weights import load_pretrained
-from text_encoder_svc.encoder import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES
+from stagekit.cache_defaults import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES
 
 
 class WanImageConditionEncoder(WanPromptEncoder):

@@ -11,6 +11,8 @@ families/wan.
 
 from __future__ import annotations
 
+from typing import Any
+
 from families.base import LORA_UNVERIFIED, Family, ImageInputs, RequestDefaults, Support, TensorSlot
 
 CHAIN = ("text-encoder", "dit", "vae", "interp")
@@ -18,17 +20,17 @@ _TEXT = (
     TensorSlot("prompt_embeds", "embeds", "always"),
     TensorSlot("negative_prompt_embeds", "embeds", "cfg"),
 )
-_COMPUTE = {
+_COMPUTE: dict[str, Any] = {  # Family's "module:attr" parts, passed as keywords
     "checkpoint_reader": "families.wan_i2v.checkpoint:read_geometry",
     "denoiser": "families.wan_i2v.denoise:WanImageToVideoDenoiser",
     "decoder": "families.wan.decode:WanStreamingDecoder",
     "writer": "families.wan_i2v.init_model:write_checkpoint",
     "image_encoder": "families.wan_i2v.vae_encode:WanImageLatentEncoder",
 }
-_TESTS = "tests/test_family_wan_i2v.py::"
-_E2E = "tests/test_e2e_image_to_video.py::"
+_TESTS = "tests/integration/test_family_wan_i2v.py::"
+_E2E = "tests/e2e/test_e2e_image_to_video.py::"
 _PARALLEL = _TESTS + "test_parallel_latents_equal_one_rank"
-_MEMORY = "tests/test_image_families_options.py::"
+_MEMORY = "tests/integration/test_image_families_options.py::"
 _QUANTIZATION = (_MEMORY + "test_quantized_denoiser_halves_bytes_and_stays_close",)
 # The decode is Wan's session on the same VAE, but the VAE's Encode of the input frames runs untiled, and no
 # test compares tiled image-to-video with the pipeline's: the stage refuses the flag rather than serve it unproven.
@@ -37,7 +39,7 @@ _QUANTIZATION = (_MEMORY + "test_quantized_denoiser_halves_bytes_and_stays_close
 _UNVERIFIED_CACHE = Support(reason="not verified yet against WanImageToVideoPipeline")
 _UNVERIFIED_TILING = Support(
     reason="not yet verified with image-to-video (the Encode of the input frames would run untiled)",
-    refusal_tests=("tests/test_image_families_options.py::test_vae_tiling_is_refused_at_startup",),
+    refusal_tests=("tests/integration/test_image_families_options.py::test_vae_tiling_is_refused_at_startup",),
 )
 
 
@@ -59,7 +61,7 @@ def _features(e2e: str, **more: Support) -> dict[str, Support]:
         "multithread_loading": Support(tests=(e2e,)),
         "compile": Support(
             reason="not verified yet with image conditioning",
-            refusal_tests=("tests/test_compile.py::test_compile_is_refused_at_startup_where_unverified",),
+            refusal_tests=("tests/integration/test_compile.py::test_compile_is_refused_at_startup_where_unverified",),
         ),
         "interpolation": Support(tests=(_E2E + "test_wan_i2v_interpolation_keeps_decoded_frames_in_place",)),
         "first_block_cache": _UNVERIFIED_CACHE,
@@ -97,10 +99,19 @@ WAN_I2V = Family(
     images=ImageInputs(
         roles=("first_frame", "last_frame"), required=("first_frame",), encoded_by=("text-encoder", "vae")
     ),
+    # Its cluster test runs one rank per stage; its parallel layouts are proven on the latents, and the
+    # patch-parallel VAE (the same Wan2.1 VAE, its Encode on rank 0) runs through the A14B cluster test.
     features=_features(
-        _E2E + "test_wan_i2v_parallel_dit_frames_equal_pipeline",
-        tensor_parallel=Support(tests=(_PARALLEL, _E2E + "test_wan_i2v_parallel_dit_frames_equal_pipeline")),
-        multithread_loading=Support(tests=(_E2E + "test_wan_i2v_frames_equal_pipeline",)),
+        _E2E + "test_wan_i2v_frames_equal_pipeline",
+        ulysses=Support(tests=(_PARALLEL,)),
+        cfg_parallel=Support(tests=(_PARALLEL,)),
+        hsdp=Support(tests=(_PARALLEL,)),
+        vae_patch_parallel=Support(
+            tests=(
+                "tests/integration/test_vae_patch_parallel.py::test_patch_parallel_equals_untiled_decode",
+                _E2E + "test_wan22_i2v_a14b_frames_equal_pipeline",
+            )
+        ),
     ),
     **_COMPUTE,
 )

@@ -10,7 +10,7 @@
                    patch); WanImageToVideoPipeline loads the same directory for image-to-video
 
 All three are written by `write_checkpoint`, which reads the difference from the Family it is given. The
-prompt side is Wan2.1's own (families/wan/init_model.py): the tokenizer, the UMT5 text encoder, the
+prompt side is Wan2.1's own (families/wan/components.py): the tokenizer, the UMT5 text encoder, the
 scheduler and the request each preset is sized for (DEFAULT_REQUESTS; its sizes are multiples of 32, so
 it serves TI2V too), imported from there with their tables, which this module re-exports so that every
 table its checkpoints are sized by can be read here. The tables below size the rest, per preset and then
@@ -32,18 +32,11 @@ from families.init_model import (
     write_default_request,
     write_model_index,
 )
-from families.wan.init_model import (
-    COMPONENT_CLASSES,
-    DEFAULT_REQUESTS,
-    SECOND_EXPERT_SEED_OFFSET,
-    TOKENIZER_CONFIGS,
-    build_scheduler,
-    build_text_encoder,
-    build_tokenizer,
-)
-from families.wan.init_model import TEXT_ENCODER_CONFIGS as TEXT_ENCODER_CONFIGS
-from families.wan.init_model import TRANSFORMER_CONFIGS as WAN_TRANSFORMER_CONFIGS
-from families.wan.init_model import VAE_CONFIGS as WAN_VAE_CONFIGS
+from families.wan.components import build_scheduler, build_text_encoder, build_tokenizer
+from families.wan.presets import COMPONENT_CLASSES, DEFAULT_REQUESTS, SECOND_EXPERT_SEED_OFFSET, TOKENIZER_CONFIGS
+from families.wan.presets import TEXT_ENCODER_CONFIGS as TEXT_ENCODER_CONFIGS
+from families.wan.presets import TRANSFORMER_CONFIGS as WAN_TRANSFORMER_CONFIGS
+from families.wan.presets import VAE_CONFIGS as WAN_VAE_CONFIGS
 
 WAN_I2V, WAN22_I2V_A14B, WAN22_TI2V = "wan-i2v", "wan2.2-i2v-a14b", "wan2.2-ti2v"
 
@@ -98,7 +91,7 @@ IMAGE_PROCESSOR_CONFIG: dict[str, Any] = dict(
     do_convert_rgb=True,
 )
 
-# WanTransformer3DModel per preset and family: Wan2.1's table (families/wan/init_model.py, where every
+# WanTransformer3DModel per preset and family: Wan2.1's table (families/wan/presets.py, where every
 # key is explained) with these keys changed, as in the published checkpoints:
 #   in_channels        Wan2.1 I2V and Wan2.2 I2V A14B: 36 = 16 noise latents + 4 frame-mask channels (one
 #                      per frame of the 4 the VAE folds into a latent frame) + 16 latents of the conditioning
@@ -127,7 +120,7 @@ TRANSFORMER_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
     for preset, wan in WAN_TRANSFORMER_CONFIGS.items()
 }
 
-# AutoencoderKLWan in the Wan2.2 style (Wan2.2-TI2V-5B). Keys beyond Wan2.1's (families/wan/init_model.py):
+# AutoencoderKLWan in the Wan2.2 style (Wan2.2-TI2V-5B). Keys beyond Wan2.1's (families/wan/presets.py):
 #   decoder_base_dim       channels of the first decoder stage (256 in the real model, 160 in its encoder)
 #   z_dim                  48 latent channels
 #   is_residual            residual down/up blocks with a parameter-free shortcut (average-pooling down,
@@ -196,7 +189,7 @@ LEFT_OUT_COMPONENTS: dict[str, tuple[str, ...]] = {
     WAN22_TI2V: ("transformer_2",),
 }
 
-# model_index.json classes of the image components (the rest: families/wan/init_model.py COMPONENT_CLASSES).
+# model_index.json classes of the image components (the rest: families/wan/presets.py COMPONENT_CLASSES).
 # In transformers 5 without torchvision, `transformers.CLIPImageProcessor` is the PIL-backed
 # CLIPImageProcessorPil; either backend saves and loads the same "CLIPImageProcessor" preprocessor config.
 IMAGE_COMPONENT_CLASSES: dict[str, tuple[str, str]] = {

@@ -18,7 +18,7 @@ from diffusers.pipelines.wan.pipeline_wan_i2v import retrieve_latents
 from diffusers.video_processor import VideoProcessor
 
 from services.input_images import DecodedImage
-from vae_svc.decode import LatentDecoder
+from stagekit.decode import LatentDecoder
 
 LATENTS_NAME = "image_latents"
 

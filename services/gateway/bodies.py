@@ -14,15 +14,19 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import UploadFile
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.errors import ApiError, invalid, validation_error
 
 MAX_FORM_FIELDS = 64
 MAX_FORM_FILES = 16
+
+_Body = TypeVar("_Body", bound=BaseModel)
 
 
 def too_large(limit: int) -> ApiError:
@@ -36,11 +40,11 @@ class BodyLimit:
     """ASGI middleware: a body over `max_bytes` is answered 413, whether its Content-Length says so at once or
     its chunks add up to it (the route reading it gets the error, which the ApiError handler answers)."""
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -50,7 +54,7 @@ class BodyLimit:
             return
         received = 0
 
-        async def limited():
+        async def limited() -> Message:
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":
@@ -64,8 +68,8 @@ class BodyLimit:
 
 @contextlib.asynccontextmanager
 async def read_body(
-    request: Request, model: type[BaseModel], ignore: tuple[str, ...] = ()
-) -> AsyncIterator[tuple[BaseModel, dict[str, list[UploadFile]]]]:
+    request: Request, model: type[_Body], ignore: tuple[str, ...] = ()
+) -> AsyncIterator[tuple[_Body, dict[str, list[UploadFile]]]]:
     """The body as `model` (a 400 naming the first bad field), and its uploaded files by field name, which are
     closed, and so deleted, when the block ends."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -90,7 +94,7 @@ async def read_body(
         await request.close()  # closes the form's files (spooled to disk beyond 1 MiB)
 
 
-def parse_json(body: bytes) -> dict:
+def parse_json(body: bytes) -> dict[str, Any]:
     """A JSON object from `body`; 400 for anything else (run it in a worker thread: a large body takes a while)."""
     try:
         fields = json.loads(body)
@@ -103,7 +107,7 @@ def parse_json(body: bytes) -> dict:
     return fields
 
 
-def _validated(model: type[BaseModel], fields: dict) -> BaseModel:
+def _validated(model: type[_Body], fields: dict[str, Any]) -> _Body:
     try:
         return model.model_validate(fields)
     except ValidationError as error:

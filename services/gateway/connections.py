@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -46,7 +47,7 @@ class _Transport:
         self._transport = transport
         self._protocol = protocol
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
 
     def is_closing(self) -> bool:
@@ -62,7 +63,7 @@ class GuardedProtocol(H11Protocol):
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
         self._phase: object = None  # the caller's h11 state the deadline is for
@@ -90,7 +91,7 @@ class GuardedProtocol(H11Protocol):
     def close_after_answer(self) -> None:
         """uvicorn's close(): at once, unless the request's body is still coming (then lingering, see above)."""
         raw = self._raw
-        if self.lingering or raw.is_closing():
+        if raw is None or self.lingering or raw.is_closing():
             return
         if self._lost or self.conn.their_state is not h11.SEND_BODY or not raw.can_write_eof():
             raw.close()
@@ -117,7 +118,8 @@ class GuardedProtocol(H11Protocol):
         """Closes this waiting connection, and stops counting it at once (its `connection_lost` comes later)."""
         self.connections.discard(self)
         self._cancel_deadline()
-        self._raw.close()
+        if self._raw is not None:
+            self._raw.close()
 
     def _follow(self) -> None:
         """Arms the deadline of what the caller must send now, when that changed."""
@@ -137,7 +139,8 @@ class GuardedProtocol(H11Protocol):
     def _expire(self, part: str, timeout_s: float) -> None:
         self._deadline = None
         _closures.log(part, "closed a connection whose request %s took over %g s", part, timeout_s)
-        self._raw.close()
+        if self._raw is not None:
+            self._raw.close()
 
     def _cancel_deadline(self) -> None:
         if self._deadline is not None:

@@ -11,9 +11,11 @@ says how to get a file instead.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from services.gateway.errors import ApiError
 from services.gateway.key_check import key_digest
@@ -64,13 +66,15 @@ class DownloadSlots:
 class SlotResponse(StreamingResponse):
     """A streamed download that gives its slot back, and closes its source, when it ends however it ends."""
 
-    def __init__(self, slots: DownloadSlots, digest: bytes, content: AsyncIterator[bytes], **kwargs) -> None:
+    def __init__(
+        self, slots: DownloadSlots, digest: bytes, content: AsyncGenerator[bytes, None], **kwargs: Any
+    ) -> None:
         super().__init__(content, **kwargs)
         self._slots = slots
         self._digest = digest
         self._content = content
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
@@ -79,7 +83,7 @@ class SlotResponse(StreamingResponse):
                 await self._content.aclose()
 
 
-async def encoded_bytes(events: AsyncIterator[generation_pb2.GenerateEvent]) -> AsyncIterator[bytes]:
+async def encoded_bytes(events: AsyncIterator[generation_pb2.GenerateEvent]) -> AsyncGenerator[bytes, None]:
     """The encoded file's bytes from a job's events, in order (raw frames, if kept, are passed over)."""
     offset = 0
     async for event in events:
@@ -92,7 +96,7 @@ async def encoded_bytes(events: AsyncIterator[generation_pb2.GenerateEvent]) -> 
                 yield chunk.data
 
 
-async def prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def prepend(first: bytes, rest: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
     try:
         if first:
             yield first

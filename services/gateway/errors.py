@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -97,7 +97,7 @@ def transport_limit(error: StageDiffError) -> ApiError | None:
     return ApiError(413, message, code="request_too_large")
 
 
-def validation_error(errors: Sequence[dict[str, Any]]) -> ApiError:
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     """400 for pydantic's `errors()` of a body or query: the most specific error (of a union's members, the
     one that got furthest), naming its field ("lora.scale", "lora[1]") and what is allowed."""
     if not errors:

@@ -14,6 +14,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from services.gateway.errors import from_stagediff_error
 from services.gateway.orchestrator import Orchestrator
@@ -37,8 +38,11 @@ def _progress(job_id: str, progress: generation_pb2.StageProgress) -> bytes:
     return _sse("progress", {"id": job_id, "stage": progress.stage, "step": progress.step, "total": progress.total})
 
 
-async def server_sent_events(orchestrator: Orchestrator, job_id: str, authorization: str | None):
-    events: asyncio.Queue = asyncio.Queue(maxsize=64)
+async def server_sent_events(
+    orchestrator: Orchestrator, job_id: str, authorization: str | None
+) -> AsyncIterator[bytes]:
+    # Events, then the marker of the result, None at the end, or the error that ended the watch.
+    events: asyncio.Queue[Any] = asyncio.Queue(maxsize=64)
 
     async def read() -> None:
         try:
@@ -93,8 +97,8 @@ async def _polled(orchestrator: Orchestrator, job_id: str, authorization: str | 
             yield _sse("completed", video_object(job))
             return
         if job.state in _ENDED:
-            error = video_object(job)["error"] or {"code": "unknown", "message": "the job did not succeed"}
-            yield _sse("error", {"error": error["message"], "code": error["code"]})
+            failure = video_object(job)["error"] or {"code": "unknown", "message": "the job did not succeed"}
+            yield _sse("error", {"error": failure["message"], "code": failure["code"]})
             return
         if job.HasField("progress") and job.progress != last:
             last, said_at = job.progress, time.monotonic()

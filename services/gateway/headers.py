@@ -5,12 +5,14 @@ printable ASCII there, within its metadata size limit (8 KiB with every other he
 not be a key is answered here, before a route reads the body or calls the orchestrator: one longer than
 MAX_AUTHORIZATION_BYTES is 431, one with a byte outside printable ASCII (a control byte, a non-ASCII
 character) is 401, both with `Connection: close`. Keys are about 50 characters
-(services/orchestrator/tenants.py `new_api_key`).
+(services/orchestrator/tenants/keys.py `new_api_key`).
 """
 
 from __future__ import annotations
 
 import re
+
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.gateway.errors import ApiError
 
@@ -47,10 +49,10 @@ class AuthorizationCheck:
     """ASGI middleware: every HTTP request's Authorization headers pass `authorization_problem`, or the request
     is answered with its error before the app sees it."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             for name, value in scope["headers"]:
                 problem = authorization_problem(value) if name.lower() == b"authorization" else None

@@ -20,6 +20,8 @@ import logging
 import time
 from collections import OrderedDict
 
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from services.auth import RateLimitedLog
 from services.gateway.errors import ApiError, from_stagediff_error
 from services.gateway.orchestrator import Orchestrator
@@ -86,12 +88,12 @@ class KeyCheck:
 class KeyFirst:
     """ASGI middleware: a request without a key the orchestrator takes is answered 401 before its body is read."""
 
-    def __init__(self, app, check: KeyCheck) -> None:
+    def __init__(self, app: ASGIApp, check: KeyCheck) -> None:
         self.app = app
         self.check = check
         self.refusals = RateLimitedLog(logger, logging.INFO)
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return

@@ -8,16 +8,20 @@ which errors.py turns into the HTTP answer.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stagediff.client import CHANNEL_OPTIONS
+from stagediff.async_client import CHANNEL_OPTIONS
 from stagediff.errors import StageDiffError
 from stagediff.uploads import with_uploads
 from stagediff.v1 import generation_pb2, generation_pb2_grpc, image_pb2
+
+_Reply = TypeVar("_Reply")
 
 # Unary calls (submit, get, list, cancel, delete, models) are quick; a stream runs as long as its job.
 UNARY_TIMEOUT_S = 30.0
@@ -60,10 +64,12 @@ class Orchestrator:
 
     async def close(self) -> None:
         if self._channel is not None:
-            await self._channel.close()
+            await self._channel.close(None)  # no grace: grpc-stubs lack the default
             self._channel = None
 
-    async def _call(self, method, request, authorization: str | None):
+    async def _call(
+        self, method: Callable[..., Awaitable[_Reply]], request: Message | Sequence[Message], authorization: str | None
+    ) -> _Reply:
         try:
             return await method(request, timeout=UNARY_TIMEOUT_S, metadata=_metadata(authorization))
         except grpc.aio.AioRpcError as error:
@@ -94,7 +100,7 @@ class Orchestrator:
         request = generation_pb2.ListModelsRequest()
         return list((await self._call(self.stub.ListModels, request, authorization)).models)
 
-    async def watch(self, job_id: str, authorization: str | None) -> AsyncIterator[generation_pb2.GenerateEvent]:
+    async def watch(self, job_id: str, authorization: str | None) -> AsyncGenerator[generation_pb2.GenerateEvent, None]:
         """The job's events from its first (its result included), as WatchJob streams them."""
         call = self.stub.WatchJob(generation_pb2.WatchJobRequest(job_id=job_id), metadata=_metadata(authorization))
         try:

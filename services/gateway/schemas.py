@@ -47,30 +47,30 @@ MAX_DATA_URL_CHARS = 4 * -(-MAX_IMAGE_BYTES // 3) + 256
 _SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
 
 
-def _text(max_length: int) -> object:
-    """A string of at most `max_length` characters (pydantic takes only valid Unicode: no lone surrogates)."""
-    return Annotated[str, StringConstraints(max_length=max_length)]
-
-
-Text = _text(MAX_TEXT)
-Name = _text(MAX_NAME)
-ModelId = _text(MAX_MODEL_ID_CHARS)
-LoraName = _text(MAX_LORA_NAME_CHARS)
-LoraSpec = _text(MAX_LORA_NAME_CHARS + 32)  # "NAME" or "NAME:SCALE"
-DataUrl = _text(MAX_DATA_URL_CHARS)
+# Strings bounded by length (pydantic takes only valid Unicode: no lone surrogates).
+Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
+Name = Annotated[str, StringConstraints(max_length=MAX_NAME)]
+ModelId = Annotated[str, StringConstraints(max_length=MAX_MODEL_ID_CHARS)]
+LoraName = Annotated[str, StringConstraints(max_length=MAX_LORA_NAME_CHARS)]
+LoraSpec = Annotated[str, StringConstraints(max_length=MAX_LORA_NAME_CHARS + 32)]  # "NAME" or "NAME:SCALE"
+DataUrl = Annotated[str, StringConstraints(max_length=MAX_DATA_URL_CHARS)]
+SizeText = Annotated[str, StringConstraints(max_length=MAX_SIZE_CHARS)]
+CacheMethod = Annotated[str, StringConstraints(max_length=MAX_CACHE_METHOD_CHARS)]
+ImageKey = Annotated[str, StringConstraints(max_length=16)]
 Side = Annotated[int, Field(ge=1, le=INT32_MAX)]
-
-
-def _finite(low: float, high: float, *, above_low: bool = False):
-    """A finite float in [low, high], or (low, high] with `above_low`."""
-    bound = {"gt": low} if above_low else {"ge": low}
-    return Annotated[float, Field(le=high, allow_inf_nan=False, **bound)]
+# Finite floats in [low, high], or (low, high] where the low end is excluded (gt).
+LoraScale = Annotated[float, Field(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)]
+GuidanceScale = Annotated[float, Field(ge=0.0, le=MAX_GUIDANCE_SCALE, allow_inf_nan=False)]
+CacheThreshold = Annotated[float, Field(gt=0.0, le=MAX_CACHE_THRESHOLD, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(gt=0.0, le=MAX_SECONDS, allow_inf_nan=False)]
+Fps = Annotated[float, Field(gt=0.0, le=MAX_FPS, allow_inf_nan=False)]
+InterpScale = Annotated[float, Field(ge=0.0, le=max(ALLOWED_INTERP_SCALES), allow_inf_nan=False)]
 
 
 class LoraField(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: LoraName
-    scale: _finite(-MAX_LORA_SCALE, MAX_LORA_SCALE) | None = None
+    scale: LoraScale | None = None
 
 
 # `lora`: "name", "name:scale", {"name": ..., "scale": ...}, or a list of those.
@@ -85,35 +85,35 @@ class Diffusion(BaseModel):
     model: ModelId = ""
     prompt: Text
     negative_prompt: Text = ""
-    size: _text(MAX_SIZE_CHARS) | None = None
+    size: SizeText | None = None
     width: Side | None = None
     height: Side | None = None
     num_inference_steps: Side | None = None
-    guidance_scale: _finite(0.0, MAX_GUIDANCE_SCALE) | None = None
+    guidance_scale: GuidanceScale | None = None
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     lora: LoraValue | None = None
     # The DiT's step cache: "none" or a method the model lists (GET /v1/models), and its threshold.
-    cache: _text(MAX_CACHE_METHOD_CHARS) | None = None
-    cache_threshold: _finite(0.0, MAX_CACHE_THRESHOLD, above_low=True) | None = None
+    cache: CacheMethod | None = None
+    cache_threshold: CacheThreshold | None = None
     # OpenAI's end-user id: accepted for compatibility, not used.
     user: Name | None = None
 
 
 class VideoCreate(Diffusion):
-    seconds: _finite(0.0, MAX_SECONDS, above_low=True) | None = None
+    seconds: Seconds | None = None
     num_frames: Side | None = None
-    fps: _finite(0.0, MAX_FPS, above_low=True) | None = None
+    fps: Fps | None = None
     # Frame interpolation (RIFE, when the cluster runs the interpolator): 2**exp x the frames and frame rate.
     enable_frame_interpolation: bool = False
     frame_interpolation_exp: Annotated[int, Field(ge=0, le=MAX_INTERP_EXP)] = 1
     # The interpolator's flow scale: one of ALLOWED_INTERP_SCALES (0 means 1).
-    frame_interpolation_scale: _finite(0.0, max(ALLOWED_INTERP_SCALES)) = 0.0
+    frame_interpolation_scale: InterpScale = 0.0
     output_format: Literal["mp4", "webm", "gif"] = "mp4"
     # 1 (smallest) to 100 (best); unset, the format's default.
     output_quality: Annotated[int, Field(ge=1, le=100)] | None = None
     # An image as a data URL ("data:image/png;base64,...") or {"image_url": "data:..."}; as a file in a
     # multipart body. The first frame of image-to-video.
-    input_reference: DataUrl | Annotated[dict[_text(16), DataUrl], Field(max_length=1)] | None = None
+    input_reference: DataUrl | Annotated[dict[ImageKey, DataUrl], Field(max_length=1)] | None = None
 
     @model_validator(mode="after")
     def _known_scale(self) -> VideoCreate:
@@ -159,7 +159,7 @@ def parse_size(size: str | None) -> tuple[int, int] | None:
 
 
 def _loras(value: LoraValue | None) -> list[stages_pb2.LoraAdapter]:
-    items = [] if value is None else value if isinstance(value, list) else [value]
+    items: list[str | LoraField] = [] if value is None else value if isinstance(value, list) else [value]
     adapters = []
     for item in items:
         if isinstance(item, LoraField):

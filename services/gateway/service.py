@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import ssl
+from typing import Any
 
 import uvicorn
 
 from services.allocator import return_large_buffers_to_the_system
 from services.environment_options import parse_args
 from services.gateway.app import create_app
+from services.gateway.config import GatewayConfig
 from services.gateway.connections import guarded_protocol
 from services.gateway.options import build_parser
 from services.gateway.orchestrator import Orchestrator
@@ -22,14 +23,15 @@ logger = logging.getLogger(__name__)
 PROG = "stagediff serve http"
 
 
-def startup_problem(args: argparse.Namespace) -> str | None:
-    """Why the gateway refuses to start with `args`, or None: a certificate without its key, or plain HTTP where
-    other machines reach it (Bearer keys in clear) without --insecure."""
-    if (args.tls_cert is None) != (args.tls_key is None):
+def startup_problem(config: GatewayConfig) -> str | None:
+    """Why the gateway refuses to start with `config`, or None: a certificate without its key, or plain HTTP
+    where other machines reach it (Bearer keys in clear) without --insecure."""
+    tls = config.tls
+    if (tls.cert_file is None) != (tls.key_file is None):
         return "--tls-cert and --tls-key go together"
-    if args.tls_cert is None and not args.insecure and not is_loopback(args.host):
+    if tls.cert_file is None and not config.insecure and not is_loopback(config.host):
         return (
-            f"--host {args.host} without --tls-cert and --tls-key would carry API keys in clear; serve HTTPS, "
+            f"--host {config.host} without --tls-cert and --tls-key would carry API keys in clear; serve HTTPS, "
             "or put a TLS-terminating proxy in front and pass --insecure"
         )
     return None
@@ -38,46 +40,38 @@ def startup_problem(args: argparse.Namespace) -> str | None:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parse_args(parser, argv)
-    for flag, value in (
-        ("--max-body-bytes", args.max_body_bytes),
-        ("--max-concurrent-requests", args.max_concurrent_requests),
-        ("--max-downloads-per-key", args.max_downloads_per_key),
-    ):
-        if value < 1:
-            parser.error(f"{flag} {value}: use 1 or more")
-    for flag, seconds in (
-        ("--image-wait", args.image_wait),
-        ("--header-timeout", args.header_timeout),
-        ("--body-timeout", args.body_timeout),
-    ):
-        if not 0 < seconds <= 86400:
-            parser.error(f"{flag} {seconds}: use more than 0 and at most 86400 seconds")
-    problem = startup_problem(args) or bind_problem(args.host, args.port, "--port")
+    try:
+        config = GatewayConfig.from_options(args)
+    except ValueError as error:
+        parser.error(str(error))
+    problem = startup_problem(config) or bind_problem(config.host, config.port, "--port")
     if problem is not None:
         raise SystemExit(f"{PROG}: {problem}")
-    configure_logging(args.log_level, args.log_format)
+    configure_logging(config.logging.level, config.logging.format)
     return_large_buffers_to_the_system()  # clients' images and uploads pass through here
-    orchestrator = Orchestrator(args.orchestrator, ca_cert=args.orchestrator_ca_cert, tls=args.orchestrator_tls)
+    orchestrator = Orchestrator(config.orchestrator, ca_cert=config.orchestrator_ca_cert, tls=config.orchestrator_tls)
     app = create_app(
         orchestrator,
-        max_body_bytes=args.max_body_bytes,
-        image_wait_s=args.image_wait,
-        max_downloads_per_key=args.max_downloads_per_key,
-        openapi=args.openapi,
+        max_body_bytes=config.max_body_bytes,
+        image_wait_s=config.image_wait_s,
+        max_downloads_per_key=config.max_downloads_per_key,
+        openapi=config.openapi,
     )
-    tls = {}
-    if args.tls_cert is not None:
-        tls = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key}
-        if args.tls_client_ca is not None:
-            tls |= {"ssl_ca_certs": args.tls_client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
-    logger.info("serving HTTP on %s:%d in front of the orchestrator at %s", args.host, args.port, args.orchestrator)
+    tls: dict[str, Any] = {}
+    if config.tls.cert_file is not None:
+        tls = {"ssl_certfile": config.tls.cert_file, "ssl_keyfile": config.tls.key_file}
+        if config.tls.client_ca_file is not None:
+            tls |= {"ssl_ca_certs": config.tls.client_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    logger.info(
+        "serving HTTP on %s:%d in front of the orchestrator at %s", config.host, config.port, config.orchestrator
+    )
     with contextlib.suppress(KeyboardInterrupt):
         uvicorn.run(
             app,
-            host=args.host,
-            port=args.port,
-            limit_concurrency=args.max_concurrent_requests,
-            http=guarded_protocol(args.header_timeout, args.body_timeout),
+            host=config.host,
+            port=config.port,
+            limit_concurrency=config.max_concurrent_requests,
+            http=guarded_protocol(config.header_timeout_s, config.body_timeout_s),
             log_config=None,
             access_log=False,
             **tls,

@@ -13,7 +13,7 @@ from typing import TypeVar
 import av
 
 from services.encoding import ResultEncoder, output_format
-from services.orchestrator.jobs import Job
+from services.orchestrator.job import Job
 from services.orchestrator.store import EncodedWriter, ResultReader, ResultWriter
 
 T = TypeVar("T")

@@ -22,7 +22,8 @@ from collections.abc import Iterator
 
 import grpc
 
-from services.orchestrator.jobs import Job, JobManager
+from services.orchestrator.job import Job
+from services.orchestrator.jobs import JobManager
 from services.orchestrator.tenants import Tenant
 
 

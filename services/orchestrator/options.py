@@ -157,10 +157,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def batch_per_tenant(args: argparse.Namespace, has_tenants: bool) -> bool:
-    """Whether the DiT batches a request only with its own tenant's: --[no-]batch-per-tenant, else whether the
-    cluster has a tenants file."""
-    return args.batch_per_tenant if args.batch_per_tenant is not None else has_tenants
+def batch_per_tenant(choice: bool | None, has_tenants: bool) -> bool:
+    """Whether the DiT batches a request only with its own tenant's: `choice` (--[no-]batch-per-tenant), else
+    whether the cluster has a tenants file."""
+    return choice if choice is not None else has_tenants
 
 
 def build_parser() -> OptionParser:

@@ -18,10 +18,11 @@ once the model is known.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, cast
 
 import grpc
-from google.protobuf.descriptor import FieldDescriptor, ServiceDescriptor
+from google.protobuf.descriptor import Descriptor, FieldDescriptor, ServiceDescriptor
 from google.protobuf.message import Message
 
 from services.errors import RequestError
@@ -74,16 +75,16 @@ def _is_repeated(field: FieldDescriptor) -> bool:
     return field.is_repeated
 
 
-def sized_fields(descriptor) -> list[tuple[str, FieldDescriptor]]:
+def sized_fields(descriptor: Descriptor) -> list[tuple[str, FieldDescriptor]]:
     """(path, field) of every string, bytes and repeated field under a message type, nested ones included."""
     found: list[tuple[str, FieldDescriptor]] = []
 
-    def walk(message_descriptor, prefix: str) -> None:
-        for field in message_descriptor.fields:
+    def walk(message_descriptor: Descriptor, prefix: str) -> None:
+        for field in cast(list[FieldDescriptor], message_descriptor.fields):
             path = f"{prefix}{field.name}"
             if _is_repeated(field) or field.type in _SIZED_TYPES:
                 found.append((path, field))
-            if field.type == FieldDescriptor.TYPE_MESSAGE and not _is_repeated(field):
+            if field.type == FieldDescriptor.TYPE_MESSAGE and not _is_repeated(field) and field.message_type:
                 walk(field.message_type, f"{path}.")
 
     walk(descriptor, "")
@@ -97,7 +98,8 @@ def check_bounds(request: Message, prefix: str = "") -> None:
     limits = FIELD_LIMITS.get(name)
     if limits is None:
         raise RequestError(f"request: {name} has no field limits; it cannot be accepted")
-    for field in request.DESCRIPTOR.fields:
+    # types-protobuf type the fields as the pure-Python or the upb descriptor; both have these attributes.
+    for field in cast(list[FieldDescriptor], request.DESCRIPTOR.fields):
         path = f"{prefix}{field.name}"
         if _is_repeated(field) or field.type in _SIZED_TYPES:
             limit = limits.get(field.name)
@@ -109,7 +111,9 @@ def check_bounds(request: Message, prefix: str = "") -> None:
                 if _is_repeated(field):
                     unit = "entries"
                 raise RequestError(f"{path}: {size} {unit}; at most {limit} are allowed")
-        if field.type != FieldDescriptor.TYPE_MESSAGE or field.message_type.GetOptions().map_entry:
+        if field.type != FieldDescriptor.TYPE_MESSAGE or field.message_type is None:
+            continue
+        if field.message_type.GetOptions().map_entry:
             continue
         if _is_repeated(field):
             for index, item in enumerate(getattr(request, field.name)):
@@ -134,30 +138,37 @@ class RequestBoundsInterceptor(grpc.aio.ServerInterceptor):
                     raise ValueError(f"{method.full_name}: bidirectional streams are not checked; bound them elsewhere")
         self.services = frozenset(service.full_name for service in services)
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        # None for a method no servicer has (grpc-stubs leave None out).
+        handler: grpc.RpcMethodHandler | None = await continuation(handler_call_details)
         service = handler_call_details.method.lstrip("/").partition("/")[0]
         if handler is None or service not in self.services:
-            return handler
+            return handler  # type: ignore[return-value]  # grpc takes None: no such method
         deserializer, serializer = handler.request_deserializer, handler.response_serializer
+        # grpc-stubs type the behaviours as sync functions; a grpc.aio server's are coroutines and async generators.
         if handler.unary_unary is not None:
-            inner = handler.unary_unary
+            inner: Callable[..., Any] = handler.unary_unary
 
-            async def unary_unary(request, context):
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 await _check(request, context)
                 return await inner(request, context)
 
             return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, serializer)
         if handler.stream_unary is not None:
-            inner_upload = handler.stream_unary
+            inner_upload: Callable[..., Any] = handler.stream_unary
 
-            async def stream_unary(requests, context):
+            async def stream_unary(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
                 return await inner_upload(_checked(requests), context)
 
             return grpc.stream_unary_rpc_method_handler(stream_unary, deserializer, serializer)
-        inner_stream = handler.unary_stream
+        inner_stream: Callable[..., Any] | None = handler.unary_stream
 
-        async def unary_stream(request, context):
+        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            assert inner_stream is not None  # bidirectional streams were refused above
             await _check(request, context)
             async for response in inner_stream(request, context):
                 yield response
@@ -165,7 +176,7 @@ class RequestBoundsInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, serializer)
 
 
-async def _checked(requests):
+async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
     """The messages of a request stream, each checked; RequestError at the first over its limits."""
     async for request in requests:
         if isinstance(request, Message):
@@ -173,7 +184,7 @@ async def _checked(requests):
         yield request
 
 
-async def _check(request, context: grpc.aio.ServicerContext) -> None:
+async def _check(request: Any, context: grpc.aio.ServicerContext) -> None:
     # Bytes that did not parse arrive as a placeholder, which the request-decoding interceptor refuses.
     if not isinstance(request, Message):
         return

@@ -4,7 +4,7 @@
 images. `probe_images` then reads each image's header (format, structure, and its pixel count before
 anything is decoded: a decompression bomb never gets past it) on the orchestrator's image workers
 (services/image_work.py), and `complete_images` runs with the rest of the request's validation
-(services/orchestrator/service.py): each image's role against the roles the model takes and
+(services/orchestrator/request_defaults.py): each image's role against the roles the model takes and
 requires. It fills in what the job records of each image: its role (an unspecified role becomes the
 model's first), its SHA-256 and its size as decoded, the EXIF orientation applied (what the stages and the
 family's pipeline see). `size_from_images` is the output size a family takes from an input image when the

@@ -9,7 +9,7 @@ chunks with plain reads at offsets, one chunk in memory at a time, while the
 file is still being written or after it was committed. An encoded file's size
 is known only at its end, so `EncodedWriter` appends, and `EncodedReader`
 reads any range written so far. `StoredResult` is a committed result as the
-store describes it. The store (store.py) decides when a file is created,
+store describes it. The store (store/) decides when a file is created,
 committed or deleted; this module only reads and writes it.
 """
 
@@ -18,10 +18,10 @@ from __future__ import annotations
 import io
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Self
 
 import numpy as np
 
@@ -60,7 +60,7 @@ def check_shape(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
     shape = tuple(int(n) for n in shape)
     if len(shape) != 4 or shape[3] != 3 or min(shape) < 1:
         raise ValueError(f"frames: shape [F, H, W, 3] with every size at least 1 expected, got {list(shape)}")
-    return shape  # type: ignore[return-value]
+    return shape
 
 
 class _FileReader:
@@ -92,10 +92,10 @@ class _FileReader:
                 os.close(self._fd)
                 self._fd = None
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 
@@ -367,7 +367,7 @@ class StoredResult:
 
     def events(
         self, job_id: str = "", *, seed: int = 0, chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    ) -> Iterator[generation_pb2.GenerateEvent]:
+    ) -> Generator[generation_pb2.GenerateEvent]:
         """The result chunks and the completion event, as a watcher of the live job received them: the raw
         frames (when kept), then the encoded file (when there is one).
 
@@ -382,9 +382,9 @@ class StoredResult:
                         )
         if self.encoded_path is not None:
             with self.open_encoded() as reader:
-                for chunk in reader.chunks(0, self.encoded_bytes, last=True, chunk_bytes=chunk_bytes):
+                for piece in reader.chunks(0, self.encoded_bytes, last=True, chunk_bytes=chunk_bytes):
                     yield generation_pb2.GenerateEvent(
-                        job_id=job_id, result=generation_pb2.ResultChunk(encoded=chunk, fps=self.fps)
+                        job_id=job_id, result=generation_pb2.ResultChunk(encoded=piece, fps=self.fps)
                     )
         yield self.completed_event(job_id, seed)
 

@@ -1,34 +1,22 @@
 """Which queued job runs next: strict priority classes, weighted fair sharing of tenants inside a class.
 
-Priority classes are strict: a job of a higher class always starts before any
-job of a lower one, as long as its tenant may start another job.
-
-Inside a class, tenants share job slots in proportion to their weights by
+Priority classes are strict: a job of a higher class always starts before any job of a lower one, as long as its
+tenant may start another job. Inside a class, tenants share job slots in proportion to their weights by
 start-time fair queueing (SFQ, Goyal et al. 1996) with a cost of one per job:
-
 - each class has a virtual time V, the start tag of the job it dispatched last;
 - each tenant has a finish tag F, the finish tag of its last dispatched job;
-- a tenant's next job has the start tag S = max(V, F); the scheduler starts the
-  job with the smallest S (ties: the job admitted first), then sets
-  F = S + 1 / weight and V = S.
+- a tenant's next job has the start tag S = max(V, F); the job with the smallest S starts (ties: the job
+  admitted first), then F = S + 1 / weight and V = S.
 
-Tags are computed when a job is dispatched, not when it arrives, so a tenant
-that was idle, or that sat at its own running limit, comes back at S = V: it
-competes from now on with its fair share and never with credit saved up while
-it was not competing. While tenants stay backlogged, a tenant with weight w
-gets slots in proportion to w: after any number of dispatches the normalised
-counts n_i / w_i of two tenants differ by at most max(1/w_i, 1/w_j), and a
-waiting tenant x sees at most ceil(w_j / w_x) + 1 jobs of each other tenant j
-start before its own (no starvation). Tags are exact fractions, so ties are
-real ties and the order is deterministic.
+Tags are computed at dispatch, not arrival, so a tenant that was idle or at its own running limit comes back at
+S = V, with no credit saved up. Among backlogged tenants the normalised counts n_i / w_i differ by at most
+max(1/w_i, 1/w_j), and a waiting tenant x sees at most ceil(w_j / w_x) + 1 jobs of each other tenant j start
+before its own. Tags are exact fractions, so ties are real ties and the order is deterministic.
 
-Admission control refuses a job (`AdmissionRefused`, with a retry-after
-estimate) when the whole queue or the tenant's share of it is full. A tenant
-at its limit of running jobs is skipped by `next_runnable`; others go ahead.
-
-This module is pure bookkeeping: no asyncio, no threads, no wall clock except
-the injectable `clock` used to measure job durations for retry-after estimates.
-Each call costs O(tenants in a class); `positions` costs O(queued x tenants).
+Admission refuses a job (`AdmissionRefused`, with a retry-after estimate) when the queue or the tenant's share of
+it is full; a tenant at its limit of running jobs is skipped by `next_runnable`. Pure bookkeeping: no asyncio, no
+threads, no wall clock but the injectable `clock` for retry-after estimates. Each call costs O(tenants in a
+class); `positions` costs O(queued x tenants).
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ class StageClient:
         return UNKNOWN, status
 
     async def close(self) -> None:
-        await self.channel.close()
+        await self.channel.close(None)  # no grace: grpc-stubs lack the default
 
 
 class Stage:

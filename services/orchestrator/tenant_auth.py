@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextvars
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, cast
 
 import grpc
 
@@ -44,8 +44,9 @@ def current_tenant() -> Tenant:
 def _with_tenant(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMethodHandler:
     """`handler`, with `current_tenant()` set to `tenant` while it runs."""
     deserializer, serializer = handler.request_deserializer, handler.response_serializer
+    # grpc-stubs type the behaviours as sync functions; a grpc.aio server's are coroutines and async generators.
     if not handler.response_streaming:
-        inner: Callable[..., Awaitable[Any]] = handler.stream_unary or handler.unary_unary
+        inner = cast(Callable[..., Awaitable[Any]], handler.stream_unary or handler.unary_unary)
 
         async def unary_response(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
             _tenant.set(tenant)
@@ -55,9 +56,9 @@ def _with_tenant(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMeth
             return grpc.stream_unary_rpc_method_handler(unary_response, deserializer, serializer)
         return grpc.unary_unary_rpc_method_handler(unary_response, deserializer, serializer)
 
-    inner_stream = handler.stream_stream or handler.unary_stream
+    inner_stream = cast(Callable[..., Any], handler.stream_stream or handler.unary_stream)
 
-    async def streaming_response(request_or_iterator: Any, context: grpc.aio.ServicerContext):
+    async def streaming_response(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         _tenant.set(tenant)
         result = inner_stream(request_or_iterator, context)
         if inspect.isasyncgen(result):
@@ -92,10 +93,15 @@ class TenantAuthInterceptor(grpc.aio.ServerInterceptor):
         self.refusals = RateLimitedLog(logger, logging.INFO)
         install_metadata_encoding_filter()
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        # None for a method no servicer has (grpc-stubs leave None out).
+        handler: grpc.RpcMethodHandler | None = await continuation(handler_call_details)
         if handler is None or service_of(handler_call_details.method) in self.exempt_services:
-            return handler
+            return handler  # type: ignore[return-value]  # grpc takes None: no such method
         try:
             tenant = self.registry.authenticate(handler_call_details.invocation_metadata)
         except AuthenticationError as error:

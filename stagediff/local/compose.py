@@ -38,7 +38,8 @@ def shipped_compose_file(name: str) -> Path:
     to the folder deploy/ (so an installed wheel has them), or deploy/ itself beside the packages where the
     mapping does not reach (a source tree, an editable install)."""
     try:
-        return Path(importlib.resources.files("stagediff.deploy").joinpath(name))
+        # A package on disk (what setuptools installs) gives a path; Traversable is the general case.
+        return Path(str(importlib.resources.files("stagediff.deploy").joinpath(name)))
     except ModuleNotFoundError:
         return Path(__file__).resolve().parents[2] / "deploy" / name
 
@@ -395,8 +396,10 @@ def with_replicas(services: dict[str, ComposeService], counts: dict[str, int]) -
 
     def expand(text: str) -> str:
         parts = text.split(",")
-        stages = {references.get(part) for part in parts}
-        if len(stages) != 1 or None in stages:
+        if not all(part in references for part in parts):
+            return text
+        stages = {references[part] for part in parts}
+        if len(stages) != 1:
             return text
         (stage,) = stages
         return ",".join(f"{name}:{services.get(name, services[stage]).container_port}" for name in members[stage])
@@ -417,17 +420,17 @@ def with_replicas(services: dict[str, ComposeService], counts: dict[str, int]) -
 
     result: dict[str, ComposeService] = {}
     for name, service in services.items():
-        stage = stage_of.get(name)
-        if stage is None:
+        service_stage = stage_of.get(name)
+        if service_stage is None:
             result[name] = replace(
                 service, command=expand_command(service.command), depends_on=expand_depends_on(service.depends_on)
             )
             continue
-        if members[stage][0] in result:
+        if members[service_stage][0] in result:
             continue
         # Where a stage first appears in the file: all its replicas, declared or cloned from the stage.
-        for member in members[stage]:
-            source = services.get(member, services[stage])
+        for member in members[service_stage]:
+            source = services.get(member, services[service_stage])
             result[member] = replace(
                 source,
                 name=member,

@@ -27,7 +27,7 @@ def is_serving(endpoint: str, timeout: float = 1.0, credentials: grpc.ChannelCre
             response = health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout)
     except grpc.RpcError:
         return False
-    return response.status == health_pb2.HealthCheckResponse.SERVING
+    return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
 
 
 def wait_for_serving(endpoint: str, timeout: float, credentials: grpc.ChannelCredentials | None = None) -> None:
@@ -49,7 +49,7 @@ def is_http_ready(url: str, timeout: float = 1.0) -> bool:
     context = ssl._create_unverified_context() if url.startswith("https:") else None
     try:
         with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
-            return 200 <= response.status < 300
+            return bool(200 <= response.status < 300)
     except (urllib.error.URLError, OSError, ValueError):  # HTTPError (a 503) is a URLError
         return False
 

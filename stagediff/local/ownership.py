@@ -2,7 +2,7 @@
 
 Before anything starts (and so before any model loads), `startup_problems` finds what another running server or
 cluster already holds: each port the cluster is to listen on, and the state dir, whose LOCK the orchestrator
-that uses it holds (services/orchestrator/store.py). Each problem is one line naming the port or the directory
+that uses it holds (services/orchestrator/store/database.py). Each problem is one line naming the port or the directory
 and the `stagediff up` flag that set it.
 
 Once they run, a service counts as ready only when the answer carries the launch id the cluster gave that very

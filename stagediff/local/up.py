@@ -20,7 +20,9 @@ import argparse
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -136,13 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     return up
 
 
-def stage_flags(args: argparse.Namespace) -> dict[str, list[str]]:
-    """The stage options given to `stagediff up`, grouped by the service they go to."""
+def stage_flags(options: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The stage options given to `stagediff up` (its parsed options by destination name, `vars(args)`), grouped
+    by the service they go to."""
     extra: dict[str, list[str]] = {}
-    if args.tenants:
-        extra["orchestrator"] = ["--tenants", str(Path(args.tenants).resolve())]
+    if options.get("tenants"):
+        extra["orchestrator"] = ["--tenants", str(Path(options["tenants"]).resolve())]
     for option, (target, _) in forwarded_options().items():
-        value = getattr(args, option.lstrip("-").replace("-", "_"))
+        value = options[option.lstrip("-").replace("-", "_")]
         if value is None or value is False or value == []:
             continue
         if isinstance(value, list):  # a repeatable option (--lora NAME, ...): each value after its own flag
@@ -168,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
             port=args.port,
             http_port=args.http_port,
             host=args.host,
-            extra_args=stage_flags(args),
+            extra_args=stage_flags(vars(args)),
             threads_per_stage=args.threads_per_stage,
             log_dir=args.log_dir,
             echo_logs=args.echo_logs,

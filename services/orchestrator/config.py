@@ -1,0 +1,102 @@
+"""The orchestrator's configuration: built once from its parsed options in `main`, checked, then handed down.
+
+`OrchestratorConfig.from_options` reads the parsed `stagediff serve orchestrator` options (options.py);
+`__post_init__` refuses values that leave no room to work, with the message `main` gives the parser's
+error (naming the flag and what is allowed). Nothing below `main` reads the parsed options themselves.
+TLS, the cluster secret and the server's own limits are read in `main` by their shared helpers
+(services/auth.py, services/server.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from services.orchestrator.sizes import MinFree
+from services.orchestrator.stage_clients import STAGE_ORDER
+
+# Each count flag and the least value it allows, in the order they are checked.
+_LEAST = (
+    ("max_running_jobs", "--max-running-jobs", 1),
+    ("max_queued_jobs", "--max-queued-jobs", 1),
+    ("stage_retries", "--stage-retries", 0),
+    ("max_kept_jobs", "--max-kept-jobs", 1),
+    ("max_job_attempts", "--max-job-attempts", 1),
+    ("adapters_per_minute", "--adapters-per-minute", 0),
+)
+MAX_DETACH_GRACE_S = 3600
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """What `stagediff serve orchestrator` runs with (options.py has each flag's help)."""
+
+    host: str
+    port: int
+    # The endpoints of each stage kind given (`--<stage> HOST:PORT[,HOST:PORT...]`); kinds without are absent.
+    stage_endpoints: Mapping[str, str]
+    max_running_jobs: int
+    max_queued_jobs: int
+    stage_retries: int
+    detach_grace_s: float
+    health_interval_s: float
+    replica_wait_s: float
+    # The tenants YAML file; None: the open registry.
+    tenants_file: str | None
+    state_dir: str
+    max_kept_jobs: int
+    max_stored_bytes_per_tenant: int
+    # Seconds a finished job is kept; 0: no age limit.
+    job_retention_s: float
+    min_free: MinFree
+    max_job_attempts: int
+    adapters_per_minute: int
+    # --[no-]batch-per-tenant; None: on with a tenants file, off without (options.batch_per_tenant).
+    batch_per_tenant: bool | None
+    metrics_port: int
+    max_concurrent_rpcs: int
+    max_health_watchers: int
+    insecure: bool
+
+    def __post_init__(self) -> None:
+        for name, flag, least in _LEAST:
+            value = getattr(self, name)
+            if value < least:
+                raise ValueError(f"{flag} {value}: use {least} or more")
+        if not (math.isfinite(self.job_retention_s) and self.job_retention_s >= 0):
+            raise ValueError(f"--job-retention {self.job_retention_s}: use 0 (no age limit) or more seconds")
+        if self.max_stored_bytes_per_tenant < 1:
+            raise ValueError(f"--max-stored-bytes-per-tenant {self.max_stored_bytes_per_tenant}: use 1 byte or more")
+        if not (math.isfinite(self.detach_grace_s) and 0 <= self.detach_grace_s <= MAX_DETACH_GRACE_S):
+            raise ValueError(f"--detach-grace {self.detach_grace_s}: use 0 to {MAX_DETACH_GRACE_S} seconds")
+
+    @classmethod
+    def from_options(cls, args: argparse.Namespace) -> OrchestratorConfig:
+        """The configuration the parsed options give; raises ValueError naming the first flag out of bounds."""
+        endpoints = {stage: getattr(args, stage.replace("-", "_")) for stage in STAGE_ORDER}
+        return cls(
+            host=args.host,
+            port=args.port,
+            stage_endpoints={stage: value for stage, value in endpoints.items() if value is not None},
+            max_running_jobs=args.max_running_jobs,
+            max_queued_jobs=args.max_queued_jobs,
+            stage_retries=args.stage_retries,
+            detach_grace_s=args.detach_grace,
+            health_interval_s=args.health_interval,
+            replica_wait_s=args.replica_wait,
+            tenants_file=args.tenants or None,
+            state_dir=args.state_dir,
+            max_kept_jobs=args.max_kept_jobs,
+            max_stored_bytes_per_tenant=args.max_stored_bytes_per_tenant,
+            job_retention_s=args.job_retention,
+            min_free=args.min_free_bytes,
+            max_job_attempts=args.max_job_attempts,
+            adapters_per_minute=args.adapters_per_minute,
+            batch_per_tenant=args.batch_per_tenant,
+            metrics_port=args.metrics_port,
+            max_concurrent_rpcs=args.max_concurrent_rpcs,
+            max_health_watchers=args.max_health_watchers,
+            insecure=args.insecure,
+        )

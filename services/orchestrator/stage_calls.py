@@ -1,0 +1,277 @@
+"""The calls a job makes on each stage: text encoder, VAE encode, DiT, VAE decode, and interpolator.
+
+Every stage call runs on one replica of its stage, chosen by the stage pool (the
+serving replica with the fewest calls in flight), within the job's remaining
+deadline. The orchestrator relays bytes: what a stage sends travels on as the
+chunks it sent (the text encoder names its tensors as the DiT takes them), and
+only their headers are read, never their data as tensors; torch is never
+imported. The conditioning calls (text encoder, VAE encode of the input images)
+run to their end and check that the stage sent every tensor the DiT needs from
+it; the relayed calls (DiT, VAE decode, interpolator) read their input from a
+queue closed by `END` and hand each chunk they receive to `emit`.
+
+With `batch_per_tenant` (--batch-per-tenant) each Denoise call carries its
+tenant's opaque batch group, so that a batched DiT puts it in a batch with the
+same tenant's requests only. `keep_output` keeps a finished stage's output in
+the job and in the store, so that a retry or a restart resumes after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from families.base import Family
+from services.input_images import ROLE_NAMES
+from services.metrics import OrchestratorMetrics
+from services.orchestrator.cache_namespace import tenant_cache_namespace
+from services.orchestrator.job import Job
+from services.orchestrator.stage_clients import StageError, StagePool
+from services.orchestrator.store import JobStore
+from stagediff.v1 import generation_pb2, image_pb2, stages_pb2, tensor_pb2
+
+END = None  # closes a relay queue
+# The VAE's Encode of a request's input images: a call on the VAE stage, kept under its own name.
+VAE_ENCODE = "vae-encode"
+# Where a relayed stage sends each chunk: the next stage's queue, or the result.
+Emit = Callable[[tensor_pb2.TensorChunk], Awaitable[None]]
+
+
+def _tensor_names(chunks: list[tensor_pb2.TensorChunk]) -> list[str]:
+    return [chunk.header.name for chunk in chunks if chunk.HasField("header")]
+
+
+def check_sent(
+    family: Family,
+    request: generation_pb2.GenerateRequest,
+    stage: str,
+    endpoint: str,
+    chunks: list[tensor_pb2.TensorChunk],
+) -> None:
+    """Raises StageError (INTERNAL) when a conditioning stage left out a tensor the DiT needs from it."""
+    sent = _tensor_names(chunks)
+    guidance, images = request.guidance_scale > 1.0, bool(request.images)
+    needed = [slot.name for slot in family.conditioning if slot.source == stage and slot.is_needed(guidance, images)]
+    missing = [name for name in needed if name not in sent]
+    if missing or (chunks and not chunks[-1].last):
+        detail = f"sent no {', '.join(missing)}" if missing else "its stream ended inside a tensor"
+        raise StageError(stage, endpoint, grpc.StatusCode.INTERNAL, f"{detail} (sent {sent})")
+
+
+class StageCalls:
+    """One call on one stage for a job, each method a stage; the stages come from `stages`."""
+
+    def __init__(
+        self,
+        stages: StagePool,
+        store: JobStore | None,
+        metrics: OrchestratorMetrics | None,
+        cache_namespace_key: bytes,
+        batch_per_tenant: bool,
+    ) -> None:
+        self.stages = stages
+        self.store = store
+        self.metrics = metrics
+        # Keys each tenant's namespace in the text encoder's embedding cache (services/orchestrator/cache_namespace.py).
+        self.cache_namespace_key = cache_namespace_key
+        # Whether the DiT may batch one tenant's requests only with the same tenant's (DenoiseParams.batch_group).
+        self.batch_per_tenant = batch_per_tenant
+
+    async def keep_output(self, job: Job, stage: str, chunks: list[tensor_pb2.TensorChunk]) -> None:
+        """Keeps a finished stage's output, in the job and in the store, so that a retry resumes after it."""
+        job.intermediates.setdefault("outputs", {})[stage] = chunks
+        if self.store is not None:
+            passes = job.transformer_passes
+            kept = (passes.run, passes.skipped) if stage == "dit" else None
+            await asyncio.to_thread(self.store.mark_stage_done, job.job_id, stage, chunks, passes=kept)
+
+    def checkpoint_model(self, request: generation_pb2.GenerateRequest) -> str:
+        """The model id the stages besides the DiT serve: the request's, unless the DiT serves the checkpoint with
+        adapters fused in under another id (--lora; its StageInfo.base_model names the checkpoint)."""
+        info = self.stages["dit"].info
+        return info.base_model if info is not None and info.base_model else request.model
+
+    def remaining(self, job: Job) -> float | None:
+        if job.deadline is None:
+            return None
+        return max(0.0, job.deadline - asyncio.get_running_loop().time())
+
+    async def input_images(self, job: Job) -> list[image_pb2.InputImage]:
+        """The job's input images with their bytes: from the store, where admission put them (the job itself
+        holds their digests and sizes only); a pipeline without a store has them in the request."""
+        if self.store is None:
+            return list(job.request.images)
+        return await asyncio.to_thread(self.store.load_input_images, job.job_id)
+
+    async def encode(self, job: Job, family: Family) -> None:
+        """Runs the text encoder to its end: the DiT's conditioning, as the chunks the text encoder sent."""
+        request = job.request
+        stage = self.stages["text-encoder"]
+        texts = [request.prompt]
+        if request.guidance_scale > 1.0:
+            texts.append(request.negative_prompt)
+        job.current_stage = "text-encoder"
+        started = time.perf_counter()
+        chunks: list[tensor_pb2.TensorChunk] = []
+        images = await self.input_images(job) if "text-encoder" in family.images.encoded_by else []
+        async with stage.call() as replica:
+            call = replica.text_encoder.Encode(
+                stages_pb2.EncodeRequest(
+                    model=self.checkpoint_model(request),
+                    texts=texts,
+                    cache_namespace=tenant_cache_namespace(self.cache_namespace_key, job.tenant),
+                    images=images,
+                ),
+                timeout=self.remaining(job),
+            )
+            async for response in call:
+                chunks.append(response.tensor)
+        check_sent(family, request, "text-encoder", replica.endpoint, chunks)
+        job.timings["text-encoder"] = time.perf_counter() - started
+        await self.keep_output(job, "text-encoder", chunks)
+        await job.publish(
+            generation_pb2.GenerateEvent(progress=generation_pb2.StageProgress(stage="text-encoder", step=1, total=1))
+        )
+
+    async def encode_images(self, job: Job, family: Family) -> None:
+        """Runs the VAE's Encode of the input images to its end: the DiT's image latents."""
+        request = job.request
+        started = time.perf_counter()
+        chunks: list[tensor_pb2.TensorChunk] = []
+        images = await self.input_images(job)
+        async with self.stages["vae"].call() as replica:
+            call = replica.vae.Encode(
+                stages_pb2.VaeEncodeRequest(
+                    model=self.checkpoint_model(request),
+                    height=request.height,
+                    width=request.width,
+                    num_frames=request.num_frames,
+                    images=images,
+                ),
+                timeout=self.remaining(job),
+            )
+            async for response in call:
+                chunks.append(response.tensor)
+        check_sent(family, request, "vae", replica.endpoint, chunks)
+        job.timings[VAE_ENCODE] = time.perf_counter() - started
+        await self.keep_output(job, VAE_ENCODE, chunks)
+
+    def batch_group(self, job: Job) -> bytes:
+        """The job's DenoiseParams.batch_group: its tenant's opaque namespace with --batch-per-tenant, else empty."""
+        return tenant_cache_namespace(self.cache_namespace_key, job.tenant) if self.batch_per_tenant else b""
+
+    async def denoise(self, job: Job, conditioning: asyncio.Queue, emit: Emit) -> None:
+        request = job.request
+        stage = self.stages["dit"]
+
+        async def requests() -> AsyncIterator[stages_pb2.DenoiseRequest]:
+            yield stages_pb2.DenoiseRequest(
+                params=stages_pb2.DenoiseParams(
+                    model=request.model,
+                    height=request.height,
+                    width=request.width,
+                    num_frames=request.num_frames,
+                    num_inference_steps=request.num_inference_steps,
+                    guidance_scale=request.guidance_scale,
+                    seed=request.seed,
+                    cache=request.cache,
+                    loras=request.loras,
+                    batch_group=self.batch_group(job),
+                    image_roles=[ROLE_NAMES[image.role] for image in request.images],
+                    image_sizes=[
+                        image_pb2.ImageSize(width=image.width, height=image.height) for image in request.images
+                    ],
+                )
+            )
+            while (chunk := await conditioning.get()) is not END:
+                yield stages_pb2.DenoiseRequest(tensor=chunk)
+
+        job.current_stage = "dit"
+        started = time.perf_counter()
+        async with stage.call() as replica:
+            async for response in replica.denoiser.Denoise(requests(), timeout=self.remaining(job)):
+                if response.HasField("progress"):
+                    progress = response.progress
+                    if self.metrics is not None:
+                        self.metrics.add_denoising_steps(job.tenant)
+                    await job.publish(
+                        generation_pb2.GenerateEvent(
+                            progress=generation_pb2.StageProgress(stage="dit", step=progress.step, total=progress.total)
+                        )
+                    )
+                elif response.HasField("passes"):
+                    job.transformer_passes.CopyFrom(response.passes)
+                    if self.metrics is not None:
+                        self.metrics.add_transformer_passes(job.tenant, request.cache.method, response.passes)
+                else:
+                    await emit(response.tensor)
+        job.timings["dit"] = time.perf_counter() - started
+
+    async def decode(self, job: Job, latents: asyncio.Queue, emit: Emit) -> None:
+        request = job.request
+        stage = self.stages["vae"]
+        temporal = stage.info.limits.temporal_factor if stage.info else 4
+        num_latent_frames = (request.num_frames - 1) // temporal + 1
+
+        async def requests() -> AsyncIterator[stages_pb2.DecodeRequest]:
+            yield stages_pb2.DecodeRequest(
+                params=stages_pb2.DecodeParams(
+                    model=self.checkpoint_model(request), num_latent_frames=num_latent_frames
+                )
+            )
+            while (chunk := await latents.get()) is not END:
+                yield stages_pb2.DecodeRequest(tensor=chunk)
+
+        started = None
+        decoded = 0
+        async with stage.call() as replica:
+            async for response in replica.vae.Decode(requests(), timeout=self.remaining(job)):
+                if started is None:
+                    started = time.perf_counter()
+                    job.current_stage = "vae"
+                await emit(response.tensor)
+                if response.tensor.last:
+                    decoded += 1
+                    await job.publish(
+                        generation_pb2.GenerateEvent(
+                            progress=generation_pb2.StageProgress(stage="vae", step=decoded, total=num_latent_frames)
+                        )
+                    )
+        job.timings["vae"] = time.perf_counter() - (started or time.perf_counter())
+
+    async def interpolate(self, job: Job, frames: asyncio.Queue, emit: Emit) -> None:
+        request = job.request
+        stage = self.stages["interp"]
+        total = (request.num_frames - 1) * 2**request.interpolation.exp + 1
+
+        async def requests() -> AsyncIterator[stages_pb2.InterpolateRequest]:
+            yield stages_pb2.InterpolateRequest(
+                params=stages_pb2.InterpolateParams(
+                    exp=request.interpolation.exp,
+                    scale=request.interpolation.scale,
+                    model_path=request.interpolation.model_path,
+                )
+            )
+            while (chunk := await frames.get()) is not END:
+                yield stages_pb2.InterpolateRequest(tensor=chunk)
+
+        started = None
+        sent = 0
+        async with stage.call() as replica:
+            async for response in replica.interpolator.Interpolate(requests(), timeout=self.remaining(job)):
+                if started is None:
+                    started = time.perf_counter()
+                    job.current_stage = "interp"
+                await emit(response.tensor)
+                if response.tensor.HasField("header"):
+                    sent = response.tensor.header.index + response.tensor.header.shape[0]
+                if response.tensor.last:
+                    await job.publish(
+                        generation_pb2.GenerateEvent(
+                            progress=generation_pb2.StageProgress(stage="interp", step=sent, total=total)
+                        )
+                    )
+        job.timings["interp"] = time.perf_counter() - (started or time.perf_counter())

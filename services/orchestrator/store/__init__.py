@@ -1,0 +1,79 @@
+"""Durable job records and their files under the orchestrator's state directory.
+
+Layout of `state_dir`: jobs.sqlite3 (+ -wal, -shm) holds the job records, which intermediates and results
+exist and their sizes; LOCK is held (flock) by the one process that owns the directory; jobs/<job_id>/ holds
+each job's files (see files.py).
+
+    jobstore.py   JobStore: every operation, composing the rows and the files, and their guarantees
+    rows.py       the SQL of each operation on the jobs, intermediates and results tables
+    schema.py     the tables and the migrations from older state directories
+    database.py   the connection, transactions and the state directory's lock
+    files.py      the jobs' files: stage outputs, input images, results; atomic writes; name checks
+    retention.py  a tenant's bytes, and which finished jobs `prune` deletes
+    records.py    JobRecord, SavedImages, Usage, and a row as a JobRecord
+
+Rows know no file and files know no row: they meet only in JobStore, by (job_id, file name). The errors, and
+how OS and SQLite failures map to them, are in store_errors.py; the result file formats in result_files.py.
+Callers import the store's public names, with those errors and result files, from this package.
+"""
+
+from services.orchestrator.result_files import (
+    RESULT_FILE,
+    RESULT_TENSOR,
+    EncodedReader,
+    EncodedWriter,
+    ResultReader,
+    ResultWriter,
+    StoredResult,
+)
+from services.orchestrator.sizes import MinFree, parse_size
+from services.orchestrator.store.database import LOCK_NAME
+from services.orchestrator.store.jobstore import JobStore
+from services.orchestrator.store.records import (
+    ACTIVE_STATES,
+    INPUT_IMAGES,
+    TERMINAL_STATES,
+    JobRecord,
+    JobState,
+    SavedImages,
+    Usage,
+)
+from services.orchestrator.store.schema import SCHEMA_VERSION
+from services.orchestrator.store_errors import (
+    DuplicateRequestId,
+    InvalidTransition,
+    ResultGone,
+    StateDirLocked,
+    StoreError,
+    StoreFull,
+    UnknownJob,
+)
+
+__all__ = [
+    "ACTIVE_STATES",
+    "INPUT_IMAGES",
+    "LOCK_NAME",
+    "RESULT_FILE",
+    "RESULT_TENSOR",
+    "SCHEMA_VERSION",
+    "TERMINAL_STATES",
+    "DuplicateRequestId",
+    "EncodedReader",
+    "EncodedWriter",
+    "InvalidTransition",
+    "JobRecord",
+    "JobState",
+    "JobStore",
+    "MinFree",
+    "ResultGone",
+    "ResultReader",
+    "ResultWriter",
+    "SavedImages",
+    "StateDirLocked",
+    "StoreError",
+    "StoreFull",
+    "StoredResult",
+    "UnknownJob",
+    "Usage",
+    "parse_size",
+]

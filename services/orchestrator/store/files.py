@@ -1,0 +1,295 @@
+"""A job's files in the state directory: stage outputs, input images, and its result as frames or encoded.
+
+Layout of `jobs_dir`, one folder per job:
+
+    <job_id>/stage-<stage>.chunks                   what a finished stage of an unfinished job sent
+    <job_id>/stage-input-images.<hex>.chunks        the input images of a job whose conditioning is not done
+    <job_id>/.result-frames.npy.<hex>.partial       the result of a running job, written as it streams
+    <job_id>/result-frames.npy                      the final frames, uint8 [F, H, W, 3]
+    <job_id>/.result.<ext>.<hex>.partial            the encoded result of a running job, as encoded
+    <job_id>/result.<ext>                           the encoded result (result.mp4, result.png...)
+
+Rules. A file is complete (written, fsynced, renamed into place, folder fsynced) before the store commits
+the row that names it, so a file no row names is a leftover that `sweep` removes. Files are named by
+(job_id, file name) across this module's interface; it holds no database and never decides when a file is
+kept or deleted (the store does). Stage outputs and input images are their protobuf messages, length-
+prefixed, in order, as they came off the wire (never decoded here). Errors are StoreError with a one-line
+message that names no server path (StoreFull when out of space); the result file formats are in
+result_files.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import BinaryIO, cast
+
+import numpy as np
+from google.protobuf import proto
+from google.protobuf.message import DecodeError
+
+from services.orchestrator.result_files import (
+    ENCODED_FILE,
+    RESULT_FILE,
+    EncodedWriter,
+    ResultWriter,
+    npy_header,
+    read_npy_header,
+)
+from services.orchestrator.store.records import INPUT_IMAGES, SavedImages
+from services.orchestrator.store_errors import StoreError, fsync_dir, io_error
+from stagediff.v1 import image_pb2, tensor_pb2
+
+JOBS_DIR = "jobs"
+_TMP_SUFFIX = ".tmp"
+_PARTIAL_SUFFIX = ".partial"
+_CHUNKS_SUFFIX = ".chunks"
+_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
+
+
+def check_name(kind: str, value: str) -> None:
+    """Refuses a job id or stage name that is not a plain file name part."""
+    if not _NAME.match(value):
+        raise ValueError(f"{kind}: '{value}' must be 1-128 of A-Z a-z 0-9 _ - . and not start with '.'")
+
+
+def check_frames(frames: np.ndarray) -> None:
+    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[3] != 3:
+        raise ValueError(f"frames: uint8 [F, H, W, 3] expected, got {frames.dtype} {list(frames.shape)}")
+
+
+def check_pieces(pieces: list[tuple[int, int]], num_frames: int) -> None:
+    """Refuses pieces (first frame, count) that do not cover the frames exactly once."""
+    covered = sorted(pieces)
+    expected = 0
+    for first, count in covered:
+        if first != expected or count < 1:
+            raise ValueError(f"pieces {covered} must cover frames 0..{num_frames - 1} without gaps or overlaps")
+        expected = first + count
+    if expected != num_frames:
+        raise ValueError(f"pieces {covered} must cover frames 0..{num_frames - 1} without gaps or overlaps")
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Writes a file so that it is either absent or complete, also after a crash."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
+    try:
+        with open(tmp, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+class JobFiles:
+    """The folders of every job under `jobs_dir`. Blocking (fsync, large files): call through to_thread."""
+
+    def __init__(self, jobs_dir: Path) -> None:
+        self.jobs_dir = jobs_dir
+
+    def job_dir(self, job_id: str, *, create: bool = False) -> Path:
+        check_name("job_id", job_id)
+        directory = self.jobs_dir / job_id
+        if create and not directory.is_dir():
+            try:
+                directory.mkdir(exist_ok=True)
+                fsync_dir(self.jobs_dir)
+            except OSError as error:
+                raise io_error(error, f"job {job_id}: creating its folder") from None
+        return directory
+
+    def size_of(self, job_id: str, file: str) -> int:
+        """A job file's size, 0 if it is not there."""
+        path = self.jobs_dir / job_id / file
+        return path.stat().st_size if path.is_file() else 0
+
+    def unlink(self, job_id: str, files: Iterable[str]) -> None:
+        for file in files:
+            (self.jobs_dir / job_id / file).unlink(missing_ok=True)
+
+    def remove_job(self, job_id: str) -> None:
+        """Deletes the job's folder and everything in it."""
+        shutil.rmtree(self.jobs_dir / job_id, ignore_errors=True)
+
+    # -------------------------------------------------------- input images --
+
+    def save_input_images(self, job_id: str, images: Iterable[image_pb2.InputImage]) -> SavedImages | None:
+        """Writes a new job's input images under a name no other job's can have; None without images."""
+        check_name("job_id", job_id)
+        buffer = io.BytesIO()
+        for image in images:
+            proto.serialize_length_prefixed(image, buffer)
+        if not buffer.tell():
+            return None
+        data = buffer.getbuffer()
+        file = f"stage-{INPUT_IMAGES}.{uuid.uuid4().hex}{_CHUNKS_SUFFIX}"  # never another job's, by any id
+        try:
+            atomic_write(self.job_dir(job_id, create=True) / file, lambda out: out.write(data))
+        except OSError as error:
+            raise io_error(error, f"job {job_id}: saving its input images") from None
+        return SavedImages(file, len(data))
+
+    def discard_input_images(self, job_id: str, images: SavedImages) -> None:
+        """Deletes saved images, and the job's folder if nothing else is in it."""
+        (self.jobs_dir / job_id / images.file).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            (self.jobs_dir / job_id).rmdir()  # only when nothing else is there
+
+    def load_input_images(self, job_id: str, file: str) -> list[image_pb2.InputImage]:
+        images: list[image_pb2.InputImage] = []
+        try:
+            with open(self.jobs_dir / job_id / file, "rb") as stream:
+                while (image := proto.parse_length_prefixed(image_pb2.InputImage, _readable(stream))) is not None:
+                    images.append(image)
+        except (OSError, ValueError, DecodeError) as error:
+            raise StoreError(f"job {job_id}: its input images cannot be read: {error}") from None
+        return images
+
+    # ------------------------------------------------------- stage outputs --
+
+    def save_stage(self, job_id: str, stage: str, chunks: Iterable[tensor_pb2.TensorChunk]) -> tuple[str, int]:
+        """Writes a finished stage's chunks; returns the file's name and size.
+
+        Raises FileNotFoundError if the job's folder was deleted while writing (the caller knows why).
+        """
+        buffer = io.BytesIO()
+        for chunk in chunks:
+            proto.serialize_length_prefixed(chunk, buffer)
+        data = buffer.getbuffer()
+        directory = self.job_dir(job_id, create=True)
+        file = f"stage-{stage}{_CHUNKS_SUFFIX}"
+        try:
+            atomic_write(directory / file, lambda out: out.write(data))
+        except FileNotFoundError:
+            raise
+        except OSError as error:
+            raise io_error(error, f"job {job_id}: saving the output of stage {stage}") from None
+        return file, len(data)
+
+    def load_stage(self, job_id: str, stage: str, file: str) -> list[tensor_pb2.TensorChunk]:
+        chunks: list[tensor_pb2.TensorChunk] = []
+        try:
+            with open(self.jobs_dir / job_id / file, "rb") as stream:
+                while (chunk := proto.parse_length_prefixed(tensor_pb2.TensorChunk, _readable(stream))) is not None:
+                    chunks.append(chunk)
+        except (OSError, ValueError, DecodeError) as error:
+            raise StoreError(f"job {job_id}: the saved output of stage {stage} cannot be read: {error}") from None
+        return chunks
+
+    # ------------------------------------------------------------- results --
+
+    def create_result(self, job_id: str, shape: tuple[int, int, int, int]) -> ResultWriter:
+        """Preallocates a result file of `shape` under a temporary name."""
+        header = npy_header(shape)
+        nbytes = len(header) + shape[0] * shape[1] * shape[2] * shape[3]
+        try:
+            directory = self.job_dir(job_id, create=True)
+            partial = directory / f".{RESULT_FILE}.{uuid.uuid4().hex}{_PARTIAL_SUFFIX}"
+            fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            raise io_error(error, f"job {job_id}: creating its result file") from None
+        try:
+            os.pwrite(fd, header, 0)
+            os.ftruncate(fd, nbytes)
+        except OSError as error:
+            os.close(fd)
+            partial.unlink(missing_ok=True)
+            raise io_error(error, f"job {job_id}: creating its result file") from None
+        return ResultWriter(job_id, directory, shape, fd, partial, len(header))
+
+    def create_encoded(self, job_id: str, extension: str, media_type: str) -> EncodedWriter:
+        """Opens an empty encoded result file under a temporary name; `extension` such as ".mp4"."""
+        if not re.fullmatch(r"\.[a-z0-9]{1,8}", extension):
+            raise ValueError(f"extension: {extension!r} is not a file extension")
+        try:
+            directory = self.job_dir(job_id, create=True)
+            partial = directory / f".{ENCODED_FILE}{extension}.{uuid.uuid4().hex}{_PARTIAL_SUFFIX}"
+            fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            raise io_error(error, f"job {job_id}: creating its encoded result file") from None
+        return EncodedWriter(job_id, directory, extension, media_type, fd, partial)
+
+    def complete_result(self, writer: ResultWriter, encoded: EncodedWriter | None) -> None:
+        """Fsyncs a result's files and renames them into place, both or neither.
+
+        Raises FileNotFoundError if a file was deleted meanwhile (the caller knows why).
+        """
+        try:
+            if encoded is not None:
+                encoded._finish_file()
+            try:
+                writer._finish_file()
+            except BaseException:
+                if encoded is not None:
+                    encoded._uncommit()  # the two files are committed together or not at all
+                raise
+        except FileNotFoundError:
+            raise
+        except OSError as error:
+            raise io_error(error, f"job {writer.job_id}: completing its result") from None
+
+    def uncommit_result(self, writer: ResultWriter, encoded: EncodedWriter | None) -> None:
+        """Deletes a completed result's files again, when its row could not be committed."""
+        writer._uncommit()
+        if encoded is not None:
+            encoded._uncommit()
+
+    def check_raw(self, job_id: str, file: str, shape: list[int]) -> tuple[Path, tuple[int, ...], int]:
+        """(path, shape, data offset) of a committed result file that must hold frames of `shape`."""
+        path = self.jobs_dir / job_id / file
+        try:
+            with open(path, "rb") as stream:
+                found, data_offset = read_npy_header(stream)
+                size = os.fstat(stream.fileno()).st_size
+        except (OSError, ValueError) as error:
+            raise StoreError(f"job {job_id}: its result file cannot be read: {error}") from None
+        if list(found) != shape or size != data_offset + int(np.prod(found)):
+            raise StoreError(f"job {job_id}: the result file does not hold the frames its record describes")
+        return path, found, data_offset
+
+    def check_encoded(self, job_id: str, file: str, size: int) -> Path:
+        """The path of a committed encoded result that must hold `size` bytes."""
+        path = self.jobs_dir / job_id / file
+        try:
+            found = path.stat().st_size
+        except OSError as error:
+            raise StoreError(f"job {job_id}: its encoded result cannot be read: {error}") from None
+        if found != size:
+            raise StoreError(f"job {job_id}: its encoded result has {found} bytes, its record says {size}")
+        return path
+
+    # --------------------------------------------------------------- sweep --
+
+    def sweep(self, known: set[str], referenced: set[tuple[str, str]]) -> None:
+        """Removes what a crash can leave behind: temporary and partial files, folders of jobs not `known`, and
+        files whose (job_id, file) is not `referenced`."""
+        for directory in self.jobs_dir.iterdir():
+            if not directory.is_dir() or directory.name not in known:
+                if directory.is_dir():
+                    shutil.rmtree(directory, ignore_errors=True)
+                else:
+                    directory.unlink(missing_ok=True)
+                continue
+            for path in directory.iterdir():
+                if (directory.name, path.name) not in referenced:
+                    if path.is_dir():
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                directory.rmdir()  # only succeeds when nothing is left
+
+
+def _readable(stream: BinaryIO) -> io.BytesIO:
+    """`stream` as `proto.parse_length_prefixed` is typed (it reads any binary stream)."""
+    return cast(io.BytesIO, stream)

@@ -1,0 +1,436 @@
+"""`JobStore`: durable job records and their files under the orchestrator's state directory.
+
+It composes the rows (rows.py, in SQLite) and the files (files.py, in the jobs folder); every operation
+that touches both follows one rule: a file is complete before the row that names it is committed, and a
+row's files are deleted only after the transaction that drops the row. So a row always points at a
+complete file, and a file without a row (a crash between the two, or a result still being written) is
+never read as a result and is swept away by the next `open`.
+
+Durability. SQLite runs in WAL mode with `synchronous=NORMAL` by default: a committed transaction survives a
+crash or SIGKILL of the process; only a power loss or kernel crash can lose the last transactions (never
+corrupt the database). `synchronous="FULL"` also survives those, at one fsync per commit.
+
+Threads. Every method may be called from any thread. Record methods (insert, get, update_state,
+find_by_request_id, recoverable, list_jobs, usage) are quick and meant to be called on the event loop
+thread; methods that read or write files (mark_stage_done, load_intermediates, create_result,
+ResultWriter.write, commit_result, save_result, load_result, delete, prune) can block: call them through
+`asyncio.to_thread`. The database lock is held only for a short transaction, never while writing a file.
+Each job has one writer at a time (its own task). One process owns a state directory at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import replace
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+import numpy as np
+
+from services.orchestrator.result_files import RESULT_FILE, EncodedWriter, ResultWriter, StoredResult, check_shape
+from services.orchestrator.store import retention
+from services.orchestrator.store.database import DB_NAME, LOCK_NAME, Database, close_quietly, lock_state_dir
+from services.orchestrator.store.files import JOBS_DIR, JobFiles, check_frames, check_name, check_pieces
+from services.orchestrator.store.records import TERMINAL_STATES, JobRecord, JobState, SavedImages, Usage
+from services.orchestrator.store.rows import JobRows
+from services.orchestrator.store.schema import migrate
+from services.orchestrator.store_errors import InvalidTransition, StoreError, io_error
+from stagediff.v1 import image_pb2, tensor_pb2
+
+RUNNING = (JobState.JOB_STATE_RUNNING,)
+
+
+class JobStore:
+    """Job records in SQLite and their files beside them; see the module docstring for guarantees."""
+
+    def __init__(self, state_dir: Path, database: Database, lock_file: IO[bytes], clock: Callable[[], float]) -> None:
+        self.state_dir = state_dir
+        self.jobs_dir = state_dir / JOBS_DIR
+        self.clock = clock
+        self.files = JobFiles(self.jobs_dir)
+        self._db = database
+        self._rows = JobRows(database)
+        self._lock_file = lock_file
+
+    @classmethod
+    def open(
+        cls, state_dir: str | os.PathLike[str], *, synchronous: str = "NORMAL", clock: Callable[[], float] = time.time
+    ) -> JobStore:
+        """Opens (creating if needed) the store, takes ownership of the directory and sweeps crash leftovers.
+
+        A directory that cannot be used (not writable, a file in the way, a
+        read-only volume) raises StoreError with a one-line message.
+        """
+        if synchronous not in ("NORMAL", "FULL"):
+            raise ValueError(f"synchronous: '{synchronous}' is not one of NORMAL, FULL")
+        state_dir = Path(state_dir)
+        try:
+            (state_dir / JOBS_DIR).mkdir(parents=True, exist_ok=True)
+            lock_file = open(state_dir / LOCK_NAME, "a+b")  # noqa: SIM115 - held for the store's lifetime
+        except OSError as error:
+            raise io_error(error, "cannot be used as the state dir", with_path=True) from None
+        lock_state_dir(state_dir, lock_file)
+        database = None
+        try:
+            if not os.access(state_dir / JOBS_DIR, os.W_OK | os.X_OK):
+                raise StoreError(f"cannot be used as the state dir: {state_dir / JOBS_DIR} is not writable")
+            database = Database.connect(state_dir / DB_NAME, synchronous)
+            store = cls(state_dir, database, lock_file, clock)
+            migrate(database, state_dir / DB_NAME, store.files.size_of)
+            store.files.sweep(*store._rows.files_in_use())
+        except sqlite3.Error as error:
+            close_quietly(database, lock_file)
+            raise StoreError(f"cannot be used as the state dir: {state_dir / DB_NAME}: {error}") from None
+        except OSError as error:
+            close_quietly(database, lock_file)
+            raise io_error(error, "cannot be used as the state dir", with_path=True) from None
+        except BaseException:
+            close_quietly(database, lock_file)
+            raise
+        return store
+
+    def close(self) -> None:
+        with self._db.mutex:
+            if self._db.close():
+                self._lock_file.close()
+
+    def __enter__(self) -> JobStore:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def free_bytes(self) -> tuple[int, int]:
+        """(free, total) bytes of the state directory's volume."""
+        usage = shutil.disk_usage(self.state_dir)
+        return usage.free, usage.total
+
+    def _connection(self) -> sqlite3.Connection:
+        """The database connection (StoreError once closed), for inspection."""
+        return self._db.connection()
+
+    # ------------------------------------------------------------ records --
+
+    def insert(self, record: JobRecord, images: SavedImages | None = None) -> JobRecord:
+        """Stores a new job, with the input images `save_input_images` wrote for it; returns the job with `seq`
+        (and `created_at` if unset) filled in. The images' file is deleted if the job cannot be stored."""
+        check_name("job_id", record.job_id)
+        record = replace(record, created_at=record.created_at or self.clock())
+        try:
+            return self._rows.insert(record, images)
+        except BaseException:
+            if images is not None:
+                self.discard_saved_images(record.job_id, images)
+            raise
+
+    def get(self, job_id: str) -> JobRecord | None:
+        return self._rows.get(job_id)
+
+    def find_by_request_id(self, tenant: str, request_id: str) -> JobRecord | None:
+        """The tenant's job with this client-chosen id (idempotent resubmission), if any."""
+        if not request_id:
+            return None
+        return self._rows.find_by_request_id(tenant, request_id)
+
+    def update_state(
+        self,
+        job_id: str,
+        state: int,
+        *,
+        at: float | None = None,
+        error_code: int | None = None,
+        error_message: str = "",
+        timings: Mapping[str, float] | None = None,
+        num_frames_out: int | None = None,
+        fps_out: float | None = None,
+    ) -> JobRecord:
+        """Moves a job to RUNNING, back to QUEUED (recovery), or to FAILED / CANCELLED.
+
+        RUNNING sets started_at and counts an attempt. FAILED and CANCELLED set
+        finished_at, the error and timings, and delete the job's intermediates.
+        SUCCEEDED goes through `commit_result`, so that a succeeded job always
+        has its result. A finished job cannot change: InvalidTransition.
+        """
+        at = self.clock() if at is None else at
+        assignments: dict[str, object]
+        if state in (JobState.JOB_STATE_FAILED, JobState.JOB_STATE_CANCELLED):
+            assignments = {"finished_at": at, "error_code": error_code, "error_message": error_message}
+        elif state == JobState.JOB_STATE_RUNNING:
+            assignments = {"started_at": at}
+        elif state == JobState.JOB_STATE_QUEUED:
+            assignments = {"started_at": None}
+        elif state == JobState.JOB_STATE_SUCCEEDED:
+            raise InvalidTransition("a job succeeds through commit_result, which stores its frames")
+        else:
+            raise ValueError(f"state: {state} is not a job state")
+        if timings is not None:
+            assignments["timings"] = json.dumps(dict(timings))
+        if num_frames_out is not None:
+            assignments["num_frames_out"] = num_frames_out
+        if fps_out is not None:
+            assignments["fps_out"] = fps_out
+        record, files = self._rows.update_state(job_id, state, assignments)
+        self.files.unlink(job_id, files)
+        return record
+
+    def recoverable(self) -> list[JobRecord]:
+        """Queued and running jobs in admission order: what a restarted orchestrator must finish."""
+        return self._rows.recoverable()
+
+    def list_jobs(
+        self,
+        *,
+        states: Collection[int] | None = None,
+        tenant: str | None = None,
+        limit: int = 100,
+        before_seq: int | None = None,
+    ) -> list[JobRecord]:
+        """Jobs newest first, optionally of some states or one tenant; `before_seq` pages on."""
+        return self._rows.list_jobs(states=states, tenant=tenant, limit=limit, before_seq=before_seq)
+
+    def finished_jobs(
+        self, *, tenant: str | None = None, limit: int = 100, before_seq: int | None = None
+    ) -> list[JobRecord]:
+        """Succeeded, failed and cancelled jobs, newest first."""
+        return self.list_jobs(states=TERMINAL_STATES, tenant=tenant, limit=limit, before_seq=before_seq)
+
+    def tenants(self) -> list[str]:
+        """Every tenant that has a stored job."""
+        return self._rows.tenants()
+
+    # -------------------------------------------------------- input images --
+
+    def save_input_images(self, job_id: str, images: Iterable[image_pb2.InputImage]) -> SavedImages | None:
+        """Writes a new job's input images (with their bytes) to its folder, before `insert` stores the job;
+        None without images. Blocking: use to_thread."""
+        return self.files.save_input_images(job_id, images)
+
+    def discard_saved_images(self, job_id: str, images: SavedImages) -> None:
+        """Deletes images saved for a job that was never stored (refused after they were written)."""
+        self.files.discard_input_images(job_id, images)
+
+    def load_input_images(self, job_id: str) -> list[image_pb2.InputImage]:
+        """The job's input images with their bytes, as `insert` stored them; blocking. StoreError once dropped."""
+        file = self._rows.input_images_file(job_id)
+        if file is None:
+            raise StoreError(f"job {job_id}: its input images are no longer stored")
+        return self.files.load_input_images(job_id, file)
+
+    def drop_input_images(self, job_id: str) -> None:
+        """Deletes the job's input images once the stages that encode them are done; blocking."""
+        file = self._rows.drop_input_images(job_id)
+        if file is not None:
+            self.files.unlink(job_id, [file])
+
+    # ------------------------------------------------------ intermediates --
+
+    def mark_stage_done(
+        self,
+        job_id: str,
+        stage: str,
+        chunks: Iterable[tensor_pb2.TensorChunk],
+        *,
+        passes: tuple[int, int] | None = None,
+    ) -> bool:
+        """Saves a finished stage's output, the chunks it sent in order, so that a restarted job resumes after
+        it; blocking, use to_thread. `passes`: the DiT's (run, skipped) transformer passes, kept with its output.
+
+        Returns False (and keeps nothing) if the job finished meanwhile, e.g. it was cancelled.
+        """
+        check_name("stage", stage)
+        if self._rows.state(job_id) in TERMINAL_STATES:
+            return False
+        try:
+            file, size = self.files.save_stage(job_id, stage, chunks)
+        except FileNotFoundError:
+            if self._rows.finished_or_gone(job_id):  # deleted while writing
+                return False
+            raise StoreError(f"job {job_id}: its folder disappeared while stage {stage} was saved") from None
+        kept = self._rows.keep_stage(job_id, stage, file, size, self.clock, passes)
+        if not kept:
+            self.files.unlink(job_id, [file])
+        return kept
+
+    def load_intermediates(self, job_id: str) -> dict[str, list[tensor_pb2.TensorChunk]]:
+        """{stage: the chunks it sent} of every saved stage, in the order they finished; blocking."""
+        return {stage: self.files.load_stage(job_id, stage, file) for stage, file in self._rows.stage_files(job_id)}
+
+    # ------------------------------------------------------------ results --
+
+    def create_result(self, job_id: str, shape: tuple[int, ...]) -> ResultWriter:
+        """Preallocates a running job's result file of `shape` [F, H, W, 3]; blocking, use to_thread.
+
+        Raises InvalidTransition if the job is not running, StoreError (StoreFull) if the file cannot be made.
+        """
+        checked = check_shape(shape)
+        self._rows.require_state(job_id, RUNNING)
+        return self.files.create_result(job_id, checked)
+
+    def create_encoded(self, job_id: str, extension: str, media_type: str) -> EncodedWriter:
+        """Opens a running job's encoded result file (empty, appended to); blocking, use to_thread."""
+        self._rows.require_state(job_id, RUNNING)
+        return self.files.create_encoded(job_id, extension, media_type)
+
+    def commit_result(
+        self,
+        writer: ResultWriter,
+        fps: float,
+        *,
+        encoded: EncodedWriter | None = None,
+        keep_raw: bool = True,
+        timings: Mapping[str, float] | None = None,
+        at: float | None = None,
+    ) -> JobRecord:
+        """Completes a written result and marks its job SUCCEEDED in one step; blocking, use to_thread.
+
+        The writer's pieces must cover every frame (ValueError otherwise). With
+        `encoded`, its file is completed too, and the raw frames are deleted
+        once committed unless `keep_raw`. Raises InvalidTransition (keeping
+        nothing) if the job is not running, e.g. it was cancelled meanwhile.
+        """
+        job_id = writer.job_id
+        check_pieces(writer.pieces, writer.shape[0])
+        keep_raw = keep_raw or encoded is None
+        self._rows.require_state(job_id, RUNNING)
+        try:
+            self.files.complete_result(writer, encoded)
+        except FileNotFoundError:
+            if self._rows.finished_or_gone(job_id):  # cancelled and deleted while writing
+                raise InvalidTransition(f"job {job_id} finished or was deleted while its result was written") from None
+            raise StoreError(f"job {job_id}: its result file disappeared before it was complete") from None
+        at = self.clock() if at is None else at
+        try:
+            record, files = self._rows.commit_result(
+                job_id,
+                file=RESULT_FILE,
+                shape=writer.shape,
+                fps=fps,
+                pieces=writer.pieces,
+                at=at,
+                nbytes=(writer.nbytes if keep_raw else 0) + (encoded.size if encoded is not None else 0),
+                media_type=encoded.media_type if encoded is not None else "",
+                encoded_file=encoded.path.name if encoded is not None else None,
+                encoded_bytes=encoded.size if encoded is not None else 0,
+                raw_kept=keep_raw,
+                timings=timings,
+            )
+        except BaseException:
+            self.files.uncommit_result(writer, encoded)
+            raise
+        if not keep_raw:
+            files.append(writer.path.name)
+        self.files.unlink(job_id, files)
+        return record
+
+    def save_result(
+        self,
+        job_id: str,
+        frames: np.ndarray,
+        fps: float,
+        *,
+        pieces: list[tuple[int, int]] | None = None,
+        timings: Mapping[str, float] | None = None,
+        at: float | None = None,
+    ) -> JobRecord:
+        """Stores frames the caller already holds whole and marks the job SUCCEEDED; blocking, use to_thread.
+
+        `create_result` + `ResultWriter.write` + `commit_result` in one call.
+        `pieces` are the (first frame, count) of the tensors as first published;
+        the default is one piece.
+        """
+        check_frames(frames)
+        pieces = [(int(first), int(count)) for first, count in (pieces or [(0, frames.shape[0])])]
+        check_pieces(pieces, frames.shape[0])
+        writer = self.create_result(job_id, frames.shape)
+        try:
+            writer.write(0, 0, np.ascontiguousarray(frames).reshape(-1).data)
+            for first, count in pieces:
+                writer.add_piece(first, count)
+            return self.commit_result(writer, fps, timings=timings, at=at)
+        finally:
+            writer.discard()
+
+    def load_result(self, job_id: str) -> StoredResult | None:
+        """A succeeded job's result (file, shape, pieces), None if it has none; reads the file's header only."""
+        row = self._rows.result(job_id)
+        if row is None:
+            return None
+        path: Path | None = None
+        shape: tuple[int, ...] = check_shape(json.loads(row["shape"]))
+        data_offset = 0
+        if row["raw_kept"]:
+            path, shape, data_offset = self.files.check_raw(job_id, row["file"], json.loads(row["shape"]))
+        encoded_path = None
+        if row["encoded_file"]:
+            encoded_path = self.files.check_encoded(job_id, row["encoded_file"], row["encoded_bytes"])
+        return StoredResult(
+            path=path,
+            media_type=row["media_type"],
+            encoded_path=encoded_path,
+            encoded_bytes=row["encoded_bytes"],
+            shape=check_shape(shape),
+            data_offset=data_offset,
+            fps=row["fps"],
+            pieces=[(first, count) for first, count in json.loads(row["pieces"])],
+            timings=json.loads(row["timings"]),
+            transformer_passes=(row["passes_run"], row["passes_skipped"]),
+        )
+
+    # ---------------------------------------------------------- retention --
+
+    def usage(self, tenant: str) -> Usage:
+        """Bytes the tenant's jobs hold: results of its finished jobs, intermediates of its queued and running ones.
+
+        A running job's result file counts once it is committed; the caller
+        reserves what running jobs are still writing (`prune`'s `reserved_bytes`).
+        """
+        return retention.usage(self._db, tenant)
+
+    def delete(self, job_id: str) -> bool:
+        """Forgets a finished job and its files; False if unknown. Queued or running jobs are refused."""
+        if not self._rows.delete(job_id):
+            return False
+        self.files.remove_job(job_id)
+        return True
+
+    def prune(
+        self,
+        *,
+        tenant: str | None = None,
+        max_kept: int | None = None,
+        max_bytes: int | None = None,
+        reserved_bytes: int = 0,
+        max_age_s: float | None = None,
+    ) -> list[str]:
+        """Deletes finished jobs (records and files) beyond the limits; returns their ids. Blocking.
+
+        The limits hold for each tenant on its own: with `tenant`, only that
+        tenant's jobs are looked at; without, every tenant's, each against its
+        own count and bytes, so one tenant's jobs never make room for another's.
+        A tenant keeps its newest finished jobs while they number at most
+        `max_kept` and its bytes (the files of its queued and running jobs,
+        `reserved_bytes` for what they will still write, then its finished
+        results from the newest) stay within `max_bytes`; the rest, oldest
+        first, go. `max_age_s` deletes jobs that finished longer ago.
+        `reserved_bytes` needs `tenant`.
+        """
+        doomed = retention.prune_rows(
+            self._db,
+            self.clock,
+            tenant=tenant,
+            max_kept=max_kept,
+            max_bytes=max_bytes,
+            reserved_bytes=reserved_bytes,
+            max_age_s=max_age_s,
+        )
+        for job_id in doomed:
+            self.files.remove_job(job_id)
+        return sorted(doomed)

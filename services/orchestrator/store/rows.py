@@ -1,0 +1,316 @@
+"""The job database's rows: what each store operation reads and changes in the jobs, intermediates and results
+tables, each write in one transaction.
+
+This module touches no file: a row names a file by (job_id, file name), and operations that drop rows
+return the names of the files that the caller deletes once the transaction is committed. States move only
+as `update_state` and `commit_result` allow; a finished job's row never changes again.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import replace
+from typing import Any
+
+from services.orchestrator.store.database import Database
+from services.orchestrator.store.records import (
+    ACTIVE_STATES,
+    INPUT_IMAGES,
+    TERMINAL_STATES,
+    JobRecord,
+    JobState,
+    SavedImages,
+    record_from_row,
+)
+from services.orchestrator.store_errors import DuplicateRequestId, InvalidTransition, StoreError, UnknownJob
+
+
+class JobRows:
+    """The rows of every job in one SQLite database."""
+
+    def __init__(self, database: Database) -> None:
+        self.database = database
+
+    # ------------------------------------------------------------ records --
+
+    def insert(self, record: JobRecord, images: SavedImages | None) -> JobRecord:
+        """Stores a new job (and the row of its input images); returns it with `seq` filled in."""
+        with self.database.transaction() as db:
+            if record.request_id:
+                existing = db.execute(
+                    "SELECT job_id FROM jobs WHERE tenant = ? AND request_id = ?", (record.tenant, record.request_id)
+                ).fetchone()
+                if existing is not None:
+                    raise DuplicateRequestId(
+                        f"tenant '{record.tenant}' already has request_id '{record.request_id}'", existing["job_id"]
+                    )
+            try:
+                cursor = db.execute(
+                    "INSERT INTO jobs (job_id, tenant, request_id, priority, request, state, created_at, started_at,"
+                    " finished_at, deadline_at, error_code, error_message, timings, num_frames_out, fps_out,"
+                    " last_stage, attempts) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        record.job_id,
+                        record.tenant,
+                        record.request_id or None,
+                        record.priority,
+                        record.request,
+                        int(record.state),
+                        record.created_at,
+                        record.started_at,
+                        record.finished_at,
+                        record.deadline_at,
+                        record.error_code,
+                        record.error_message,
+                        json.dumps(record.timings),
+                        record.num_frames_out,
+                        record.fps_out,
+                        record.last_stage,
+                        record.attempts,
+                    ),
+                )
+            except sqlite3.IntegrityError:
+                raise StoreError(f"job_id '{record.job_id}' is already stored") from None
+            if images is not None:
+                db.execute(
+                    "INSERT INTO intermediates (job_id, stage, file, done_at, bytes) VALUES (?, ?, ?, ?, ?)",
+                    (record.job_id, INPUT_IMAGES, images.file, record.created_at, images.size),
+                )
+            seq = cursor.lastrowid
+            assert seq is not None  # set by every INSERT
+            return replace(record, seq=seq)
+
+    def get(self, job_id: str) -> JobRecord | None:
+        row = self.database.fetchone("SELECT * FROM jobs WHERE job_id = ?", (job_id,))
+        return record_from_row(row) if row is not None else None
+
+    def find_by_request_id(self, tenant: str, request_id: str) -> JobRecord | None:
+        row = self.database.fetchone("SELECT * FROM jobs WHERE tenant = ? AND request_id = ?", (tenant, request_id))
+        return record_from_row(row) if row is not None else None
+
+    def update_state(self, job_id: str, state: int, assignments: dict[str, Any]) -> tuple[JobRecord, list[str]]:
+        """Moves the job to `state` (not SUCCEEDED) setting `assignments` {column: value}, if its state allows;
+        returns the job and, once it is finished, the files of the intermediates it no longer has."""
+        with self.database.transaction() as db:
+            current = self._state_of(db, job_id)
+            allowed_from: dict[int, tuple[int, ...]] = {
+                JobState.JOB_STATE_RUNNING: (JobState.JOB_STATE_QUEUED,),
+                JobState.JOB_STATE_QUEUED: (JobState.JOB_STATE_RUNNING,),
+            }
+            allowed = allowed_from.get(state, ACTIVE_STATES)
+            if current not in allowed:
+                raise InvalidTransition(
+                    f"job {job_id} is {JobState.Name(current)}; it cannot become {JobState.Name(state)}"
+                )
+            columns = ", ".join(f"{name} = ?" for name in assignments)
+            attempts = ", attempts = attempts + 1" if state == JobState.JOB_STATE_RUNNING else ""
+            db.execute(
+                f"UPDATE jobs SET state = ?, {columns}{attempts} WHERE job_id = ?",
+                (int(state), *assignments.values(), job_id),
+            )
+            files = self._drop_intermediates(db, job_id) if state in TERMINAL_STATES else []
+            row = db.execute("SELECT * FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        return record_from_row(row), files
+
+    def list_jobs(
+        self, *, states: Collection[int] | None, tenant: str | None, limit: int, before_seq: int | None
+    ) -> list[JobRecord]:
+        where: list[str] = []
+        params: list[Any] = []
+        if states:
+            where.append(f"state IN ({', '.join('?' * len(states))})")
+            params.extend(int(s) for s in states)
+        if tenant is not None:
+            where.append("tenant = ?")
+            params.append(tenant)
+        if before_seq is not None:
+            where.append("seq < ?")
+            params.append(before_seq)
+        clause = f"WHERE {' AND '.join(where)}" if where else ""
+        rows = self.database.fetchall(f"SELECT * FROM jobs {clause} ORDER BY seq DESC LIMIT ?", (*params, limit))
+        return [record_from_row(row) for row in rows]
+
+    def recoverable(self) -> list[JobRecord]:
+        rows = self.database.fetchall(
+            "SELECT * FROM jobs WHERE state IN (?, ?) ORDER BY seq", tuple(int(s) for s in ACTIVE_STATES)
+        )
+        return [record_from_row(row) for row in rows]
+
+    def tenants(self) -> list[str]:
+        return [row["tenant"] for row in self.database.fetchall("SELECT DISTINCT tenant FROM jobs ORDER BY tenant", ())]
+
+    def delete(self, job_id: str) -> bool:
+        """Deletes a finished job's rows; False if unknown, InvalidTransition if it is queued or running."""
+        with self.database.transaction() as db:
+            row = db.execute("SELECT state FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+            if row is None:
+                return False
+            if row["state"] not in TERMINAL_STATES:
+                raise InvalidTransition(f"job {job_id} is {JobState.Name(row['state'])}; finish it before deleting")
+            db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
+        return True
+
+    # ------------------------------------------------------ intermediates --
+
+    def input_images_file(self, job_id: str) -> str | None:
+        row = self.database.fetchone(
+            "SELECT file FROM intermediates WHERE job_id = ? AND stage = ?", (job_id, INPUT_IMAGES)
+        )
+        return None if row is None else row["file"]
+
+    def drop_input_images(self, job_id: str) -> str | None:
+        """Deletes the row of the job's input images; returns their file, if it had one."""
+        with self.database.transaction() as db:
+            row = db.execute(
+                "SELECT file FROM intermediates WHERE job_id = ? AND stage = ?", (job_id, INPUT_IMAGES)
+            ).fetchone()
+            db.execute("DELETE FROM intermediates WHERE job_id = ? AND stage = ?", (job_id, INPUT_IMAGES))
+        return None if row is None else row["file"]
+
+    def keep_stage(
+        self,
+        job_id: str,
+        stage: str,
+        file: str,
+        size: int,
+        clock: Callable[[], float],
+        passes: tuple[int, int] | None,
+    ) -> bool:
+        """Records a finished stage's output file (and the DiT's passes) unless the job finished meanwhile."""
+        with self.database.transaction() as db:
+            if self._state_of(db, job_id) in TERMINAL_STATES:
+                return False
+            db.execute(
+                "INSERT OR REPLACE INTO intermediates (job_id, stage, file, done_at, bytes) VALUES (?, ?, ?, ?, ?)",
+                (job_id, stage, file, clock(), size),
+            )
+            db.execute("UPDATE jobs SET last_stage = ? WHERE job_id = ?", (stage, job_id))
+            if passes is not None:
+                db.execute("UPDATE jobs SET passes_run = ?, passes_skipped = ? WHERE job_id = ?", (*passes, job_id))
+            return True
+
+    def stage_files(self, job_id: str) -> list[tuple[str, str]]:
+        """(stage, file) of every saved stage output, in the order the stages finished."""
+        rows = self.database.fetchall(
+            "SELECT stage, file FROM intermediates WHERE job_id = ? AND stage != ? ORDER BY done_at, rowid",
+            (job_id, INPUT_IMAGES),
+        )
+        return [(row["stage"], row["file"]) for row in rows]
+
+    def _drop_intermediates(self, db: sqlite3.Connection, job_id: str) -> list[str]:
+        """Deletes the rows in this transaction; the caller deletes the returned files after commit."""
+        rows = db.execute("SELECT file FROM intermediates WHERE job_id = ?", (job_id,)).fetchall()
+        db.execute("DELETE FROM intermediates WHERE job_id = ?", (job_id,))
+        return [row["file"] for row in rows]
+
+    # ------------------------------------------------------------ results --
+
+    def commit_result(
+        self,
+        job_id: str,
+        *,
+        file: str,
+        shape: tuple[int, ...],
+        fps: float,
+        pieces: list[tuple[int, int]],
+        at: float,
+        nbytes: int,
+        media_type: str,
+        encoded_file: str | None,
+        encoded_bytes: int,
+        raw_kept: bool,
+        timings: Mapping[str, float] | None,
+    ) -> tuple[JobRecord, list[str]]:
+        """Records a running job's result and marks it SUCCEEDED; returns the job and the files of the
+        intermediates it no longer has. InvalidTransition (keeping nothing) if the job is not running."""
+        with self.database.transaction() as db:
+            self._require_state_of(db, job_id, (JobState.JOB_STATE_RUNNING,))
+            db.execute(
+                "INSERT OR REPLACE INTO results (job_id, file, shape, fps, pieces, saved_at, bytes,"
+                " media_type, encoded_file, encoded_bytes, raw_kept) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    job_id,
+                    file,
+                    json.dumps(list(shape)),
+                    fps,
+                    json.dumps(pieces),
+                    at,
+                    nbytes,
+                    media_type,
+                    encoded_file,
+                    encoded_bytes,
+                    int(raw_kept),
+                ),
+            )
+            updates = "state = ?, finished_at = ?, num_frames_out = ?, fps_out = ?, error_code = NULL"
+            params: list[Any] = [int(JobState.JOB_STATE_SUCCEEDED), at, int(shape[0]), fps]
+            if timings is not None:
+                updates += ", timings = ?"
+                params.append(json.dumps(dict(timings)))
+            db.execute(f"UPDATE jobs SET {updates} WHERE job_id = ?", (*params, job_id))
+            files = self._drop_intermediates(db, job_id)
+            row = db.execute("SELECT * FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        return record_from_row(row), files
+
+    def result(self, job_id: str) -> sqlite3.Row | None:
+        """The job's results row, with its job's timings and pass counts."""
+        return self.database.fetchone(
+            "SELECT results.*, jobs.timings, jobs.passes_run, jobs.passes_skipped FROM results JOIN jobs"
+            " USING (job_id) WHERE job_id = ?",
+            (job_id,),
+        )
+
+    # ------------------------------------------------------------- states --
+
+    def state(self, job_id: str) -> int:
+        row = self.database.fetchone("SELECT state FROM jobs WHERE job_id = ?", (job_id,))
+        if row is None:
+            raise UnknownJob(job_id)
+        state: int = row["state"]
+        return state
+
+    def finished_or_gone(self, job_id: str) -> bool:
+        try:
+            return self.state(job_id) in TERMINAL_STATES
+        except UnknownJob:
+            return True
+
+    def require_state(self, job_id: str, states: tuple[int, ...]) -> None:
+        _require(job_id, self.state(job_id), states)
+
+    def _state_of(self, db: sqlite3.Connection, job_id: str) -> int:
+        row = db.execute("SELECT state FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise UnknownJob(job_id)
+        state: int = row["state"]
+        return state
+
+    def _require_state_of(self, db: sqlite3.Connection, job_id: str, states: tuple[int, ...]) -> None:
+        _require(job_id, self._state_of(db, job_id), states)
+
+    # --------------------------------------------------------------- sweep --
+
+    def files_in_use(self) -> tuple[set[str], set[tuple[str, str]]]:
+        """Every stored job id, and the (job_id, file) of every file a row names.
+
+        Runs at open, whose caller reports sqlite3.Error itself.
+        """
+        with self.database.mutex:
+            db = self.database.connection()
+            known = {row["job_id"] for row in db.execute("SELECT job_id FROM jobs")}
+            referenced = {
+                (row["job_id"], row["file"])
+                for row in db.execute(
+                    "SELECT job_id, file FROM intermediates UNION ALL SELECT job_id, file FROM results"
+                    " UNION ALL SELECT job_id, encoded_file FROM results WHERE encoded_file IS NOT NULL"
+                )
+            }
+        return known, referenced
+
+
+def _require(job_id: str, current: int, states: tuple[int, ...]) -> None:
+    if current not in states:
+        wanted = " or ".join(JobState.Name(s) for s in states)
+        raise InvalidTransition(f"job {job_id} is {JobState.Name(current)}, not {wanted}")

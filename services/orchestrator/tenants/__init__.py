@@ -1,0 +1,62 @@
+"""Tenants of the public API: who may call, how they are ranked, and how much they may ask for.
+
+Tenants come from a YAML file (`--tenants FILE`, its format in deploy/tenants.example.yaml), read and
+validated by schema.py; without one the registry is open (registry.py). API keys are stored as their
+SHA-256 only (keys.py); `python -m services.orchestrator.tenants new-key` makes one (cli.py). Each
+tenant's request rate is a token bucket (rate_limit.py). Refusals carry the status code a servicer answers
+with (errors.py).
+"""
+
+from services.orchestrator.tenants.cli import main
+from services.orchestrator.tenants.errors import AuthenticationError, LimitExceeded, RateLimited, TenantError
+from services.orchestrator.tenants.keys import (
+    AUTHORIZATION_METADATA_KEY,
+    KEY_HASH_PREFIX,
+    KEY_PREFIX,
+    bearer_token,
+    hash_api_key,
+    new_api_key,
+)
+from services.orchestrator.tenants.rate_limit import Clock, RateLimiter
+from services.orchestrator.tenants.registry import SizedRequest, TenantRegistry, output_frames
+from services.orchestrator.tenants.schema import (
+    DEFAULT_MAX_OUTPUT_FRAMES,
+    DEFAULT_MAX_OUTPUT_PIXELS,
+    DEFAULT_MAX_WATCH_STREAMS,
+    DEFAULT_TENANT_NAME,
+    MAX_LORA_PATTERN_CHARS,
+    MAX_LORA_PATTERNS,
+    PriorityClass,
+    Quotas,
+    Tenant,
+    TenantConfigError,
+)
+
+__all__ = [
+    "AUTHORIZATION_METADATA_KEY",
+    "DEFAULT_MAX_OUTPUT_FRAMES",
+    "DEFAULT_MAX_OUTPUT_PIXELS",
+    "DEFAULT_MAX_WATCH_STREAMS",
+    "DEFAULT_TENANT_NAME",
+    "KEY_HASH_PREFIX",
+    "KEY_PREFIX",
+    "MAX_LORA_PATTERNS",
+    "MAX_LORA_PATTERN_CHARS",
+    "AuthenticationError",
+    "Clock",
+    "LimitExceeded",
+    "PriorityClass",
+    "Quotas",
+    "RateLimited",
+    "RateLimiter",
+    "SizedRequest",
+    "Tenant",
+    "TenantConfigError",
+    "TenantError",
+    "TenantRegistry",
+    "bearer_token",
+    "hash_api_key",
+    "main",
+    "new_api_key",
+    "output_frames",
+]

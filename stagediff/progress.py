@@ -1,0 +1,95 @@
+"""How a command shows a job's progress on stderr: a bar per stage with its ETA on a terminal, one plain line
+per event otherwise (a log, a pipe). rich is imported only when bars are drawn."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, TextIO
+
+from stagediff.results import BytesReceived, Event, FramesReceived, Progress, Queued
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
+
+
+class PlainProgress:
+    """Progress as one line per event on `stream`: for a log or a pipe."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> PlainProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Nothing to close: each line is written as its event arrives."""
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, Queued):
+            line = f"queued job {event.job_id} at position {event.position}"
+        elif isinstance(event, Progress):
+            line = f"{event.stage}: {event.step}/{event.total}"
+        elif isinstance(event, FramesReceived):
+            line = f"received frames {event.first_frame}..{event.first_frame + event.count - 1}"
+        elif isinstance(event, BytesReceived):
+            line = f"received bytes {event.offset}..{event.offset + event.count - 1}"
+        else:
+            return
+        print(line, file=self.stream, flush=True)
+
+
+class RichProgress:
+    """Progress on a terminal: a bar per stage with its steps, elapsed time and ETA, and the result's download."""
+
+    def __init__(self, stream: TextIO) -> None:
+        # Imported here: the other commands start without loading rich.
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import Progress as Bars
+
+        self.bars = Bars(
+            TextColumn("{task.description:<14}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=Console(file=stream),
+        )
+        self.tasks: dict[str, TaskID] = {}
+        self.received = 0
+
+    def __enter__(self) -> RichProgress:
+        self.bars.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bars.stop()
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, Queued):
+            self.bars.console.print(f"queued job {event.job_id} at position {event.position}", highlight=False)
+        elif isinstance(event, Progress):
+            self._bar(event.stage, event.total)
+            self.bars.update(self.tasks[event.stage], completed=event.step, total=event.total)
+        elif isinstance(event, FramesReceived):
+            self._bar("frames", None)
+            self.bars.advance(self.tasks["frames"], event.count)
+        elif isinstance(event, BytesReceived):
+            self._bar("result", None)
+            self.received = event.offset + event.count
+            self.bars.update(
+                self.tasks["result"], completed=self.received, description=f"result {self.received / 1e6:.1f} MB"
+            )
+
+    def _bar(self, name: str, total: int | None) -> None:
+        if name not in self.tasks:
+            self.tasks[name] = self.bars.add_task(name, total=total)
+
+
+def progress_display(quiet: bool, stream: TextIO | None = None) -> PlainProgress | RichProgress | None:
+    """What shows a job's progress on `stream` (stderr): bars on a terminal, plain lines otherwise; None if quiet."""
+    stream = sys.stderr if stream is None else stream
+    if quiet:
+        return None
+    return RichProgress(stream) if stream.isatty() else PlainProgress(stream)

@@ -1,0 +1,186 @@
+"""What a family's denoiser implements and uses, and what the DiT stage asks of it.
+
+`DenoiseSpec` is one request's arguments (its step cache a `CacheSpec`); `Denoiser` and `BatchDenoiser` are
+the stage's view of a family's denoiser (families/<family>/denoise.py), which follows its diffusers pipeline
+step for step so that its latents equal the pipeline's for the same arguments. The helpers are the pieces of
+a step that do not depend on the model: agreeing to go on (`stop_if_cancelled`, `members_still_wanted`, rank
+0's answer holds for a group), running the guidance branches (`guidance_predictions`, one per CFG rank group
+under CFG-parallel), and dropping a batch member's rows from the scheduler (`keep_batch_rows`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, TypeGuard
+
+import torch
+
+from services.stage import Cancelled
+from stagekit.parallel import ParallelConfig
+from stagekit.parallel.cfg import agree_on_members, agree_to_continue, cfg_parallel_predictions
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """A request's step cache: a method of families.base.CACHE_METHODS and its threshold (higher skips more)."""
+
+    method: str = "none"
+    threshold: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+@dataclass(frozen=True)
+class DenoiseSpec:
+    """One request's denoising arguments, already validated."""
+
+    height: int
+    width: int
+    num_frames: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    # Roles of the input images whose tensors condition the request (families/base.py IMAGE_ROLES), in the
+    # model's role order, and the decoded size (width, height) of each, () when the caller sent none.
+    image_roles: tuple[str, ...] = ()
+    image_sizes: tuple[tuple[int, int], ...] = ()
+    # The step cache of the request (its method "none" when it runs every pass).
+    cache: CacheSpec = CacheSpec()
+    # The request's LoRA adapters as (name, scale), in the order it named them.
+    loras: tuple[tuple[str, float], ...] = ()
+    # Requests of different batch groups never share a batch (DenoiseParams.batch_group: one per tenant when the
+    # orchestrator keeps batches to one tenant); opaque to the stage.
+    batch_group: bytes = b""
+
+    @property
+    def do_classifier_free_guidance(self) -> bool:
+        return self.guidance_scale > 1.0
+
+
+class Denoiser(Protocol):
+    """What the DiT stage asks of a family's denoiser."""
+
+    transformer: torch.nn.Module
+    # The rank group's layout, None on one rank; the process group of the CFG branches, None without CFG-parallel.
+    parallel: ParallelConfig | None
+    cfg_group: torch.distributed.ProcessGroup | None
+
+    @property
+    def experts(self) -> list[torch.nn.Module]:
+        """Every transformer the loop runs (Wan2.2 A14B has two), as their stage reports them."""
+        ...
+
+    @property
+    def text_dim(self) -> int:
+        """The width of the embeddings the transformer takes."""
+        ...
+
+    def denoise(
+        self,
+        spec: DenoiseSpec,
+        conditioning: dict[str, torch.Tensor],
+        on_step: Callable[[int, int], None],
+        cancelled: Callable[[], bool],
+    ) -> torch.Tensor:
+        """Runs every step and returns float32 latents [1, C, T, h, w]; on_step(step, total) after each.
+
+        `conditioning` holds the tensors the family declares (families/base.py TensorSlot), by name.
+        """
+        ...
+
+
+class ImageDenoiser(Denoiser, Protocol):
+    """The denoiser of a family that takes input images (its `images.roles` are not empty)."""
+
+    def image_tensor_shape(self, name: str, spec: DenoiseSpec) -> tuple[int | None, ...] | None:
+        """The shape of a conditioning tensor made from the request's input images (see TensorSlot.image),
+        None in place of a token count; None when the request cannot take it."""
+        ...
+
+
+class BatchDenoiser(Denoiser, Protocol):
+    """A denoiser that also runs several requests of one `batch_key` as one batch (the family's `batching`
+    feature): each request's latents equal its own run's."""
+
+    def denoise_batch(
+        self,
+        specs: list[DenoiseSpec],
+        conditionings: list[dict[str, torch.Tensor]],
+        on_step: Callable[[int, int, int], None],
+        wanted: Callable[[], list[bool]],
+    ) -> list[torch.Tensor | None]:
+        """The latents of each request, None for those dropped; on_step(member, step, total) after each step.
+
+        Before each step `wanted()` says which members still want their result (see `members_still_wanted`);
+        a member dropped once is not denoised further.
+        """
+        ...
+
+
+def takes_images(denoiser: Denoiser) -> TypeGuard[ImageDenoiser]:
+    """Whether `denoiser` is an ImageDenoiser (its family takes input images)."""
+    return callable(getattr(denoiser, "image_tensor_shape", None))
+
+
+def runs_batches(denoiser: Denoiser) -> TypeGuard[BatchDenoiser]:
+    """Whether `denoiser` is a BatchDenoiser (its family has the `batching` feature)."""
+    return callable(getattr(denoiser, "denoise_batch", None))
+
+
+def members_still_wanted(
+    wanted: Callable[[], list[bool]], parallel: ParallelConfig | None, device: torch.device
+) -> list[bool]:
+    """Before a batch step: which members still want their result; in a group, rank 0's answer holds for all."""
+    keep = wanted()
+    return agree_on_members(keep, device) if parallel is not None else keep
+
+
+# Per scheduler class, its attributes that hold one row per request of the batch (the multistep solvers'
+# history); the others hold the schedule, shared by every row.
+SCHEDULER_BATCH_STATE = {
+    "UniPCMultistepScheduler": ("model_outputs", "last_sample"),
+    "FlowMatchEulerDiscreteScheduler": (),
+}
+
+
+def keep_batch_rows(scheduler: object, rows: list[int]) -> bool:
+    """Drops every other row from the scheduler's per-request state; False for a scheduler whose state is not
+    known here (the caller then keeps denoising the dropped rows and discards them at the end)."""
+    attributes = SCHEDULER_BATCH_STATE.get(type(scheduler).__name__)
+    if attributes is None:
+        return False
+
+    def keep(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.index_select(0, torch.tensor(rows, device=tensor.device))
+
+    for name in attributes:
+        value = getattr(scheduler, name)
+        setattr(scheduler, name, [keep(item) for item in value] if isinstance(value, list) else keep(value))
+    return True
+
+
+def stop_if_cancelled(cancelled: Callable[[], bool], parallel: ParallelConfig | None, device: torch.device) -> None:
+    """Raises Cancelled before a step when the request is cancelled; in a group, rank 0's answer holds for all."""
+    keep_going = not cancelled()
+    if parallel is not None:
+        keep_going = agree_to_continue(keep_going, device)
+    if not keep_going:
+        raise Cancelled()
+
+
+def guidance_predictions(
+    predict: Callable[[object, str], torch.Tensor],
+    positive: object,
+    negative: object,
+    cfg_group: torch.distributed.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (cond, uncond) predictions of a CFG step: both on this rank, or one branch per CFG rank group.
+
+    `predict(conditioning, branch)` runs the transformer; `branch` is "cond" or "uncond".
+    """
+    if cfg_group is not None:
+        return cfg_parallel_predictions(predict, positive, negative, cfg_group)
+    return predict(positive, "cond"), predict(negative, "uncond")

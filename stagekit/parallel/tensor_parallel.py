@@ -1,0 +1,242 @@
+"""Tensor parallelism for diffusers' DiTs (Megatron-style, attention heads and FFN split), one plan per class.
+
+Within each transformer block, the projections into the attention heads (to_q, to_k, to_v and the added
+projections: Wan I2V's add_k_proj / add_v_proj, Qwen-Image's add_q_proj / add_k_proj / add_v_proj) are split
+column-wise, so every tp rank computes a contiguous group of heads; the output projections (to_out[0], and
+Qwen-Image's to_add_out) are split row-wise and all-reduce their partial sums. Each feed-forward's first
+projection is split column-wise and its last one row-wise (Wan's ffn, Qwen-Image's img_mlp and txt_mlp).
+Everything else stays replicated: it is small, or cheap next to the all-reduce it would need. `BlockPlan` names
+these modules for one model class; `PLANS` holds one per supported class.
+
+Query and key norms come in two kinds, told apart by their width. Qwen-Image normalises each head alone, so a
+rank applies the norm as it is. Wan normalises all heads' features with one RMSNorm ("rms_norm_across_heads"),
+so `HeadShardedRMSNorm` keeps the rank's slice of the weight and all-reduces the sum of squares over the tp
+group, which gives the same result as the full norm.
+
+The plan is a plain function over `torch.distributed.tensor.parallel`, after torchtitan's `apply_tp`; outputs are
+local tensors (use_local_output), so the rest of the model sees plain tensors. Each attention's `heads` and
+`inner_dim` are narrowed to the rank's heads, which the processors read (Qwen-Image's derives head_dim from them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from stagekit.parallel.mesh import ParallelConfigError, _divisors
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """Where one model class keeps what tensor parallelism splits; a name a block lacks is skipped."""
+
+    # The transformer's ModuleList of blocks.
+    blocks: str
+    # The attention modules of a block.
+    attentions: tuple[str, ...]
+    # In each attention: the projections into the heads (column-wise), out of them (row-wise), the q/k norms.
+    columnwise: tuple[str, ...]
+    rowwise: tuple[str, ...]
+    norms: tuple[str, ...]
+    # The Linear-GELU-Linear FeedForward modules of a block.
+    feed_forwards: tuple[str, ...]
+
+
+PLANS: dict[str, BlockPlan] = {
+    "WanTransformer3DModel": BlockPlan(
+        blocks="blocks",
+        attentions=("attn1", "attn2"),
+        columnwise=("to_q", "to_k", "to_v", "add_k_proj", "add_v_proj"),
+        rowwise=("to_out.0",),
+        norms=("norm_q", "norm_k", "norm_added_k"),
+        feed_forwards=("ffn",),
+    ),
+    # diffusers' own QwenImageTransformer2DModel._tp_plan splits the same Linears.
+    "QwenImageTransformer2DModel": BlockPlan(
+        blocks="transformer_blocks",
+        attentions=("attn",),
+        columnwise=("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"),
+        rowwise=("to_out.0", "to_add_out"),
+        norms=("norm_q", "norm_k", "norm_added_q", "norm_added_k"),
+        feed_forwards=("img_mlp", "txt_mlp"),
+    ),
+}
+
+
+def plan_for(transformer: nn.Module) -> BlockPlan:
+    """The plan of the transformer's class (or of the diffusers class it derives from)."""
+    for cls in type(transformer).__mro__:
+        if cls.__name__ in PLANS:
+            return PLANS[cls.__name__]
+    raise ParallelConfigError(
+        f"tensor parallelism has no plan for {type(transformer).__name__}; it splits {', '.join(PLANS)}"
+    )
+
+
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at a dotted path, or None where the model has none (or None stands in for it)."""
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+class HeadShardedRMSNorm(nn.Module):
+    """RMSNorm over a feature dimension whose columns are split across a process group.
+
+    Computes what torch.nn.RMSNorm(full_dim) computes on the concatenated input
+    (fp32 computation for low-precision inputs, weight applied before the cast
+    back), from this rank's columns: the mean of squares is the all-reduced sum
+    of the local squares divided by the full dimension.
+    """
+
+    def __init__(self, weight: torch.Tensor | None, full_dim: int, eps: float | None, group: dist.ProcessGroup):
+        super().__init__()
+        self.full_dim = full_dim
+        self.eps = eps
+        self.group = group
+        self.weight = None if weight is None else nn.Parameter(weight, requires_grad=weight.requires_grad)
+
+    @classmethod
+    def from_rms_norm(cls, norm: nn.RMSNorm, tp_mesh: DeviceMesh) -> HeadShardedRMSNorm:
+        """Shards `norm`'s weight as Shard(0): each rank keeps the columns ColwiseParallel's Shard(0) gives it.
+
+        The weight stays a DTensor (its local part is used in forward), so that a checkpoint loader sees
+        which slice of the full weight this rank holds; `norm` may be on the meta device.
+        """
+        (full_dim,) = norm.normalized_shape
+        weight = None
+        if norm.weight is not None:
+            weight = distribute_tensor(norm.weight.detach(), tp_mesh, [Shard(0)])
+            weight.requires_grad_(norm.weight.requires_grad)
+        return cls(weight, full_dim, norm.eps, tp_mesh.get_group())
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+        upcast = hidden_states.to(compute_dtype)
+        sum_of_squares = upcast.pow(2).sum(dim=-1, keepdim=True)
+        sum_of_squares = funcol.all_reduce(sum_of_squares, "sum", group=self.group)
+        # The same eps default as torch.rms_norm: the machine epsilon of the computation dtype.
+        eps = torch.finfo(compute_dtype).eps if self.eps is None else self.eps
+        result = upcast * torch.rsqrt(sum_of_squares / self.full_dim + eps)
+        if self.weight is not None:
+            result = result * self.weight.to_local()
+        return result.type_as(hidden_states)
+
+    def extra_repr(self) -> str:
+        local_dim = self.full_dim if self.weight is None else self.weight.to_local().shape[0]
+        return f"local_dim={local_dim}, full_dim={self.full_dim}, eps={self.eps}"
+
+
+def _normalized_width(norm: nn.Module) -> int | None:
+    """The width a norm normalises over (torch's normalized_shape, diffusers' RMSNorm dim), if one dimension."""
+    for attribute in ("normalized_shape", "dim"):
+        shape = getattr(norm, attribute, None)
+        if shape is None:
+            continue
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        return shape[0] if len(shape) == 1 else None
+    return None
+
+
+def _across_heads(norm: nn.Module, attn: nn.Module, where: str) -> bool:
+    """True for a norm over every head's features (it must be sharded), False for one over a single head."""
+    head_dim = attn.inner_dim // attn.heads
+    width = _normalized_width(norm)
+    if width == attn.heads * head_dim and isinstance(norm, nn.RMSNorm):
+        return True
+    if width == head_dim:
+        return False
+    raise ParallelConfigError(
+        f"{where} is {type(norm).__name__} over {width} features; tensor parallelism supports a norm over one "
+        f"head ({head_dim} features) or torch's RMSNorm across heads ({attn.heads * head_dim} features)"
+    )
+
+
+def _check_divisible(transformer: nn.Module, plan: BlockPlan, tp_size: int) -> None:
+    """Refuses models that the tp size cannot split evenly, before anything is changed."""
+    for index, block in enumerate(transformer.get_submodule(plan.blocks)):
+        prefix = f"{plan.blocks}.{index}"
+        for name in plan.attentions:
+            attn = getattr(block, name)
+            if getattr(attn, "fused_projections", False):
+                raise ParallelConfigError(
+                    f"{prefix}.{name} has fused QKV projections, which tensor parallelism cannot split by "
+                    "heads; call unfuse_qkv_projections() on the transformer first"
+                )
+            if attn.heads % tp_size != 0:
+                raise ParallelConfigError(
+                    f"--tensor-parallel-size {tp_size} does not divide the model's {attn.heads} attention heads "
+                    f"({prefix}.{name}); tensor-parallel sizes that do: {_divisors(attn.heads)}"
+                )
+            for norm_name in plan.norms:
+                norm = getattr(attn, norm_name, None)
+                if norm is not None:
+                    _across_heads(norm, attn, f"{prefix}.{name}.{norm_name}")
+        for name in plan.feed_forwards:
+            ffn = getattr(block, name)
+            first, last = ffn.net[0].proj, ffn.net[2]
+            if not (isinstance(first, nn.Linear) and isinstance(last, nn.Linear)):
+                raise ParallelConfigError(f"{prefix}.{name} is not the expected Linear-GELU-Linear feed-forward")
+            if first.out_features % tp_size != 0:
+                raise ParallelConfigError(
+                    f"--tensor-parallel-size {tp_size} does not divide the feed-forward dimension "
+                    f"{first.out_features} ({prefix}.{name}); tensor-parallel sizes that do: "
+                    f"{_divisors(first.out_features)}"
+                )
+
+
+def _block_plan(block: nn.Module, plan: BlockPlan) -> dict[str, ColwiseParallel | RowwiseParallel]:
+    styles: dict[str, ColwiseParallel | RowwiseParallel] = {}
+    for name in plan.attentions:
+        attn = getattr(block, name)
+        for projection in plan.columnwise:
+            if _submodule(attn, projection) is not None:
+                styles[f"{name}.{projection}"] = ColwiseParallel()
+        for projection in plan.rowwise:
+            if _submodule(attn, projection) is not None:
+                styles[f"{name}.{projection}"] = RowwiseParallel()
+    for name in plan.feed_forwards:
+        styles[f"{name}.net.0.proj"] = ColwiseParallel()
+        styles[f"{name}.net.2"] = RowwiseParallel()
+    return styles
+
+
+def apply_tensor_parallel(transformer: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Splits every block's attention heads and feed-forwards over `tp_mesh` (1-D), in place.
+
+    The plan is the transformer class's (`PLANS`). Every rank of the tp group must hold the same full
+    weights beforehand (or the model is still on the meta device, to be loaded shard by shard) and
+    feed the same inputs; the transformer's output is then the same on all of them and equals the
+    unsplit model's.
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"tensor parallelism needs a 1-D mesh, got {tp_mesh.ndim} dimensions")
+    tp_size = tp_mesh.size()
+    if tp_size == 1:
+        return
+    plan = plan_for(transformer)
+    _check_divisible(transformer, plan, tp_size)
+
+    for block in transformer.get_submodule(plan.blocks):
+        parallelize_module(block, tp_mesh, _block_plan(block, plan))
+        for name in plan.attentions:
+            attn = getattr(block, name)
+            across_heads = {
+                norm_name: _across_heads(getattr(attn, norm_name), attn, norm_name)
+                for norm_name in plan.norms
+                if getattr(attn, norm_name, None) is not None
+            }
+            # The processors unflatten the projections' (now local) features into attn.heads heads.
+            attn.heads //= tp_size
+            attn.inner_dim //= tp_size
+            for norm_name, sharded in across_heads.items():
+                if sharded:
+                    setattr(attn, norm_name, HeadShardedRMSNorm.from_rms_norm(getattr(attn, norm_name), tp_mesh))

@@ -1,0 +1,345 @@
+"""Image-to-video through the running cluster: the frames equal WanImageToVideoPipeline's (WanPipeline's for
+TI2V without an image) within one level, for each Wan image-to-video family (wan-i2v on one rank per stage, A14B
+and TI2V with a parallel DiT and a patch-parallel VAE); and input images that cannot be served are refused at the
+door with INVALID_ARGUMENT naming the field. Every family's parallel layouts are proven on the latents in
+tests/integration/test_family_wan_i2v.py."""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from diffusers import WanImageToVideoPipeline, WanPipeline
+from diffusers.utils import load_image
+from PIL import Image
+
+from bench.hostile_files import chunk_stuffed_png, comment_stuffed_jpeg, scan_bomb_jpeg
+from families.init_model import init_model
+from stagediff import Client
+from stagediff.local.supervisor import LocalCluster
+from stagediff.v1 import generation_pb2, generation_pb2_grpc, image_pb2
+from tests.helpers.image_to_video import PATCH_PARALLEL_VAE, ULYSSES_CFG_HSDP, assert_close, encoded
+from tests.helpers.serving import THREADS_PER_STAGE
+from tests.helpers.wan_i2v import input_image
+
+
+def _cluster(model: Path, log_dir: Path, extra_args: dict[str, list[str]] | None = None) -> Iterator[LocalCluster]:
+    local = LocalCluster(model, threads_per_stage=THREADS_PER_STAGE, log_dir=log_dir, extra_args=extra_args or {})
+    local.start(timeout=300)
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("i2v-models")
+    return {
+        name: init_model(name, "tiny", root / name, seed=0) for name in ("wan-i2v", "wan2.2-i2v-a14b", "wan2.2-ti2v")
+    }
+
+
+@pytest.fixture(scope="module")
+def wan_i2v_cluster(models, tmp_path_factory) -> Iterator[LocalCluster]:
+    yield from _cluster(models["wan-i2v"], tmp_path_factory.mktemp("wan-i2v-logs"))
+
+
+def reference(model_dir: Path, case: dict) -> np.ndarray:
+    """The diffusers pipeline's frames for a case, from the images as the server decodes them, uint8."""
+    images = {role: load_image(Image.open(io.BytesIO(data))) for role, data in case.get("images", {}).items()}
+    arguments = dict(
+        prompt=case["prompt"],
+        negative_prompt=case.get("negative_prompt", ""),
+        height=case["height"],
+        width=case["width"],
+        num_frames=case["num_frames"],
+        num_inference_steps=case["steps"],
+        guidance_scale=case["guidance"],
+        generator=torch.Generator("cpu").manual_seed(case["seed"]),
+        output_type="np",
+    )
+    if images:
+        pipeline = WanImageToVideoPipeline.from_pretrained(model_dir)
+        output = pipeline(image=images["first"], last_image=images.get("last"), **arguments)
+    else:
+        output = WanPipeline.from_pretrained(model_dir)(**arguments)
+    return (np.clip(output.frames[0], 0, 1) * 255).round().astype(np.uint8)
+
+
+def generate(endpoint: str, case: dict, **extra) -> tuple[np.ndarray, generation_pb2.Job]:
+    images = case.get("images", {})
+    with Client(endpoint) as client:
+        result = client.generate(
+            case["prompt"],
+            negative_prompt=case.get("negative_prompt", ""),
+            height=case["height"],
+            width=case["width"],
+            num_frames=case["num_frames"],
+            num_inference_steps=case["steps"],
+            guidance_scale=case["guidance"],
+            seed=case["seed"],
+            image=images.get("first"),
+            last_image=images.get("last"),
+            **extra,
+        )
+        job = client.get_job(result.job_id)
+    return result.frames, job
+
+
+def check_cases(cluster: LocalCluster, model_dir: Path, cases: list[dict]) -> None:
+    for case in cases:
+        frames, job = generate(cluster.endpoint, case)
+        assert_close(frames, reference(model_dir, case))
+        # The job records the images it used (digest and size), not their bytes, and the size it made.
+        assert [image.data for image in job.request.images] == [b""] * len(case.get("images", {}))
+        assert all(image.sha256 and image.width > 0 for image in job.request.images)
+        assert (job.request.height, job.request.width) == (case["height"], case["width"])
+        if case.get("images"):
+            assert job.timings["vae-encode"] > 0
+
+
+# The parallel families first: the wan-i2v cluster (module-scoped) starts only after them.
+def test_wan22_i2v_a14b_frames_equal_pipeline(models, tmp_path) -> None:
+    cases = [
+        dict(
+            prompt="a red fox runs",
+            negative_prompt="blurry",
+            height=64,
+            width=64,
+            num_frames=9,
+            steps=4,
+            guidance=5.0,
+            seed=1,
+            images={"first": encoded(input_image(33, 61, 3), "PNG")},
+        ),
+        dict(
+            prompt="a boat at sea",
+            height=48,
+            width=64,
+            num_frames=9,
+            steps=2,
+            guidance=4.0,
+            seed=2,
+            images={"first": encoded(input_image(64, 48, 4), "PNG"), "last": encoded(input_image(70, 40, 5), "PNG")},
+        ),
+        dict(
+            prompt="snow",
+            height=32,
+            width=32,
+            num_frames=5,
+            steps=3,
+            guidance=1.0,
+            seed=4,
+            images={"first": encoded(input_image(32, 32, 6), "JPEG")},
+        ),
+    ]
+    # Ulysses, CFG-parallel and HSDP at once (each expert sharded); the VAE patch-parallel.
+    for cluster in _cluster(models["wan2.2-i2v-a14b"], tmp_path, {"dit": ULYSSES_CFG_HSDP, "vae": PATCH_PARALLEL_VAE}):
+        check_cases(cluster, models["wan2.2-i2v-a14b"], cases)
+
+
+def test_wan22_ti2v_frames_equal_pipelines(models, tmp_path) -> None:
+    """One checkpoint serves image-to-video and, without an image, text-to-video."""
+    cases = [
+        dict(
+            prompt="a red fox runs",
+            negative_prompt="blurry",
+            height=64,
+            width=64,
+            num_frames=9,
+            steps=2,
+            guidance=5.0,
+            seed=0,
+            images={"first": encoded(input_image(50, 70, 7), "PNG")},
+        ),
+        dict(prompt="a boat at sea", height=64, width=96, num_frames=5, steps=2, guidance=1.0, seed=4),
+        dict(
+            prompt="clouds",
+            negative_prompt="dark",
+            height=32,
+            width=64,
+            num_frames=5,
+            steps=3,
+            guidance=3.0,
+            seed=5,
+            images={"first": encoded(input_image(96, 40, 8), "WEBP", lossless=True)},
+        ),
+    ]
+    # The Wan2.2 VAE (its DupUp3D shortcuts) decodes in bands over two ranks.
+    for cluster in _cluster(models["wan2.2-ti2v"], tmp_path, {"dit": ULYSSES_CFG_HSDP, "vae": PATCH_PARALLEL_VAE}):
+        check_cases(cluster, models["wan2.2-ti2v"], cases)
+
+
+# Input images of other sizes and aspect ratios than the output, in each format the server takes.
+WAN_I2V_CASES = [
+    dict(
+        prompt="a red fox runs",
+        negative_prompt="blurry",
+        height=64,
+        width=64,
+        num_frames=9,
+        steps=2,
+        guidance=5.0,
+        seed=0,
+        images={"first": encoded(input_image(50, 40, 0), "PNG")},
+    ),
+    dict(
+        prompt="a boat at sea",
+        height=48,
+        width=80,
+        num_frames=5,
+        steps=3,
+        guidance=1.0,
+        seed=3,
+        images={"first": encoded(input_image(120, 72, 1), "JPEG", quality=90)},
+    ),
+    dict(
+        prompt="clouds over hills",
+        negative_prompt="dark",
+        height=32,
+        width=64,
+        num_frames=5,
+        steps=2,
+        guidance=4.0,
+        seed=7,
+        images={"first": encoded(input_image(30, 90, 2), "WEBP", lossless=True)},
+    ),
+]
+
+
+def test_wan_i2v_frames_equal_pipeline(wan_i2v_cluster, models) -> None:
+    check_cases(wan_i2v_cluster, models["wan-i2v"], WAN_I2V_CASES)
+
+
+def test_wan_i2v_interpolation_keeps_decoded_frames_in_place(wan_i2v_cluster) -> None:
+    plain, _ = generate(wan_i2v_cluster.endpoint, WAN_I2V_CASES[0])
+    doubled, _ = generate(wan_i2v_cluster.endpoint, WAN_I2V_CASES[0], interp_exp=1)
+    assert doubled.shape[0] == 2 * plain.shape[0] - 1
+    np.testing.assert_array_equal(doubled[::2], plain)
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    """A valid small PNG whose header claims another size (a decompression bomb)."""
+    import struct
+    import zlib
+
+    data = bytearray(encoded(input_image(8, 8, 0), "PNG"))
+    ihdr = 8 + 8  # signature, then the IHDR chunk's length and type
+    data[ihdr : ihdr + 8] = struct.pack(">II", width, height)
+    data[ihdr + 13 : ihdr + 17] = struct.pack(">I", zlib.crc32(bytes(data[ihdr - 4 : ihdr + 13])))
+    return bytes(data)
+
+
+GOOD = encoded(input_image(40, 40, 0), "PNG")
+BAD_IMAGES = [
+    ("not-an-image", [image_pb2.InputImage(data=b"definitely not an image")], "images[0].data", "PNG, JPEG or WEBP"),
+    ("truncated", [image_pb2.InputImage(data=GOOD[: len(GOOD) // 2])], "images[0].data", "complete"),
+    ("bomb", [image_pb2.InputImage(data=_png_claiming(20000, 20000))], "images[0].data", "pixels"),
+    ("gif", [image_pb2.InputImage(data=encoded(input_image(8, 8, 0), "GIF"))], "images[0].data", "GIF"),
+    ("missing", [], "images", "first_frame"),
+    (
+        "too-many",
+        [image_pb2.InputImage(data=GOOD, role=r) for r in (1, 2, 3)],
+        "images",
+        "at most",
+    ),
+    (
+        "role-not-taken",
+        [image_pb2.InputImage(data=GOOD, role=image_pb2.IMAGE_ROLE_LAST_FRAME)],
+        "images[0].role",
+        "first_frame",
+    ),
+    ("empty", [image_pb2.InputImage(data=b"")], "images[0].data", "PNG, JPEG or WEBP"),
+    ("scan-bomb", [image_pb2.InputImage(data=scan_bomb_jpeg(1024, 2000))], "images[0].data", "32 scans"),
+    ("comment-segments", [image_pb2.InputImage(data=comment_stuffed_jpeg())], "images[0].data", "marker segments"),
+    ("stuffed-chunks", [image_pb2.InputImage(data=chunk_stuffed_png())], "images[0].data", "chunks besides IDAT"),
+]
+
+
+@pytest.mark.parametrize(
+    ("images", "field", "allowed"), [case[1:] for case in BAD_IMAGES], ids=[c[0] for c in BAD_IMAGES]
+)
+def test_bad_images_are_refused_naming_the_field(wan_i2v_cluster, images, field, allowed) -> None:
+    with grpc.insecure_channel(wan_i2v_cluster.endpoint) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = generation_pb2.GenerateRequest(prompt="a fox", height=64, width=64, num_frames=5, images=images)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Submit(request, timeout=30)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
+    assert raised.value.details().startswith(field + ":"), raised.value.details()
+    assert allowed in raised.value.details(), raised.value.details()
+
+
+def test_a_scan_bomb_stalls_no_other_caller(wan_i2v_cluster) -> None:
+    """Bombs are refused at the door, and nothing parses them on the event loop or under a lock that the event
+    loop waits for: the orchestrator answers another caller at once while two of them arrive."""
+    bomb = generation_pb2.GenerateRequest(
+        prompt="a fox", images=[image_pb2.InputImage(data=scan_bomb_jpeg(4096, 3000))]
+    )
+    with grpc.insecure_channel(wan_i2v_cluster.endpoint) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        refused = [stub.Submit.future(bomb, timeout=120) for _ in range(2)]
+        time.sleep(0.5)
+        started = time.monotonic()
+        stub.ListModels(generation_pb2.ListModelsRequest(), timeout=30)
+        assert time.monotonic() - started < 5.0
+        for call in refused:
+            with pytest.raises(grpc.RpcError) as raised:
+                call.result(timeout=120)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
+
+
+def test_a_request_message_over_its_small_limit_is_refused_before_parsing(wan_i2v_cluster) -> None:
+    from services.orchestrator.service import MAX_REQUEST_BYTES
+
+    request = generation_pb2.GenerateRequest(
+        prompt="a fox", images=[image_pb2.InputImage(data=b"\x89PNG" + bytes(MAX_REQUEST_BYTES))]
+    )
+    with grpc.insecure_channel(wan_i2v_cluster.endpoint) as channel, pytest.raises(grpc.RpcError) as raised:
+        generation_pb2_grpc.GenerationStub(channel).Submit(request, timeout=30)
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_large_image_travels_through_an_upload_that_its_job_takes(wan_i2v_cluster) -> None:
+    """The SDK sends an image over 1 MiB ahead through UploadImage; the job records the file it took, and the
+    upload is gone once the job exists."""
+    import hashlib
+
+    large = GOOD + bytes(6 << 20)  # bytes after the PNG's end, which every reader ignores
+    with Client(wan_i2v_cluster.endpoint) as client:
+        job = client.submit("a fox", image=large, height=64, width=64, num_frames=5, num_inference_steps=1)
+        try:
+            assert job.request.images[0].sha256 == hashlib.sha256(large).hexdigest()
+            assert not job.request.images[0].upload_id
+            assert list((wan_i2v_cluster.state_dir / "uploads").iterdir()) == []
+        finally:
+            client.delete(job.job_id)
+    with grpc.insecure_channel(wan_i2v_cluster.endpoint) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        too_large = (image_pb2.ImageUploadChunk(data=bytes(1 << 20)) for _ in range(17))
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.UploadImage(too_large, timeout=30)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
+        assert "more than 16777216 bytes" in raised.value.details()
+        named = generation_pb2.GenerateRequest(
+            prompt="a fox", images=[image_pb2.InputImage(upload_id="0" * 32)], height=64, width=64, num_frames=5
+        )
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Submit(named, timeout=30)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert raised.value.details().startswith("images[0].upload_id: no upload with this id")
+        # A request refused for what it asks takes its upload too: the uploads a tenant holds stay bounded.
+        uploaded = stub.UploadImage(iter([image_pb2.ImageUploadChunk(data=GOOD)]), timeout=30)
+        named.images[0].upload_id = uploaded.upload_id
+        named.num_frames = 6  # not 4k+1
+        for expected in ("num_frames", "images[0].upload_id: no upload with this id"):
+            with pytest.raises(grpc.RpcError) as raised:
+                stub.Submit(named, timeout=30)
+            assert raised.value.details().startswith(expected), raised.value.details()

@@ -1,0 +1,178 @@
+"""Model families beyond Wan2.1 through the running cluster: Wan2.2-T2V-A14B (two experts) and Qwen-Image
+(text-to-image, true CFG) equal the in-process pipeline's frames within one level, each family on its default
+cluster and on one parallel cluster that combines the DiT layouts (and, for Qwen-Image, a patch-parallel VAE).
+Each layout alone and combined is proven against one rank on gloo in tests/integration/test_family_qwen_parallel.py
+and tests/integration/test_qwen_vae_patch_parallel.py, A14B's ring, TP, HSDP and VAE in
+tests/integration/test_family_a14b_features.py; A14B's Ulysses and CFG-parallel here, against the pipeline.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from families.qwen_image.init_model import DEFAULT_REQUESTS as QWEN_DEFAULT_REQUESTS
+from stagediff import Client, StageDiffError
+from stagediff.local.supervisor import LocalCluster
+from tests.helpers.image_to_video import PATCH_PARALLEL_VAE, ULYSSES_CFG_HSDP
+from tests.helpers.qwen_references import QWEN_CASES, assert_close, generate, qwen_reference
+from tests.helpers.references import reference_frames
+from tests.helpers.serving import THREADS_PER_STAGE
+
+
+def _cluster(model: Path, log_dir: Path, extra_args: dict[str, list[str]] | None = None) -> Iterator[LocalCluster]:
+    local = LocalCluster(model, threads_per_stage=THREADS_PER_STAGE, log_dir=log_dir, extra_args=extra_args or {})
+    local.start(timeout=300)
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen_cluster(qwen_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    yield from _cluster(qwen_model, tmp_path_factory.mktemp("qwen-cluster-logs"))
+
+
+@pytest.fixture(scope="module")
+def a14b_cluster(a14b_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    yield from _cluster(a14b_model, tmp_path_factory.mktemp("a14b-cluster-logs"))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", QWEN_CASES, ids=[f"{c['height']}x{c['width']}-cfg{c['guidance']}" for c in QWEN_CASES])
+def test_qwen_cluster_equals_qwen_image_pipeline(qwen_cluster, qwen_pipeline, case) -> None:
+    assert_close(generate(qwen_cluster.endpoint, case), qwen_reference(qwen_pipeline, **case))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (dict(num_frames=5), ["num_frames", "single images", "use 1"]),
+        (dict(height=40), ["height", "multiple of 16"]),
+        (dict(width=72), ["width", "multiple of 16"]),
+        (dict(interp_exp=1), ["interpolation", "single images", "leave interpolation off"]),
+    ],
+)
+def test_qwen_refuses_what_the_pipeline_cannot_make(qwen_cluster, overrides, words) -> None:
+    arguments = dict(height=64, width=64, num_frames=1, num_inference_steps=2, guidance_scale=4.0, seed=0)
+    with Client(qwen_cluster.endpoint) as client, pytest.raises(StageDiffError) as raised:
+        client.generate("a fox", **{**arguments, **overrides})
+    assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT, raised.value
+    for word in words:
+        assert word in raised.value.message, raised.value.message
+
+
+@pytest.mark.e2e
+def test_qwen_defaults_and_cli_png(qwen_cluster, qwen_pipeline, tmp_path: Path) -> None:
+    from PIL import Image
+
+    out = tmp_path / "fox.png"
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stagediff.cli",
+            "generate",
+            "--endpoint",
+            qwen_cluster.endpoint,
+            "--prompt",
+            "a red fox",
+            "--negative-prompt",
+            "blurry",
+            "--seed",
+            "3",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr
+    image = np.asarray(Image.open(out).convert("RGB"))[None]
+    defaults = QWEN_DEFAULT_REQUESTS["tiny"]
+    expected = qwen_reference(
+        qwen_pipeline,
+        prompt="a red fox",
+        negative_prompt="blurry",
+        height=defaults["height"],
+        width=defaults["width"],
+        steps=defaults["num_inference_steps"],
+        guidance=defaults["guidance_scale"],
+        seed=3,
+    )
+    assert_close(image, expected)
+
+
+@pytest.mark.e2e
+def test_qwen_parallel_dit_and_vae_equal_pipeline(qwen_model, qwen_pipeline, tmp_path: Path) -> None:
+    """4 DiT ranks (Ulysses, CFG-parallel, HSDP sharded over two) and the VAE decoding in bands over two."""
+    # 64x64 with true CFG; 48x80 packs into 3x5 = 15 image tokens, which 2 does not divide (padded and
+    # masked); 80x32 (tall, 10 latent rows) runs true CFG with the prompt's embeddings masked.
+    flags = {"dit": ULYSSES_CFG_HSDP, "vae": PATCH_PARALLEL_VAE}
+    for cluster in _cluster(qwen_model, tmp_path, flags):
+        for case in QWEN_CASES[:3]:
+            frames = generate(cluster.endpoint, case)
+            expected = qwen_reference(qwen_pipeline, **case)
+            levels = np.abs(frames.astype(np.int16) - expected.astype(np.int16)).max()
+            print(f"{case['height']}x{case['width']}: {levels} levels off QwenImagePipeline")
+            assert_close(frames, expected)
+        with Client(cluster.endpoint) as client:
+            stages = {s.info.stage: s.info for s in client.cluster_info().stages}
+    assert stages["dit"].parallel_config["ulysses_degree"] == "2"
+    assert stages["dit"].parallel_config["cfg_parallel_size"] == "2"
+    assert stages["vae"].parallel_config["vae_patch_parallel_size"] == "2"
+    assert stages["vae"].limits.min_height == 16
+
+
+# Two UniPC steps run 999 (>= 875: transformer) then 750 (transformer_2); four run 999, 900, 750, 500.
+A14B_CASES = [
+    dict(
+        prompt="a red fox running through snow",
+        negative_prompt="blurry, low quality",
+        height=64,
+        width=64,
+        num_frames=9,
+        steps=2,
+        guidance=5.0,
+        seed=0,
+    ),
+    dict(
+        prompt="a lighthouse at dusk",
+        negative_prompt="",
+        height=48,
+        width=80,
+        num_frames=5,
+        steps=4,
+        guidance=1.0,
+        seed=1234,
+    ),
+]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", A14B_CASES, ids=[f"{c['steps']}steps-cfg{c['guidance']}" for c in A14B_CASES])
+def test_a14b_cluster_equals_wan_pipeline(a14b_cluster, a14b_pipeline, case) -> None:
+    assert_close(generate(a14b_cluster.endpoint, case), reference_frames(a14b_pipeline, **case))
+
+
+@pytest.mark.e2e
+def test_a14b_parallel_dit_equals_wan_pipeline(a14b_model, a14b_pipeline, tmp_path: Path) -> None:
+    """4 DiT ranks: Ulysses over two, the CFG branches apart."""
+    case = A14B_CASES[0]
+    flags = {"dit": ["--ulysses-degree", "2", "--cfg-parallel-size", "2"]}
+    for cluster in _cluster(a14b_model, tmp_path, flags):
+        assert_close(generate(cluster.endpoint, case), reference_frames(a14b_pipeline, **case))
+        with Client(cluster.endpoint) as client:
+            dit = next(s for s in client.cluster_info().stages if s.info.stage == "dit")
+    assert dit.info.parallel_config["ulysses_degree"] == "2"
+    assert dit.info.parallel_config["cfg_parallel_size"] == "2"

@@ -1,0 +1,152 @@
+"""Wan2.2 A14B (two experts switched at boundary_ratio): parallel layouts, the patch-parallel VAE and
+interpolation on the A14B checkpoint (offload, quantization and loading are tests/integration/
+test_family_features.py's, from its tester config).
+
+Every DiT check runs WanA14BTesterConfig's request (two UniPC steps, one per expert) and counts the forward
+calls of each expert, so that a layout that silently dropped or swapped an expert would fail. Ring, tensor
+parallel, HSDP and the patch-parallel VAE share one spawn of two gloo ranks; their results are compared with
+one rank's in-process (the reference run tests/helpers/feature_mixins.py shares with the feature tests).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from families.wan.decode import WanStreamingDecoder
+from families.wan.denoise import WanDenoiser
+from interp_svc.interpolate import StreamingInterpolator, interpolate_sequence, output_frame_count
+from interp_svc.rife import RifeInterpolator, StreamingRifeInterpolator, load_rife
+from stagekit.parallel import ParallelConfig
+from stagekit.parallel.hsdp import local_parameter_bytes
+from stagekit.parallel.launch import run_ranks
+from tests.helpers.feature_mixins import WanA14BTesterConfig, denoise_counting, reference_run
+from tests.helpers.rife_weights import random_state_dict
+from vae_svc.patch_parallel import PatchParallelDecodeSession
+
+CPU = torch.device("cpu")
+TOLERANCE = 1e-4
+CONFIG = WanA14BTesterConfig()
+SPEC = CONFIG.spec
+CALLS_PER_EXPERT = CONFIG.forwards_per_expert
+LAYOUTS = [
+    ("ring2", ParallelConfig(ring_degree=2)),
+    ("tp2", ParallelConfig(tp_degree=2)),
+    ("hsdp2", ParallelConfig(use_hsdp=True, hsdp_shard_size=2)),
+]
+
+
+def denoise_counting_experts(denoiser: WanDenoiser) -> tuple[torch.Tensor, list[int]]:
+    """The final latents of SPEC, and how many forward calls each expert ran."""
+    return denoise_counting(CONFIG, denoiser)
+
+
+def _two_ranks(rank: int, world_size: int, model_dir: str, latents: torch.Tensor) -> dict:
+    """Each layout's latents, expert calls and local parameter bytes; the patch-parallel decode of `latents`."""
+    results: dict = {}
+    for name, config in LAYOUTS:
+        denoiser = WanDenoiser(model_dir, CPU, torch.float32, parallel=config)
+        output, calls = denoise_counting_experts(denoiser)
+        results[name] = {
+            "latents": output,
+            "calls": calls,
+            "bytes": [local_parameter_bytes(expert) for expert in denoiser.experts],
+        }
+    session = PatchParallelDecodeSession(WanStreamingDecoder(model_dir, CPU, torch.float32))
+    frames = [session.decode_next_float(latents[:, :, t : t + 1]) for t in range(latents.shape[2])]
+    results["vae"] = torch.cat(frames, dim=2)
+    return results
+
+
+@pytest.fixture(scope="module")
+def one_rank(a14b_model: Path) -> dict:
+    reference = reference_run(CONFIG, a14b_model)  # asserts both experts ran one step each
+    return {"latents": reference.latents, "bytes": reference.expert_bytes}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(a14b_model: Path, one_rank: dict) -> list[dict]:
+    return run_ranks(_two_ranks, 2, str(a14b_model), one_rank["latents"])
+
+
+def _assert_layout_equals_one_rank(two_ranks: list[dict], one_rank: dict, name: str) -> None:
+    for rank, results in enumerate(two_ranks):
+        result = results[name]
+        difference = (result["latents"] - one_rank["latents"]).abs().max().item()
+        print(f"{name} rank {rank}: max abs diff {difference:.2e}, expert calls {result['calls']}")
+        assert result["calls"] == CALLS_PER_EXPERT, f"{name} rank {rank}: expert calls {result['calls']}"
+        assert difference <= TOLERANCE, f"{name} rank {rank}: max abs difference {difference:.2e} > {TOLERANCE}"
+
+
+def test_a14b_ring_latents_equal_one_rank(two_ranks: list[dict], one_rank: dict) -> None:
+    _assert_layout_equals_one_rank(two_ranks, one_rank, "ring2")
+
+
+def test_a14b_tensor_parallel_latents_equal_one_rank(two_ranks: list[dict], one_rank: dict) -> None:
+    _assert_layout_equals_one_rank(two_ranks, one_rank, "tp2")
+    for rank, results in enumerate(two_ranks):
+        for expert, (local, whole) in enumerate(zip(results["tp2"]["bytes"], one_rank["bytes"], strict=True)):
+            print(f"tp2 rank {rank} expert {expert}: {local} of {whole} parameter bytes")
+            assert local < 0.8 * whole, f"tp2 rank {rank} expert {expert}: holds {local} of {whole} bytes"
+
+
+def test_a14b_hsdp_latents_equal_one_rank_and_halve_each_expert(two_ranks: list[dict], one_rank: dict) -> None:
+    _assert_layout_equals_one_rank(two_ranks, one_rank, "hsdp2")
+    for expert, whole in enumerate(one_rank["bytes"]):
+        shards = [results["hsdp2"]["bytes"][expert] for results in two_ranks]
+        print(f"hsdp2 expert {expert}: shards {shards} of {whole} parameter bytes")
+        assert sum(shards) == whole, f"expert {expert}: shards add up to {sum(shards)} bytes, the expert has {whole}"
+        assert max(shards) <= 0.55 * whole, f"expert {expert}: shards {shards} of {whole} bytes"
+
+
+def test_a14b_patch_parallel_vae_equals_whole_decode(a14b_model: Path, two_ranks: list[dict], one_rank: dict) -> None:
+    """The A14B checkpoint's AutoencoderKLWan, decoding the two-expert latents: two row bands equal the whole decode."""
+    decoder = WanStreamingDecoder(a14b_model, CPU, torch.float32)
+    latents = one_rank["latents"]
+    with torch.no_grad():
+        whole = decoder.vae.decode(latents / decoder.latents_std + decoder.latents_mean).sample
+    assert whole.shape == (1, 3, SPEC.num_frames, SPEC.height, SPEC.width)
+    assert whole.std() > 0.05, "the decoded video is flat: the comparison would prove little"
+    for rank, results in enumerate(two_ranks):
+        difference = (results["vae"] - whole).abs().max().item()
+        print(f"patch-parallel VAE rank {rank}: max abs diff {difference:.2e} against the whole decode")
+        assert results["vae"].shape == whole.shape
+        assert difference <= TOLERANCE, f"rank {rank}: max abs difference {difference:.2e} > {TOLERANCE}"
+
+
+def test_a14b_interpolation_keeps_decoded_frames_in_place(a14b_model: Path, one_rank: dict, tmp_path: Path) -> None:
+    """Optical-flow and RIFE interpolation of the A14B frames, fed as the VAE streams them (1 frame, then 4)."""
+    session = WanStreamingDecoder(a14b_model, CPU, torch.float32).session()
+    latents = one_rank["latents"]
+    chunks = [session.decode_next(latents[:, :, t : t + 1]).numpy() for t in range(latents.shape[2])]
+    assert [len(chunk) for chunk in chunks] == [1, 4]
+    frames = np.concatenate(chunks)
+    assert frames.std() > 1.0, "the decoded frames are flat: interpolating them would prove little"
+    rife = load_rife(_save_random_rife(tmp_path), CPU)
+    for exp in (1, 2):
+        flow = StreamingInterpolator(exp)
+        learned = StreamingRifeInterpolator(exp, rife)
+        for name, interpolator, whole in (
+            ("flow", flow, interpolate_sequence(frames, exp)),
+            ("rife", learned, RifeInterpolator(rife).interpolate_sequence(frames, exp)),
+        ):
+            out = np.concatenate([interpolator.push(chunk) for chunk in chunks])
+            levels = np.abs(out.astype(np.int16) - whole.astype(np.int16)).max()
+            inserted = np.abs(out[1 : 2**exp].astype(np.int16) - frames[0].astype(np.int16)).max()
+            print(
+                f"{name} exp {exp}: {len(out)} frames, streamed vs whole {levels} levels, first inserted frame "
+                f"differs from frame 0 by up to {inserted} levels"
+            )
+            assert out.shape == (output_frame_count(len(frames), exp), *frames.shape[1:])
+            np.testing.assert_array_equal(out[:: 2**exp], frames)
+            assert levels <= (0 if name == "flow" else 1), f"{name} exp {exp}: streamed differs by {levels} levels"
+            assert inserted > 0, f"{name} exp {exp}: the inserted frames repeat frame 0"
+
+
+def _save_random_rife(directory: Path) -> Path:
+    path = directory / "flownet.pkl"
+    torch.save(random_state_dict(seed=0), path)
+    return path

@@ -1,0 +1,190 @@
+"""The SDK against an in-process fake Generation service: retries, typed events, errors, trace context."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+from stagediff import Client, StageDiffError
+from stagediff.client import AsyncClient, FramesReceived, GenerationResult, Progress, Queued, RetryPolicy
+from stagediff.tensor_codec import encode_tensor
+from stagediff.v1 import generation_pb2, generation_pb2_grpc
+from tests.helpers.fake_client_server import FRAMES, FakeGeneration, FakeServer
+
+FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.05)
+
+
+@pytest.fixture
+def fake():
+    servers: list[FakeServer] = []
+
+    def make(failures: int, code=grpc.StatusCode.UNAVAILABLE, job_failed=False) -> FakeServer:
+        servers.append(FakeServer(FakeGeneration(failures, code, job_failed)))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+def test_unavailable_is_retried_with_the_same_request_id(fake) -> None:
+    server = fake(failures=2)
+    with Client(f"127.0.0.1:{server.port}", retry=FAST_RETRY) as client:
+        result = client.generate("a fox")
+    assert np.array_equal(result.frames, FRAMES) and result.fps == 8
+    ids = server.servicer.request_ids
+    assert len(ids) == 3 and len(set(ids)) == 1, "every retry carries the request id of the first call"
+
+
+def test_retries_give_up_after_max_attempts(fake) -> None:
+    server = fake(failures=10)
+    with Client(f"127.0.0.1:{server.port}", retry=FAST_RETRY) as client, pytest.raises(StageDiffError) as raised:
+        client.generate("a fox")
+    assert raised.value.code == grpc.StatusCode.UNAVAILABLE and "'vae'" in raised.value.message
+    assert len(server.servicer.request_ids) == FAST_RETRY.max_attempts
+
+
+def test_a_failed_job_is_not_retried(fake) -> None:
+    server = fake(failures=1, job_failed=True)
+    with Client(f"127.0.0.1:{server.port}", retry=FAST_RETRY) as client, pytest.raises(StageDiffError):
+        client.generate("a fox")
+    assert len(server.servicer.request_ids) == 1
+
+
+def test_invalid_argument_is_not_retried(fake) -> None:
+    server = fake(failures=1, code=grpc.StatusCode.INVALID_ARGUMENT)
+    with Client(f"127.0.0.1:{server.port}", retry=FAST_RETRY) as client, pytest.raises(StageDiffError) as raised:
+        client.generate("a fox")
+    assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(server.servicer.request_ids) == 1
+
+
+def test_stream_yields_typed_events_and_callbacks_see_progress(fake) -> None:
+    server = fake(failures=0)
+    seen: list[object] = []
+    with Client(f"127.0.0.1:{server.port}") as client:
+        events = list(client.stream("a fox"))
+        client.generate("a fox", on_progress=seen.append)
+    assert [type(e) for e in events] == [Queued, Progress, FramesReceived, FramesReceived, GenerationResult]
+    assert [(e.first_frame, e.count) for e in events if isinstance(e, FramesReceived)] == [(0, 1), (1, 2)]
+    assert [type(e) for e in seen] == [Queued, Progress, FramesReceived, FramesReceived]
+
+
+def test_async_client(fake) -> None:
+    server = fake(failures=1)
+
+    async def run() -> GenerationResult:
+        async with AsyncClient(f"127.0.0.1:{server.port}", retry=FAST_RETRY) as client:
+            return await client.generate("a fox", seed=3, height=64)
+
+    result = asyncio.run(run())
+    assert np.array_equal(result.frames, FRAMES) and result.timings == {"total": 1.0}
+
+
+def test_nothing_listening_is_unavailable() -> None:
+    retry = RetryPolicy(max_attempts=2, initial_backoff_s=0.01)
+    with Client("127.0.0.1:1", retry=retry) as client, pytest.raises(StageDiffError) as raised:
+        client.generate("a fox", timeout=5)
+    assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+class SlowGeneration(generation_pb2_grpc.GenerationServicer):
+    """Sends the first events of job "slow", then waits; records every CancelJob."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+
+    async def Generate(self, request, context):
+        yield generation_pb2.GenerateEvent(job_id="slow", queued=generation_pb2.JobQueued(position=0))
+        await asyncio.sleep(30)
+
+    async def CancelJob(self, request, context):
+        self.cancelled.append(request.job_id)
+        return generation_pb2.Job(job_id=request.job_id, state=generation_pb2.JOB_STATE_CANCELLED)
+
+
+def test_closing_a_stream_early_cancels_its_job() -> None:
+    """The orchestrator keeps a job whose stream was lost running for a retry; a caller that stops
+    listening on purpose cancels it explicitly instead."""
+    server = FakeServer(SlowGeneration())
+    try:
+        with Client(f"127.0.0.1:{server.port}") as client:
+            events = client.stream("a fox")
+            assert isinstance(next(events), Queued)
+            events.close()
+            assert server.servicer.cancelled == ["slow"]
+    finally:
+        server.stop()
+
+
+def test_cancelling_an_async_generate_cancels_its_job() -> None:
+    server = FakeServer(SlowGeneration())
+
+    async def run() -> None:
+        async with AsyncClient(f"127.0.0.1:{server.port}") as client:
+            seen = asyncio.Event()
+            task = asyncio.create_task(client.generate("a fox", on_progress=lambda event: seen.set()))
+            await asyncio.wait_for(seen.wait(), 10)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    try:
+        asyncio.run(run())
+        assert server.servicer.cancelled == ["slow"]
+    finally:
+        server.stop()
+
+
+class MetadataRecorder(generation_pb2_grpc.GenerationServicer):
+    """Records the metadata of every ListModels and Generate call."""
+
+    def __init__(self) -> None:
+        self.metadata: list[dict[str, str]] = []
+
+    async def ListModels(self, request, context):
+        self.metadata.append(dict(context.invocation_metadata()))
+        return generation_pb2.ListModelsResponse()
+
+    async def Generate(self, request, context):
+        self.metadata.append(dict(context.invocation_metadata()))
+        for chunk in encode_tensor("frames", FRAMES, index=0):
+            yield generation_pb2.GenerateEvent(job_id="j", result=generation_pb2.ResultChunk(tensor=chunk, fps=8))
+        yield generation_pb2.GenerateEvent(job_id="j", completed=generation_pb2.JobCompleted(num_frames=3, fps=8))
+
+
+TRACE_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736
+SPAN_ID = 0x00F067AA0BA902B7
+
+
+def test_calls_carry_the_callers_trace_context() -> None:
+    """Inside the caller's span, every call (the blocking client runs them on its own thread) sends its
+    traceparent; outside any span, none."""
+    server = FakeServer(MetadataRecorder())
+    parent = SpanContext(trace_id=TRACE_ID, span_id=SPAN_ID, is_remote=False, trace_flags=TraceFlags(1))
+    try:
+        with Client(f"127.0.0.1:{server.port}") as client:
+            client.list_models()
+            token = otel_context.attach(trace.set_span_in_context(NonRecordingSpan(parent)))
+            try:
+                client.list_models()
+                client.generate("a fox")
+            finally:
+                otel_context.detach(token)
+
+        async def in_async_span() -> None:
+            async with AsyncClient(f"127.0.0.1:{server.port}") as client:
+                with trace.use_span(NonRecordingSpan(parent)):
+                    await client.generate("a fox")
+
+        asyncio.run(in_async_span())
+    finally:
+        server.stop()
+    traceparent = f"00-{TRACE_ID:032x}-{SPAN_ID:016x}-01"
+    assert [call.get("traceparent") for call in server.servicer.metadata] == [None, *[traceparent] * 3]

@@ -1,0 +1,362 @@
+"""deploy/k8s: every manifest is a valid Kubernetes object, and every container runs a command the code accepts.
+
+No cluster is needed: the manifests are checked against the API schemas that kubernetes-validate bundles,
+and each container's command line goes through the real argparse parser of the service it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from dit_svc.config import parallel_config
+from services.stage_table import STAGES as STAGE_KINDS
+from tests.helpers.compose import gateway_refusal
+from tests.helpers.k8s_manifests import (
+    COMPONENTS,
+    K8S_DIR,
+    KUBERNETES_VERSION,
+    MANIFEST_FILES,
+    MULTINODE,
+    REPLICAS,
+    _objects,
+    load,
+)
+from tests.helpers.secure_defaults import startup_refusal
+from tests.helpers.serving import parse_serve
+
+FLAGS_CONFIGMAP = "stagediff-flags"
+CLUSTER_SECRET_ENV = "STAGEDIFF_CLUSTER_SECRET"
+MODEL_DIR = "/models/model"
+STAGES = ("text-encoder", "dit", "vae", "interp")
+
+
+# `stagediff serve http`: the HTTP gateway, a client of the orchestrator's public port (no stage, no secret).
+GATEWAY = "http"
+
+
+# A large checkpoint loads for minutes: the startup probe must allow at least this long.
+MIN_STARTUP_S = 600
+KUSTOMIZATIONS = sorted(K8S_DIR.rglob("kustomization.yaml"))
+BASE = _objects(K8S_DIR)
+
+
+def _one(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: expected one, found {len(found)}"
+    return found[0]
+
+
+def _flags(component: str | None = None) -> dict[str, str]:
+    """The stagediff-flags ConfigMap's data, with a component's patch applied if one is named."""
+    data = dict(_one(BASE, "ConfigMap", FLAGS_CONFIGMAP)["data"])
+    if component:
+        kustomization = yaml.safe_load((K8S_DIR / component / "kustomization.yaml").read_text())
+        for entry in kustomization.get("patches", []):
+            patch = yaml.safe_load(entry["patch"])
+            if patch.get("kind") == "ConfigMap" and patch["metadata"]["name"] == FLAGS_CONFIGMAP:
+                data.update(patch["data"])
+    return data
+
+
+@pytest.mark.parametrize("path", MANIFEST_FILES, ids=lambda p: str(p.relative_to(K8S_DIR)))
+def test_manifest_is_valid_kubernetes(path: Path) -> None:
+    docs = load(path)
+    assert docs, f"{path}: no objects"
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"{path.name}: {doc['kind']}/{doc['metadata']['name']}: {error.message} at {list(error.path)}")
+
+
+def test_validation_catches_a_typo() -> None:
+    """Strict mode is on: an unknown field fails, rather than passing silently."""
+    deployment = yaml.safe_load(yaml.safe_dump(_one(BASE, "Deployment", "dit")))
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(K8S_DIR)))
+def test_kustomization_lists_every_manifest(path: Path) -> None:
+    kustomization = yaml.safe_load(path.read_text())
+    listed = set(kustomization.get("resources", []))
+    present = {p.name for p in MANIFEST_FILES if p.parent == path.parent}
+    assert listed == present, f"{path}: resources {sorted(listed)} but the folder holds {sorted(present)}"
+
+
+def test_secrets_come_from_git_ignored_files() -> None:
+    kustomization = yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())
+    generated = {entry["name"]: entry["files"] for entry in kustomization["secretGenerator"]}
+    assert set(generated) == {"stagediff-cluster-secret", "stagediff-tenants"}
+    for files in generated.values():
+        for source in files:
+            assert source.partition("=")[2].startswith("secrets/"), source
+    assert (K8S_DIR / "secrets" / ".gitignore").read_text().splitlines()[-2:] == ["*", "!.gitignore"]
+    assert not any(o["kind"] == "Secret" for o in BASE + REPLICAS + MULTINODE), "a Secret is committed"
+
+
+POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
+
+
+def _env_values(container: dict[str, Any], flags: dict[str, str], pod_index: int = 0) -> dict[str, str]:
+    values = {}
+    for entry in container.get("env", []):
+        if "value" in entry:
+            values[entry["name"]] = entry["value"]
+        elif "fieldRef" in entry["valueFrom"]:
+            assert entry["valueFrom"]["fieldRef"]["fieldPath"] == POD_INDEX_FIELD, entry
+            values[entry["name"]] = str(pod_index)
+        elif "configMapKeyRef" in entry["valueFrom"]:
+            ref = entry["valueFrom"]["configMapKeyRef"]
+            assert ref["name"] == FLAGS_CONFIGMAP, entry
+            assert ref["key"] in flags, f"{entry['name']}: no key {ref['key']} in the {FLAGS_CONFIGMAP} ConfigMap"
+            values[entry["name"]] = flags[ref["key"]]
+    return values
+
+
+def command_argv(container: dict[str, Any], flags: dict[str, str], pod_index: int = 0) -> list[str]:
+    """The container's `stagediff serve` arguments, as its shell would pass them (in pod number `pod_index`)."""
+    assert container["command"] == ["/bin/sh", "-c"], container["name"]
+    (script,) = container["args"]
+    assert "$(" not in script, "kubelet would expand $(VAR) itself, as one argument"
+    words = shlex.split(script)
+    assert words[:3] == ["exec", "stagediff", "serve"], script
+    env = _env_values(container, flags, pod_index)
+    argv = []
+    for word in words[3:]:
+        if "$" not in word:
+            argv.append(word)
+            continue
+        variable = re.fullmatch(r"\$(\w+)", word)
+        assert variable, f"{word}: only a whole $VAR word is expanded"
+        assert variable[1] in env, f"{word}: not in the container's env"
+        argv.extend(shlex.split(env[variable[1]]))  # unquoted in the script: the shell splits it likewise
+    return argv
+
+
+def _workloads(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+
+
+def _containers(flags: dict[str, str], objects: list[dict[str, Any]]):
+    for workload in _workloads(objects):
+        pod = workload["spec"]["template"]["spec"]
+        for container in pod["containers"]:
+            argv = command_argv(container, flags)
+            yield workload, pod, container, argv[0], parse_serve(argv)
+
+
+CASES = [(None, BASE), ("dit-replicas", REPLICAS), ("dit-multinode", MULTINODE)]
+CASE_IDS = ["base", *COMPONENTS]
+
+
+def test_each_stage_has_one_workload() -> None:
+    stages = [c[3] for c in _containers(_flags(), BASE)]
+    assert sorted(stages) == sorted([*STAGES, "orchestrator", GATEWAY])
+    for component, objects in COMPONENTS.items():
+        assert [c[3] for c in _containers(_flags(component), objects)] == ["dit"]
+
+
+def _gpus(container: dict[str, Any]) -> int:
+    return int(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
+
+
+def _world_size(args: argparse.Namespace) -> int:
+    """The ranks the DiT's parallel flags ask for."""
+    return parallel_config(
+        ulysses_degree=args.ulysses_degree,
+        ring_degree=args.ring_degree,
+        cfg_parallel_size=args.cfg_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        use_hsdp=args.use_hsdp,
+        hsdp_shard_size=args.hsdp_shard_size,
+        hsdp_replicate_size=args.hsdp_replicate_size,
+    ).total_ranks
+
+
+@pytest.mark.parametrize(("component", "objects"), CASES, ids=CASE_IDS)
+def test_gpus_match_each_stage_group(component: str | None, objects: list[dict[str, Any]]) -> None:
+    for _, _, container, stage, args in _containers(_flags(component), objects):
+        assert {"cpu", "memory"} <= set(container["resources"]["requests"]), stage
+        if stage in ("orchestrator", GATEWAY):
+            assert _gpus(container) == 0
+        elif stage == "dit":  # the service spawns one rank per GPU of the pod, on each of its nodes
+            assert _gpus(container) * args.nnodes == _world_size(args)
+        elif stage == "vae":
+            assert _gpus(container) == args.vae_patch_parallel_size
+        else:
+            assert _gpus(container) == 1, stage
+
+
+def test_gpu_check_can_fail() -> None:
+    """A ConfigMap asking for a larger group than the pod's GPUs is caught."""
+    flags = _flags() | {"DIT_ARGS": "--ulysses-degree 4 --cfg-parallel-size 2"}
+    dit = next(c for c in _containers(flags, BASE) if c[3] == "dit")
+    assert _gpus(dit[2]) != _world_size(dit[4])
+
+
+def test_unknown_flag_is_rejected() -> None:
+    with pytest.raises(pytest.fail.Exception, match="rejected by its parser"):
+        parse_serve(["dit", "--model", MODEL_DIR, "--no-such-flag", "2"])
+
+
+@pytest.mark.parametrize(("component", "objects"), CASES, ids=CASE_IDS)
+def test_grpc_probes_on_the_serving_port(component: str | None, objects: list[dict[str, Any]]) -> None:
+    for _, _, container, stage, args in _containers(_flags(component), objects):
+        if stage == GATEWAY:  # HTTP: test_the_gateway_is_ready_when_its_orchestrator_answers
+            continue
+        assert args.port in {p["containerPort"] for p in container["ports"]}, stage
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"] == {"port": args.port}, f"{stage} {probe}"
+        startup = container["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= MIN_STARTUP_S, stage
+
+
+@pytest.mark.parametrize(("component", "objects"), CASES, ids=CASE_IDS)
+def test_cluster_secret_model_and_shm(component: str | None, objects: list[dict[str, Any]]) -> None:
+    for _, pod, container, stage, args in _containers(_flags(component), objects):
+        secret = [e for e in container["env"] if e["name"] == CLUSTER_SECRET_ENV]
+        if stage == GATEWAY:  # a client of the public port: the tenants' keys, never the cluster secret
+            assert not secret and not container.get("volumeMounts"), stage
+            continue
+        assert secret and secret[0]["valueFrom"]["secretKeyRef"]["name"] == "stagediff-cluster-secret", stage
+        mounts = {m["mountPath"]: m for m in container.get("volumeMounts", [])}
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        if stage == "orchestrator":
+            continue
+        if not STAGE_KINDS[stage].reads_checkpoint:  # the interpolator: no checkpoint to mount
+            assert args.model is None and MODEL_DIR not in mounts, stage
+            continue
+        assert args.model == MODEL_DIR and mounts[MODEL_DIR].get("readOnly"), stage
+        claim = volumes[mounts[MODEL_DIR]["name"]]["persistentVolumeClaim"]
+        assert claim == {"claimName": "stagediff-models", "readOnly": True}, stage
+        if stage in ("dit", "vae"):  # multi-process torch groups
+            assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory", stage
+
+
+@pytest.mark.parametrize(("component", "objects"), CASES, ids=CASE_IDS)
+def test_every_container_binds_every_interface_and_starts_under_the_secure_defaults(
+    component: str | None, objects: list[dict[str, Any]]
+) -> None:
+    """Servers bind loopback unless told otherwise, which in a pod reaches nobody; and each command passes the
+    startup checks: a stage has the cluster secret, the orchestrator's plaintext port with tenants says
+    --insecure (TLS ends in front of it)."""
+    for _, _, container, stage, args in _containers(_flags(component), objects):
+        assert args.host == "0.0.0.0", stage
+        if stage == GATEWAY:  # plain HTTP behind the Service, like the orchestrator's port
+            assert gateway_refusal(args) is None and args.insecure and args.tls_cert is None
+            continue
+        has_secret = any(entry["name"] == CLUSTER_SECRET_ENV for entry in container["env"])
+        assert startup_refusal(stage, args, has_secret) is None, stage
+        if stage == "orchestrator":
+            assert args.tenants and args.insecure and args.tls_cert is None
+
+
+def test_orchestrator_state_tenants_and_metrics() -> None:
+    workload, pod, container, _, args = next(c for c in _containers(_flags(), BASE) if c[3] == "orchestrator")
+    assert workload["spec"]["replicas"] == 1 and workload["spec"]["strategy"]["type"] == "Recreate"
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts[args.state_dir]]["persistentVolumeClaim"]["claimName"] == "stagediff-state"
+    tenants = Path(args.tenants)
+    secret = volumes[mounts[str(tenants.parent)]]["secret"]
+    assert secret["secretName"] == "stagediff-tenants"
+    assert {"key": "tenants.yaml", "path": tenants.name} in secret["items"]
+    assert args.metrics_port == 9090 and 9090 in {p["containerPort"] for p in container["ports"]}
+    service = _one(BASE, "Service", "orchestrator")
+    assert {p["port"] for p in service["spec"]["ports"]} == {args.port, args.metrics_port}
+
+
+def _serves(objects: list[dict[str, Any]], host: str, port: int) -> str:
+    """The stage behind HOST:PORT: a Service, or a pod of a StatefulSet by its headless Service."""
+    pod_name, _, service_name = host.partition(".")
+    service = _one(objects, "Service", service_name or pod_name)
+    assert port in {p["port"] for p in service["spec"]["ports"]}, f"{host}:{port}: no such Service port"
+    if service_name:
+        assert service["spec"].get("clusterIP") == "None", f"{service_name}: per-pod names need a headless Service"
+        owners = [w for w in _workloads(objects) if w["spec"].get("serviceName") == service_name]
+        assert len(owners) == 1, host
+        ordinal = int(pod_name.rpartition("-")[2])
+        assert pod_name == f"{owners[0]['metadata']['name']}-{ordinal}" and ordinal < owners[0]["spec"]["replicas"]
+    return service["spec"]["selector"]["app.kubernetes.io/component"]
+
+
+@pytest.mark.parametrize(("component", "objects"), CASES, ids=CASE_IDS)
+def test_orchestrator_reaches_every_stage(component: str | None, objects: list[dict[str, Any]]) -> None:
+    flags = _flags(component)
+    everything = BASE + objects if component else BASE
+    if component:  # the component drops the base's single DiT Deployment and Service
+        everything = [o for o in everything if not (o["metadata"]["name"] == "dit" and o in BASE)]
+    ports = {stage: args.port for _, _, _, stage, args in _containers(flags, everything)}
+    orchestrator = next(c[4] for c in _containers(flags, BASE) if c[3] == "orchestrator")
+    for stage in STAGES:
+        endpoints = getattr(orchestrator, stage.replace("-", "_")).split(",")
+        for endpoint in endpoints:
+            host, _, port = endpoint.rpartition(":")
+            assert int(port) == ports[stage], endpoint
+            assert _serves(everything, host, int(port)) == stage, endpoint
+    if component == "dit-replicas":
+        statefulset = _one(REPLICAS, "StatefulSet", "dit")
+        assert len(orchestrator.dit.split(",")) == statefulset["spec"]["replicas"], "list every DiT replica"
+    if component == "dit-multinode":
+        assert orchestrator.dit == "dit-group-0.dit-group:50062", "a multi-node group is served by its node 0"
+
+
+def test_the_gateway_is_ready_when_its_orchestrator_answers() -> None:
+    """The gateway dials the orchestrator's Service on its public port; kubelet's HTTP probes ask /readyz (200 once the
+    orchestrator answers its health check) for readiness and /healthz (the process) for liveness; a Service publishes
+    its port."""
+    workload, _, container, _, args = next(c for c in _containers(_flags(), BASE) if c[3] == GATEWAY)
+    host, _, port = args.orchestrator.rpartition(":")
+    orchestrator = next(c[4] for c in _containers(_flags(), BASE) if c[3] == "orchestrator")
+    assert int(port) == orchestrator.port and _serves(BASE, host, int(port)) == "orchestrator"
+    assert args.orchestrator_ca_cert is None and not args.orchestrator_tls, "the orchestrator's port is plaintext here"
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert named == {"http": args.port}
+    paths = {probe: container[probe]["httpGet"] for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
+    assert paths["readinessProbe"] == {"path": "/readyz", "port": "http"}
+    assert paths["livenessProbe"] == paths["startupProbe"] == {"path": "/healthz", "port": "http"}
+    service = _one(BASE, "Service", "gateway")
+    assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(args.port, "http")]
+    selector = service["spec"]["selector"]
+    assert selector.items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+    assert workload["spec"]["replicas"] >= 2, "no state: more than one, so a restart drops no request"
+
+
+def test_disruption_budgets_cover_orchestrator_and_dit() -> None:
+    for name in ("orchestrator", "dit"):
+        budget = _one(BASE, "PodDisruptionBudget", name)
+        selector = budget["spec"]["selector"]["matchLabels"]
+        pods = [w for w in _workloads(BASE + REPLICAS + MULTINODE) if w["metadata"]["name"].startswith(name)]
+        assert pods and all(selector.items() <= w["spec"]["template"]["metadata"]["labels"].items() for w in pods)
+
+
+def test_a_multinode_group_has_one_pod_per_node_joined_through_pod_0() -> None:
+    statefulset = _one(MULTINODE, "StatefulSet", "dit-group")
+    nodes = statefulset["spec"]["replicas"]
+    pod = statefulset["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    flags = _flags("dit-multinode")
+    for index in range(nodes):
+        args = parse_serve(command_argv(container, flags, pod_index=index))
+        assert (args.node_rank, args.nnodes) == (index, nodes), "pod N of the StatefulSet is node N"
+        master_pod, _, service_name = args.master_addr.partition(".")
+        assert (master_pod, service_name) == ("dit-group-0", statefulset["spec"]["serviceName"])
+    # Every pod reaches node 0's store and control port by name before node 0 is ready.
+    headless = _one(MULTINODE, "Service", service_name)
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    published = {port["port"] for port in headless["spec"]["ports"]}
+    exposed = {port["containerPort"] for port in container["ports"]}
+    assert {args.port, args.master_port, args.group_port} <= published & exposed
+    assert statefulset["spec"]["podManagementPolicy"] == "Parallel", "the nodes wait for each other: start together"
+    anti_affinity = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert anti_affinity[0]["topologyKey"] == "kubernetes.io/hostname", "one node of the group per machine"
