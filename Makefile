@@ -22,9 +22,10 @@ demo: venv
 	$(BIN)/python -m stagediff.cli init-model --family wan-t2v --preset demo --out models/demo
 	bash scripts/demo.sh
 
-# Everything: lint, then every tier (unit, integration, e2e); prints each tier's time and the 15 slowest tests.
+# Everything: lint, then every tier, quickest first (unit, integration, e2e); prints each tier's time and the 15
+# slowest tests.
 test: lint
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q --durations=15 tests/unit tests/integration tests/e2e
 
 # The unit tier (tests/unit: no cluster, no process, no rank group), for the edit-test loop.
 test-quick: venv
