@@ -228,8 +228,8 @@ def _transformer_worker(model: str, gguf: bool, latent_shape: tuple[int, ...], t
     from diffusers import WanTransformer3DModel
 
     from dit_svc.quantization import parameter_bytes
-    from services.weights import load_pretrained
     from stagekit.gguf import load_gguf_transformer
+    from stagekit.weights import load_pretrained
 
     torch.set_num_threads(threads)
     component, cpu = Path(model) / "transformer", torch.device("cpu")

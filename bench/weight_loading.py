@@ -1,4 +1,4 @@
-"""Weight loading time: `services.weights.load_pretrained` against diffusers `from_pretrained`, in one run.
+"""Weight loading time: `stagekit.weights.load_pretrained` against diffusers `from_pretrained`, in one run.
 
 Four modes, each in a fresh process (imports done before the clock starts):
     ours-1              load_pretrained(num_threads=1)
@@ -118,7 +118,7 @@ def worker(mode: str, model_dir: Path, model_class: str, dtype_name: str) -> dic
     import torch
     from diffusers.utils import constants
 
-    from services.weights import load_pretrained, load_stats
+    from stagekit.weights import load_pretrained, load_stats
 
     cls = model_class_named(model_class)
     dtype = getattr(torch, dtype_name)

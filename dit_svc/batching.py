@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 from dit_svc.step_cache import CachePasses
-from services.errors import RequestError
-from services.stage import Cancelled, StageRuntime
+from services.stage import StageRuntime
 from stagediff.v1 import stages_pb2
 from stagekit.denoise import DenoiseSpec
+from stagekit.errors import Cancelled, RequestError
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from dit_svc.config_checks import (
 from dit_svc.model_options import ModelOptions
 from dit_svc.options import DEFAULT_MASTER_PORT
 from families.base import Family
-from services.checkpoint import CheckpointError, read_checkpoint
+from services.checkpoint import CheckpointError, CheckpointSpec, read_checkpoint
 from services.rank_group import ControlChannel, NodeLayout, group_authkey
 from stagediff.v1 import stages_pb2
 from stagekit.parallel import ParallelConfig
@@ -41,8 +41,8 @@ class CheckpointTraits:
 
     path: Path
     """--model, as given."""
-    family: Family | None
-    """The checkpoint's family (its features and the reasons for those it lacks); None when it cannot be read."""
+    spec: CheckpointSpec | None
+    """The checkpoint as read (the stage's StageConfig takes it too); None when it cannot be read."""
     error: str | None
     """Why the checkpoint cannot be read (the stage's exit names it), None when it can."""
     experts: tuple[str, ...]
@@ -50,16 +50,21 @@ class CheckpointTraits:
     attention_heads: int | None
     """The transformer's attention heads, which a parallel layout must divide; None without its config."""
 
+    @property
+    def family(self) -> Family | None:
+        """The checkpoint's family (its features and the reasons for those it lacks); None when unreadable."""
+        return self.spec.traits if self.spec is not None else None
+
     @classmethod
-    def read(cls, model: str) -> CheckpointTraits:
+    def read(cls, model: str, model_name: str | None = None) -> CheckpointTraits:
         path = Path(model)
         try:
-            family, error = read_checkpoint(model).traits, None
+            spec, error = read_checkpoint(model, model_name), None
         except CheckpointError as problem:
-            family, error = None, str(problem)
+            spec, error = None, str(problem)
         config = path / "transformer" / "config.json"
         heads = json.loads(config.read_text())["num_attention_heads"] if config.is_file() else None
-        return cls(path, family, error, transformer_components(path), heads)
+        return cls(path, spec, error, transformer_components(path), heads)
 
 
 @dataclass(frozen=True)
@@ -128,7 +133,7 @@ class DitConfig:
     @classmethod
     def from_options(cls, args: argparse.Namespace) -> DitConfig:
         """The stage's configuration from its parsed options; a bad flag raises ValueError naming it."""
-        checkpoint = CheckpointTraits.read(args.model)
+        checkpoint = CheckpointTraits.read(args.model, args.model_name)
         family = checkpoint.family
         parallel = parallel_config(
             ulysses_degree=args.ulysses_degree,

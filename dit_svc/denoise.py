@@ -24,8 +24,8 @@ from dit_svc.lora import AdapterCache
 from dit_svc.model_options import ModelOptions
 from dit_svc.step_cache import CachePasses, CacheSetting, GroupConsensus, step_cache
 from services.checkpoint import read_checkpoint
-from services.errors import NotFoundError
 from stagekit.denoise import Denoiser, DenoiseSpec, runs_batches
+from stagekit.errors import NotFoundError
 
 if TYPE_CHECKING:
     from dit_svc.config import DenoiserBuild

@@ -22,9 +22,9 @@ from dit_svc.config import DenoiserBuild, DitConfig
 from dit_svc.denoise import denoise_batch_request, denoise_request, make_adapter_cache, make_denoiser
 from dit_svc.lora import AdapterCache
 from dit_svc.step_cache import CachePasses
-from services.errors import NotFoundError
 from services.rank_group import ONE_NODE, NodeLayout, RankGroup, serve_follower_node
 from stagekit.denoise import Denoiser, DenoiseSpec, takes_images
+from stagekit.errors import NotFoundError
 
 
 @dataclass(frozen=True)

@@ -393,7 +393,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(build_parser(), argv)
     config = DitConfig.from_args(args)
-    stage = StageConfig.from_args("dit", args)
+    stage = StageConfig.from_args("dit", args, config.checkpoint.spec)
     if config.node_rank > 0:  # a follower machine of a multi-node group: node 0 serves the stage
         device, dtype = prepare_stage_process(stage)
         if stage.checkpoint is None:

@@ -70,6 +70,9 @@ DEFAULT_CACHE_THRESHOLDS = {"first_block": 0.1, "mag": 0.06, "teacache": 0.08}
 # method skips nearly every step, which no request needs.
 MAX_CACHE_THRESHOLD = 1.0
 
+# Optional file in a checkpoint, written by `stagediff init-model`: the request its preset is sized for.
+DEFAULTS_FILE = "stagediff.json"
+
 
 @dataclass(frozen=True)
 class Support:

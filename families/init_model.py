@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from families.base import Family
+from families.base import DEFAULTS_FILE, Family
 from families.registry import FAMILIES, FAMILY_NAMES
 
 if TYPE_CHECKING:
@@ -137,8 +137,6 @@ def write_default_request(out: Path, family: Family, request: dict[str, Any]) ->
 
     Real checkpoints have no such file and get their family's reference defaults (services/checkpoint.py).
     """
-    from services.checkpoint import DEFAULTS_FILE
-
     default_request = {**request, "fps": family.defaults.fps}
     (out / DEFAULTS_FILE).write_text(json.dumps({"default_request": default_request}, indent=2) + "\n")
 

@@ -14,13 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from families.base import Family, RequestDefaults
+from families.base import DEFAULTS_FILE, Family, RequestDefaults
 from families.registry import REGISTRY, family_for_index, family_named
 from services.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 from stagediff.v1 import stages_pb2
-
-# Optional file written by `stagediff init-model` with the request a preset is sized for.
-DEFAULTS_FILE = "stagediff.json"
 
 
 class CheckpointError(ValueError):

@@ -22,7 +22,7 @@ import re
 import struct
 from dataclasses import dataclass
 
-from services.errors import RequestError
+from stagekit.errors import RequestError
 
 
 @dataclass(frozen=True)

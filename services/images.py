@@ -27,8 +27,8 @@ from typing import Literal
 
 from PIL import ExifTags, Image, ImageFile, ImageOps
 
-from services.errors import RequestError, bounded
 from services.image_structure import check_structure
+from stagekit.errors import RequestError, bounded
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP")
 MAX_IMAGE_PIXELS = 4096 * 4096  # default limit on width*height of one image

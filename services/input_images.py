@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from PIL import Image
-
-from services.errors import RequestError
 from services.images import MAX_IMAGE_PIXELS, Stop, decode_image
 from stagediff.v1 import image_pb2
+from stagekit.errors import RequestError
+from stagekit.images import DecodedImage
 
 if TYPE_CHECKING:
     from services.checkpoint import CheckpointSpec
@@ -31,13 +29,6 @@ ROLE_NAMES = {
     image_pb2.IMAGE_ROLE_REFERENCE: "reference",
 }
 ROLE_VALUES = {name: value for value, name in ROLE_NAMES.items()}
-
-
-@dataclass(frozen=True)
-class DecodedImage:
-    role: str
-    image: Image.Image  # RGB
-    sha256: str
 
 
 def image_roles(

@@ -2,7 +2,7 @@
 
 A stage that loads more than its device holds is killed by the OOM killer (CPU) without a word about which stage
 or why, or fails deep inside the load (CUDA). So each stage, before it loads, computes the bytes its weights will
-take in the target dtype on the target device (`services.weights.planned_bytes`, from the safetensors headers, by
+take in the target dtype on the target device (`stagekit.weights.planned_bytes`, from the safetensors headers, by
 the rule `load_pretrained` casts by) and, when they do not fit, refuses to start with one message naming the
 stage, the bytes needed and available, and the flags that would make it fit (raised by services/stage_main.py as
 the stage's startup error).
@@ -78,7 +78,7 @@ def dtype_flag(dtype: torch.dtype) -> str:
 
 def component_bytes(model_class: type[torch.nn.Module], directory: Path, dtype: torch.dtype) -> int:
     """The bytes `load_pretrained` will hold for one component folder in `dtype`."""
-    from services.weights import planned_bytes
+    from stagekit.weights import planned_bytes
 
     return planned_bytes(model_class, directory, dtype=dtype)
 

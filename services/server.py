@@ -25,13 +25,13 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from grpc_reflection.v1alpha import reflection
 
 from services.call_scope import PROBE_SERVICES, observed_call, wrap_rpc_handler
-from services.errors import RequestError
 from services.launch_id import LaunchIdInterceptor, launch_id
 from services.logging_setup import configure_logging as _configure_logging
 from services.metrics import MetricsServerInterceptor, ServerMetrics
 from services.ports import bind_problem
 from services.tracing import server_interceptor as tracing_server_interceptor
 from stagediff.status_details import abort_with_retry
+from stagekit.errors import RequestError
 
 logger = logging.getLogger(__name__)
 

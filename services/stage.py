@@ -22,18 +22,14 @@ import grpc
 import torch
 
 from services.checkpoint import CheckpointSpec
-from services.errors import NotFoundError, RequestError, bounded
 from stagediff import __version__
 from stagediff.tensor_codec import WireError
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
+from stagekit.errors import Cancelled, NotFoundError, RequestError, bounded
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class Cancelled(Exception):
-    """Raised inside compute when the caller has gone away or cancelled."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -84,7 +80,7 @@ class StageRuntime:
         # The step caches the DiT offers and the one a request that names none gets (ModelLimits.cache_methods).
         self.cache_methods: list[stages_pb2.StepCache] = []
         self.default_cache: stages_pb2.StepCache | None = None
-        # Threads that read safetensors shards while the stage loads (services/weights/).
+        # Threads that read safetensors shards while the stage loads (stagekit/weights/).
         self.load_threads = 4
         # Weights a request may name, served besides the checkpoint (StageInfo.weights_path).
         self.weights_path = ""

@@ -52,12 +52,17 @@ class StageConfig:
         return self.num_weight_load_threads if self.multithread_weight_load else 1
 
     @classmethod
-    def from_options(cls, stage: str, args: argparse.Namespace) -> StageConfig:
+    def from_options(
+        cls, stage: str, args: argparse.Namespace, checkpoint: CheckpointSpec | None = None
+    ) -> StageConfig:
         """The configuration the parsed options of `stage` give; raises ValueError (CheckpointError included)
-        naming the first flag or checkpoint problem."""
+        naming the first flag or checkpoint problem. `checkpoint`: `--model` as the stage's own config has
+        already read it, so that it is read once."""
+        if checkpoint is None and args.model is not None:
+            checkpoint = read_checkpoint(args.model, args.model_name)
         return cls(
             stage=stage,
-            checkpoint=read_checkpoint(args.model, args.model_name) if args.model is not None else None,
+            checkpoint=checkpoint,
             device=args.device,
             dtype=args.dtype,
             threads=args.threads,
@@ -67,9 +72,9 @@ class StageConfig:
         )
 
     @classmethod
-    def from_args(cls, stage: str, args: argparse.Namespace) -> StageConfig:
+    def from_args(cls, stage: str, args: argparse.Namespace, checkpoint: CheckpointSpec | None = None) -> StageConfig:
         """`from_options`, exiting with `stagediff serve <stage>: <problem>` instead of raising."""
         try:
-            return cls.from_options(stage, args)
+            return cls.from_options(stage, args, checkpoint)
         except ValueError as error:
             raise SystemExit(f"stagediff serve {stage}: {error}") from None

@@ -11,8 +11,8 @@ import math
 import re
 
 from families.base import MAX_CACHE_THRESHOLD
-from services.errors import RequestError
 from stagediff.v1 import stages_pb2
+from stagekit.errors import RequestError
 
 MAX_GUIDANCE_SCALE = 100.0
 MAX_SEED = 2**63 - 1

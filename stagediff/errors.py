@@ -28,7 +28,7 @@ from stagediff.status_details import rich_status
 _Detail = TypeVar("_Detail", bound=Message)
 
 # The orchestrator's refusals start with the path of the field they are about ("height: 63 is not ...",
-# "loras[0].name: 'x' is named twice ..."): services/errors.py RequestError.
+# "loras[0].name: 'x' is named twice ..."): stagekit/errors.py RequestError.
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\[\d+\])*(?:\.[A-Za-z_][A-Za-z0-9_]*(?:\[\d+\])*)*): ")
 # How the orchestrator names a stage that failed or is unreachable: "stage 'vae' at host:port is unavailable: ...".
 _STAGE_IN_MESSAGE = re.compile(r"\bstage '([^']+)'")

@@ -16,7 +16,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from services.weights import load_pretrained
+from stagekit.weights import load_pretrained
 
 
 class DecodeSession(Protocol):

@@ -16,7 +16,7 @@ from typing import Protocol, TypeGuard
 
 import torch
 
-from services.stage import Cancelled
+from stagekit.errors import Cancelled
 from stagekit.parallel import ParallelConfig
 from stagekit.parallel.cfg import agree_on_members, agree_to_continue, cfg_parallel_predictions
 

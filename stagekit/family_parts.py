@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 if TYPE_CHECKING:
     import torch
 
-    from services.input_images import DecodedImage
     from stagekit.decode import LatentDecoder
     from stagekit.denoise import Denoiser
     from stagekit.encoder import PromptEncoder
+    from stagekit.images import DecodedImage
     from stagekit.model_options import TransformerOptions
     from stagekit.parallel import ParallelConfig
 

@@ -29,7 +29,7 @@ import grpc
 from services.environment_options import parse_args
 from services.image_work import ImageWorkers
 from services.images import Stop
-from services.input_images import DecodedImage, decode_stage_images
+from services.input_images import decode_stage_images
 from services.memory_budget import WeightNeed, checkpoint_components, stage_need
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
 from services.stage_config import StageConfig
@@ -37,6 +37,7 @@ from services.stage_main import StageServicer, run_stage
 from services.torch_wire import encode_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 from stagekit.encoder import PromptEncoder
+from stagekit.images import DecodedImage
 from text_encoder_svc.config import EmbeddingCacheConfig, TextEncoderConfig
 from text_encoder_svc.options import build_parser
 

@@ -26,7 +26,7 @@ from families.wan.decode import WanStreamingDecoder
 from services.environment_options import parse_args
 from services.image_work import ImageWorkers
 from services.images import Stop
-from services.input_images import DecodedImage, decode_stage_images
+from services.input_images import decode_stage_images
 from services.memory_budget import WeightNeed, checkpoint_components, stage_need
 from services.rank_group import GroupFailure
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
@@ -37,6 +37,7 @@ from stagediff.tensor_codec import TensorAssembler, WireError, WireTensor, expec
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 from stagekit.decode import DecodeSession, LatentDecoder
 from stagekit.family_parts import ImageLatentEncoder
+from stagekit.images import DecodedImage
 from vae_svc.config import VaeConfig
 from vae_svc.group import GroupDecodeSession, PatchParallelDecoder
 from vae_svc.options import build_parser

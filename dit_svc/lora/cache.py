@@ -22,7 +22,7 @@ from torch import nn
 from dit_svc.lora.checks import Adapter, file_stamp, read_adapter
 from dit_svc.lora.directory import adapter_path
 from dit_svc.lora.settings import AdapterError, LoraSettings, peft_name
-from services.errors import NotFoundError
+from stagekit.errors import NotFoundError
 
 logger = logging.getLogger(__name__)
 

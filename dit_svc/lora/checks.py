@@ -23,7 +23,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from dit_svc.lora.settings import AdapterError
-from services.weights import read_safetensors
+from stagekit.weights import read_safetensors
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import safetensors
 
-from services.errors import NotFoundError
 from services.validation import LORA_NAME
 from stagediff.v1 import stages_pb2
+from stagekit.errors import NotFoundError
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dit_svc.options import DEFAULT_LORA_CACHE_BYTES, DEFAULT_LORA_MAX_FILE_BYTES, DEFAULT_MAX_LORAS_PER_REQUEST
-from services.errors import RequestError
+from stagekit.errors import RequestError
 
 
 class AdapterError(RequestError):

@@ -27,11 +27,11 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from families.qwen_image.family import QWEN_IMAGE
 from families.qwen_image.parallel import parallelize
-from services.weights import load_pretrained
 from stagekit.denoise import DenoiseSpec, guidance_predictions, stop_if_cancelled
 from stagekit.model_options import TransformerOptions
 from stagekit.parallel import ParallelConfig, build_mesh
 from stagekit.parallel.mesh import device_type_for, refuse_unsupported_methods
+from stagekit.weights import load_pretrained
 
 
 @dataclass(frozen=True)

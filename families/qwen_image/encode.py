@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-from services.weights import load_pretrained
 from stagekit.cache_defaults import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES
 from stagekit.encoder import PromptEncoder
+from stagekit.weights import load_pretrained
 
 # QwenImagePipeline's prompt template and prompt_template_encode_start_idx.
 PROMPT_TEMPLATE = (

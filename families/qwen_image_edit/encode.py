@@ -32,8 +32,8 @@ from families.base import calculate_dimensions
 from families.qwen_image.encode import QwenPromptEncoder
 from families.qwen_image_edit.family import IMAGE_SIDE_MULTIPLE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS, VAE_IMAGE_AREA
 from families.registry import family_for_index
-from services.errors import RequestError
 from stagekit.cache_defaults import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES
+from stagekit.errors import RequestError
 
 # The edit pipelines' prompt_template_encode, split where the user's turn starts: the prefix is what their
 # prompt_template_encode_start_idx (64) drops; the rest takes the images' vision tokens and the prompt.

@@ -21,9 +21,9 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import retrieve_laten
 
 from families.base import calculate_dimensions
 from families.qwen_image_edit.family import IMAGE_SIDE_MULTIPLE, VAE_IMAGE_AREA
-from services.errors import RequestError
-from services.input_images import DecodedImage
 from stagekit.decode import LatentDecoder
+from stagekit.errors import RequestError
+from stagekit.images import DecodedImage
 
 LATENTS_NAME = "image_latents"
 

@@ -19,13 +19,13 @@ from diffusers import WanTransformer3DModel
 from diffusers.utils.torch_utils import randn_tensor
 
 from families.wan.parallel import parallelize
-from services.stage import Cancelled
-from services.weights import load_pretrained
 from stagekit.denoise import DenoiseSpec, guidance_predictions, keep_batch_rows, members_still_wanted, stop_if_cancelled
+from stagekit.errors import Cancelled
 from stagekit.gguf import load_gguf_transformer
 from stagekit.model_options import TransformerOptions
 from stagekit.parallel import ParallelConfig, build_mesh
 from stagekit.parallel.mesh import device_type_for
+from stagekit.weights import load_pretrained
 
 
 class WanDenoiser:

@@ -8,9 +8,9 @@ import torch
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from transformers import AutoTokenizer, UMT5EncoderModel
 
-from services.weights import load_pretrained
 from stagekit.cache_defaults import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES
 from stagekit.encoder import PromptEncoder
+from stagekit.weights import load_pretrained
 
 
 class WanPromptEncoder(PromptEncoder):

@@ -11,8 +11,8 @@ from PIL import Image
 from transformers import CLIPImageProcessor, CLIPVisionModel
 
 from families.wan.encode import WanPromptEncoder
-from services.weights import load_pretrained
 from stagekit.cache_defaults import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES
+from stagekit.weights import load_pretrained
 
 
 class WanImageConditionEncoder(WanPromptEncoder):

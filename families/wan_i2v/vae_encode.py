@@ -17,8 +17,8 @@ import torch
 from diffusers.pipelines.wan.pipeline_wan_i2v import retrieve_latents
 from diffusers.video_processor import VideoProcessor
 
-from services.input_images import DecodedImage
 from stagekit.decode import LatentDecoder
+from stagekit.images import DecodedImage
 
 LATENTS_NAME = "image_latents"
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from families.base import Family
 from families.registry import family_named
-from services.errors import RequestError
 from stagediff.v1 import generation_pb2, stages_pb2
+from stagekit.errors import RequestError
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import grpc
 
-from services.errors import RequestError
 from services.images import MAX_IMAGE_BYTES
 from stagediff.v1 import generation_pb2
+from stagekit.errors import RequestError
 
 UPLOADS_DIR = "uploads"  # under the orchestrator's --state-dir
 MAX_CHUNK_BYTES = 1 << 20

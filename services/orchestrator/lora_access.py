@@ -19,10 +19,10 @@ from fnmatch import fnmatchcase
 
 import grpc
 
-from services.errors import RequestError
 from services.orchestrator.tenants import Tenant, TenantError
 from services.validation import lora_owner
 from stagediff.v1 import stages_pb2
+from stagekit.errors import RequestError
 
 
 class LoraNotFound(TenantError):

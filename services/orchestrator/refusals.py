@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.errors import RequestError
 from services.orchestrator.chain import StageNotDeployed
 from services.orchestrator.lora_access import LoraNotAllowed, LoraNotFound
 from services.orchestrator.scheduler import AdmissionRefused
 from services.orchestrator.store_errors import StoreError
 from services.orchestrator.tenants import LimitExceeded, RateLimited
+from stagekit.errors import RequestError
 
 
 class ModelNotFound(LookupError):

@@ -25,10 +25,10 @@ import grpc
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, ServiceDescriptor
 from google.protobuf.message import Message
 
-from services.errors import RequestError
 from services.images import MAX_IMAGE_BYTES
 from services.orchestrator.image_uploads import MAX_CHUNK_BYTES
 from services.validation import MAX_LORAS_PER_REQUEST
+from stagekit.errors import RequestError
 
 MAX_MODEL_ID_CHARS = 128
 MAX_TEXT_CHARS = 65_536  # above any model's max_prompt_chars (10,000 for the families served today)

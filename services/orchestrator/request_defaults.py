@@ -23,7 +23,6 @@ from google.protobuf.message import Message
 
 from families.base import Family
 from services.encoding import check_output
-from services.errors import RequestError
 from services.images import ImageInfo
 from services.orchestrator.chain import check_request
 from services.orchestrator.request_images import complete_images, size_from_images
@@ -39,6 +38,7 @@ from services.validation import (
     validate_size,
 )
 from stagediff.v1 import generation_pb2, stages_pb2
+from stagekit.errors import RequestError
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from families.base import ImageInputs
-from services.errors import RequestError
 from services.images import ImageInfo, Stop, decode_image, probe_image
 from services.input_images import ROLE_NAMES, ROLE_VALUES, image_roles
 from stagediff.v1 import generation_pb2, image_pb2, stages_pb2
+from stagekit.errors import RequestError
 
 
 def check_image_budget(images: Sequence[image_pb2.InputImage], limits: stages_pb2.ModelLimits) -> None:

@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from services.errors import RequestError, bounded
 from services.image_work import ImageWorkers
 from services.images import ImageInfo
 from services.metrics import OrchestratorMetrics
@@ -42,6 +41,7 @@ from stagediff import __version__
 from stagediff.protocol import JOB_FAILED_METADATA_KEY
 from stagediff.status_details import abort_with_retry
 from stagediff.v1 import generation_pb2, generation_pb2_grpc, image_pb2, stages_pb2
+from stagekit.errors import RequestError, bounded
 
 logger = logging.getLogger(__name__)
 

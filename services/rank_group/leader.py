@@ -27,7 +27,7 @@ from services.rank_group.settings import (
     GroupSettings,
     RankWorker,
 )
-from services.stage import Cancelled
+from stagekit.errors import Cancelled
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from services.rank_group.settings import COLLECTIVE_TIMEOUT, GroupSettings, WorkerFactory
-from services.stage import Cancelled
+from stagekit.errors import Cancelled
 
 logger = logging.getLogger(__name__)
 

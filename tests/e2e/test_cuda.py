@@ -54,7 +54,6 @@ from families.init_model import init_model
 from families.wan.components import build_transformer
 from families.wan.gguf_names import original_name
 from families.wan.parallel import WanSequenceParallelAttnProcessor
-from services.weights import load_pretrained, load_stats
 from stagekit.gguf import load_gguf_transformer
 from stagekit.parallel.attention import (
     _gather_sequence,
@@ -66,6 +65,7 @@ from stagekit.parallel.attention import (
 )
 from stagekit.parallel.mesh import ParallelConfig, build_mesh, device_type_for
 from stagekit.parallel.sequence_parallel import SequenceParallelState
+from stagekit.weights import load_pretrained, load_stats
 from tests.helpers.references import reference_frames
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]

@@ -33,8 +33,8 @@ from dit_svc.quantization import (
     quantize_transformer,
     weight_storage_dtype,
 )
-from services.weights import load_stats
 from stagekit.denoise import DenoiseSpec
+from stagekit.weights import load_stats
 
 CPU = torch.device("cpu")
 # Relative to what the steps changed (latents - noise), so the noise itself does not hide the error: bf16 alone

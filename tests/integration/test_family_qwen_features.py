@@ -2,7 +2,7 @@
 
 Offload, quantization and the DiT's loading run from QwenImageTesterConfig (tests/integration/
 test_family_features.py); here: the DiT's startup check of `--ignored-layers` against Qwen's layer names, and
-loading compared between `services.weights.load_pretrained` and each library's `from_pretrained`, and between
+loading compared between `stagekit.weights.load_pretrained` and each library's `from_pretrained`, and between
 the Qwen text-encoder and VAE stages and QwenImagePipeline's components.
 """
 
@@ -19,7 +19,7 @@ from dit_svc.model_options import ModelOptions
 from families.init_model import init_model
 from families.qwen_image.decode import QwenImageDecoder
 from families.qwen_image.encode import QwenPromptEncoder
-from services.weights import load_pretrained, load_stats
+from stagekit.weights import load_pretrained, load_stats
 from tests.helpers.feature_mixins import QwenImageTesterConfig, assert_same_tensors
 
 CPU = torch.device("cpu")

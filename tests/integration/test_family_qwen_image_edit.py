@@ -26,9 +26,10 @@ from families.qwen_image_edit.encode import QwenImageEditPromptEncoder, load_pro
 from families.qwen_image_edit.family import QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS
 from families.qwen_image_edit.vae_encode import QwenImageEditLatentEncoder
 from families.registry import FAMILIES
-from services.errors import RequestError
-from services.input_images import DecodedImage, image_roles
+from services.input_images import image_roles
 from stagekit.denoise import DenoiseSpec
+from stagekit.errors import RequestError
+from stagekit.images import DecodedImage
 from stagekit.parallel import ParallelConfig
 from stagekit.parallel.launch import run_ranks
 from tests.helpers.qwen_image_edit import EDIT, PARALLEL_SPECS, PLUS, parallel_conditioning

@@ -83,8 +83,8 @@ def _forward_inputs(dim: int, in_channels: int) -> dict:
 
 def _outputs(denoiser: QwenImageDenoiser) -> dict:
     """The latents of every spec, and the image output and every block's text output of one forward."""
-    from services.weights import load_stats
     from stagekit.parallel.hsdp import local_parameter_bytes
+    from stagekit.weights import load_stats
 
     latents = []
     for index, spec in enumerate(SPECS):

@@ -20,8 +20,8 @@ from families.wan_i2v.denoise import WanImageToVideoDenoiser
 from families.wan_i2v.encode import WanImageConditionEncoder
 from families.wan_i2v.vae_encode import WanImageLatentEncoder
 from services.checkpoint import read_checkpoint
-from services.input_images import DecodedImage
 from stagekit.denoise import DenoiseSpec
+from stagekit.images import DecodedImage
 from stagekit.parallel import ParallelConfig
 from stagekit.parallel.launch import run_ranks
 from tests.helpers.wan_i2v import PARALLEL_SPECS, input_image, parallel_conditioning

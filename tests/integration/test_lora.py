@@ -25,8 +25,8 @@ from dit_svc.lora import AdapterError, LoraSettings, served_model_id
 from dit_svc.model_options import ModelOptions
 from families.qwen_image.denoise import QwenImageDenoiser
 from families.wan.denoise import WanDenoiser
-from services.errors import NotFoundError
 from stagekit.denoise import CacheSpec, DenoiseSpec
+from stagekit.errors import NotFoundError
 from stagekit.parallel import ParallelConfig
 from stagekit.parallel.launch import run_ranks
 from tests.helpers.lora_adapters import qwen_adapter, wan_adapter

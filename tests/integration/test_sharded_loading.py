@@ -16,9 +16,9 @@ from torch.distributed.tensor import DTensor
 
 from families.init_model import init_model
 from families.wan.parallel import parallelize
-from services.weights import load_pretrained, load_stats
 from stagekit.parallel import ParallelConfig, build_mesh
 from stagekit.parallel.launch import run_ranks
+from stagekit.weights import load_pretrained, load_stats
 
 LAYOUTS = {
     "tp2": ParallelConfig(tp_degree=2),

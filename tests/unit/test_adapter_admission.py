@@ -21,13 +21,13 @@ from dit_svc.lora import LoraSettings, list_adapters
 from dit_svc.model_options import ModelOptions
 from dit_svc.step_cache import CachePasses
 from families.wan.denoise import WanDenoiser
-from services.errors import RequestError
 from services.orchestrator.adapter_rate import WINDOW_S, AdapterRate
 from services.orchestrator.options import batch_per_tenant, build_parser
 from services.orchestrator.tenants import LimitExceeded, RateLimited, Tenant, TenantConfigError, TenantRegistry
 from stagediff.status_details import retry_after
 from stagediff.v1 import stages_pb2
 from stagekit.denoise import DenoiseSpec
+from stagekit.errors import RequestError
 from tests.helpers.fake_cluster import Cluster
 from tests.helpers.fake_stages import LIMITS
 from tests.helpers.lora_adapters import wan_adapter

@@ -22,12 +22,12 @@ import grpc
 import pytest
 from fastapi.testclient import TestClient
 
-from services.errors import RequestError
 from services.gateway.errors import from_stagediff_error
 from services.orchestrator.tenants import TenantRegistry, hash_api_key, new_api_key
 from services.validation import LORA_NAME, resolve_loras
 from stagediff.errors import error_for_status
 from stagediff.v1 import stages_pb2
+from stagekit.errors import RequestError
 from tests.helpers.fake_orchestrator import Orchestrator
 from tests.helpers.http_gateway_fake import gateway
 

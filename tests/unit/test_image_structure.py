@@ -14,10 +14,10 @@ import pytest
 from PIL import Image
 
 from bench.hostile_files import chunk_stuffed_png, comment_stuffed_jpeg, padded_png, scan_bomb_jpeg
-from services.errors import RequestError
 from services.image_structure import DEFAULT_LIMITS, check_structure
 from services.image_work import ImageWorkers
 from services.images import DecodeCancelled, Stop, decode_image, probe_image
+from stagekit.errors import RequestError
 
 FIELD = "images[0].data"
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.errors import RequestError
 from services.orchestrator.image_uploads import ImageUploads, UploadRefused
+from stagekit.errors import RequestError
 
 
 class Clock:

@@ -14,7 +14,6 @@ import pytest
 from diffusers.utils import load_image
 from PIL import Image
 
-from services.errors import RequestError
 from services.images import (
     ALLOWED_FORMATS,
     MAX_IMAGE_BYTES,
@@ -23,6 +22,7 @@ from services.images import (
     decode_image,
     probe_image,
 )
+from stagekit.errors import RequestError
 
 FIELD = "images[0].data"
 ALLOWED_TEXT = "PNG, JPEG or WEBP"

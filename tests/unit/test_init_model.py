@@ -11,6 +11,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from families.base import DEFAULTS_FILE
 from families.init_model import ALL_PRESETS, OWN_PRESETS, PRESETS, init_model
 from families.registry import FAMILIES, FAMILY_NAMES, family_for_index
 from families.wan.components import build_text_encoder, build_transformer, build_vae
@@ -29,7 +30,6 @@ from families.wan.real_size import (
     REAL_VAE_CONFIG,
     random_bf16,
 )
-from services.checkpoint import DEFAULTS_FILE
 
 
 def _weight_files(checkpoint: Path) -> dict[str, bytes]:

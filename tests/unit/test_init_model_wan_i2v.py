@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
+from families.base import DEFAULTS_FILE
 from families.init_model import PRESETS, init_model
 from families.registry import FAMILIES, family_for_index
 from families.wan_i2v import init_model as tables
-from services.checkpoint import DEFAULTS_FILE
 
 I2V_FAMILIES = ("wan-i2v", "wan2.2-i2v-a14b", "wan2.2-ti2v")
 COMPONENTS = {

@@ -2,7 +2,8 @@
 imports it back.
 
 Read from the source with `ast` (nothing is imported), counting every import, inside functions too. The stage
-runtimes load families through the registry, and families build on stagekit/, which imports neither. The
+runtimes and services/ (checkpoints, the orchestrator's chains) load families through the registry; families
+build on stagekit/ (the stage protocols, errors, weight loading), which imports none of them. The
 client's own closure (no server package, nothing the plain install lacks) is
 tests/integration/test_client_only_processes.py's; here the CLI's server commands and stagediff/local/ count as
 one node apart from the client.
@@ -14,8 +15,6 @@ import ast
 from collections import defaultdict
 from itertools import pairwise
 from pathlib import Path
-
-import pytest
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 
@@ -35,11 +34,7 @@ PACKAGES = (
 SERVER_COMMANDS = "stagediff[server commands]"
 STAGE_PACKAGES = ("dit_svc", "text_encoder_svc", "vae_svc", "interp_svc")
 # What stagekit may never import: the packages built on it.
-ABOVE_STAGEKIT = ("families", *STAGE_PACKAGES, "tools", SERVER_COMMANDS)
-# The one back edge left: services/ (checkpoint.py's registry lookups, the orchestrator's chains, the cache
-# method names of metrics and validation) imports families, which build on services' errors, weights and
-# stage helpers. Left out of the cycle check; test_services_imports_no_family fails once it is gone.
-KNOWN_BACK_EDGES = {("services", "families")}
+ABOVE_STAGEKIT = ("services", "families", *STAGE_PACKAGES, "tools", SERVER_COMMANDS)
 
 Edges = dict[tuple[str, str], list[str]]
 
@@ -160,7 +155,7 @@ def test_the_cli_server_commands_are_apart_from_the_client() -> None:
 
 
 def test_no_package_imports_one_that_imports_it_back() -> None:
-    edges = {key: sites for key, sites in package_edges().items() if key not in KNOWN_BACK_EDGES}
+    edges = package_edges()
     cycle = find_cycle(edges)
     assert cycle is None, _describe(cycle, edges)
 
@@ -175,17 +170,11 @@ def test_stagekit_imports_nothing_built_on_it() -> None:
     assert not wrong, "\n".join(sorted(wrong))
 
 
-def test_families_import_no_stage_package() -> None:
+def test_families_import_no_stage_package_and_no_service() -> None:
     edges = package_edges()
     wrong = [
         f"families -> {target}: {', '.join(edges[('families', target)])}"
-        for target in STAGE_PACKAGES
+        for target in (*STAGE_PACKAGES, "services")
         if ("families", target) in edges
     ]
     assert not wrong, "\n".join(wrong)
-
-
-@pytest.mark.xfail(strict=True, reason="services/ still imports families (see KNOWN_BACK_EDGES)")
-def test_services_imports_no_family() -> None:
-    edges = package_edges()
-    assert ("services", "families") not in edges, ", ".join(edges[("services", "families")])

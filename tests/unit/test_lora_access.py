@@ -6,11 +6,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.errors import RequestError
 from services.orchestrator.lora_access import LoraNotAllowed, LoraNotFound, check_loras, visible
 from services.orchestrator.tenants import MAX_LORA_PATTERNS, Tenant, TenantConfigError, TenantRegistry
 from services.validation import resolve_loras
 from stagediff.v1 import stages_pb2
+from stagekit.errors import RequestError
 
 LISTED = ["style-ink", "style-oil", "anime", "acme/logo", "globex/logo"]
 LIMITS = stages_pb2.ModelLimits(loras=[stages_pb2.LoraInfo(name=name, bytes=10) for name in LISTED], max_loras=4)

@@ -26,7 +26,7 @@ from services.memory_budget import (
     stage_need,
 )
 from services.stage import parameter_bytes
-from services.weights import load_pretrained, planned_bytes
+from stagekit.weights import load_pretrained, planned_bytes
 
 
 @pytest.mark.parametrize(

@@ -95,7 +95,7 @@ def test_invalid_argument_names_the_field_of_a_bad_request_detail() -> None:
 
 
 def test_invalid_argument_names_the_field_its_message_starts_with() -> None:
-    """The orchestrator's refusals start with the field's path (services/errors.py RequestError)."""
+    """The orchestrator's refusals start with the field's path (stagekit/errors.py RequestError)."""
     for message, field in (
         ("height: 63 is not allowed; use a multiple of 16", "height"),
         ("images[1].data: not an image Pillow can identify", "images[1].data"),

@@ -1,4 +1,4 @@
-"""`services.weights.load_pretrained` gives exactly what `from_pretrained` gives, for every component.
+"""`stagekit.weights.load_pretrained` gives exactly what `from_pretrained` gives, for every component.
 
 The checkpoint is the tiny Wan one written with a small shard size, so each component is spread over
 several safetensors shards and the threaded reader really splits work between files.
@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import UMT5EncoderModel
 
 from families.init_model import init_model
-from services.weights import load_pretrained, load_stats
+from stagekit.weights import load_pretrained, load_stats
 
 COMPONENTS = {
     "transformer": WanTransformer3DModel,
@@ -194,7 +194,7 @@ def test_tensor_filter_with_a_transformers_model(sharded_model: Path) -> None:
 
 def test_logs_each_shard(sharded_model: Path, caplog: pytest.LogCaptureFixture) -> None:
     directory = sharded_model / "vae"
-    with caplog.at_level(logging.INFO, logger="services.weights"):
+    with caplog.at_level(logging.INFO, logger="stagekit.weights"):
         load_pretrained(AutoencoderKLWan, directory, num_threads=3)
     index = json.loads((directory / "diffusion_pytorch_model.safetensors.index.json").read_text())
     logged = " ".join(r.getMessage() for r in caplog.records)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from services.weights.keys import TensorEntry
+from stagekit.weights.keys import TensorEntry
 
 
 def library_of(model_class: type[nn.Module]) -> str:

@@ -1,8 +1,12 @@
-"""Errors every service maps to a status code."""
+"""Errors every service maps to a status code, and the one compute raises when its caller has gone."""
 
 
 class RequestError(ValueError):
     """A request a service refuses (INVALID_ARGUMENT); its message names the field and what is allowed."""
+
+
+class Cancelled(Exception):
+    """Raised inside compute when the caller has gone away or cancelled."""
 
 
 class NotFoundError(LookupError):

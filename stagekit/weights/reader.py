@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from services.weights.keys import TensorEntry, read_headers
-from services.weights.stats import LoadStats, ShardStats
+from stagekit.weights.keys import TensorEntry, read_headers
+from stagekit.weights.stats import LoadStats, ShardStats
 
 logger = logging.getLogger(__name__)
 

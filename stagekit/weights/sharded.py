@@ -13,11 +13,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from services.weights.empty import build_empty, fp32_matcher, target_dtype, tied_keys
-from services.weights.finish import set_tensor
-from services.weights.keys import TensorEntry, check_keys, listed_keys, renamed
-from services.weights.reader import Reader
-from services.weights.stats import LoadStats
+from stagekit.weights.empty import build_empty, fp32_matcher, target_dtype, tied_keys
+from stagekit.weights.finish import set_tensor
+from stagekit.weights.keys import TensorEntry, check_keys, listed_keys, renamed
+from stagekit.weights.reader import Reader
+from stagekit.weights.stats import LoadStats
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ FSDP2/HSDP) each DTensor is read as this rank's slice only (sharded.py); `tensor
 e.g. the blocks another pipeline stage holds. `load_stats(model)` gives what was read and how fast (stats.py).
 """
 
-from services.weights.load import load_pretrained, planned_bytes
-from services.weights.reader import read_safetensors
-from services.weights.stats import STATS_ATTR, LoadStats, ShardStats, describe, load_stats
+from stagekit.weights.load import load_pretrained, planned_bytes
+from stagekit.weights.reader import read_safetensors
+from stagekit.weights.stats import STATS_ATTR, LoadStats, ShardStats, describe, load_stats
 
 __all__ = [
     "STATS_ATTR",

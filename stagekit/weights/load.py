@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from services.weights.empty import build_empty, fp32_matcher, library_of, target_dtype, tied_keys
-from services.weights.finish import finish
-from services.weights.keys import check_keys, read_headers, renamed, weight_files
-from services.weights.reader import Reader
-from services.weights.sharded import load_sharded
-from services.weights.stats import LoadStats, finish_stats
+from stagekit.weights.empty import build_empty, fp32_matcher, library_of, target_dtype, tied_keys
+from stagekit.weights.finish import finish
+from stagekit.weights.keys import check_keys, read_headers, renamed, weight_files
+from stagekit.weights.reader import Reader
+from stagekit.weights.sharded import load_sharded
+from stagekit.weights.stats import LoadStats, finish_stats
 
 
 def load_pretrained(

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from services.weights.keys import listed_keys
+from stagekit.weights.keys import listed_keys
 
 
 def set_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:
