@@ -77,7 +77,7 @@ DEFAULTS_FILE = "stagediff.json"
 @dataclass(frozen=True)
 class Support:
     """A supported cell names the tests behind it (`path::test_name`, or `path::TestClass` for a class that
-    combines the family's tester config with the feature's mixin, tests/helpers/feature_mixins.py); an
+    combines the family's tester config with the feature's mixin, tests/helpers/feature_mixins/); an
     unsupported one says why.
 
     An unsupported cell whose flag the stage refuses at startup names the tests of that refusal in

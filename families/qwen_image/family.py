@@ -9,17 +9,14 @@ from __future__ import annotations
 from families.base import Family, RequestDefaults, Support, TensorSlot
 
 _QWEN = "tests/integration/test_family_qwen_features.py::"
-# Test classes of a tester config and a feature mixin (tests/helpers/feature_mixins.py).
+# Test classes of a tester config and a feature mixin (tests/helpers/feature_mixins/).
 _FEATURE_CLASSES = "tests/integration/test_family_features.py::TestQwenImage"
 # The one parallel cluster: Ulysses, CFG-parallel and HSDP in the DiT, a patch-parallel VAE.
 _CLUSTER_PARALLEL = "tests/e2e/test_families_cluster.py::test_qwen_parallel_dit_and_vae_equal_pipeline"
-_LATENTS_PARALLEL = "tests/integration/test_family_qwen_parallel.py::test_qwen_parallel_latents_equal_one_rank"
+_LATENTS_PARALLEL = _FEATURE_CLASSES + "ParallelLayouts"
 _PARALLEL = (
     _LATENTS_PARALLEL,
     "tests/unit/test_families.py::test_qwen_dit_layout_check_accepts_ring_tensor_and_hsdp",
-)
-_SHARDED_LOADING = (
-    "tests/integration/test_family_qwen_parallel.py::test_qwen_sharded_layouts_read_and_hold_part_of_the_weights"
 )
 _VAE_PATCH_PARALLEL = "tests/integration/test_qwen_vae_patch_parallel.py::"
 _QUANTIZATION = (
@@ -27,7 +24,7 @@ _QUANTIZATION = (
     _QWEN + "test_qwen_ignored_layers_are_checked_against_qwen_layer_names",
 )
 
-_STEP_CACHE = "tests/integration/test_step_cache.py::test_qwen_caches_equal_diffusers_hooks_and_one_rank"
+_STEP_CACHE = _FEATURE_CLASSES + "StepCache"
 _LORA = "tests/integration/test_lora.py::"
 QWEN_IMAGE = Family(
     name="qwen-image",
@@ -56,13 +53,14 @@ QWEN_IMAGE = Family(
         "cfg_parallel": Support(tests=(_LATENTS_PARALLEL, _CLUSTER_PARALLEL)),
         "ulysses": Support(
             tests=(
+                _LATENTS_PARALLEL,
                 _CLUSTER_PARALLEL,
                 "tests/integration/test_families_processes.py::test_qwen_ulysses_transformer_equals_one_rank",
             )
         ),
         "ring": Support(tests=_PARALLEL),
-        "tensor_parallel": Support(tests=(*_PARALLEL, _SHARDED_LOADING)),
-        "hsdp": Support(tests=(*_PARALLEL, _SHARDED_LOADING, _CLUSTER_PARALLEL)),
+        "tensor_parallel": Support(tests=_PARALLEL),
+        "hsdp": Support(tests=(*_PARALLEL, _CLUSTER_PARALLEL)),
         "vae_patch_parallel": Support(
             tests=(
                 _VAE_PATCH_PARALLEL + "test_qwen_patch_parallel_equals_whole_decode",
@@ -87,12 +85,7 @@ QWEN_IMAGE = Family(
                 _QWEN + "test_qwen_stages_read_weights_with_their_load_threads",
             )
         ),
-        "compile": Support(
-            tests=(
-                "tests/integration/test_compile.py::test_compiled_blocks_equal_eager_on_one_rank",
-                "tests/integration/test_compile.py::test_new_request_sizes_compile_nothing_more",
-            )
-        ),
+        "compile": Support(tests=(_FEATURE_CLASSES + "Compile",)),
         "interpolation": Support(
             reason="single images: nothing to interpolate; a request asking for it is refused with INVALID_ARGUMENT"
         ),
@@ -107,7 +100,7 @@ QWEN_IMAGE = Family(
         ),
         "lora": Support(
             tests=(
-                _LORA + "test_adapters_equal_diffusers_set_adapters_on_one_rank",
+                _FEATURE_CLASSES + "LoRA",
                 _LORA + "test_adapters_under_parallel_layouts_equal_one_rank",
             )
         ),

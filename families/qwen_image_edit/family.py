@@ -26,34 +26,35 @@ IMAGE_SIDE_MULTIPLE = 32
 # Qwen-Image-Edit-2509 is made for one to three input images.
 PLUS_MAX_IMAGES = 3
 
-_TESTS = "tests/integration/test_family_qwen_image_edit.py::"
 _E2E = "tests/e2e/test_e2e_image_edit.py::"
-_PARALLEL = _TESTS + "test_parallel_latents_equal_one_rank"
-_MEMORY = "tests/integration/test_image_families_options.py::"
 _PLUS_E2E = _E2E + "test_qwen_image_edit_plus_images_equal_pipeline"
-_QUANTIZATION = (_MEMORY + "test_quantized_denoiser_halves_bytes_and_stays_close",)
+# Test classes of a tester config and a feature mixin (tests/helpers/feature_mixins/), by family.
+_FEATURE_CLASSES = "tests/integration/test_family_features.py::Test"
 
 
-def _features(e2e: str, parallel_e2e: str) -> dict[str, Support]:
+def _features(e2e: str, parallel_e2e: str, tester: str) -> dict[str, Support]:
     """`parallel_e2e`: the family's cluster test with Ulysses, CFG-parallel and HSDP in the DiT and a
-    patch-parallel VAE (whose Encode runs whole on rank 0, the decode in bands over both ranks)."""
+    patch-parallel VAE (whose Encode runs whole on rank 0, the decode in bands over both ranks); `tester`: the
+    name its tester config gives its feature classes."""
+    classes = _FEATURE_CLASSES + tester
+    parallel = classes + "ParallelLayouts"
     return {
-        "ulysses": Support(tests=(_PARALLEL, parallel_e2e)),
-        "ring": Support(tests=(_PARALLEL,)),
-        "cfg_parallel": Support(tests=(_PARALLEL, parallel_e2e)),
-        "tensor_parallel": Support(tests=(_PARALLEL,)),
-        "hsdp": Support(tests=(_PARALLEL, parallel_e2e)),
+        "ulysses": Support(tests=(parallel, parallel_e2e)),
+        "ring": Support(tests=(parallel,)),
+        "cfg_parallel": Support(tests=(parallel, parallel_e2e)),
+        "tensor_parallel": Support(tests=(parallel,)),
+        "hsdp": Support(tests=(parallel, parallel_e2e)),
         "vae_patch_parallel": Support(tests=(parallel_e2e,)),
         # Qwen-Image's decoder, which has no tiled decode.
         "vae_tiling": Support(
             reason=QWEN_IMAGE.support("vae_tiling").reason,
             refusal_tests=("tests/integration/test_image_families_options.py::test_vae_tiling_is_refused_at_startup",),
         ),
-        "cpu_offload": Support(tests=(_MEMORY + "test_module_offload_leaves_latents_unchanged",)),
-        "layerwise_offload": Support(tests=(_MEMORY + "test_layerwise_offload_keeps_one_block_resident",)),
-        "fp8": Support(tests=_QUANTIZATION),
-        "int8": Support(tests=_QUANTIZATION),
-        "multithread_loading": Support(tests=(e2e,)),
+        "cpu_offload": Support(tests=(classes + "ModuleOffload",)),
+        "layerwise_offload": Support(tests=(classes + "LayerwiseOffload",)),
+        "fp8": Support(tests=(classes + "Quantization",)),
+        "int8": Support(tests=(classes + "Quantization",)),
+        "multithread_loading": Support(tests=(classes + "Loading", e2e)),
         # Qwen-Image's blocks, but with the input images' tokens in the sequence, which no test compiles yet.
         "compile": Support(
             reason="not verified yet with the input images' tokens",
@@ -107,10 +108,9 @@ QWEN_IMAGE_EDIT = Family(
         encoded_by=("text-encoder", "vae"),
         size_from=SizeFromImage(VAE_IMAGE_AREA, IMAGE_SIDE_MULTIPLE, index=0),
     ),
-    features=_features(
-        _E2E + "test_qwen_image_edit_images_equal_pipeline",
-        _E2E + "test_qwen_image_edit_parallel_images_equal_pipeline",
-    ),
+    # Its cluster test runs one rank per stage; the parallel cluster of the DiT and VAE code it shares with
+    # Edit-Plus is Edit-Plus's.
+    features=_features(_E2E + "test_qwen_image_edit_images_equal_pipeline", _PLUS_E2E, "QwenImageEdit"),
     **_COMPUTE,
 )
 
@@ -136,7 +136,7 @@ QWEN_IMAGE_EDIT_PLUS = Family(
         size_from=SizeFromImage(VAE_IMAGE_AREA, IMAGE_SIDE_MULTIPLE, index=-1),
     ),
     # Its one cluster runs the parallel DiT and VAE.
-    features=_features(_PLUS_E2E, _PLUS_E2E),
+    features=_features(_PLUS_E2E, _PLUS_E2E, "QwenImageEditPlus"),
     **_COMPUTE,
 )
 

@@ -24,17 +24,23 @@ _COMPUTE: dict[str, Any] = {  # Family's "module:attr" parts, passed as keywords
     "writer": "families.wan.init_model:write_checkpoint",
 }
 
-_STEP_CACHE = "tests/integration/test_step_cache.py::"
+_TEACACHE_REFERENCE = "tests/integration/test_step_cache.py::test_teacache_follows_the_reference_algorithm"
+# Test classes of a tester config and a feature mixin (tests/helpers/feature_mixins/), by family.
+_T2V_CLASSES = "tests/integration/test_family_features.py::TestWanT2V"
 _LORA = "tests/integration/test_lora.py::"
 _WAN_TESTS = {
     "ulysses": (
-        "tests/integration/test_dit_parallel.py::test_parallel_latents_equal_one_rank",
+        _T2V_CLASSES + "ParallelLayouts",
         "tests/e2e/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline",
     ),
-    "ring": ("tests/integration/test_dit_parallel.py::test_parallel_latents_equal_one_rank",),
-    "cfg_parallel": ("tests/integration/test_dit_parallel.py::test_parallel_latents_equal_one_rank",),
-    "tensor_parallel": ("tests/integration/test_tensor_parallel_hsdp.py::test_tensor_parallel_2_matches_single_rank",),
+    "ring": (_T2V_CLASSES + "ParallelLayouts",),
+    "cfg_parallel": (_T2V_CLASSES + "ParallelLayouts",),
+    "tensor_parallel": (
+        _T2V_CLASSES + "ParallelLayouts",
+        "tests/integration/test_tensor_parallel_hsdp.py::test_tensor_parallel_2_matches_single_rank",
+    ),
     "hsdp": (
+        _T2V_CLASSES + "ParallelLayouts",
         "tests/integration/test_tensor_parallel_hsdp.py::test_hsdp_shard_2_matches_single_rank_and_halves_parameters",
         "tests/e2e/test_e2e_parallel.py::test_parallel_dit_frames_equal_wan_pipeline",
     ),
@@ -51,60 +57,62 @@ _WAN_TESTS = {
         "tests/e2e/test_e2e_vae_interp.py::test_learned_interpolator_through_the_cluster",
     ),
     "cpu_offload": (
+        _T2V_CLASSES + "ModuleOffload",
         "tests/unit/test_offload.py::test_transformer_output_unchanged",
         "tests/unit/test_offload.py::test_offload_of_a_quantized_transformer",
     ),
     "layerwise_offload": (
+        _T2V_CLASSES + "LayerwiseOffload",
         "tests/unit/test_offload.py::test_layerwise_keeps_at_most_n_blocks_resident",
         "tests/unit/test_offload.py::test_transformer_output_unchanged",
         "tests/e2e/test_e2e_memory.py::test_offloaded_int8_dit_serves_close_frames",
     ),
     "fp8": (
+        _T2V_CLASSES + "Quantization",
         "tests/unit/test_quantization.py::test_parameter_bytes_at_most_55_percent_of_bf16",
         "tests/unit/test_quantization.py::test_quantized_forward_close_to_unquantized",
     ),
     "int8": (
+        _T2V_CLASSES + "Quantization",
         "tests/unit/test_quantization.py::test_parameter_bytes_at_most_55_percent_of_bf16",
         "tests/e2e/test_e2e_memory.py::test_offloaded_int8_dit_serves_close_frames",
     ),
     "gguf": (
-        "tests/integration/test_gguf.py::test_gguf_denoiser_equals_diffusers_from_single_file",
+        _T2V_CLASSES + "GGUF",
         "tests/integration/test_gguf.py::test_gguf_under_parallel_layouts_equals_one_rank",
         "tests/e2e/test_e2e_memory.py::test_gguf_dit_serves_frames_equal_to_wan_pipeline",
     ),
     "multithread_loading": (
+        _T2V_CLASSES + "Loading",
         "tests/unit/test_weights.py::test_matches_from_pretrained",
         "tests/e2e/test_e2e_parity.py::test_cluster_frames_equal_wan_pipeline",
     ),
     "compile": (
-        "tests/integration/test_compile.py::test_compiled_blocks_equal_eager_on_one_rank",
+        _T2V_CLASSES + "Compile",
         "tests/integration/test_compile.py::test_compiled_blocks_equal_eager_under_ulysses_and_hsdp",
-        "tests/integration/test_compile.py::test_new_request_sizes_compile_nothing_more",
     ),
     "first_block_cache": (
-        _STEP_CACHE + "test_first_block_cache_equals_diffusers_hooks",
-        _STEP_CACHE + "test_caches_under_parallel_layouts_equal_one_rank",
+        _T2V_CLASSES + "StepCache",
         "tests/e2e/test_e2e_step_cache.py::test_first_block_cache_equals_pipeline_with_diffusers_cache",
     ),
     "mag_cache": (
-        _STEP_CACHE + "test_mag_cache_equals_diffusers_hooks",
-        _STEP_CACHE + "test_caches_under_parallel_layouts_equal_one_rank",
+        _T2V_CLASSES + "StepCache",
         "tests/integration/test_calibrate_cache_processes.py::test_calibrated_ratios_make_the_dit_offer_mag",
     ),
     "teacache": (
-        _STEP_CACHE + "test_teacache_follows_the_reference_algorithm",
-        _STEP_CACHE + "test_caches_under_parallel_layouts_equal_one_rank",
+        _T2V_CLASSES + "StepCache",
+        _TEACACHE_REFERENCE,
         "tests/e2e/test_e2e_step_cache.py::test_teacache_skips_passes_and_the_model_lists_its_caches",
     ),
     "batching": (
-        "tests/integration/test_batching.py::test_each_request_of_a_batch_gets_its_own_latents",
+        _T2V_CLASSES + "Batching",
         "tests/integration/test_batching.py::test_a_dropped_request_stops_and_leaves_the_others_unchanged",
         "tests/integration/test_batching.py::test_batches_under_parallel_layouts_equal_one_rank_alone",
         "tests/e2e/test_e2e_batching.py::test_concurrent_requests_of_two_tenants_share_a_batch_and_keep_their_frames",
         "tests/e2e/test_e2e_batching.py::test_cancelling_one_request_of_a_batch_stops_only_it",
     ),
     "lora": (
-        _LORA + "test_adapters_equal_diffusers_set_adapters_on_one_rank",
+        _T2V_CLASSES + "LoRA",
         _LORA + "test_adapters_under_parallel_layouts_equal_one_rank",
         "tests/e2e/test_e2e_lora.py::test_cluster_adapters_equal_diffusers_frames",
         "tests/e2e/test_demo_model_cluster.py::test_demo_adapter_swaps_a_colour_for_its_tenant_only",
@@ -115,10 +123,7 @@ _WAN_TESTS = {
     ),
 }
 # Each expert keeps its own cache state, so the cache resets at the switch (the second expert's first step runs).
-_TWO_EXPERTS_CACHE = (
-    _STEP_CACHE + "test_a14b_caches_keep_one_state_per_expert",
-    _STEP_CACHE + "test_teacache_follows_the_reference_algorithm",
-)
+_TWO_EXPERTS_CACHE = ("tests/integration/test_family_features.py::TestWanA14BStepCache", _TEACACHE_REFERENCE)
 _A14B_E2E = "tests/e2e/test_families_cluster.py::test_a14b_parallel_dit_equals_wan_pipeline"
 # diffusers loads an adapter into the first expert only unless told otherwise (load_into_transformer_2).
 _A14B_LORA = Support(
@@ -126,7 +131,7 @@ _A14B_LORA = Support(
     refusal_tests=LORA_UNVERIFIED.refusal_tests,
 )
 _A14B = "tests/integration/test_family_a14b_features.py::"
-# Test classes of a tester config and a feature mixin (tests/helpers/feature_mixins.py).
+# A14B's test classes of its tester config and a feature mixin.
 _FEATURE_CLASSES = "tests/integration/test_family_features.py::TestWanA14B"
 
 WAN_T2V = Family(
@@ -164,11 +169,11 @@ WAN22_A14B = Family(
     conditioning=CONDITIONING,
     defaults=RequestDefaults(),
     features={
-        "ulysses": Support(tests=(_A14B_E2E,)),
-        "ring": Support(tests=(_A14B + "test_a14b_ring_latents_equal_one_rank",)),
-        "cfg_parallel": Support(tests=(_A14B_E2E,)),
-        "tensor_parallel": Support(tests=(_A14B + "test_a14b_tensor_parallel_latents_equal_one_rank",)),
-        "hsdp": Support(tests=(_A14B + "test_a14b_hsdp_latents_equal_one_rank_and_halve_each_expert",)),
+        "ulysses": Support(tests=(_FEATURE_CLASSES + "ParallelLayouts", _A14B_E2E)),
+        "ring": Support(tests=(_FEATURE_CLASSES + "ParallelLayouts",)),
+        "cfg_parallel": Support(tests=(_FEATURE_CLASSES + "ParallelLayouts", _A14B_E2E)),
+        "tensor_parallel": Support(tests=(_FEATURE_CLASSES + "ParallelLayouts",)),
+        "hsdp": Support(tests=(_FEATURE_CLASSES + "ParallelLayouts",)),
         "vae_patch_parallel": Support(tests=(_A14B + "test_a14b_patch_parallel_vae_equals_whole_decode",)),
         # The same AutoencoderKLWan as Wan2.1, decoded by the same session.
         "vae_tiling": Support(tests=_WAN_TESTS["vae_tiling"]),
@@ -181,9 +186,7 @@ WAN22_A14B = Family(
         "layerwise_offload": Support(tests=(_FEATURE_CLASSES + "LayerwiseOffload",)),
         "fp8": Support(tests=(_FEATURE_CLASSES + "Quantization",)),
         "int8": Support(tests=(_FEATURE_CLASSES + "Quantization",)),
-        "gguf": Support(
-            tests=("tests/integration/test_gguf.py::test_a14b_gguf_experts_equal_diffusers_from_single_file",)
-        ),
+        "gguf": Support(tests=(_FEATURE_CLASSES + "GGUF",)),
         "multithread_loading": Support(
             tests=(
                 _FEATURE_CLASSES + "Loading",
@@ -200,9 +203,7 @@ WAN22_A14B = Family(
             reason="MagCache's calibrated ratios index the steps of one schedule; each expert runs only part of it"
         ),
         "teacache": Support(tests=_TWO_EXPERTS_CACHE),
-        "batching": Support(
-            tests=("tests/integration/test_batching.py::test_each_request_of_a_batch_gets_its_own_latents",)
-        ),
+        "batching": Support(tests=(_FEATURE_CLASSES + "Batching",)),
         "lora": _A14B_LORA,
         "lora_fused": _A14B_LORA,
     },

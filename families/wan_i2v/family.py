@@ -27,11 +27,9 @@ _COMPUTE: dict[str, Any] = {  # Family's "module:attr" parts, passed as keywords
     "writer": "families.wan_i2v.init_model:write_checkpoint",
     "image_encoder": "families.wan_i2v.vae_encode:WanImageLatentEncoder",
 }
-_TESTS = "tests/integration/test_family_wan_i2v.py::"
 _E2E = "tests/e2e/test_e2e_image_to_video.py::"
-_PARALLEL = _TESTS + "test_parallel_latents_equal_one_rank"
-_MEMORY = "tests/integration/test_image_families_options.py::"
-_QUANTIZATION = (_MEMORY + "test_quantized_denoiser_halves_bytes_and_stays_close",)
+# Test classes of a tester config and a feature mixin (tests/helpers/feature_mixins/), by family.
+_FEATURE_CLASSES = "tests/integration/test_family_features.py::Test"
 # The decode is Wan's session on the same VAE, but the VAE's Encode of the input frames runs untiled, and no
 # test compares tiled image-to-video with the pipeline's: the stage refuses the flag rather than serve it unproven.
 # The caches hook the same WanTransformer3DModel blocks as text-to-video, but no test has compared them with
@@ -43,22 +41,25 @@ _UNVERIFIED_TILING = Support(
 )
 
 
-def _features(e2e: str, **more: Support) -> dict[str, Support]:
+def _features(e2e: str, tester: str, **more: Support) -> dict[str, Support]:
     """`e2e`: the family's cluster test with Ulysses, CFG-parallel and HSDP in the DiT and a patch-parallel VAE
-    (whose Encode runs whole on rank 0, the decode in bands over both ranks)."""
+    (whose Encode runs whole on rank 0, the decode in bands over both ranks); `tester`: the name its tester
+    config gives its feature classes."""
+    classes = _FEATURE_CLASSES + tester
+    parallel = classes + "ParallelLayouts"
     return {
-        "ulysses": Support(tests=(_PARALLEL, e2e)),
-        "ring": Support(tests=(_PARALLEL,)),
-        "cfg_parallel": Support(tests=(_PARALLEL, e2e)),
-        "tensor_parallel": Support(tests=(_PARALLEL,)),
-        "hsdp": Support(tests=(_PARALLEL, e2e)),
+        "ulysses": Support(tests=(parallel, e2e)),
+        "ring": Support(tests=(parallel,)),
+        "cfg_parallel": Support(tests=(parallel, e2e)),
+        "tensor_parallel": Support(tests=(parallel,)),
+        "hsdp": Support(tests=(parallel, e2e)),
         "vae_patch_parallel": Support(tests=(e2e,)),
         "vae_tiling": _UNVERIFIED_TILING,
-        "cpu_offload": Support(tests=(_MEMORY + "test_module_offload_leaves_latents_unchanged",)),
-        "layerwise_offload": Support(tests=(_MEMORY + "test_layerwise_offload_keeps_one_block_resident",)),
-        "fp8": Support(tests=_QUANTIZATION),
-        "int8": Support(tests=_QUANTIZATION),
-        "multithread_loading": Support(tests=(e2e,)),
+        "cpu_offload": Support(tests=(classes + "ModuleOffload",)),
+        "layerwise_offload": Support(tests=(classes + "LayerwiseOffload",)),
+        "fp8": Support(tests=(classes + "Quantization",)),
+        "int8": Support(tests=(classes + "Quantization",)),
+        "multithread_loading": Support(tests=(classes + "Loading", e2e)),
         "compile": Support(
             reason="not verified yet with image conditioning",
             refusal_tests=("tests/integration/test_compile.py::test_compile_is_refused_at_startup_where_unverified",),
@@ -103,9 +104,10 @@ WAN_I2V = Family(
     # patch-parallel VAE (the same Wan2.1 VAE, its Encode on rank 0) runs through the A14B cluster test.
     features=_features(
         _E2E + "test_wan_i2v_frames_equal_pipeline",
-        ulysses=Support(tests=(_PARALLEL,)),
-        cfg_parallel=Support(tests=(_PARALLEL,)),
-        hsdp=Support(tests=(_PARALLEL,)),
+        "WanI2V",
+        ulysses=Support(tests=(_FEATURE_CLASSES + "WanI2VParallelLayouts",)),
+        cfg_parallel=Support(tests=(_FEATURE_CLASSES + "WanI2VParallelLayouts",)),
+        hsdp=Support(tests=(_FEATURE_CLASSES + "WanI2VParallelLayouts",)),
         vae_patch_parallel=Support(
             tests=(
                 "tests/integration/test_vae_patch_parallel.py::test_patch_parallel_equals_untiled_decode",
@@ -129,7 +131,7 @@ WAN22_I2V_A14B = Family(
     defaults=RequestDefaults(),
     text_encoder="families.wan.encode:WanPromptEncoder",
     images=ImageInputs(roles=("first_frame", "last_frame"), required=("first_frame",), encoded_by=("vae",)),
-    features=_features(_E2E + "test_wan22_i2v_a14b_frames_equal_pipeline"),
+    features=_features(_E2E + "test_wan22_i2v_a14b_frames_equal_pipeline", "WanI2VA14B"),
     **_COMPUTE,
 )
 
@@ -149,7 +151,7 @@ WAN22_TI2V = Family(
     defaults=RequestDefaults(height=704, width=1280, num_frames=121, fps=24.0),
     text_encoder="families.wan.encode:WanPromptEncoder",
     images=ImageInputs(roles=("first_frame",), required=(), encoded_by=("vae",)),
-    features=_features(_E2E + "test_wan22_ti2v_frames_equal_pipelines"),
+    features=_features(_E2E + "test_wan22_ti2v_frames_equal_pipelines", "WanTI2V"),
     **_COMPUTE,
 )
 

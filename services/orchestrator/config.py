@@ -3,8 +3,9 @@
 `OrchestratorConfig.from_options` reads the parsed `stagediff serve orchestrator` options (options.py);
 `__post_init__` refuses values that leave no room to work, with the message `main` gives the parser's
 error (naming the flag and what is allowed). Nothing below `main` reads the parsed options themselves.
-TLS, the cluster secret and the server's own limits are read in `main` by their shared helpers
-(services/auth.py, services/server.py).
+The public server's address, limits, TLS files and logging are the `ServerConfig` every gRPC service shares
+(services/server_config.py); the cluster secret and the stage channels' TLS are read in `main` by their shared
+helpers (services/auth.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from services.orchestrator.sizes import MinFree
 from services.orchestrator.stage_clients import STAGE_ORDER
+from services.server_config import ServerConfig
 
 # Each count flag and the least value it allows, in the order they are checked.
 _LEAST = (
@@ -33,8 +35,8 @@ MAX_DETACH_GRACE_S = 3600
 class OrchestratorConfig:
     """What `stagediff serve orchestrator` runs with (options.py has each flag's help)."""
 
-    host: str
-    port: int
+    server: ServerConfig
+    """The public gRPC server: address, limits, credentials, logging and metrics (shared with the stages)."""
     # The endpoints of each stage kind given (`--<stage> HOST:PORT[,HOST:PORT...]`); kinds without are absent.
     stage_endpoints: Mapping[str, str]
     max_running_jobs: int
@@ -55,10 +57,6 @@ class OrchestratorConfig:
     adapters_per_minute: int
     # --[no-]batch-per-tenant; None: on with a tenants file, off without (options.batch_per_tenant).
     batch_per_tenant: bool | None
-    metrics_port: int
-    max_concurrent_rpcs: int
-    max_health_watchers: int
-    insecure: bool
 
     def __post_init__(self) -> None:
         for name, flag, least in _LEAST:
@@ -77,8 +75,7 @@ class OrchestratorConfig:
         """The configuration the parsed options give; raises ValueError naming the first flag out of bounds."""
         endpoints = {stage: getattr(args, stage.replace("-", "_")) for stage in STAGE_ORDER}
         return cls(
-            host=args.host,
-            port=args.port,
+            server=ServerConfig.from_options(args),
             stage_endpoints={stage: value for stage, value in endpoints.items() if value is not None},
             max_running_jobs=args.max_running_jobs,
             max_queued_jobs=args.max_queued_jobs,
@@ -95,8 +92,4 @@ class OrchestratorConfig:
             max_job_attempts=args.max_job_attempts,
             adapters_per_minute=args.adapters_per_minute,
             batch_per_tenant=args.batch_per_tenant,
-            metrics_port=args.metrics_port,
-            max_concurrent_rpcs=args.max_concurrent_rpcs,
-            max_health_watchers=args.max_health_watchers,
-            insecure=args.insecure,
         )

@@ -38,7 +38,7 @@ from services.orchestrator.store_errors import StoreError
 from services.orchestrator.tenant_auth import TenantAuthInterceptor
 from services.orchestrator.tenants import TenantConfigError, TenantRegistry
 from services.server import configure_logging, is_loopback, serve
-from services.server_config import ServerConfig, TlsConfig
+from services.server_config import ServerConfig
 from services.tracing import configure_tracing
 from stagediff.v1 import generation_pb2, generation_pb2_grpc
 
@@ -56,28 +56,28 @@ PUBLIC_PORT_OPTIONS = (("grpc.max_receive_message_length", MAX_REQUEST_BYTES), (
 
 
 def check_exposure(
-    config: OrchestratorConfig,
+    server: ServerConfig,
     tenants: TenantRegistry,
     secret: str | None,
     credentials: grpc.ServerCredentials | None,
 ) -> None:
     """Refuses, unless --insecure, to send API keys in clear beyond this machine, or to run without the
-    cluster secret; a SystemExit naming the flags that fix it. Reads `config.host` and `config.insecure`.
+    cluster secret; a SystemExit naming the flags that fix it. Reads `server.host` and `server.insecure`.
 
     Without the secret the orchestrator is not exposed itself, but stages refuse
     its calls unless they too run --insecure: failing here says so at once,
     rather than leaving a cluster that never turns SERVING.
     """
-    if not tenants.is_open and credentials is None and not is_loopback(config.host):
-        if not config.insecure:
+    if not tenants.is_open and credentials is None and not is_loopback(server.host):
+        if not server.insecure:
             raise SystemExit(
-                f"{PROG}: --tenants on --host {config.host} without TLS would send API keys in clear: give "
+                f"{PROG}: --tenants on --host {server.host} without TLS would send API keys in clear: give "
                 "--tls-cert and --tls-key, bind a loopback --host, or pass --insecure (when a proxy in front of "
                 "this port ends TLS)"
             )
-        logger.warning("--insecure: API keys reach --host %s in clear; a proxy in front must end TLS", config.host)
+        logger.warning("--insecure: API keys reach --host %s in clear; a proxy in front must end TLS", server.host)
     if secret is None:
-        if not config.insecure:
+        if not server.insecure:
             raise SystemExit(
                 f"{PROG}: no cluster secret: stages answer only callers holding theirs; give it with "
                 f"--cluster-secret-file FILE or ${CLUSTER_SECRET_ENV}, or pass --insecure to call stages that run "
@@ -93,21 +93,17 @@ def main(argv: list[str] | None = None) -> None:
         config = OrchestratorConfig.from_options(args)
     except ValueError as error:
         parser.error(str(error))
-    configure_logging(args.log_level, args.log_format)
+    configure_logging(config.server.logging.level, config.server.logging.format)
     return_large_buffers_to_the_system()  # clients' images and uploads pass through here
     configure_tracing("stagediff-orchestrator")
     try:
         tenants = TenantRegistry.from_file(config.tenants_file) if config.tenants_file else TenantRegistry.open()
-        secret = load_cluster_secret(args.cluster_secret_file)
-        credentials = server_credentials_for(TlsConfig.from_options(args))
+        secret = load_cluster_secret(config.server.cluster_secret_file)
+        credentials = server_credentials_for(config.server.tls)
         stage_credentials = stage_channel_credentials(args.stage_tls_ca, args.stage_tls_cert, args.stage_tls_key)
     except (TenantConfigError, ClusterSecretError, TLSConfigError) as error:
         raise SystemExit(f"{PROG}: {error}") from None
-    try:
-        ServerConfig.from_options(args)  # refuses limits that leave no room for calls
-    except ValueError as error:
-        raise SystemExit(f"{PROG}: {error}") from None
-    check_exposure(config, tenants, secret, credentials)
+    check_exposure(config.server, tenants, secret, credentials)
     if tenants.is_open:
         logger.warning("no --tenants file: every caller is the open tenant 'default', with no key and no quota")
     try:
@@ -131,9 +127,9 @@ async def _serve(
     server_metrics = ServerMetrics()
     metrics = OrchestratorMetrics(server_metrics.registry)
     try:
-        start_metrics_server(config.metrics_port, metrics.registry, addr=config.host)
+        start_metrics_server(config.server.metrics_port, metrics.registry, addr=config.server.host)
     except (OSError, ValueError) as error:
-        raise SystemExit(f"{PROG}: --metrics-port {config.metrics_port}: {error}") from None
+        raise SystemExit(f"{PROG}: --metrics-port {config.server.metrics_port}: {error}") from None
     stages = StagePool(
         config.stage_endpoints,
         probe_interval_s=config.health_interval_s,
@@ -184,8 +180,8 @@ async def _serve(
 
     await serve(
         name="orchestrator",
-        host=config.host,
-        port=config.port,
+        host=config.server.host,
+        port=config.server.port,
         register=register,
         load=servicer.start,
         on_shutdown=shutdown,
@@ -195,8 +191,8 @@ async def _serve(
         ],
         credentials=credentials,
         metrics=server_metrics,
-        max_concurrent_rpcs=config.max_concurrent_rpcs,
-        max_health_watchers=config.max_health_watchers,
+        max_concurrent_rpcs=config.server.max_concurrent_rpcs,
+        max_health_watchers=config.server.max_health_watchers,
         options=PUBLIC_PORT_OPTIONS,
     )
 

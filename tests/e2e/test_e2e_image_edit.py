@@ -2,9 +2,10 @@
 QwenImageEditPlusPipeline's within one level, the input sent as PNG, JPEG or WebP bytes and the reference
 fed `diffusers.utils.load_image` of the same bytes; a size the request leaves unset is the one the
 pipeline calculates from the image, and the job records it; requests the family cannot serve are refused
-at the door with INVALID_ARGUMENT naming the field. Each family runs one parallel cluster (Ulysses,
-CFG-parallel and HSDP in the DiT, a patch-parallel VAE); every layout, Ring and tensor parallelism included,
-is proven against one rank in tests/integration/test_family_qwen_image_edit.py.
+at the door with INVALID_ARGUMENT naming the field. Qwen-Image-Edit-Plus runs through a parallel cluster
+(Ulysses, CFG-parallel and HSDP in the DiT, a patch-parallel VAE), Qwen-Image-Edit through one rank: the two
+share their DiT and VAE code, and every layout, Ring and tensor parallelism included, is proven against one
+rank for both in tests/integration/test_family_features.py (the ParallelLayouts classes).
 """
 
 from __future__ import annotations
@@ -153,13 +154,8 @@ def test_qwen_image_edit_images_equal_pipeline(edit_cluster, models) -> None:
 
 
 # 4 DiT ranks: the noise and image latents split over Ulysses, the branches apart, the weights sharded over two
-# ranks; the VAE decodes in bands over two ranks and encodes the reference on its rank 0.
+# ranks; the VAE decodes in bands over two ranks and encodes the references on its rank 0.
 PARALLEL = {"dit": ULYSSES_CFG_HSDP, "vae": PATCH_PARALLEL_VAE}
-
-
-def test_qwen_image_edit_parallel_images_equal_pipeline(models, tmp_path) -> None:
-    for cluster in _cluster(models["qwen-image-edit"], tmp_path, PARALLEL):
-        check_case(cluster, models["qwen-image-edit"], EDIT_CASES[2])
 
 
 # Two and three references in three formats; sizes given, or the last image's calculated width.

@@ -1,9 +1,10 @@
 """End to end with parallel stages: a DiT group (HSDP over Ulysses) and a patch-parallel VAE in one cluster give
 WanPipeline's frames, report their layouts, and a dead DiT rank turns the DiT not serving.
 
-Every DiT layout and combination is proven on the latents in tests/integration/test_dit_parallel.py and
-tests/integration/test_tensor_parallel_hsdp.py, the patch-parallel VAE in tests/integration/test_vae_patch_parallel.py;
-Ulysses over 4 ranks runs through the cluster in tests/e2e/test_e2e_compose_gpu_file.py.
+Every DiT layout and combination is proven on the latents in tests/integration/test_family_features.py
+(TestWanT2VParallelLayouts) and tests/integration/test_tensor_parallel_hsdp.py, the patch-parallel VAE in
+tests/integration/test_vae_patch_parallel.py; Ulysses over 4 ranks runs through the cluster in
+tests/e2e/test_e2e_compose_gpu_file.py.
 """
 
 from __future__ import annotations

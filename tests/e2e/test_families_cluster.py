@@ -1,9 +1,9 @@
 """Model families beyond Wan2.1 through the running cluster: Wan2.2-T2V-A14B (two experts) and Qwen-Image
 (text-to-image, true CFG) equal the in-process pipeline's frames within one level, each family on its default
 cluster and on one parallel cluster that combines the DiT layouts (and, for Qwen-Image, a patch-parallel VAE).
-Each layout alone and combined is proven against one rank on gloo in tests/integration/test_family_qwen_parallel.py
-and tests/integration/test_qwen_vae_patch_parallel.py, A14B's ring, TP, HSDP and VAE in
-tests/integration/test_family_a14b_features.py; A14B's Ulysses and CFG-parallel here, against the pipeline.
+Each layout alone and combined is proven against one rank on gloo for both families in
+tests/integration/test_family_features.py (the ParallelLayouts classes), Qwen-Image's VAE in
+tests/integration/test_qwen_vae_patch_parallel.py and A14B's in tests/integration/test_family_a14b_features.py.
 """
 
 from __future__ import annotations

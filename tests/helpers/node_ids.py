@@ -1,7 +1,7 @@
 """Test node ids as the families' `Support` entries name them, checked without running the tests.
 
 A node id is `path::test_name`, `path::TestClass` or `path::TestClass::test_name`. A test class may take its
-tests from the mixins of tests/helpers/feature_mixins.py: its bases are resolved there, so that a class
+tests from the mixins of tests/helpers/feature_mixins/: its bases are resolved in that package, so that a class
 that combines a tester config with a feature mixin names the mixin's tests too.
 """
 
@@ -29,8 +29,8 @@ def defined_tests(path: str) -> set[str]:
 
 
 def class_bases(path: str, name: str) -> tuple[type, ...] | None:
-    """The bases of test class `name` in `path`, resolved in feature_mixins; None when the file has no such
-    class or a base is not defined there."""
+    """The bases of test class `name` in `path`, resolved among feature_mixins' exports; None when the file has
+    no such class or a base is not exported there."""
     for node in _tree(path).body:
         if isinstance(node, ast.ClassDef) and node.name == name:
             bases = [getattr(feature_mixins, base.id, None) for base in node.bases if isinstance(base, ast.Name)]

@@ -12,6 +12,7 @@ import grpc
 from services.auth import CLUSTER_SECRET_ENV
 from services.orchestrator.service import check_exposure
 from services.orchestrator.tenants import TenantRegistry, hash_api_key
+from services.server_config import ServerConfig
 from tests.helpers.serving import parse_serve
 
 STAGES = ("text-encoder", "dit", "vae", "interp")
@@ -42,7 +43,9 @@ def startup_refusal(target: str, args: argparse.Namespace, has_secret: bool) -> 
         else:
             tenants = tenant_registry() if args.tenants else TenantRegistry.open()
             credentials = grpc.local_server_credentials() if args.tls_cert else None
-            check_exposure(args, tenants, "a-cluster-secret" if has_secret else None, credentials)
+            check_exposure(
+                ServerConfig.from_options(args), tenants, "a-cluster-secret" if has_secret else None, credentials
+            )
     except SystemExit as refused:
         return str(refused)
     return None

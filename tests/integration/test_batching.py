@@ -1,13 +1,12 @@
-"""Batched denoising (WanDenoiser.denoise_batch): each request of a batch gets its own run's latents, a request
-dropped mid-way leaves the others unchanged, and under Ulysses and CFG-parallel every rank keeps the batch
-rank 0 decides."""
+"""Batched denoising (WanDenoiser.denoise_batch): a request dropped mid-way leaves the others unchanged, and
+under every parallel layout every rank keeps the batch rank 0 decides. (That each request of a batch gets its
+own run's latents, for each family that batches, is tests/integration/test_family_features.py's.)"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 
-import pytest
 import torch
 
 from dit_svc.batching import RequestBatcher
@@ -75,16 +74,6 @@ def _batched(denoiser, drop: int | None = None, after_step: int = 2) -> tuple[li
 def _assert_close(got: torch.Tensor, want: torch.Tensor, what) -> None:
     difference = (got - want).abs().max().item()
     assert difference <= TOLERANCE, (what, difference)
-
-
-@pytest.mark.parametrize("model", ["tiny_model", "a14b_model"])
-def test_each_request_of_a_batch_gets_its_own_latents(model, request) -> None:
-    denoiser = WanDenoiser(request.getfixturevalue(model), CPU, torch.float32)
-    expected = _alone(denoiser)
-    results, steps = _batched(denoiser)
-    for index, (got, want) in enumerate(zip(results, expected, strict=True)):
-        _assert_close(got, want, index)
-    assert steps == [[1, 2, 3, 4]] * len(SPECS)
 
 
 def test_a_dropped_request_stops_and_leaves_the_others_unchanged(tiny_model) -> None:

@@ -1,21 +1,74 @@
 """The serving features each family's DiT offers, one class per (family, feature): a tester config
 (how to build and run the family) combined with a feature's mixin (its checks), both in
-tests/helpers/feature_mixins.py. The families' `Support` entries name these classes' tests.
+tests/helpers/feature_mixins/. The families' `Support` entries name these classes' tests.
 
-Every check runs the family's tiny checkpoint on one CPU rank and compares with the fp32 run of the same
-request, which every module shares (one run per checkpoint).
+Every check runs the family's tiny checkpoint on CPU and compares with the fp32 one-rank run of the same
+request, which every module shares (one run per checkpoint); the quantized runs share one bf16 run, and the
+parallel layouts of all families share one spawn of gloo ranks per world size, as do the step caches.
 """
 
 from __future__ import annotations
 
 from tests.helpers.feature_mixins import (
+    BatchingTesterMixin,
+    CompileTesterMixin,
+    GGUFTesterMixin,
     LayerwiseOffloadTesterMixin,
     LoadingTesterMixin,
+    LoRATesterMixin,
     ModuleOffloadTesterMixin,
+    ParallelLayoutsTesterMixin,
     QuantizationTesterMixin,
+    QwenImageEditPlusTesterConfig,
+    QwenImageEditTesterConfig,
     QwenImageTesterConfig,
+    StepCacheTesterMixin,
     WanA14BTesterConfig,
+    WanI2VA14BTesterConfig,
+    WanI2VTesterConfig,
+    WanT2VTesterConfig,
+    WanTI2VTesterConfig,
 )
+
+
+class TestWanT2VModuleOffload(WanT2VTesterConfig, ModuleOffloadTesterMixin):
+    pass
+
+
+class TestWanT2VLayerwiseOffload(WanT2VTesterConfig, LayerwiseOffloadTesterMixin):
+    pass
+
+
+class TestWanT2VQuantization(WanT2VTesterConfig, QuantizationTesterMixin):
+    pass
+
+
+class TestWanT2VLoading(WanT2VTesterConfig, LoadingTesterMixin):
+    pass
+
+
+class TestWanT2VParallelLayouts(WanT2VTesterConfig, ParallelLayoutsTesterMixin):
+    pass
+
+
+class TestWanT2VGGUF(WanT2VTesterConfig, GGUFTesterMixin):
+    pass
+
+
+class TestWanT2VBatching(WanT2VTesterConfig, BatchingTesterMixin):
+    pass
+
+
+class TestWanT2VStepCache(WanT2VTesterConfig, StepCacheTesterMixin):
+    pass
+
+
+class TestWanT2VCompile(WanT2VTesterConfig, CompileTesterMixin):
+    pass
+
+
+class TestWanT2VLoRA(WanT2VTesterConfig, LoRATesterMixin):
+    pass
 
 
 class TestWanA14BModuleOffload(WanA14BTesterConfig, ModuleOffloadTesterMixin):
@@ -34,6 +87,82 @@ class TestWanA14BLoading(WanA14BTesterConfig, LoadingTesterMixin):
     pass
 
 
+class TestWanA14BParallelLayouts(WanA14BTesterConfig, ParallelLayoutsTesterMixin):
+    pass
+
+
+class TestWanA14BGGUF(WanA14BTesterConfig, GGUFTesterMixin):
+    pass
+
+
+class TestWanA14BBatching(WanA14BTesterConfig, BatchingTesterMixin):
+    pass
+
+
+class TestWanA14BStepCache(WanA14BTesterConfig, StepCacheTesterMixin):
+    pass
+
+
+class TestWanI2VModuleOffload(WanI2VTesterConfig, ModuleOffloadTesterMixin):
+    pass
+
+
+class TestWanI2VLayerwiseOffload(WanI2VTesterConfig, LayerwiseOffloadTesterMixin):
+    pass
+
+
+class TestWanI2VQuantization(WanI2VTesterConfig, QuantizationTesterMixin):
+    pass
+
+
+class TestWanI2VLoading(WanI2VTesterConfig, LoadingTesterMixin):
+    pass
+
+
+class TestWanI2VParallelLayouts(WanI2VTesterConfig, ParallelLayoutsTesterMixin):
+    pass
+
+
+class TestWanI2VA14BModuleOffload(WanI2VA14BTesterConfig, ModuleOffloadTesterMixin):
+    pass
+
+
+class TestWanI2VA14BLayerwiseOffload(WanI2VA14BTesterConfig, LayerwiseOffloadTesterMixin):
+    pass
+
+
+class TestWanI2VA14BQuantization(WanI2VA14BTesterConfig, QuantizationTesterMixin):
+    pass
+
+
+class TestWanI2VA14BLoading(WanI2VA14BTesterConfig, LoadingTesterMixin):
+    pass
+
+
+class TestWanI2VA14BParallelLayouts(WanI2VA14BTesterConfig, ParallelLayoutsTesterMixin):
+    pass
+
+
+class TestWanTI2VModuleOffload(WanTI2VTesterConfig, ModuleOffloadTesterMixin):
+    pass
+
+
+class TestWanTI2VLayerwiseOffload(WanTI2VTesterConfig, LayerwiseOffloadTesterMixin):
+    pass
+
+
+class TestWanTI2VQuantization(WanTI2VTesterConfig, QuantizationTesterMixin):
+    pass
+
+
+class TestWanTI2VLoading(WanTI2VTesterConfig, LoadingTesterMixin):
+    pass
+
+
+class TestWanTI2VParallelLayouts(WanTI2VTesterConfig, ParallelLayoutsTesterMixin):
+    pass
+
+
 class TestQwenImageModuleOffload(QwenImageTesterConfig, ModuleOffloadTesterMixin):
     pass
 
@@ -47,4 +176,60 @@ class TestQwenImageQuantization(QwenImageTesterConfig, QuantizationTesterMixin):
 
 
 class TestQwenImageLoading(QwenImageTesterConfig, LoadingTesterMixin):
+    pass
+
+
+class TestQwenImageParallelLayouts(QwenImageTesterConfig, ParallelLayoutsTesterMixin):
+    pass
+
+
+class TestQwenImageStepCache(QwenImageTesterConfig, StepCacheTesterMixin):
+    pass
+
+
+class TestQwenImageCompile(QwenImageTesterConfig, CompileTesterMixin):
+    pass
+
+
+class TestQwenImageLoRA(QwenImageTesterConfig, LoRATesterMixin):
+    pass
+
+
+class TestQwenImageEditModuleOffload(QwenImageEditTesterConfig, ModuleOffloadTesterMixin):
+    pass
+
+
+class TestQwenImageEditLayerwiseOffload(QwenImageEditTesterConfig, LayerwiseOffloadTesterMixin):
+    pass
+
+
+class TestQwenImageEditQuantization(QwenImageEditTesterConfig, QuantizationTesterMixin):
+    pass
+
+
+class TestQwenImageEditLoading(QwenImageEditTesterConfig, LoadingTesterMixin):
+    pass
+
+
+class TestQwenImageEditParallelLayouts(QwenImageEditTesterConfig, ParallelLayoutsTesterMixin):
+    pass
+
+
+class TestQwenImageEditPlusModuleOffload(QwenImageEditPlusTesterConfig, ModuleOffloadTesterMixin):
+    pass
+
+
+class TestQwenImageEditPlusLayerwiseOffload(QwenImageEditPlusTesterConfig, LayerwiseOffloadTesterMixin):
+    pass
+
+
+class TestQwenImageEditPlusQuantization(QwenImageEditPlusTesterConfig, QuantizationTesterMixin):
+    pass
+
+
+class TestQwenImageEditPlusLoading(QwenImageEditPlusTesterConfig, LoadingTesterMixin):
+    pass
+
+
+class TestQwenImageEditPlusParallelLayouts(QwenImageEditPlusTesterConfig, ParallelLayoutsTesterMixin):
     pass

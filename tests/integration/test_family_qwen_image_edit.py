@@ -1,8 +1,8 @@
 """Qwen-Image-Edit and Qwen-Image-Edit-Plus, stage by stage against QwenImageEditPipeline and
 QwenImageEditPlusPipeline: the output size from the input image, the text encoder's Qwen2.5-VL embeddings
-with the images, the VAE's Encode, the DiT's latents on one rank and with Ulysses, Ring, CFG-parallel, tensor
-parallel and HSDP (gloo, 2 ranks), what the orchestrator records of the images, and the options the stages
-refuse at startup.
+with the images, the VAE's Encode, the DiT's latents on one rank, and what the orchestrator records of the
+images. (The parallel layouts, offload, quantization and loading are tests/integration/test_family_features.py's,
+from the families' tester configs.)
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ from services.input_images import image_roles
 from stagekit.denoise import DenoiseSpec
 from stagekit.errors import RequestError
 from stagekit.images import DecodedImage
-from stagekit.parallel import ParallelConfig
-from stagekit.parallel.launch import run_ranks
-from tests.helpers.qwen_image_edit import EDIT, PARALLEL_SPECS, PLUS, parallel_conditioning
+from tests.helpers.qwen_image_edit import EDIT, PLUS
 from tests.helpers.wan_i2v import input_image
 
 TOLERANCE = 1e-4
@@ -334,69 +332,3 @@ def test_image_tensor_shape_follows_the_images_sizes(checkpoints) -> None:
     assert denoiser.image_tensor_shape("image_latents", DenoiseSpec(64, 64, 1, 2, 4.0, 0, ("reference",))) is None
     extreme = DenoiseSpec(64, 64, 1, 2, 4.0, 0, ("reference",), ((4096, 1),))
     assert denoiser.image_tensor_shape("image_latents", extreme) is None
-
-
-LAYOUTS_2 = [
-    ("ulysses2", ParallelConfig(ulysses_degree=2)),
-    ("ring2", ParallelConfig(ring_degree=2)),
-    ("cfg2", ParallelConfig(cfg_degree=2)),
-    ("tp2", ParallelConfig(tp_degree=2)),
-    ("hsdp2", ParallelConfig(use_hsdp=True, hsdp_shard_size=2)),
-]
-
-
-# The cluster tests' 4-rank layouts (tests/e2e/test_e2e_image_edit.py) among them.
-LAYOUTS_4 = [
-    ("usp2x2", ParallelConfig(ulysses_degree=2, ring_degree=2)),
-    ("tp2xring2", ParallelConfig(tp_degree=2, ring_degree=2)),
-    (
-        "hsdp2x2xulysses2xcfg2",
-        ParallelConfig(ulysses_degree=2, cfg_degree=2, use_hsdp=True, hsdp_shard_size=2, hsdp_replicate_size=2),
-    ),
-]
-
-
-def _run(denoiser: QwenImageEditDenoiser, spec: DenoiseSpec) -> torch.Tensor:
-    conditioning = parallel_conditioning(denoiser, spec)
-    return denoiser.denoise(spec, conditioning, on_step=lambda s, t: None, cancelled=lambda: False)
-
-
-def _run_layouts(rank: int, world_size: int, models: dict[str, str], layouts) -> dict[tuple[str, str], tuple]:
-    """Each layout's latents, and how many image tokens (noise and image latents) the rank's attention took."""
-    results = {}
-    for family, model_dir in models.items():
-        for name, config in layouts:
-            denoiser = QwenImageEditDenoiser(model_dir, CPU, torch.float32, parallel=config)
-            tokens = []
-            denoiser.transformer.transformer_blocks[0].attn.register_forward_pre_hook(
-                lambda module, args, kwargs, seen=tokens: seen.append(kwargs["hidden_states"].shape[1]),
-                with_kwargs=True,
-            )
-            results[(family, name)] = (_run(denoiser, PARALLEL_SPECS[family]), set(tokens), config)
-    return results
-
-
-@pytest.mark.parametrize(("world_size", "layouts"), [(2, LAYOUTS_2), (4, LAYOUTS_4)], ids=["2-ranks", "4-ranks"])
-def test_parallel_latents_equal_one_rank(checkpoints, world_size, layouts) -> None:
-    models = {family: str(path) for family, path in checkpoints.items()}
-    one_rank = {family: QwenImageEditDenoiser(path, CPU, torch.float32) for family, path in models.items()}
-    expected = {family: _run(denoiser, PARALLEL_SPECS[family]) for family, denoiser in one_rank.items()}
-    per_rank = run_ranks(_run_layouts, world_size, models, layouts)
-    report = [
-        (family, name, rank, (latents - expected[family]).abs().max().item())
-        for rank, results in enumerate(per_rank)
-        for (family, name), (latents, _, _) in results.items()
-    ]
-    # Ulysses and Ring split the whole image sequence, the noise latents followed by the images' (padded to
-    # a multiple of their degrees); CFG-parallel, TP and HSDP keep it whole on each rank.
-    for results in per_rank:
-        for (family, name), (_, tokens, config) in results.items():
-            spec = PARALLEL_SPECS[family]
-            images = one_rank[family].image_tensor_shape("image_latents", spec)[1]
-            sequence = spec.height // 16 * (spec.width // 16) + images
-            split = config.ulysses_degree * config.ring_degree
-            assert tokens == {-(-sequence // split)}, (family, name, tokens)
-    print("\n".join(f"{f} {n} rank {r}: max abs diff {d:.2e}" for f, n, r, d in report))
-    assert len(report) == world_size * len(models) * len(layouts)
-    worst = max(report, key=lambda row: row[3])
-    assert worst[3] <= TOLERANCE, f"{worst[0]} {worst[1]} rank {worst[2]}: max abs difference {worst[3]:.2e}"

@@ -1,6 +1,7 @@
 """Wan image-to-video families, stage by stage against WanImageToVideoPipeline (and WanPipeline for TI2V's
-text-to-video): the text encoder's CLIP embedding, the VAE's Encode, the DiT's latents on one rank and
-under every parallel layout (gloo, 2 and 4 ranks), and the patch-parallel VAE.
+text-to-video): the text encoder's CLIP embedding, the VAE's Encode and the DiT's latents on one rank. (The
+parallel layouts, offload, quantization and loading are tests/integration/test_family_features.py's, from
+the families' tester configs.)
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ from families.wan_i2v.vae_encode import WanImageLatentEncoder
 from services.checkpoint import read_checkpoint
 from stagekit.denoise import DenoiseSpec
 from stagekit.images import DecodedImage
-from stagekit.parallel import ParallelConfig
-from stagekit.parallel.launch import run_ranks
-from tests.helpers.wan_i2v import PARALLEL_SPECS, input_image, parallel_conditioning
+from tests.helpers.wan_i2v import input_image
 
 TOLERANCE = 1e-4
 CPU = torch.device("cpu")
@@ -156,56 +155,3 @@ def test_vae_encode_equals_latent_dist_mode(checkpoints, family) -> None:
     expected = (mode - mean) * (1.0 / std)
     assert ours["image_latents"].shape == expected.shape
     assert (ours["image_latents"] - expected).abs().max().item() <= 1e-5
-
-
-LAYOUTS_2 = [
-    ("ulysses2", ParallelConfig(ulysses_degree=2)),
-    ("ring2", ParallelConfig(ring_degree=2)),
-    ("cfg2", ParallelConfig(cfg_degree=2)),
-    ("tp2", ParallelConfig(tp_degree=2)),
-    ("hsdp2", ParallelConfig(use_hsdp=True, hsdp_shard_size=2)),
-]
-
-
-# The cluster tests' layouts (tests/e2e/test_e2e_image_to_video.py) among them.
-LAYOUTS_4 = [
-    ("usp2x2", ParallelConfig(ulysses_degree=2, ring_degree=2)),
-    ("tp2xcfg2", ParallelConfig(tp_degree=2, cfg_degree=2)),
-    (
-        "hsdp2x2xulysses2xcfg2",
-        ParallelConfig(ulysses_degree=2, cfg_degree=2, use_hsdp=True, hsdp_shard_size=2, hsdp_replicate_size=2),
-    ),
-]
-
-
-def _run(denoiser: WanImageToVideoDenoiser, spec: DenoiseSpec) -> torch.Tensor:
-    conditioning = parallel_conditioning(denoiser, spec)
-    return denoiser.denoise(spec, conditioning, on_step=lambda s, t: None, cancelled=lambda: False)
-
-
-def _run_layouts(rank: int, world_size: int, models: dict[str, str], layouts) -> dict[tuple[str, str], torch.Tensor]:
-    results = {}
-    for family, model_dir in models.items():
-        for name, config in layouts:
-            denoiser = WanImageToVideoDenoiser(model_dir, CPU, torch.float32, parallel=config)
-            results[(family, name)] = _run(denoiser, PARALLEL_SPECS[family])
-    return results
-
-
-@pytest.mark.parametrize(("world_size", "layouts"), [(2, LAYOUTS_2), (4, LAYOUTS_4)], ids=["2-ranks", "4-ranks"])
-def test_parallel_latents_equal_one_rank(checkpoints, world_size, layouts) -> None:
-    models = {family: str(path) for family, path in checkpoints.items()}
-    expected = {
-        family: _run(WanImageToVideoDenoiser(path, CPU, torch.float32), PARALLEL_SPECS[family])
-        for family, path in models.items()
-    }
-    per_rank = run_ranks(_run_layouts, world_size, models, layouts)
-    report = [
-        (family, name, rank, (latents - expected[family]).abs().max().item())
-        for rank, results in enumerate(per_rank)
-        for (family, name), latents in results.items()
-    ]
-    print("\n".join(f"{f} {n} rank {r}: max abs diff {d:.2e}" for f, n, r, d in report))
-    assert len(report) == world_size * len(models) * len(layouts)
-    worst = max(report, key=lambda row: row[3])
-    assert worst[3] <= TOLERANCE, f"{worst[0]} {worst[1]} rank {worst[2]}: max abs difference {worst[3]:.2e}"

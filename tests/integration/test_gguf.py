@@ -1,9 +1,10 @@
-"""GGUF transformer weights: written as published files are, loaded as diffusers loads them, on one rank and
-under Ulysses, and bad files refused at startup naming the problem."""
+"""GGUF transformer weights: written as published files are, loaded as diffusers loads them, under Ulysses,
+Ring and CFG-parallel, and bad files refused at startup naming the problem. (That the GGUF denoiser of each
+Wan family equals the diffusers pipeline loading the files with `from_single_file` is tests/integration/
+test_family_features.py's, from the families' tester configs.)"""
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import subprocess
 import sys
@@ -13,13 +14,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from diffusers import GGUFQuantizationConfig, WanPipeline, WanTransformer3DModel
+from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
 from dit_svc.config import DitConfig
 from dit_svc.model_options import ModelOptions
-from families.gguf import convert_checkpoint, gguf_file_name
-from families.registry import FAMILIES
+from families.gguf import gguf_file_name
 from families.wan.denoise import WanDenoiser
 from families.wan.gguf_names import original_name
 from stagediff.cli import main as cli_main
@@ -27,6 +27,8 @@ from stagekit.denoise import DenoiseSpec
 from stagekit.gguf import check_gguf_file, gguf_file, load_gguf_transformer
 from stagekit.parallel import ParallelConfig
 from stagekit.parallel.launch import run_ranks
+from tests.helpers.feature_mixins import WanT2VTesterConfig
+from tests.helpers.feature_mixins.gguf import gguf_checkpoint
 from tests.helpers.serving import parse_serve
 
 TOLERANCE = 1e-4
@@ -38,14 +40,11 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def gguf_models(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The tiny checkpoint with its transformer as a GGUF file, per type."""
-    models = {}
-    for quant_type in TYPES:
-        out = tmp_path_factory.mktemp("gguf") / quant_type
-        shutil.copytree(tiny_model, out)
-        convert_checkpoint(out, FAMILIES["wan-t2v"], quant_type)
-        models[quant_type] = out
-    return models
+    """The tiny checkpoint with its transformer as a GGUF file, per type (the GGUF feature tests' files)."""
+    return {
+        quant_type: gguf_checkpoint(WanT2VTesterConfig(), tiny_model, quant_type, tmp_path_factory)
+        for quant_type in TYPES
+    }
 
 
 def _conditioning(text_dim: int) -> dict[str, torch.Tensor]:
@@ -60,34 +59,6 @@ def _gguf_latents(model: Path, parallel: ParallelConfig | None = None) -> torch.
     denoiser = WanDenoiser(model, CPU, torch.float32, parallel=parallel, options=ModelOptions(quantization="gguf"))
     conditioning = _conditioning(denoiser.text_dim)
     return denoiser.denoise(SPEC, conditioning, on_step=lambda i, n: None, cancelled=lambda: False)
-
-
-def _diffusers_transformer(model: Path, component: str = "transformer") -> WanTransformer3DModel:
-    """A transformer as a diffusers user loads a GGUF file."""
-    return WanTransformer3DModel.from_single_file(
-        str(gguf_file(model / component)),
-        config=str(model),
-        subfolder=component,
-        quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32),
-        torch_dtype=torch.float32,
-    )
-
-
-def _pipeline_latents(model: Path, spec: DenoiseSpec = SPEC, **experts: WanTransformer3DModel) -> torch.Tensor:
-    """WanPipeline's latents for `spec`, with the given transformer(s) in place of the checkpoint's."""
-    pipe = WanPipeline.from_pretrained(model, **experts)
-    pipe.set_progress_bar_config(disable=True)
-    conditioning = _conditioning(pipe.transformer.config.text_dim)
-    return pipe(
-        height=spec.height,
-        width=spec.width,
-        num_frames=spec.num_frames,
-        num_inference_steps=spec.num_inference_steps,
-        guidance_scale=spec.guidance_scale,
-        generator=torch.Generator("cpu").manual_seed(spec.seed),
-        output_type="latent",
-        **conditioning,
-    ).frames
 
 
 def test_written_names_are_the_original_wans_and_diffusers_renames_them_back(gguf_models) -> None:
@@ -109,30 +80,6 @@ def test_written_names_are_the_original_wans_and_diffusers_renames_them_back(ggu
         "config.json",
         gguf_file_name("Q4_0"),
     ]
-
-
-@pytest.mark.parametrize("quant_type", TYPES)
-def test_gguf_denoiser_equals_diffusers_from_single_file(tiny_model, gguf_models, quant_type) -> None:
-    model = gguf_models[quant_type]
-    transformer = _diffusers_transformer(model)
-    expected = _pipeline_latents(model, transformer=transformer)
-    actual = _gguf_latents(model)
-    assert (actual - expected).abs().max().item() <= TOLERANCE
-
-    # The blocks' linear weights are really quantized (32 weights in 34 bytes for Q8_0, 18 for Q4_0, 128 in
-    # float32), and the latents stay near the float32 model's.
-    full = WanTransformer3DModel.from_pretrained(tiny_model / "transformer")
-    linears = [name for name, module in full.blocks.named_modules() if isinstance(module, torch.nn.Linear)]
-    weights = [
-        (transformer.blocks.get_submodule(name).weight, full.blocks.get_submodule(name).weight) for name in linears
-    ]
-    ratio = sum(q.numel() * q.element_size() for q, _ in weights) / sum(
-        w.numel() * w.element_size() for _, w in weights
-    )
-    assert ratio == pytest.approx({"Q8_0": 34 / 128, "Q4_0": 18 / 128}[quant_type]), ratio
-    unquantized = _pipeline_latents(tiny_model, transformer=full)
-    relative = ((actual - unquantized).norm() / unquantized.norm()).item()
-    assert 0 < relative < {"Q8_0": 0.01, "Q4_0": 0.1}[quant_type], relative
 
 
 def _mapped_file(address: int) -> str | None:
@@ -158,22 +105,6 @@ def test_loaded_weights_are_views_of_the_file_and_writing_them_leaves_it_unchang
     assert gguf_file(component).read_bytes() == before
     reloaded = load_gguf_transformer(WanTransformer3DModel, component, device=CPU, dtype=torch.float32)
     assert torch.equal(reloaded.blocks[0].attn1.to_q.weight.as_tensor(), original.as_tensor())
-
-
-def test_a14b_gguf_experts_equal_diffusers_from_single_file(a14b_model, tmp_path) -> None:
-    """Wan2.2 A14B: both experts from their own GGUF files, switched at the boundary as WanPipeline switches."""
-    model = tmp_path / "a14b-q8"
-    shutil.copytree(a14b_model, model)
-    assert len(convert_checkpoint(model, FAMILIES["wan2.2-a14b"], "Q8_0")) == 2
-    assert DitConfig.from_args(parse_serve(["dit", "--model", str(model)])).options.quantization == "gguf"
-    # Four steps: the boundary (0.875) falls inside the schedule (999, 900 | 750, 500), so both experts run.
-    spec = dataclasses.replace(SPEC, num_inference_steps=4)
-    experts = {name: _diffusers_transformer(model, name) for name in ("transformer", "transformer_2")}
-    expected = _pipeline_latents(model, spec, **experts)
-    denoiser = WanDenoiser(model, CPU, torch.float32, options=ModelOptions(quantization="gguf"))
-    conditioning = _conditioning(denoiser.text_dim)
-    actual = denoiser.denoise(spec, conditioning, on_step=lambda i, n: None, cancelled=lambda: False)
-    assert (actual - expected).abs().max().item() <= TOLERANCE
 
 
 # Each type under Ulysses (the acceptance layout), and the 4-bit one also under Ring and CFG parallelism.

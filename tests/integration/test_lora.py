@@ -1,5 +1,6 @@
-"""LoRA adapters on the DiT (dit_svc/lora/): equal to diffusers' load_lora_weights and set_adapters on one
-rank, equal to one rank under sequence and CFG parallelism, fused at startup equal to applied per request; the
+"""LoRA adapters on the DiT (dit_svc/lora/): equal to one rank under sequence and CFG parallelism (each family's
+one-rank check against diffusers' load_lora_weights and set_adapters is LoRATesterMixin's, in
+tests/integration/test_family_features.py), fused at startup equal to applied per request; the
 cache's eviction; every kind of bad adapter refused by name while the stage keeps serving; the options
 adapters cannot follow refused at startup."""
 
@@ -29,6 +30,9 @@ from stagekit.denoise import CacheSpec, DenoiseSpec
 from stagekit.errors import NotFoundError
 from stagekit.parallel import ParallelConfig
 from stagekit.parallel.launch import run_ranks
+from tests.helpers.feature_mixins import TESTER_CONFIGS
+from tests.helpers.feature_mixins.base import checkpoint
+from tests.helpers.feature_mixins.lora import CASES, PARALLEL_CASES, lora_dir, one_rank_runs, rank_runs
 from tests.helpers.lora_adapters import qwen_adapter, wan_adapter
 from tests.helpers.serving import parse_serve
 
@@ -37,8 +41,6 @@ TOLERANCE = 1e-4
 WAN_SPEC = DenoiseSpec(height=48, width=80, num_frames=5, num_inference_steps=4, guidance_scale=4.0, seed=1)
 # 48x80 packs into 15 image tokens, which 2 does not divide (padded and masked under Ulysses).
 QWEN_SPEC = DenoiseSpec(height=48, width=80, num_frames=1, num_inference_steps=4, guidance_scale=4.0, seed=1)
-# One adapter, two at different scales (one negative), scale 0, then none: the base model again.
-CASES = [(("a", 1.0),), (("a", 0.7), ("b", -0.5)), (("a", 0.0),), ()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,15 +87,6 @@ def _denoise(denoiser, adapters, case: FamilyCase, loras, **options) -> torch.Te
     return latents
 
 
-def _pipeline_latents(case: FamilyCase, model_dir: Path, lora_dir: Path, loras, text_dim: int) -> torch.Tensor:
-    """The diffusers pipeline's latents with `pipe.load_lora_weights(...)` and `pipe.set_adapters(...)`."""
-    pipe = getattr(diffusers, case.pipeline).from_pretrained(model_dir)
-    for name in ("a", "b"):
-        pipe.load_lora_weights(str(lora_dir / f"{name}.safetensors"), adapter_name=name)
-    pipe.set_adapters([name for name, _ in loras], [scale for _, scale in loras])
-    return _reference_latents(case, pipe, text_dim)
-
-
 def _reference_latents(case: FamilyCase, pipe, text_dim: int) -> torch.Tensor:
     """The pipeline's latents for the case's request and conditioning, with whatever adapters it has set."""
     pipe.set_progress_bar_config(disable=True)
@@ -124,61 +117,31 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert (actual - expected).abs().max().item() <= TOLERANCE, (actual - expected).abs().max().item()
 
 
-@pytest.mark.parametrize("family", ["wan", "qwen"])
-def test_adapters_equal_diffusers_set_adapters_on_one_rank(family, tiny_model, qwen_model, tmp_path) -> None:
-    """One adapter, two at different scales, scale 0 and none: each as the pipeline computes it with
-    load_lora_weights and set_adapters; scale 0 and the request after the adapters equal the base exactly."""
-    case = FAMILY_CASES[family]
-    model_dir = tiny_model if family == "wan" else qwen_model
-    lora_dir = _adapters(case, model_dir, tmp_path)
-    options = _options(case, lora_dir)
-    denoiser = case.denoiser(model_dir, CPU, torch.float32, options=options)
-    adapters = make_adapter_cache(denoiser, options)
-    base = _denoise(denoiser, adapters, case, ())
-    results = [_denoise(denoiser, adapters, case, loras) for loras in CASES]
-    assert torch.equal(results[2], base), "scale 0 must leave the base model's output"
-    assert torch.equal(results[3], base), "a request without adapters after some must get the base model"
-    assert (results[0] - base).abs().max() > 1e-2, "the adapter must change the output"
-    assert (results[1] - results[0]).abs().max() > 1e-2
-    for loras, latents in zip(CASES[:2], results[:2], strict=True):
-        _close(latents, _pipeline_latents(case, model_dir, lora_dir, loras, denoiser.text_dim))
-    assert (adapters.misses, adapters.hits) == (2, 2), "a and b each read once, then reused"
+# The tester configs whose adapters run under parallel layouts: all of them in one spawn of two ranks.
+LORA_CONFIGS = [config for config in TESTER_CONFIGS if config.lora_layouts]
 
 
-LAYOUTS = [
-    ("ulysses2", ParallelConfig(ulysses_degree=2)),
-    ("ring2", ParallelConfig(ring_degree=2)),
-    ("cfg2", ParallelConfig(cfg_degree=2)),
-]
-
-
-def _layouts(rank: int, world_size: int, family: str, model_dir: str, lora_dir: str) -> dict:
-    case = FAMILY_CASES[family]
-    options = _options(case, Path(lora_dir))
-    results = {}
-    for name, config in LAYOUTS if family == "wan" else LAYOUTS[:1]:
-        denoiser = case.denoiser(model_dir, CPU, torch.float32, parallel=config, options=options)
-        adapters = make_adapter_cache(denoiser, options)
-        results[name] = [_denoise(denoiser, adapters, case, loras) for loras in CASES[1:2] + CASES[3:]]
-    return results
-
-
-@pytest.mark.parametrize("family", ["wan", "qwen"])
-def test_adapters_under_parallel_layouts_equal_one_rank(family, tiny_model, qwen_model, tmp_path) -> None:
-    """Two adapters at different scales, then none, under ulysses2, ring2 and cfg2 (Qwen-Image: ulysses2):
-    every rank's latents equal one rank's."""
-    case = FAMILY_CASES[family]
-    model_dir = tiny_model if family == "wan" else qwen_model
-    lora_dir = _adapters(case, model_dir, tmp_path)
-    options = _options(case, lora_dir)
-    denoiser = case.denoiser(model_dir, CPU, torch.float32, options=options)
-    adapters = make_adapter_cache(denoiser, options)
-    expected = [_denoise(denoiser, adapters, case, loras) for loras in CASES[1:2] + CASES[3:]]
-    per_rank = run_ranks(_layouts, 2, family, str(model_dir), str(lora_dir))
-    for rank, results in enumerate(per_rank):
-        for layout, latents in results.items():
-            for got, want in zip(latents, expected, strict=True):
-                assert (got - want).abs().max().item() <= TOLERANCE, (rank, layout)
+def test_adapters_under_parallel_layouts_equal_one_rank(request: pytest.FixtureRequest) -> None:
+    """Two adapters at different scales, then none, under each LoRA tester config's `lora_layouts` (Wan:
+    ulysses2, ring2 and cfg2; Qwen-Image: ulysses2): every rank's latents equal one rank's
+    (LoRATesterMixin's run, tests/helpers/feature_mixins/lora.py)."""
+    cases, expected = [], {}
+    for config_class in LORA_CONFIGS:
+        config = config_class()
+        model_dir = checkpoint(config, request)
+        directory = lora_dir(config, model_dir, request)
+        one_rank = one_rank_runs(config, model_dir, directory)
+        expected[config.family] = [one_rank.results[index] for index in PARALLEL_CASES]
+        cases.append((config_class, str(model_dir), str(directory)))
+    assert {config.family for config in LORA_CONFIGS} >= {"wan-t2v", "qwen-image"}
+    per_rank = run_ranks(rank_runs, 2, cases)
+    for rank, families in enumerate(per_rank):
+        for family, layouts in families.items():
+            for layout, latents in layouts.items():
+                for index, got, want in zip(PARALLEL_CASES, latents, expected[family], strict=True):
+                    difference = (got - want).abs().max().item()
+                    print(f"{family} {layout} rank {rank} {CASES[index]}: max abs diff {difference:.2e}")
+                    assert difference <= TOLERANCE, (family, layout, rank, CASES[index], difference)
 
 
 def test_adapters_with_a_step_cache_equal_diffusers_hooks(tiny_model, tmp_path) -> None:

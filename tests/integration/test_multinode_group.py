@@ -45,7 +45,8 @@ from tests.helpers.serving import parse_serve
 
 pytestmark = pytest.mark.e2e
 
-TOLERANCE = 1e-4  # as tests/integration/test_dit_parallel.py: a layout's latents equal one rank's within fp32 noise
+# As tests/helpers/feature_mixins/parallel_layouts.py: a layout's latents equal one rank's within fp32 noise.
+TOLERANCE = 1e-4
 STARTUP_S = 120
 # 48x80 with 5 frames: 2 x 3 x 5 = 30 tokens, not divisible by the 4 ranks.
 SPEC = DenoiseSpec(height=48, width=80, num_frames=5, num_inference_steps=2, guidance_scale=4.0, seed=1)

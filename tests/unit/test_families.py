@@ -78,7 +78,7 @@ def test_every_tester_config_is_a_family_and_every_feature_class_combines_one() 
     combined: dict[type, set[type]] = {config: set() for config in TESTER_CONFIGS}
     for name in classes:
         bases = class_bases(FEATURE_TESTS, name)
-        assert bases is not None, f"{name}: bases must come from tests/helpers/feature_mixins.py"
+        assert bases is not None, f"{name}: bases must come from tests/helpers/feature_mixins/"
         configs = [base for base in bases if base in TESTER_CONFIGS]
         assert len(configs) == 1 and set(bases) - set(configs) <= mixins and len(bases) > 1, name
         combined[configs[0]] |= set(bases) - set(configs)

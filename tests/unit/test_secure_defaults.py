@@ -4,6 +4,7 @@ with tenants refuses to send API keys in clear beyond this machine, unless told 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 
 import grpc
@@ -13,6 +14,7 @@ from services.auth import CLUSTER_SECRET_ENV
 from services.orchestrator.service import check_exposure
 from services.orchestrator.tenants import TenantRegistry
 from services.server import is_loopback
+from services.server_config import ServerConfig
 from services.stage_table import SERVE_TARGETS
 from tests.helpers.secure_defaults import serve_defaults, tenant_registry
 
@@ -30,8 +32,8 @@ def test_is_loopback() -> None:
         assert not is_loopback(host), host
 
 
-def _options(host: str, insecure: bool = False) -> argparse.Namespace:
-    return argparse.Namespace(host=host, insecure=insecure)
+def _options(host: str, insecure: bool = False) -> ServerConfig:
+    return dataclasses.replace(ServerConfig.from_options(serve_defaults("orchestrator")), host=host, insecure=insecure)
 
 
 def test_tenants_on_a_non_loopback_host_need_tls_or_insecure(caplog) -> None:

@@ -1,0 +1,96 @@
+"""The family x feature matrix as tests: one tester config per family, one mixin per feature.
+
+A tester config (configs.py, on the interface of base.py's FamilyTesterConfig) says how to test one family's
+DiT: which checkpoint, which request (`spec`), how to build its denoiser, what conditioning to feed it, how
+many forwards each expert runs, where its blocks are and which layers `--ignored-layers` patterns keep. A
+mixin (one module per feature) holds one feature's checks, written once against that interface; a test class
+combines the two (`class TestQwenImageOffload(QwenImageTesterConfig, ModuleOffloadTesterMixin)`), and a
+family's `Support` entries name the class's tests. tests/unit/test_families.py checks that a supported cell of
+a feature in FEATURE_MIXINS names a class that mixes in that feature's mixin.
+
+Adding a family: write its tester config (a subclass of FamilyTesterConfig in configs.py), add it to
+TESTER_CONFIGS, and list its test classes beside the others (tests/integration/test_family_features.py).
+Tester configs are importable by their qualified name: rank processes receive them by reference.
+"""
+
+from __future__ import annotations
+
+from tests.helpers.feature_mixins.base import (
+    CPU,
+    FamilyTesterConfig,
+    Reference,
+    assert_same_tensors,
+    denoise_counting,
+    reference_run,
+)
+from tests.helpers.feature_mixins.batching import BatchingTesterMixin
+from tests.helpers.feature_mixins.compile import CompileTesterMixin
+from tests.helpers.feature_mixins.configs import (
+    TESTER_CONFIGS,
+    QwenImageEditPlusTesterConfig,
+    QwenImageEditTesterConfig,
+    QwenImageTesterConfig,
+    WanA14BTesterConfig,
+    WanI2VA14BTesterConfig,
+    WanI2VTesterConfig,
+    WanT2VTesterConfig,
+    WanTI2VTesterConfig,
+)
+from tests.helpers.feature_mixins.gguf import GGUFTesterMixin
+from tests.helpers.feature_mixins.layerwise_offload import LayerwiseOffloadTesterMixin
+from tests.helpers.feature_mixins.loading import LoadingTesterMixin
+from tests.helpers.feature_mixins.lora import LoRATesterMixin
+from tests.helpers.feature_mixins.module_offload import ModuleOffloadTesterMixin
+from tests.helpers.feature_mixins.parallel_layouts import ParallelLayoutsTesterMixin
+from tests.helpers.feature_mixins.quantization import QuantizationTesterMixin
+from tests.helpers.feature_mixins.step_cache import StepCacheTesterMixin
+
+# The feature whose supported cells must name a test class that mixes in this mixin (tests/unit/test_families.py).
+FEATURE_MIXINS: dict[str, type] = {
+    "cpu_offload": ModuleOffloadTesterMixin,
+    "layerwise_offload": LayerwiseOffloadTesterMixin,
+    "fp8": QuantizationTesterMixin,
+    "int8": QuantizationTesterMixin,
+    "multithread_loading": LoadingTesterMixin,
+    "ulysses": ParallelLayoutsTesterMixin,
+    "ring": ParallelLayoutsTesterMixin,
+    "cfg_parallel": ParallelLayoutsTesterMixin,
+    "tensor_parallel": ParallelLayoutsTesterMixin,
+    "hsdp": ParallelLayoutsTesterMixin,
+    "gguf": GGUFTesterMixin,
+    "batching": BatchingTesterMixin,
+    "compile": CompileTesterMixin,
+    "first_block_cache": StepCacheTesterMixin,
+    "mag_cache": StepCacheTesterMixin,
+    "teacache": StepCacheTesterMixin,
+    "lora": LoRATesterMixin,
+}
+
+__all__ = [
+    "BatchingTesterMixin",
+    "CPU",
+    "CompileTesterMixin",
+    "FEATURE_MIXINS",
+    "TESTER_CONFIGS",
+    "FamilyTesterConfig",
+    "GGUFTesterMixin",
+    "LayerwiseOffloadTesterMixin",
+    "LoRATesterMixin",
+    "LoadingTesterMixin",
+    "ModuleOffloadTesterMixin",
+    "ParallelLayoutsTesterMixin",
+    "QuantizationTesterMixin",
+    "QwenImageEditPlusTesterConfig",
+    "QwenImageEditTesterConfig",
+    "QwenImageTesterConfig",
+    "Reference",
+    "StepCacheTesterMixin",
+    "WanA14BTesterConfig",
+    "WanI2VA14BTesterConfig",
+    "WanI2VTesterConfig",
+    "WanT2VTesterConfig",
+    "WanTI2VTesterConfig",
+    "assert_same_tensors",
+    "denoise_counting",
+    "reference_run",
+]
