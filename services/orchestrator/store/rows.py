@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from services.orchestrator.store.database import Database
+from services.orchestrator.store.postgres import UniqueViolation
 from services.orchestrator.store.records import (
     ACTIVE_STATES,
     INPUT_IMAGES,
@@ -50,7 +51,7 @@ class JobRows:
                 cursor = db.execute(
                     "INSERT INTO jobs (job_id, tenant, request_id, priority, request, state, created_at, started_at,"
                     " finished_at, deadline_at, error_code, error_message, timings, num_frames_out, fps_out,"
-                    " last_stage, attempts) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " last_stage, attempts) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING seq",
                     (
                         record.job_id,
                         record.tenant,
@@ -71,15 +72,14 @@ class JobRows:
                         record.attempts,
                     ),
                 )
-            except sqlite3.IntegrityError:
+                seq = int(cursor.fetchone()[0])
+            except (sqlite3.IntegrityError, UniqueViolation):
                 raise StoreError(f"job_id '{record.job_id}' is already stored") from None
             if images is not None:
                 db.execute(
                     "INSERT INTO intermediates (job_id, stage, file, done_at, bytes) VALUES (?, ?, ?, ?, ?)",
                     (record.job_id, INPUT_IMAGES, images.file, record.created_at, images.size),
                 )
-            seq = cursor.lastrowid
-            assert seq is not None  # set by every INSERT
             return replace(record, seq=seq)
 
     def get(self, job_id: str) -> JobRecord | None:

@@ -1,0 +1,192 @@
+"""The job database on PostgreSQL: the Database interface of database.py, so that rows.py's SQL runs unchanged.
+
+rows.py writes SQLite's `?` placeholders; `_Connection.execute` rewrites them to psycopg's `%s` (the store's SQL
+holds no literal `?`). Rows answer by column name and by position, as sqlite3.Row does. One connection, guarded
+by a re-entrant lock as SQLite's is; a transaction is one PostgreSQL transaction, rolled back on any error.
+`SCHEMA` has the same tables and columns as schema.py's, in PostgreSQL's types.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from services.orchestrator.store_errors import StoreError
+
+SCHEMA_VERSION = 5
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    seq BIGSERIAL PRIMARY KEY,
+    job_id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL,
+    request_id TEXT,
+    priority TEXT NOT NULL,
+    request BYTEA NOT NULL,
+    state INTEGER NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL,
+    started_at DOUBLE PRECISION,
+    finished_at DOUBLE PRECISION,
+    deadline_at DOUBLE PRECISION,
+    error_code INTEGER,
+    error_message TEXT NOT NULL DEFAULT '',
+    timings TEXT NOT NULL DEFAULT '{}',
+    num_frames_out INTEGER NOT NULL DEFAULT 0,
+    fps_out DOUBLE PRECISION NOT NULL DEFAULT 0,
+    last_stage TEXT NOT NULL DEFAULT '',
+    attempts INTEGER NOT NULL DEFAULT 0,
+    passes_run INTEGER NOT NULL DEFAULT 0,
+    passes_skipped INTEGER NOT NULL DEFAULT 0,
+    UNIQUE (tenant, request_id)
+);
+CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, seq);
+CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, state, finished_at);
+CREATE TABLE IF NOT EXISTS intermediates (
+    job_id TEXT NOT NULL REFERENCES jobs (job_id) ON DELETE CASCADE,
+    stage TEXT NOT NULL,
+    file TEXT NOT NULL,
+    done_at DOUBLE PRECISION NOT NULL,
+    bytes BIGINT NOT NULL DEFAULT 0,
+    PRIMARY KEY (job_id, stage)
+);
+CREATE TABLE IF NOT EXISTS results (
+    job_id TEXT PRIMARY KEY REFERENCES jobs (job_id) ON DELETE CASCADE,
+    file TEXT NOT NULL,
+    shape TEXT NOT NULL,
+    fps DOUBLE PRECISION NOT NULL,
+    pieces TEXT NOT NULL,
+    saved_at DOUBLE PRECISION NOT NULL,
+    bytes BIGINT NOT NULL DEFAULT 0,
+    media_type TEXT NOT NULL DEFAULT '',
+    encoded_file TEXT,
+    encoded_bytes BIGINT NOT NULL DEFAULT 0,
+    raw_kept INTEGER NOT NULL DEFAULT 1
+)
+"""
+
+
+class Row(tuple[Any, ...]):
+    """A result row that answers by position and by column name, as sqlite3.Row."""
+
+    names: tuple[str, ...]
+
+    def __new__(cls, names: tuple[str, ...], values: Sequence[Any]) -> Row:
+        row = super().__new__(cls, values)
+        row.names = names
+        return row
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, str):
+            return super().__getitem__(self.names.index(key))
+        return super().__getitem__(key)
+
+    def keys(self) -> tuple[str, ...]:
+        return self.names
+
+
+def _row_factory(cursor: Any) -> Any:
+    names = tuple(column.name for column in cursor.description or ())
+    return lambda values: Row(names, values)
+
+
+class _Cursor:
+    def __init__(self, cursor: Any) -> None:
+        self._cursor = cursor
+
+    def fetchone(self) -> Row | None:
+        row: Row | None = self._cursor.fetchone()
+        return row
+
+    def fetchall(self) -> list[Row]:
+        rows: list[Row] = self._cursor.fetchall()
+        return rows
+
+    def __iter__(self) -> Iterator[Row]:
+        return iter(self.fetchall())
+
+
+class _Connection:
+    """What rows.py calls on a transaction's connection: `execute` with `?` placeholders."""
+
+    def __init__(self, connection: Any) -> None:
+        self._connection = connection
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> _Cursor:
+        """Runs `sql`; a unique key met raises UniqueViolation here, where rows.py expects SQLite's
+        IntegrityError (the transaction is then rolled back as a whole)."""
+        import psycopg
+
+        try:
+            return _Cursor(self._connection.execute(sql.replace("?", "%s"), tuple(params)))
+        except psycopg.errors.UniqueViolation as error:
+            raise UniqueViolation(str(error)) from None
+
+
+class PostgresDatabase:
+    """The job database on one PostgreSQL connection (`dsn`), with the Database interface of database.py."""
+
+    def __init__(self, connection: Any) -> None:
+        self._connection: Any | None = connection
+        self.mutex = threading.RLock()
+
+    @classmethod
+    def connect(cls, dsn: str) -> PostgresDatabase:
+        """Connects and brings the schema to SCHEMA_VERSION; StoreError naming the problem otherwise."""
+        import psycopg
+
+        try:
+            connection = psycopg.connect(dsn, autocommit=True, row_factory=_row_factory)
+        except psycopg.Error as error:
+            raise StoreError(f"cannot reach the job database: {error}") from None
+        database = cls(connection)
+        with database.transaction() as db:
+            for statement in SCHEMA.split(";"):
+                if statement.strip():
+                    db.execute(statement)
+            row = db.execute("SELECT version FROM schema_version").fetchone()
+            if row is None:
+                db.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+            elif row[0] > SCHEMA_VERSION:
+                raise StoreError(f"the job database has schema version {row[0]}; this version reads {SCHEMA_VERSION}")
+        return database
+
+    def connection(self) -> Any:
+        if self._connection is None:
+            raise StoreError("the job store is closed")
+        return self._connection
+
+    def close(self, *, checkpoint: bool = True) -> bool:
+        with self.mutex:
+            if self._connection is None:
+                return False
+            self._connection.close()
+            self._connection = None
+            return True
+
+    def fetchone(self, sql: str, params: tuple[Any, ...]) -> Row | None:
+        with self.transaction() as db:
+            return db.execute(sql, params).fetchone()
+
+    def fetchall(self, sql: str, params: tuple[Any, ...]) -> list[Row]:
+        with self.transaction() as db:
+            return db.execute(sql, params).fetchall()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[_Connection]:
+        """One transaction; rolled back on any error, database errors raised as StoreError."""
+        import psycopg
+
+        with self.mutex:
+            connection = self.connection()
+            try:
+                with connection.transaction():
+                    yield _Connection(connection)
+            except psycopg.Error as error:
+                raise StoreError(f"the job database failed: {error}") from None
+
+
+class UniqueViolation(StoreError):
+    """An insert met a row with the same unique key."""

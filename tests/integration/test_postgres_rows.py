@@ -1,0 +1,68 @@
+"""The job rows (services/orchestrator/store/rows.py) on a real PostgreSQL server, through the same SQL as
+SQLite's: admission order, request ids per tenant, state moves and deletion."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from services.orchestrator.store.postgres import PostgresDatabase
+from services.orchestrator.store.records import JobRecord, JobState
+from services.orchestrator.store.rows import JobRows
+from services.orchestrator.store_errors import DuplicateRequestId, StoreError
+from tests.helpers.servers import Postgres, postgres
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Postgres]:
+    with postgres() as running:
+        yield running
+
+
+@pytest.fixture
+def rows(server: Postgres) -> Iterator[JobRows]:
+    database = PostgresDatabase.connect(server.dsn)
+    yield JobRows(database)
+    database.close()
+
+
+def _record(tenant: str, request_id: str = "") -> JobRecord:
+    return JobRecord(
+        job_id=uuid.uuid4().hex,
+        tenant=tenant,
+        request_id=request_id,
+        priority="normal",
+        request=b"\x08\x01",
+        state=JobState.JOB_STATE_QUEUED,
+        created_at=1.0,
+    )
+
+
+def test_jobs_are_numbered_in_admission_order_and_read_back(rows: JobRows) -> None:
+    first, second = rows.insert(_record("a"), None), rows.insert(_record("b"), None)
+    assert second.seq > first.seq > 0
+    stored = rows.get(first.job_id)
+    assert stored is not None and stored.tenant == "a" and stored.request == b"\x08\x01"
+    assert stored.state == JobState.JOB_STATE_QUEUED
+
+
+def test_a_request_id_is_unique_per_tenant_and_a_job_id_once(rows: JobRows) -> None:
+    job = rows.insert(_record("a", "req-1"), None)
+    with pytest.raises(DuplicateRequestId):
+        rows.insert(_record("a", "req-1"), None)
+    rows.insert(_record("b", "req-1"), None)  # another tenant's id space
+    found = rows.find_by_request_id("a", "req-1")
+    assert found is not None and found.job_id == job.job_id
+    with pytest.raises(StoreError, match="already stored"):
+        rows.insert(JobRecord(**{**job.__dict__, "request_id": "", "seq": 0}), None)
+
+
+def test_state_moves_and_deletion(rows: JobRows) -> None:
+    job = rows.insert(_record("c"), None)
+    running, _ = rows.update_state(job.job_id, JobState.JOB_STATE_RUNNING, {"started_at": 2.0})
+    assert running.state == JobState.JOB_STATE_RUNNING and running.attempts == 1
+    failed, _ = rows.update_state(job.job_id, JobState.JOB_STATE_FAILED, {"finished_at": 3.0})
+    assert failed.state == JobState.JOB_STATE_FAILED
+    assert rows.delete(job.job_id) and rows.get(job.job_id) is None
