@@ -15,7 +15,7 @@ from typing import Any
 
 from services.orchestrator.store_errors import StoreError
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -40,6 +40,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     attempts INTEGER NOT NULL DEFAULT 0,
     passes_run INTEGER NOT NULL DEFAULT 0,
     passes_skipped INTEGER NOT NULL DEFAULT 0,
+    owner TEXT NOT NULL DEFAULT '',         -- the replica running the job ('' while queued)
+    lease_epoch BIGINT NOT NULL DEFAULT 0,  -- +1 per claim: fences a former owner's writes
+    lease_until DOUBLE PRECISION,           -- the database's unix seconds the owner's lease lasts to
     UNIQUE (tenant, request_id)
 );
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, seq);
