@@ -436,9 +436,16 @@ def _drop_pass_counts(db: sqlite3.Connection) -> None:
 
 
 def _drop_encoded_results(db: sqlite3.Connection) -> None:
-    """The results table as versions 1 to 4 had it, without encoded files."""
+    """The results table as versions 1 to 4 had it, without encoded files (and jobs as before 6)."""
     for column in ("media_type", "encoded_file", "encoded_bytes", "raw_kept"):
         db.execute(f"ALTER TABLE results DROP COLUMN {column}")
+    _drop_leases(db)
+
+
+def _drop_leases(db: sqlite3.Connection) -> None:
+    """The jobs table as versions 1 to 5 had it, without owners and leases."""
+    for column in ("owner", "lease_epoch", "lease_until"):
+        db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
 
 
 def test_version_3_gains_pass_counts_and_keeps_stage_outputs(tmp_path: Path) -> None:
@@ -647,3 +654,18 @@ def test_calls_from_several_threads(tmp_path: Path) -> None:
             assert len(store.list_jobs(states=[SUCCEEDED], tenant=f"t{worker}")) == 10
             assert np.array_equal(store.load_result(f"w{worker}-1").frames, _frames(2, value=worker))
         assert not any("stage-" in name for name in files(store))
+
+
+def test_version_5_jobs_gain_owners_and_leases(tmp_path: Path) -> None:
+    """Version 5 had no owners or leases: its jobs are owned by none, at epoch 0, until claimed again."""
+    with JobStore.open(tmp_path) as store:
+        _add(store, "queued", "acme")
+    with sqlite3.connect(tmp_path / "jobs.sqlite3") as db:
+        _drop_leases(db)
+        db.execute("PRAGMA user_version = 5")
+    with JobStore.open(tmp_path) as store:
+        connection = store._connection()
+        assert connection.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+        row = connection.execute("SELECT owner, lease_epoch, lease_until FROM jobs WHERE job_id = 'queued'").fetchone()
+        assert tuple(row) == ("", 0, None)
+        assert store.get("queued").tenant == "acme"

@@ -14,7 +14,7 @@ from pathlib import Path
 from services.orchestrator.store.database import Database
 from services.orchestrator.store_errors import StoreError
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 SCHEMA = """
 CREATE TABLE jobs (
@@ -38,6 +38,9 @@ CREATE TABLE jobs (
     attempts INTEGER NOT NULL DEFAULT 0,    -- times the job was started
     passes_run INTEGER NOT NULL DEFAULT 0,  -- transformer passes the DiT ran in full
     passes_skipped INTEGER NOT NULL DEFAULT 0,  -- and those its step cache skipped
+    owner TEXT NOT NULL DEFAULT '',         -- the replica running the job ('' while queued)
+    lease_epoch INTEGER NOT NULL DEFAULT 0, -- +1 per claim: fences a former owner's writes
+    lease_until REAL,                       -- until when the owner's lease lasts
     UNIQUE (tenant, request_id)
 );
 CREATE INDEX jobs_by_state ON jobs (state, seq);
@@ -94,6 +97,14 @@ ALTER TABLE results ADD COLUMN encoded_bytes INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE results ADD COLUMN raw_kept INTEGER NOT NULL DEFAULT 1;
 """
 
+# Version 6 names the replica running a job and its lease (services/orchestrator/store/leases.py); with SQLite
+# the one process owns every job, and older jobs are owned by none until claimed again.
+MIGRATE_5_TO_6 = """
+ALTER TABLE jobs ADD COLUMN owner TEXT NOT NULL DEFAULT '';
+ALTER TABLE jobs ADD COLUMN lease_epoch INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE jobs ADD COLUMN lease_until REAL;
+"""
+
 
 def migrate(database: Database, path: Path, size_of: Callable[[str, str], int]) -> None:
     """Brings the database at `path` to SCHEMA_VERSION. `size_of(job_id, file)`: a job file's size, 0 if absent."""
@@ -116,6 +127,8 @@ def migrate(database: Database, path: Path, size_of: Callable[[str, str], int]) 
             _run_script(db, MIGRATE_3_TO_4)
         if version in (1, 2, 3, 4):
             _run_script(db, MIGRATE_4_TO_5)
+        if version in (1, 2, 3, 4, 5):
+            _run_script(db, MIGRATE_5_TO_6)
         if version != SCHEMA_VERSION:
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
