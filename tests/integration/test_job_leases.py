@@ -1,20 +1,23 @@
-"""Claims under fenced leases (services/orchestrator/store/leases.py) on a real PostgreSQL server: two
-replicas claiming the same queue concurrently take every job exactly once; an expired lease is requeued and
-claimed again with a new epoch, which fences the former owner."""
+"""Claims under fenced leases (services/orchestrator/store/leases.py) on both job databases, PostgreSQL on a
+real server: two claimers of the same queue, at once, take every job exactly once; an expired lease is
+requeued and claimed again with a new epoch, which fences the former owner; renewal says which leases are lost."""
 
 from __future__ import annotations
 
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
+from services.orchestrator.store.database import Database
 from services.orchestrator.store.leases import Claim, JobLeases
 from services.orchestrator.store.postgres import PostgresDatabase
 from services.orchestrator.store.records import JobRecord, JobState
 from services.orchestrator.store.rows import JobRows
+from services.orchestrator.store.schema import migrate
 from tests.helpers.servers import Postgres, postgres
 
 
@@ -22,6 +25,18 @@ from tests.helpers.servers import Postgres, postgres
 def server() -> Iterator[Postgres]:
     with postgres() as running:
         yield running
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def connect(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Any]:
+    """Opens a connection to one job database (all of a test's connections reach the same database)."""
+    if request.param == "postgresql":
+        server: Postgres = request.getfixturevalue("server")
+        return lambda: PostgresDatabase.connect(server.dsn)
+    path = tmp_path_factory.mktemp("jobs") / "jobs.sqlite3"
+    shared = Database.connect(path, "NORMAL")
+    migrate(shared, path, lambda job_id, file: 0)
+    return lambda: shared
 
 
 def _queue(rows: JobRows, count: int) -> list[str]:
@@ -40,8 +55,8 @@ def _queue(rows: JobRows, count: int) -> list[str]:
     return ids
 
 
-def test_two_replicas_claiming_one_queue_take_each_job_once(server: Postgres) -> None:
-    databases = [PostgresDatabase.connect(server.dsn) for _ in range(3)]
+def test_two_claimers_of_one_queue_take_each_job_once(connect: Callable[[], Any]) -> None:
+    databases = [connect() for _ in range(3)]
     rows = JobRows(databases[0])
     ids = _queue(rows, 20)
     taken: dict[str, list[str]] = {"a": [], "b": []}
@@ -66,11 +81,11 @@ def test_two_replicas_claiming_one_queue_take_each_job_once(server: Postgres) ->
         record = rows.get(job_id)
         assert record is not None and record.attempts == 1 and record.state == JobState.JOB_STATE_RUNNING
     for database in databases:
-        database.close()
+        database.close(checkpoint=False)
 
 
-def test_an_expired_lease_is_requeued_and_the_former_owner_is_fenced(server: Postgres) -> None:
-    database = PostgresDatabase.connect(server.dsn)
+def test_an_expired_lease_is_requeued_and_the_former_owner_is_fenced(connect: Callable[[], Any]) -> None:
+    database = connect()
     (job_id,) = _queue(JobRows(database), 1)
     stale = JobLeases(database, "a", ttl_s=0.2)
     first = stale.claim(job_id)
@@ -84,4 +99,4 @@ def test_an_expired_lease_is_requeued_and_the_former_owner_is_fenced(server: Pos
     assert leader.renew([second]) == set() and leader.holds(second)
     record = JobRows(database).get(job_id)
     assert record is not None and record.attempts == 2
-    database.close()
+    database.close(checkpoint=False)

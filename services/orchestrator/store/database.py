@@ -28,6 +28,11 @@ LOCK_NAME = "LOCK"
 class Database:
     """The one connection of a state directory's database, and the lock that guards it."""
 
+    # What the SQL that both job databases run writes differently (postgres.py has PostgreSQL's):
+    # the current unix time in seconds, and the clause that lets a claimer pass rows another holds.
+    now_sql = "((julianday('now') - 2440587.5) * 86400.0)"
+    skip_locked = ""
+
     def __init__(self, connection: sqlite3.Connection) -> None:
         self._connection: sqlite3.Connection | None = connection
         self.mutex = threading.RLock()

@@ -13,10 +13,12 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from services.orchestrator.store.database import Database
 from services.orchestrator.store.postgres import PostgresDatabase
 from services.orchestrator.store.records import JobState
 
-NOW = "EXTRACT(EPOCH FROM clock_timestamp())"
+# Leases renewed in one statement at most; an owner with more renews them in several.
+RENEW_BATCH = 500
 
 
 @dataclass(frozen=True)
@@ -28,9 +30,9 @@ class Claim:
 
 
 class JobLeases:
-    """Claims and leases of jobs in the PostgreSQL job database."""
+    """Claims and leases of jobs in either job database (SQLite: the one process owns every job it claims)."""
 
-    def __init__(self, database: PostgresDatabase, owner: str, ttl_s: float = 30.0) -> None:
+    def __init__(self, database: Database | PostgresDatabase, owner: str, ttl_s: float = 30.0) -> None:
         if not owner:
             raise ValueError("owner: give the replica's id")
         self.database = database
@@ -39,11 +41,12 @@ class JobLeases:
 
     def claim(self, job_id: str) -> Claim | None:
         """Takes the queued job `job_id`; None if it is not queued or another claimer holds its row now."""
+        now, skip_locked = self.database.now_sql, self.database.skip_locked
         with self.database.transaction() as db:
             row = db.execute(
-                f"UPDATE jobs SET state = ?, owner = ?, lease_epoch = lease_epoch + 1, lease_until = {NOW} + ?,"
+                f"UPDATE jobs SET state = ?, owner = ?, lease_epoch = lease_epoch + 1, lease_until = {now} + ?,"
                 " attempts = attempts + 1"
-                " WHERE seq = (SELECT seq FROM jobs WHERE job_id = ? AND state = ? FOR UPDATE SKIP LOCKED)"
+                f" WHERE seq = (SELECT seq FROM jobs WHERE job_id = ? AND state = ?{skip_locked})"
                 " RETURNING lease_epoch",
                 (int(JobState.JOB_STATE_RUNNING), self.owner, self.ttl_s, job_id, int(JobState.JOB_STATE_QUEUED)),
             ).fetchone()
@@ -51,18 +54,20 @@ class JobLeases:
 
     def renew(self, claims: Collection[Claim]) -> set[str]:
         """Extends the leases of `claims` still held; returns the job ids whose lease was lost (stop them)."""
-        if not claims:
-            return set()
-        ids = [claim.job_id for claim in claims]
-        epochs = [claim.epoch for claim in claims]
-        with self.database.transaction() as db:
-            rows = db.execute(
-                f"UPDATE jobs SET lease_until = {NOW} + ? FROM unnest(?::text[], ?::bigint[]) AS held(id, epoch)"
-                " WHERE jobs.job_id = held.id AND jobs.lease_epoch = held.epoch AND jobs.owner = ?"
-                " AND jobs.state = ? RETURNING jobs.job_id",
-                (self.ttl_s, ids, epochs, self.owner, int(JobState.JOB_STATE_RUNNING)),
-            ).fetchall()
-        return set(ids) - {row[0] for row in rows}
+        held: set[str] = set()
+        listed = list(claims)
+        for start in range(0, len(listed), RENEW_BATCH):
+            batch = listed[start : start + RENEW_BATCH]
+            pairs = ", ".join("(?, ?)" for _ in batch)
+            values = [value for claim in batch for value in (claim.job_id, claim.epoch)]
+            with self.database.transaction() as db:
+                rows = db.execute(
+                    f"UPDATE jobs SET lease_until = {self.database.now_sql} + ?"
+                    f" WHERE owner = ? AND state = ? AND (job_id, lease_epoch) IN (VALUES {pairs}) RETURNING job_id",
+                    (self.ttl_s, self.owner, int(JobState.JOB_STATE_RUNNING), *values),
+                ).fetchall()
+            held |= {row[0] for row in rows}
+        return {claim.job_id for claim in listed} - held
 
     def holds(self, claim: Claim) -> bool:
         """Whether `claim` is still this replica's lease (checked in the transaction of a fenced write)."""
@@ -77,7 +82,8 @@ class JobLeases:
         """Moves every running job whose lease ran out back to QUEUED (the leader's duty); returns their ids."""
         with self.database.transaction() as db:
             rows = db.execute(
-                f"UPDATE jobs SET state = ?, owner = '' WHERE state = ? AND lease_until < {NOW} RETURNING job_id",
+                f"UPDATE jobs SET state = ?, owner = '' WHERE state = ? AND lease_until < {self.database.now_sql}"
+                " RETURNING job_id",
                 (int(JobState.JOB_STATE_QUEUED), int(JobState.JOB_STATE_RUNNING)),
             ).fetchall()
         return [row[0] for row in rows]

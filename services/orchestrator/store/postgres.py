@@ -131,6 +131,9 @@ class _Connection:
 class PostgresDatabase:
     """The job database on one PostgreSQL connection (`dsn`), with the Database interface of database.py."""
 
+    now_sql = "EXTRACT(EPOCH FROM clock_timestamp())"
+    skip_locked = " FOR UPDATE SKIP LOCKED"
+
     def __init__(self, connection: Any) -> None:
         self._connection: Any | None = connection
         self.mutex = threading.RLock()
