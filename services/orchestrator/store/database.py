@@ -17,9 +17,31 @@ import sqlite3
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from services.orchestrator.store_errors import StateDirLocked, StoreError, db_error
+
+
+class JobDatabase(Protocol):
+    """What rows.py, retention.py and leases.py use of a job database: this module's SQLite Database or
+    postgres.py's PostgresDatabase. Both run the same SQL, with `?` placeholders."""
+
+    now_sql: str
+    """The current unix time in seconds, as SQL."""
+    skip_locked: str
+    """Appended to a SELECT of rows to claim: lets one claimer pass rows another holds ('' where one process writes)."""
+    mutex: Any
+
+    def connection(self) -> Any: ...
+
+    def close(self, *, checkpoint: bool = True) -> bool: ...
+
+    def fetchone(self, sql: str, params: tuple[Any, ...]) -> Any: ...
+
+    def fetchall(self, sql: str, params: tuple[Any, ...]) -> list[Any]: ...
+
+    def transaction(self) -> contextlib.AbstractContextManager[Any]: ...
+
 
 DB_NAME = "jobs.sqlite3"
 LOCK_NAME = "LOCK"
@@ -119,7 +141,7 @@ def lock_state_dir(state_dir: Path, lock_file: IO[bytes]) -> None:
         raise StateDirLocked(f"state dir {state_dir} is in use by another process") from None
 
 
-def close_quietly(database: Database | None, lock_file: IO[bytes]) -> None:
+def close_quietly(database: JobDatabase | None, lock_file: IO[bytes]) -> None:
     """Closes what an `open` that failed had opened, without raising."""
     if database is not None:
         with contextlib.suppress(Exception):

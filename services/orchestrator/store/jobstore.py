@@ -29,14 +29,22 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 
 from services.orchestrator.result_files import RESULT_FILE, EncodedWriter, ResultWriter, StoredResult, check_shape
 from services.orchestrator.store import retention
-from services.orchestrator.store.database import DB_NAME, LOCK_NAME, Database, close_quietly, lock_state_dir
+from services.orchestrator.store.database import (
+    DB_NAME,
+    LOCK_NAME,
+    Database,
+    JobDatabase,
+    close_quietly,
+    lock_state_dir,
+)
 from services.orchestrator.store.files import JOBS_DIR, JobFiles, check_frames, check_name, check_pieces
+from services.orchestrator.store.postgres import PostgresDatabase
 from services.orchestrator.store.records import TERMINAL_STATES, JobRecord, JobState, SavedImages, Usage
 from services.orchestrator.store.rows import JobRows
 from services.orchestrator.store.schema import migrate
@@ -49,7 +57,9 @@ RUNNING = (JobState.JOB_STATE_RUNNING,)
 class JobStore:
     """Job records in SQLite and their files beside them; see the module docstring for guarantees."""
 
-    def __init__(self, state_dir: Path, database: Database, lock_file: IO[bytes], clock: Callable[[], float]) -> None:
+    def __init__(
+        self, state_dir: Path, database: JobDatabase, lock_file: IO[bytes], clock: Callable[[], float]
+    ) -> None:
         self.state_dir = state_dir
         self.jobs_dir = state_dir / JOBS_DIR
         self.clock = clock
@@ -60,7 +70,12 @@ class JobStore:
 
     @classmethod
     def open(
-        cls, state_dir: str | os.PathLike[str], *, synchronous: str = "NORMAL", clock: Callable[[], float] = time.time
+        cls,
+        state_dir: str | os.PathLike[str],
+        *,
+        synchronous: str = "NORMAL",
+        clock: Callable[[], float] = time.time,
+        database_url: str | None = None,
     ) -> JobStore:
         """Opens (creating if needed) the store, takes ownership of the directory and sweeps crash leftovers.
 
@@ -76,13 +91,17 @@ class JobStore:
         except OSError as error:
             raise io_error(error, "cannot be used as the state dir", with_path=True) from None
         lock_state_dir(state_dir, lock_file)
-        database = None
+        database: JobDatabase | None = None
         try:
             if not os.access(state_dir / JOBS_DIR, os.W_OK | os.X_OK):
                 raise StoreError(f"cannot be used as the state dir: {state_dir / JOBS_DIR} is not writable")
-            database = Database.connect(state_dir / DB_NAME, synchronous)
-            store = cls(state_dir, database, lock_file, clock)
-            migrate(database, state_dir / DB_NAME, store.files.size_of)
+            if database_url is None:
+                database = Database.connect(state_dir / DB_NAME, synchronous)
+                store = cls(state_dir, database, lock_file, clock)
+                migrate(database, state_dir / DB_NAME, store.files.size_of)
+            else:  # the rows in PostgreSQL, which brings its own schema up to date
+                database = PostgresDatabase.connect(database_url)
+                store = cls(state_dir, database, lock_file, clock)
             store.files.sweep(*store._rows.files_in_use())
         except sqlite3.Error as error:
             close_quietly(database, lock_file)
@@ -113,7 +132,7 @@ class JobStore:
         usage = shutil.disk_usage(self.state_dir)
         return usage.free, usage.total
 
-    def _connection(self) -> sqlite3.Connection:
+    def _connection(self) -> Any:
         """The database connection (StoreError once closed), for inspection."""
         return self._db.connection()
 

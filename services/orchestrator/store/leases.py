@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from services.orchestrator.store.database import Database
-from services.orchestrator.store.postgres import PostgresDatabase
+from services.orchestrator.store.database import JobDatabase
 from services.orchestrator.store.records import JobState
 
 # Leases renewed in one statement at most; an owner with more renews them in several.
@@ -32,7 +31,7 @@ class Claim:
 class JobLeases:
     """Claims and leases of jobs in either job database (SQLite: the one process owns every job it claims)."""
 
-    def __init__(self, database: Database | PostgresDatabase, owner: str, ttl_s: float = 30.0) -> None:
+    def __init__(self, database: JobDatabase, owner: str, ttl_s: float = 30.0) -> None:
         if not owner:
             raise ValueError("owner: give the replica's id")
         self.database = database

@@ -127,6 +127,14 @@ class _Connection:
         except psycopg.errors.UniqueViolation as error:
             raise UniqueViolation(str(error)) from None
 
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        _executemany(self._connection, sql, rows)
+
+
+def _executemany(connection: Any, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+    with connection.cursor() as cursor:
+        cursor.executemany(sql.replace("?", "%s"), [tuple(row) for row in rows])
+
 
 class PostgresDatabase:
     """The job database on one PostgreSQL connection (`dsn`), with the Database interface of database.py."""

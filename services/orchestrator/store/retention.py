@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from services.orchestrator.store.database import Database
+from services.orchestrator.store.database import JobDatabase
 from services.orchestrator.store.records import TERMINAL_STATES, Usage
 
 
-def usage(database: Database, tenant: str) -> Usage:
+def usage(database: JobDatabase, tenant: str) -> Usage:
     """Bytes the tenant's jobs hold: results of its finished jobs, intermediates of its queued and running ones."""
     row = database.fetchone(
         "SELECT"
@@ -30,7 +30,7 @@ def usage(database: Database, tenant: str) -> Usage:
 
 
 def prune_rows(
-    database: Database,
+    database: JobDatabase,
     clock: Callable[[], float],
     *,
     tenant: str | None,

@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from typing import Any
 
-from services.orchestrator.store.database import Database
+from services.orchestrator.store.database import JobDatabase
 from services.orchestrator.store.postgres import UniqueViolation
 from services.orchestrator.store.records import (
     ACTIVE_STATES,
@@ -31,7 +31,7 @@ from services.orchestrator.store_errors import DuplicateRequestId, InvalidTransi
 class JobRows:
     """The rows of every job in one SQLite database."""
 
-    def __init__(self, database: Database) -> None:
+    def __init__(self, database: JobDatabase) -> None:
         self.database = database
 
     # ------------------------------------------------------------ records --
@@ -183,7 +183,9 @@ class JobRows:
             if self._state_of(db, job_id) in TERMINAL_STATES:
                 return False
             db.execute(
-                "INSERT OR REPLACE INTO intermediates (job_id, stage, file, done_at, bytes) VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO intermediates (job_id, stage, file, done_at, bytes) VALUES (?, ?, ?, ?, ?)"
+                " ON CONFLICT (job_id, stage) DO UPDATE SET file = excluded.file, done_at = excluded.done_at,"
+                " bytes = excluded.bytes",
                 (job_id, stage, file, clock(), size),
             )
             db.execute("UPDATE jobs SET last_stage = ? WHERE job_id = ?", (stage, job_id))
@@ -228,8 +230,12 @@ class JobRows:
         with self.database.transaction() as db:
             self._require_state_of(db, job_id, (JobState.JOB_STATE_RUNNING,))
             db.execute(
-                "INSERT OR REPLACE INTO results (job_id, file, shape, fps, pieces, saved_at, bytes,"
-                " media_type, encoded_file, encoded_bytes, raw_kept) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO results (job_id, file, shape, fps, pieces, saved_at, bytes, media_type, encoded_file,"
+                " encoded_bytes, raw_kept) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job_id) DO UPDATE SET"
+                " file = excluded.file, shape = excluded.shape, fps = excluded.fps, pieces = excluded.pieces,"
+                " saved_at = excluded.saved_at, bytes = excluded.bytes, media_type = excluded.media_type,"
+                " encoded_file = excluded.encoded_file, encoded_bytes = excluded.encoded_bytes,"
+                " raw_kept = excluded.raw_kept",
                 (
                     job_id,
                     file,
@@ -254,8 +260,8 @@ class JobRows:
             row = db.execute("SELECT * FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
         return record_from_row(row), files
 
-    def result(self, job_id: str) -> sqlite3.Row | None:
-        """The job's results row, with its job's timings and pass counts."""
+    def result(self, job_id: str) -> Any:
+        """The job's results row (by column name), with its job's timings and pass counts; None without one."""
         return self.database.fetchone(
             "SELECT results.*, jobs.timings, jobs.passes_run, jobs.passes_skipped FROM results JOIN jobs"
             " USING (job_id) WHERE job_id = ?",
