@@ -443,9 +443,10 @@ def _drop_encoded_results(db: sqlite3.Connection) -> None:
 
 
 def _drop_leases(db: sqlite3.Connection) -> None:
-    """The jobs table as versions 1 to 5 had it, without owners and leases."""
+    """The tables as versions 1 to 5 had them: jobs without owners and leases, stage outputs without positions."""
     for column in ("owner", "lease_epoch", "lease_until"):
         db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
+    db.execute("ALTER TABLE intermediates DROP COLUMN position")
 
 
 def test_version_3_gains_pass_counts_and_keeps_stage_outputs(tmp_path: Path) -> None:

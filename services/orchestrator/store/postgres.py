@@ -53,6 +53,7 @@ CREATE TABLE IF NOT EXISTS intermediates (
     file TEXT NOT NULL,
     done_at DOUBLE PRECISION NOT NULL,
     bytes BIGINT NOT NULL DEFAULT 0,
+    position INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (job_id, stage)
 );
 CREATE TABLE IF NOT EXISTS results (

@@ -183,10 +183,11 @@ class JobRows:
             if self._state_of(db, job_id) in TERMINAL_STATES:
                 return False
             db.execute(
-                "INSERT INTO intermediates (job_id, stage, file, done_at, bytes) VALUES (?, ?, ?, ?, ?)"
+                "INSERT INTO intermediates (job_id, stage, file, done_at, bytes, position) VALUES (?, ?, ?, ?, ?,"
+                " (SELECT COALESCE(MAX(position), 0) + 1 FROM intermediates WHERE job_id = ?))"
                 " ON CONFLICT (job_id, stage) DO UPDATE SET file = excluded.file, done_at = excluded.done_at,"
-                " bytes = excluded.bytes",
-                (job_id, stage, file, clock(), size),
+                " bytes = excluded.bytes, position = excluded.position",
+                (job_id, stage, file, clock(), size, job_id),
             )
             db.execute("UPDATE jobs SET last_stage = ? WHERE job_id = ?", (stage, job_id))
             if passes is not None:
@@ -196,7 +197,7 @@ class JobRows:
     def stage_files(self, job_id: str) -> list[tuple[str, str]]:
         """(stage, file) of every saved stage output, in the order the stages finished."""
         rows = self.database.fetchall(
-            "SELECT stage, file FROM intermediates WHERE job_id = ? AND stage != ? ORDER BY done_at, rowid",
+            "SELECT stage, file FROM intermediates WHERE job_id = ? AND stage != ? ORDER BY done_at, position",
             (job_id, INPUT_IMAGES),
         )
         return [(row["stage"], row["file"]) for row in rows]

@@ -51,6 +51,7 @@ CREATE TABLE intermediates (
     file TEXT NOT NULL,
     done_at REAL NOT NULL,
     bytes INTEGER NOT NULL DEFAULT 0,       -- the file's size
+    position INTEGER NOT NULL DEFAULT 0,    -- 1, 2, ... in the order the job's stages finished
     PRIMARY KEY (job_id, stage)
 );
 CREATE TABLE results (
@@ -98,11 +99,14 @@ ALTER TABLE results ADD COLUMN raw_kept INTEGER NOT NULL DEFAULT 1;
 """
 
 # Version 6 names the replica running a job and its lease (services/orchestrator/store/leases.py); with SQLite
-# the one process owns every job, and older jobs are owned by none until claimed again.
+# the one process owns every job, and older jobs are owned by none until claimed again. A stage output's
+# position replaces the order SQLite's rowid gave, which PostgreSQL has not.
 MIGRATE_5_TO_6 = """
 ALTER TABLE jobs ADD COLUMN owner TEXT NOT NULL DEFAULT '';
 ALTER TABLE jobs ADD COLUMN lease_epoch INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE jobs ADD COLUMN lease_until REAL;
+ALTER TABLE intermediates ADD COLUMN position INTEGER NOT NULL DEFAULT 0;
+UPDATE intermediates SET position = rowid;
 """
 
 
