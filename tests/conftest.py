@@ -5,6 +5,7 @@ tests/e2e/conftest.py."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ import pytest
 from families.init_model import init_model
 from services.auth import CLUSTER_SECRET_ENV
 from tests.helpers.grpc_channels import CLUSTER_SECRET
+from tests.helpers.servers import Postgres, S3Server, postgres, seaweedfs
+from tests.helpers.store import OpenStore, open_embedded
 
 # The time each tier took, printed at the end of every run (tests/helpers/tier_times.py).
 pytest_plugins = ["tests.helpers.tier_times"]
@@ -71,3 +74,24 @@ def demo_pipeline():
     pipeline = WanPipeline.from_pretrained(CHECKPOINT)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
+
+
+@pytest.fixture
+def open_store() -> OpenStore:
+    """How a test opens a job store (tests/helpers/store.py): the embedded one, unless a module overrides it."""
+    return open_embedded
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[Postgres]:
+    """A real PostgreSQL server for the whole test session (tests/helpers/servers.py); each test makes its own
+    database with `new_database`."""
+    with postgres() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A real S3 server (SeaweedFS) for the whole test session; each test keeps to a prefix of its own."""
+    with seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server

@@ -14,9 +14,18 @@ import argparse
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from services.orchestrator.sizes import MinFree
 from services.orchestrator.stage_clients import STAGE_ORDER
+from services.orchestrator.store_location import (
+    LocalBlobsLocation,
+    PostgresLocation,
+    S3Location,
+    SqliteLocation,
+    blobs_location,
+    store_location,
+)
 from services.server_config import ServerConfig
 
 # Each count flag and the least value it allows, in the order they are checked.
@@ -48,6 +57,9 @@ class OrchestratorConfig:
     # The tenants YAML file; None: the open registry.
     tenants_file: str | None
     state_dir: str
+    # Where job records live (SQLite in state_dir, or PostgreSQL) and where files live (None: state_dir).
+    store: SqliteLocation | PostgresLocation
+    blobs: LocalBlobsLocation | S3Location | None
     max_kept_jobs: int
     max_stored_bytes_per_tenant: int
     # Seconds a finished job is kept; 0: no age limit.
@@ -74,6 +86,8 @@ class OrchestratorConfig:
     def from_options(cls, args: argparse.Namespace) -> OrchestratorConfig:
         """The configuration the parsed options give; raises ValueError naming the first flag out of bounds."""
         endpoints = {stage: getattr(args, stage.replace("-", "_")) for stage in STAGE_ORDER}
+        if args.blobs_endpoint and not args.blobs:
+            raise ValueError("--blobs-endpoint: only with --blobs s3://...")
         return cls(
             server=ServerConfig.from_options(args),
             stage_endpoints={stage: value for stage, value in endpoints.items() if value is not None},
@@ -85,6 +99,10 @@ class OrchestratorConfig:
             replica_wait_s=args.replica_wait,
             tenants_file=args.tenants or None,
             state_dir=args.state_dir,
+            store=store_location(args.store) if args.store else SqliteLocation(Path(args.state_dir)),
+            blobs=blobs_location(args.blobs, endpoint=args.blobs_endpoint, checksums=args.blobs_checksums)
+            if args.blobs
+            else None,
             max_kept_jobs=args.max_kept_jobs,
             max_stored_bytes_per_tenant=args.max_stored_bytes_per_tenant,
             job_retention_s=args.job_retention,

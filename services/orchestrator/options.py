@@ -15,6 +15,7 @@ from services.environment_options import OptionParser
 from services.logging_setup import add_logging_arguments
 from services.metrics import add_metrics_arguments
 from services.orchestrator.adapter_rate import DEFAULT_ADAPTERS_PER_MINUTE
+from services.orchestrator.blobs.s3 import CHECKSUM_MODES
 from services.orchestrator.sizes import MinFree, parse_size
 from services.orchestrator.stage_clients import PROBE_INTERVAL_S, REPLICA_WAIT_S
 from services.server import add_server_arguments
@@ -94,6 +95,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--state-dir",
         default=str(DEFAULT_STATE_DIR),
         help="where job records (SQLite) and results live, so that a restart loses no job (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--store",
+        metavar="postgresql://USER@HOST:PORT/DATABASE",
+        help="keep job records in PostgreSQL, shared by every orchestrator replica (password in PGPASSWORD or "
+        "~/.pgpass); default: SQLite in --state-dir, for one orchestrator",
+    )
+    parser.add_argument(
+        "--blobs",
+        metavar="s3://BUCKET[/PREFIX]|DIR",
+        help="keep stage outputs, input images and results in S3 (keys from AWS_ACCESS_KEY_ID and "
+        "AWS_SECRET_ACCESS_KEY or boto3's other sources) or in a directory; default: --state-dir",
+    )
+    parser.add_argument(
+        "--blobs-endpoint",
+        metavar="URL",
+        help="the endpoint of an S3-compatible store for --blobs s3://... (e.g. http://seaweedfs:8333); default: AWS's",
+    )
+    parser.add_argument(
+        "--blobs-checksums",
+        default="when_required",
+        choices=CHECKSUM_MODES,
+        help="when the S3 client adds and checks CRC checksums: when_supported is boto3's default, which some "
+        "S3-compatible stores refuse (default: %(default)s)",
     )
     parser.add_argument(
         "--max-kept-jobs",

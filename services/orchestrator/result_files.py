@@ -15,6 +15,7 @@ committed or deleted; this module only reads and writes it.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import threading
@@ -25,12 +26,15 @@ from typing import BinaryIO, Self
 
 import numpy as np
 
+from services.orchestrator.blobs.protocol import BlobStore, BlobWriter
+from services.orchestrator.result_sources import BlobSource, ByteSource, FdSource
 from services.orchestrator.store_errors import ResultGone, StoreError, fsync_dir, io_error
 from stagediff.tensor_codec import DEFAULT_CHUNK_BYTES
 from stagediff.v1 import generation_pb2, stages_pb2, tensor_pb2
 
 RESULT_FILE = "result-frames.npy"
 ENCODED_FILE = "result"  # + the format's extension: result.mp4, result.png
+UPLOAD_PIECE_BYTES = 8 << 20  # read from the spool at a time when a result is sent to the blob store whole
 RESULT_TENSOR = "frames"  # the name result tensors travel under, as the VAE and the interpolator send them
 
 
@@ -63,34 +67,24 @@ def check_shape(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
     return shape
 
 
-class _FileReader:
-    """Plain reads at offsets of one open file (not a memory map), so that the pages read count as page cache,
-    not as the orchestrator's resident memory. Blocking; `close` waits for a read in progress."""
+class _RangeReader:
+    """Reads of one source (result_sources.py), one at a time: `close` waits for a read in progress."""
 
-    def __init__(self, fd: int) -> None:
-        self._fd: int | None = fd
+    def __init__(self, source: int | ByteSource) -> None:
+        self._source: ByteSource | None = FdSource(source) if isinstance(source, int) else source
         self._lock = threading.Lock()
 
     def _read(self, at: int, size: int) -> bytes:
         with self._lock:
-            if self._fd is None:
+            if self._source is None:
                 raise StoreError("the result reader is closed")
-            try:
-                data = os.pread(self._fd, size, at)
-                while len(data) < size:
-                    more = os.pread(self._fd, size - len(data), at + len(data))
-                    if not more:
-                        raise StoreError("the result file is shorter than its record says")
-                    data += more
-            except OSError as error:
-                raise io_error(error, "reading a result file") from None
-        return data
+            return self._source.read(at, size)
 
     def close(self) -> None:
         with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            if self._source is not None:
+                self._source.close()
+                self._source = None
 
     def __enter__(self) -> Self:
         return self
@@ -99,14 +93,14 @@ class _FileReader:
         self.close()
 
 
-class ResultReader(_FileReader):
+class ResultReader(_RangeReader):
     """Reads frames of a result file back as wire chunks, one chunk in memory at a time.
 
     Blocking: iterate `chunks` through `asyncio.to_thread`.
     """
 
-    def __init__(self, fd: int, shape: tuple[int, int, int, int], data_offset: int) -> None:
-        super().__init__(fd)
+    def __init__(self, source: int | ByteSource, shape: tuple[int, int, int, int], data_offset: int) -> None:
+        super().__init__(source)
         self.shape = shape
         self.frame_bytes = shape[1] * shape[2] * shape[3]
         self._data_offset = data_offset
@@ -141,11 +135,11 @@ class ResultReader(_FileReader):
         return np.frombuffer(data, np.uint8).reshape(count, *self.shape[1:])
 
 
-class EncodedReader(_FileReader):
+class EncodedReader(_RangeReader):
     """Reads ranges of an encoded file back as wire chunks (blocking: iterate through `asyncio.to_thread`)."""
 
-    def __init__(self, fd: int, media_type: str) -> None:
-        super().__init__(fd)
+    def __init__(self, source: int | ByteSource, media_type: str) -> None:
+        super().__init__(source)
         self.media_type = media_type
 
     def chunks(
@@ -170,8 +164,11 @@ class _PartialFile:
     """A file written under a temporary name while its job runs: readers duplicate its descriptor meanwhile;
     `_finish_file` renames it into place (the store commits its row after), `discard` throws it away.
 
-    `kind` names it in errors ("result", "encoded result"). Writes, commit and discard close or replace the
-    descriptor that readers duplicate, so each holds the lock.
+    With a blob store beside the spool (`attach_upload`), every byte written in order is also streamed to an
+    upload of the blob, part by part as it fills; `_finish_upload` completes it (re-sending the file whole
+    if the writes were not in order or the stream failed) and deletes the spool, and readers then read the
+    blob. `kind` names the file in errors ("result", "encoded result"). Writes, commit and discard close or
+    replace the descriptor that readers duplicate, so each holds the lock.
     """
 
     kind = "result"
@@ -183,26 +180,58 @@ class _PartialFile:
         self._fd: int | None = fd
         self._committed = False
         self._lock = threading.Lock()
+        self._blobs: BlobStore | None = None
+        self.blob_key: str | None = None  # the blob it is committed to, with a blob store
+        self._upload: BlobWriter | None = None
+        self._uploaded = 0  # bytes streamed to the upload, in order from the first
+
+    def attach_upload(self, blobs: BlobStore, key: str, written: bytes = b"") -> None:
+        """Streams this file to blob `key` as it is written; `written` is what the file already holds."""
+        with self._lock:
+            self._blobs, self.blob_key = blobs, key
+            self._upload = blobs.writer(key)
+            self._stream(written, 0)
+
+    def _stream(self, data: bytes | memoryview, at: int) -> None:
+        """Sends bytes just written at `at` to the upload if they follow what it has; the caller holds the lock.
+        A gap, or a failed part, leaves the rest to `_finish_upload`."""
+        if self._upload is None or at != self._uploaded or not len(data):
+            return
+        try:
+            self._upload.write(bytes(data))
+            self._uploaded += len(data)
+        except Exception:  # the store is down or refused a part: the file is sent whole at the end instead
+            self._abort_upload()
+
+    def _abort_upload(self) -> None:
+        upload, self._upload, self._uploaded = self._upload, None, 0
+        if upload is not None:
+            with contextlib.suppress(Exception):  # a failed abort leaves an upload the bucket's lifecycle reaps
+                upload.abort()
 
     def _pwrite(self, data: bytes | memoryview, at: int) -> None:
         """Writes all of `data` at byte `at`; the caller holds the lock."""
         if self._fd is None:
             raise StoreError(f"job {self.job_id}: its {self.kind} file is closed")
         view = memoryview(data).cast("B")
+        start = at
         try:
             while view:
                 written = os.pwrite(self._fd, view, at)
                 view, at = view[written:], at + written
         except OSError as error:
             raise io_error(error, f"job {self.job_id}: writing its {self.kind}") from None
+        self._stream(data, start)
 
-    def _reader_fd(self) -> int:
-        """A descriptor of the file for one reader: a duplicate while it is written, the committed file after;
-        raises ResultGone once it was discarded or deleted."""
+    def _reader_source(self) -> int | ByteSource:
+        """A source of the file for one reader: a duplicate descriptor while it is written, the committed file
+        or blob after; raises ResultGone once it was discarded or deleted."""
         with self._lock:
             try:
                 if self._fd is not None:
                     return os.dup(self._fd)
+                if self._committed and self._blobs is not None and self.blob_key is not None:
+                    return BlobSource(self._blobs, self.blob_key)
                 if self._committed:
                     return os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
                 raise ResultGone(f"job {self.job_id}: its {self.kind} was discarded")
@@ -212,13 +241,14 @@ class _PartialFile:
                 raise io_error(error, f"job {self.job_id}: opening its {self.kind}") from None
 
     def discard(self) -> None:
-        """Closes and deletes an uncommitted file (a committed one is the store's to delete)."""
+        """Closes and deletes an uncommitted file and aborts its upload (a committed one is the store's to delete)."""
         with self._lock:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
             if not self._committed:
                 self._partial.unlink(missing_ok=True)
+                self._abort_upload()
 
     def _finish_file(self) -> None:
         """fsync, rename into place, fsync the folder; the descriptor is closed after."""
@@ -237,11 +267,43 @@ class _PartialFile:
             self._committed = True
         fsync_dir(self.path.parent)
 
+    def _finish_upload(self, size: int) -> None:
+        """Completes the blob (all `size` bytes) and deletes the spool; the blob is visible from here on."""
+        with self._lock:
+            if self._fd is None or self._blobs is None or self.blob_key is None:
+                raise StoreError(f"job {self.job_id}: its {self.kind} file is closed")
+            try:
+                if self._upload is None or self._uploaded != size:
+                    self._abort_upload()
+                    self._upload = self._blobs.writer(self.blob_key)
+                    spool = FdSource(os.dup(self._fd))
+                    try:
+                        for at in range(0, size, UPLOAD_PIECE_BYTES):
+                            self._upload.write(spool.read(at, min(UPLOAD_PIECE_BYTES, size - at)))
+                    finally:
+                        spool.close()
+                self._upload.commit()
+            except StoreError:
+                self._abort_upload()
+                raise
+            except Exception as error:
+                self._abort_upload()
+                raise StoreError(f"job {self.job_id}: uploading its {self.kind}: {error}") from None
+            self._upload = None
+            os.close(self._fd)
+            self._fd = None
+            self._partial.unlink(missing_ok=True)
+            self._committed = True
+
     def _uncommit(self) -> None:
-        """Takes back a renamed file whose row could not be committed."""
+        """Takes back a committed file or blob whose row could not be committed."""
         with self._lock:
             self._committed = False
-        self.path.unlink(missing_ok=True)
+        if self._blobs is not None and self.blob_key is not None:
+            with contextlib.suppress(Exception):  # left to the janitor, which deletes blobs no row names
+                self._blobs.delete(self.blob_key)
+        else:
+            self.path.unlink(missing_ok=True)
 
 
 class EncodedWriter(_PartialFile):
@@ -269,7 +331,7 @@ class EncodedWriter(_PartialFile):
 
     def open_reader(self) -> EncodedReader:
         """A reader of what was appended so far (the whole file once committed); raises ResultGone."""
-        return EncodedReader(self._reader_fd(), self.media_type)
+        return EncodedReader(self._reader_source(), self.media_type)
 
 
 class ResultWriter(_PartialFile):
@@ -307,15 +369,18 @@ class ResultWriter(_PartialFile):
 
     def open_reader(self) -> ResultReader:
         """A reader of the frames written so far (and of the whole result once committed); raises ResultGone."""
-        return ResultReader(self._reader_fd(), self.shape, self.data_offset)
+        return ResultReader(self._reader_source(), self.shape, self.data_offset)
 
 
 @dataclass
 class StoredResult:
     """A finished job's result: its raw frames' file (unless an encoded result did not keep them), its
-    encoded file (when the request asked for a format), the frames' shape, and how they were first published."""
+    encoded file (when the request asked for a format), the frames' shape, and how they were first published.
 
-    path: Path | None  # the raw frames (.npy); None when only the encoded file was kept
+    The files are local paths, or, with a blob store, the keys `raw_key` and `encoded_key` in `blobs`.
+    """
+
+    path: Path | None  # the raw frames (.npy); None when only the encoded file was kept (or with a blob store)
     shape: tuple[int, int, int, int]
     data_offset: int
     fps: float
@@ -325,29 +390,45 @@ class StoredResult:
     media_type: str = ""  # of the encoded file; "" for a raw result
     encoded_path: Path | None = None
     encoded_bytes: int = 0
+    blobs: BlobStore | None = None
+    raw_key: str | None = None
+    encoded_key: str | None = None
 
     @property
     def num_frames(self) -> int:
         return int(self.shape[0])
 
     @property
+    def has_raw(self) -> bool:
+        return self.path is not None or self.raw_key is not None
+
+    @property
+    def has_encoded(self) -> bool:
+        return self.encoded_path is not None or self.encoded_key is not None
+
+    @property
     def frames(self) -> np.ndarray:
-        """Every frame, memory-mapped read-only: for tools and tests; serving reads with `open`/`events`."""
-        if self.path is None:
-            raise ResultGone("the result kept only its encoded file")
-        return np.load(self.path, mmap_mode="r", allow_pickle=False)
+        """Every frame (memory-mapped read-only when local): for tools and tests; serving reads with `open`."""
+        if self.path is not None:
+            return np.load(self.path, mmap_mode="r", allow_pickle=False)
+        with self.open() as reader:
+            return reader.frames(0, self.num_frames)
 
     def open(self) -> ResultReader:
         """A reader of this result's raw frames; raises ResultGone if they were deleted since (or not kept)."""
-        if self.path is None:
-            raise ResultGone("the result kept only its encoded file")
-        return ResultReader(_open_read(self.path), self.shape, self.data_offset)
+        if self.path is not None:
+            return ResultReader(_open_read(self.path), self.shape, self.data_offset)
+        if self.blobs is not None and self.raw_key is not None:
+            return ResultReader(BlobSource(self.blobs, self.raw_key), self.shape, self.data_offset)
+        raise ResultGone("the result kept only its encoded file")
 
     def open_encoded(self) -> EncodedReader:
         """A reader of this result's encoded file; raises ResultGone if it was deleted since."""
-        if self.encoded_path is None:
-            raise ResultGone("the result has no encoded file")
-        return EncodedReader(_open_read(self.encoded_path), self.media_type)
+        if self.encoded_path is not None:
+            return EncodedReader(_open_read(self.encoded_path), self.media_type)
+        if self.blobs is not None and self.encoded_key is not None:
+            return EncodedReader(BlobSource(self.blobs, self.encoded_key), self.media_type)
+        raise ResultGone("the result has no encoded file")
 
     def completed_event(self, job_id: str = "", seed: int = 0) -> generation_pb2.GenerateEvent:
         return generation_pb2.GenerateEvent(
@@ -373,14 +454,14 @@ class StoredResult:
 
         Read from the files one chunk at a time (blocking; a file is opened at the first `next` that needs it).
         """
-        if self.path is not None:
+        if self.has_raw:
             with self.open() as reader:
                 for first, count in self.pieces:
                     for chunk in reader.chunks(first, count, chunk_bytes=chunk_bytes):
                         yield generation_pb2.GenerateEvent(
                             job_id=job_id, result=generation_pb2.ResultChunk(tensor=chunk, fps=self.fps)
                         )
-        if self.encoded_path is not None:
+        if self.has_encoded:
             with self.open_encoded() as reader:
                 for piece in reader.chunks(0, self.encoded_bytes, last=True, chunk_bytes=chunk_bytes):
                     yield generation_pb2.GenerateEvent(

@@ -28,6 +28,7 @@ from services.orchestrator.adapter_rate import AdapterRate
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.jobs import JobManager
 from services.orchestrator.options import batch_per_tenant, build_parser
+from services.orchestrator.janitor import BlobJanitor
 from services.orchestrator.pipeline import Pipeline, restore_intermediates
 from services.orchestrator.request_bounds import RequestBoundsInterceptor
 from services.orchestrator.scheduler import FairScheduler
@@ -35,6 +36,7 @@ from services.orchestrator.servicer import GenerationServicer
 from services.orchestrator.stage_clients import StagePool
 from services.orchestrator.store import JobStore
 from services.orchestrator.store_errors import StoreError
+from services.orchestrator.store_location import PostgresLocation, open_blobs, replica_owner
 from services.orchestrator.tenant_auth import TenantAuthInterceptor
 from services.orchestrator.tenants import TenantConfigError, TenantRegistry
 from services.server import configure_logging, is_loopback, serve
@@ -107,9 +109,15 @@ def main(argv: list[str] | None = None) -> None:
     if tenants.is_open:
         logger.warning("no --tenants file: every caller is the open tenant 'default', with no key and no quota")
     try:
-        store = JobStore.open(config.state_dir)
+        store = JobStore.open(
+            config.state_dir,
+            database_url=config.store.dsn if isinstance(config.store, PostgresLocation) else None,
+            blobs=open_blobs(config.blobs),
+            owner=replica_owner(config.store),
+        )
     except StoreError as error:
-        raise SystemExit(f"{PROG}: --state-dir {config.state_dir}: {error}") from None
+        where = "--store: " if isinstance(config.store, PostgresLocation) else f"--state-dir {config.state_dir}: "
+        raise SystemExit(f"{PROG}: {where if not str(error).startswith('--') else ''}{error}") from None
     try:
         asyncio.run(_serve(config, tenants, secret, credentials, store, stage_credentials))
     finally:
@@ -169,11 +177,15 @@ async def _serve(
         adapter_rate=AdapterRate(config.adapters_per_minute),
     )
 
+    janitor = BlobJanitor(store)
+
     def register(server: grpc.aio.Server) -> list[str]:
+        janitor.start()
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         return [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
 
     async def shutdown() -> None:
+        await janitor.stop()
         await servicer.followers.close()
         await jobs.shutdown()
         await stages.close()

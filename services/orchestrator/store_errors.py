@@ -35,6 +35,10 @@ class InvalidTransition(StoreError):
     """The job's current state does not allow the change (e.g. it already finished)."""
 
 
+class LeaseLost(InvalidTransition):
+    """Another replica claimed the job since this one did: this replica's writes of it change nothing."""
+
+
 class ResultGone(StoreError):
     """A result's file is no longer there: the job failed before it was complete, or it was deleted."""
 
@@ -55,6 +59,12 @@ def io_error(error: OSError, what: str, *, with_path: bool = False) -> StoreErro
     kind = StoreFull if error.errno in OUT_OF_SPACE else StoreError
     where = f" ({error.filename})" if with_path and error.filename else ""
     return kind(f"{what}: {error.strerror or error}{where}")
+
+
+def blob_error(error: Exception, what: str) -> StoreError:
+    """A one-line StoreError for a failed blob store call (the message names the key, never a URL or secret)."""
+    detail = str(error) if isinstance(error, RuntimeError) else type(error).__name__
+    return StoreError(f"{what}: the blob store failed: {detail}")
 
 
 def db_error(error: sqlite3.Error) -> StoreError:

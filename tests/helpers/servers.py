@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,10 +50,24 @@ class Postgres:
 
     directory: Path
     port: int
+    database: str = "postgres"
 
     @property
     def dsn(self) -> str:
-        return f"postgresql://postgres@{HOST}:{self.port}/postgres"
+        return f"postgresql://postgres@{HOST}:{self.port}/{self.database}"
+
+    def with_new_database(self) -> Postgres:
+        """This server, with a new empty database for one test."""
+        return Postgres(self.directory, self.port, self.new_database().rsplit("/", 1)[1])
+
+    def new_database(self) -> str:
+        """Creates an empty database of its own for one test; returns its URL."""
+        import psycopg
+
+        name = f"t{uuid.uuid4().hex[:16]}"
+        with psycopg.connect(self.dsn, autocommit=True) as connection:
+            connection.execute(f"CREATE DATABASE {name}")
+        return f"postgresql://postgres@{HOST}:{self.port}/{name}"
 
 
 @contextlib.contextmanager

@@ -3,20 +3,13 @@ directory, and S3 on a real SeaweedFS server started for the session."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from services.orchestrator.blobs import BlobError, BlobNotFound, BlobStore, LocalBlobs, S3Blobs, s3_client
 from services.orchestrator.blobs import s3 as s3_module
-from tests.helpers.servers import S3Server, seaweedfs
-
-
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    with seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as server:
-        yield server
+from tests.helpers.servers import S3Server
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -10,13 +10,12 @@ import psycopg
 import pytest
 
 from services.orchestrator.leadership import Election
-from tests.helpers.servers import Postgres, postgres
+from tests.helpers.servers import Postgres
 
 
-@pytest.fixture(scope="module")
-def database() -> Iterator[Postgres]:
-    with postgres() as server:
-        yield server
+@pytest.fixture
+def database(postgres_server: Postgres) -> Postgres:
+    return postgres_server.with_new_database()
 
 
 @pytest.fixture

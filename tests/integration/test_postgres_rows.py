@@ -12,13 +12,13 @@ from services.orchestrator.store.postgres import PostgresDatabase
 from services.orchestrator.store.records import JobRecord, JobState
 from services.orchestrator.store.rows import JobRows
 from services.orchestrator.store_errors import DuplicateRequestId, StoreError
-from tests.helpers.servers import Postgres, postgres
+from tests.helpers.servers import Postgres
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Postgres]:
-    with postgres() as running:
-        yield running
+@pytest.fixture
+def server(postgres_server: Postgres) -> Postgres:
+    """The session's server, with a database of this test's own."""
+    return postgres_server.with_new_database()
 
 
 @pytest.fixture

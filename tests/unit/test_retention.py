@@ -17,10 +17,10 @@ from services.orchestrator.admission import StorageRefused
 from services.orchestrator.job import JobState
 from services.orchestrator.jobs import JobManager
 from services.orchestrator.scheduler import FairScheduler
-from services.orchestrator.store import RESULT_FILE, JobStore, MinFree, StoreFull
+from services.orchestrator.store import RESULT_FILE, MinFree, StoreFull
 from services.orchestrator.tenants import LimitExceeded, Quotas, Tenant
 from tests.helpers.result_pipeline import FramePipeline, make_request
-from tests.helpers.store import FAILED, SUCCEEDED
+from tests.helpers.store import FAILED, SUCCEEDED, OpenStore, files, read_file
 
 
 class FakeClock:
@@ -39,13 +39,13 @@ async def finish(jobs: JobManager, tenant: Tenant, request_id: str = "", num_fra
     return job
 
 
-def test_one_tenant_finishing_many_jobs_never_deletes_another_tenants(tmp_path: Path) -> None:
+def test_one_tenant_finishing_many_jobs_never_deletes_another_tenants(tmp_path: Path, open_store: OpenStore) -> None:
     acme, beta = Tenant(name="acme"), Tenant(name="beta")
     small = Tenant(name="small", quotas=Quotas(max_kept_jobs=1))
     clock = FakeClock()
 
     async def scenario() -> None:
-        with JobStore.open(tmp_path, clock=clock) as store:
+        with open_store(tmp_path, clock=clock) as store:
             jobs = JobManager(
                 FramePipeline(store).run,
                 FairScheduler(),
@@ -61,7 +61,7 @@ def test_one_tenant_finishing_many_jobs_never_deletes_another_tenants(tmp_path: 
             assert [r.job_id for r in store.finished_jobs(tenant="acme")] == [j.job_id for j in acme_jobs[:0:-1]]
             for i, job in enumerate(kept_by_beta):
                 assert (await jobs.find_request("beta", f"beta-{i}")).job_id == job.job_id
-                assert (store.jobs_dir / job.job_id / RESULT_FILE).is_file()
+                assert f"{job.job_id}/{RESULT_FILE}" in files(store)
             assert await jobs.find_request("acme", "acme-0") is None  # its own request id is free again
             # A tenant's quota overrides the default.
             small_jobs = [await finish(jobs, small) for _ in range(2)]
@@ -76,7 +76,7 @@ def test_one_tenant_finishing_many_jobs_never_deletes_another_tenants(tmp_path: 
     asyncio.run(scenario())
 
 
-def test_stored_bytes_are_a_tenant_quota(tmp_path: Path) -> None:
+def test_stored_bytes_are_a_tenant_quota(tmp_path: Path, open_store: OpenStore) -> None:
     one_frame = 16 * 32 * 3  # make_request's frames
     release = asyncio.Event()
 
@@ -85,12 +85,12 @@ def test_stored_bytes_are_a_tenant_quota(tmp_path: Path) -> None:
             await release.wait()
 
     async def scenario() -> None:
-        with JobStore.open(tmp_path) as store:
+        with open_store(tmp_path) as store:
             size = None
             jobs = JobManager(FramePipeline(store, hold).run, FairScheduler(max_running=8), store)
             probe = Tenant(name="probe")
             first = await finish(jobs, probe)
-            size = (store.jobs_dir / first.job_id / RESULT_FILE).stat().st_size
+            size = len(read_file(store, first.job_id, RESULT_FILE))
             tenant = Tenant(name="acme", quotas=Quotas(max_stored_bytes=3 * size + 100))
             other = Tenant(name="beta", quotas=Quotas(max_stored_bytes=3 * size + 100))
             beta_jobs = [await finish(jobs, other) for _ in range(3)]
@@ -119,9 +119,9 @@ def test_stored_bytes_are_a_tenant_quota(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
-def test_new_jobs_are_refused_while_the_state_volume_is_nearly_full(tmp_path: Path) -> None:
+def test_new_jobs_are_refused_while_the_state_volume_is_nearly_full(tmp_path: Path, open_store: OpenStore) -> None:
     async def scenario() -> None:
-        with JobStore.open(tmp_path) as store:
+        with open_store(tmp_path) as store:
             free = shutil.disk_usage(tmp_path).free
             jobs = JobManager(
                 FramePipeline(store).run, FairScheduler(), store, min_free=MinFree(bytes=free + (1 << 40))
@@ -136,9 +136,9 @@ def test_new_jobs_are_refused_while_the_state_volume_is_nearly_full(tmp_path: Pa
     asyncio.run(scenario())
 
 
-def test_a_store_error_at_dispatch_fails_that_job_and_the_queue_moves_on(tmp_path: Path) -> None:
+def test_a_store_error_at_dispatch_fails_that_job_and_the_queue_moves_on(tmp_path: Path, open_store: OpenStore) -> None:
     async def scenario() -> None:
-        with JobStore.open(tmp_path) as store:
+        with open_store(tmp_path) as store:
             scheduler = FairScheduler(max_running=1)
             jobs = JobManager(FramePipeline(store).run, scheduler, store)
             tenant = Tenant(name="acme")

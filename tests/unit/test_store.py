@@ -30,7 +30,19 @@ from services.orchestrator.store import (
 )
 from stagediff.tensor_codec import TensorAssembler, encode_tensor
 from stagediff.v1 import generation_pb2, tensor_pb2
-from tests.helpers.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, FakeClock, files
+from tests.helpers.store import (
+    CANCELLED,
+    FAILED,
+    QUEUED,
+    RUNNING,
+    SUCCEEDED,
+    FakeClock,
+    OpenStore,
+    delete_file,
+    files,
+    read_file,
+    write_file,
+)
 
 
 @pytest.fixture
@@ -39,8 +51,8 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def store(tmp_path: Path, clock: FakeClock):
-    with JobStore.open(tmp_path / "state", clock=clock) as opened:
+def store(tmp_path: Path, clock: FakeClock, open_store: OpenStore):
+    with open_store(tmp_path / "state", clock=clock) as opened:
         yield opened
 
 
@@ -176,8 +188,7 @@ def test_an_unreadable_saved_output_is_a_store_error_naming_the_stage(store: Job
     _add(store, "j")
     store.update_state("j", RUNNING)
     store.mark_stage_done("j", "dit", _chunks("latents", np.ones((1, 4, 1, 8, 8), np.float32)))
-    path = store.jobs_dir / "j" / "stage-dit.chunks"
-    path.write_bytes(path.read_bytes()[:-7])
+    write_file(store, "j", "stage-dit.chunks", read_file(store, "j", "stage-dit.chunks")[:-7])
     with pytest.raises(StoreError, match="job j: the saved output of stage dit cannot be read"):
         store.load_intermediates("j")
 
@@ -277,8 +288,8 @@ def test_a_result_streams_into_its_file_and_is_read_back_while_written(store: Jo
     assert store.load_result("j").pieces == [(0, 1), (1, 4), (5, 4)]
 
 
-def test_a_discarded_or_crashed_result_leaves_nothing(tmp_path: Path) -> None:
-    with JobStore.open(tmp_path) as store:
+def test_a_discarded_or_crashed_result_leaves_nothing(tmp_path: Path, open_store: OpenStore) -> None:
+    with open_store(tmp_path) as store:
         for job_id in ("failed", "crashed"):
             _add(store, job_id)
             store.update_state(job_id, RUNNING)
@@ -295,7 +306,7 @@ def test_a_discarded_or_crashed_result_leaves_nothing(tmp_path: Path) -> None:
         store.create_result("crashed", (2, 8, 16, 3)).write(0, 0, _frames(2).reshape(-1))
         assert [name.split("/")[0] for name in files(store)] == ["crashed"]
     # The process died before the commit: the next open sweeps the partial file, and the job has no result.
-    with JobStore.open(tmp_path) as store:
+    with open_store(tmp_path) as store:
         assert files(store) == [] and store.load_result("crashed") is None
         with pytest.raises(InvalidTransition, match="not JOB_STATE_RUNNING"):
             store.create_result("failed", (2, 8, 16, 3))
@@ -322,11 +333,10 @@ def test_a_changed_result_file_is_an_error_not_a_replay(store: JobStore) -> None
     _add(store, "j")
     store.update_state("j", RUNNING)
     store.save_result("j", _frames(3), 16.0)
-    path = store.jobs_dir / "j" / RESULT_FILE
-    path.write_bytes(path.read_bytes()[:-1])  # truncated
+    write_file(store, "j", RESULT_FILE, read_file(store, "j", RESULT_FILE)[:-1])  # truncated
     with pytest.raises(StoreError, match="does not hold the frames"):
         store.load_result("j")
-    path.unlink()
+    delete_file(store, "j", RESULT_FILE)
     with pytest.raises(StoreError, match="cannot be read"):
         store.load_result("j")
 
@@ -357,7 +367,7 @@ def _finish(store: JobStore, clock: FakeClock, job_id: str, tenant: str, frames:
     store.update_state(job_id, RUNNING)
     clock.now += 1
     store.save_result(job_id, _frames(frames), 8.0)
-    return (store.jobs_dir / job_id / RESULT_FILE).stat().st_size
+    return len(read_file(store, job_id, RESULT_FILE))
 
 
 def test_prune_keeps_each_tenant_within_its_own_limits(store: JobStore, clock: FakeClock) -> None:
@@ -600,8 +610,8 @@ def test_an_unusable_state_dir_is_a_one_line_error(tmp_path: Path) -> None:
         shutil.rmtree(parent)
 
 
-def test_open_sweeps_what_a_crash_leaves(tmp_path: Path) -> None:
-    with JobStore.open(tmp_path) as store:
+def test_open_sweeps_what_a_crash_leaves(tmp_path: Path, open_store: OpenStore) -> None:
+    with open_store(tmp_path) as store:
         _add(store, "done")
         store.update_state("done", RUNNING)
         store.save_result("done", _frames(2), 16.0)
@@ -616,7 +626,7 @@ def test_open_sweeps_what_a_crash_leaves(tmp_path: Path) -> None:
     (jobs / "running" / "stage-dit.chunks").write_bytes(b"not committed")
     (jobs / "ghost").mkdir()
     (jobs / "ghost" / RESULT_FILE).write_bytes(b"x")
-    with JobStore.open(tmp_path) as store:
+    with open_store(tmp_path) as store:
         assert files(store) == [f"done/{RESULT_FILE}", "running/stage-text-encoder.chunks"]
         assert store.load_result("running") is None
         assert list(store.load_intermediates("running")) == ["text-encoder"]
@@ -624,10 +634,10 @@ def test_open_sweeps_what_a_crash_leaves(tmp_path: Path) -> None:
         assert np.array_equal(store.load_result("done").frames, _frames(2))
 
 
-def test_calls_from_several_threads(tmp_path: Path) -> None:
+def test_calls_from_several_threads(tmp_path: Path, open_store: OpenStore) -> None:
     """One connection behind a lock: record calls on one thread, file calls on worker threads."""
     errors: list[BaseException] = []
-    with JobStore.open(tmp_path) as store:
+    with open_store(tmp_path) as store:
 
         def work(worker: int) -> None:
             try:

@@ -11,14 +11,12 @@ from services.orchestrator.store_location import (
     LocalBlobsLocation,
     PostgresLocation,
     S3Location,
-    SqliteLocation,
     blobs_location,
     store_location,
 )
 
 
-def test_a_directory_or_a_postgresql_url_is_a_store() -> None:
-    assert store_location("state") == SqliteLocation(Path("state"))
+def test_a_postgresql_url_is_a_store() -> None:
     url = "postgresql://stagediff@db.internal:5432/jobs"
     assert store_location(url) == PostgresLocation(url)
 
@@ -28,8 +26,8 @@ def test_a_directory_or_a_postgresql_url_is_a_store() -> None:
     [
         ("postgresql://user:secret@db/jobs", "PGPASSWORD"),
         ("postgresql:///jobs", "names its host"),
-        ("mysql://db/jobs", "'mysql://...': use a directory or a postgresql:// URL"),
-        ("", "give a directory"),
+        ("mysql://db/jobs", "'mysql://db/jobs': use a postgresql:// URL"),
+        ("state", "SQLite in --state-dir"),
     ],
 )
 def test_bad_stores_are_refused_naming_the_flag(value: str, words: str) -> None:

@@ -101,10 +101,19 @@ class LocalBlobs:
         return LocalBlobWriter(self._path(key), key)
 
     def keys(self, prefix: str) -> Iterator[str]:
+        for key, _ in self.listing(prefix):
+            yield key
+
+    def listing(self, prefix: str) -> Iterator[tuple[str, float]]:
         directory = self.root / check_prefix(prefix)
         for path in directory.rglob("*"):
-            if path.is_file() and PARTIAL not in path.name:
-                yield path.relative_to(self.root).as_posix()
+            if PARTIAL in path.name:
+                continue
+            try:
+                if path.is_file():
+                    yield path.relative_to(self.root).as_posix(), path.stat().st_mtime
+            except FileNotFoundError:  # deleted while listed
+                continue
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)

@@ -39,7 +39,9 @@ def check_key(key: str) -> str:
 
 
 def check_prefix(prefix: str) -> str:
-    """A prefix is a key followed by `/`: it names whole segments, never part of one."""
+    """A prefix is a key followed by `/`: it names whole segments, never part of one; "" names every blob."""
+    if prefix == "":
+        return prefix
     if not prefix.endswith("/"):
         raise ValueError(f"blob prefix {prefix[:64]!r}: end it with '/'")
     check_key(prefix[:-1])
@@ -81,6 +83,10 @@ class BlobStore(Protocol):
 
     def keys(self, prefix: str) -> Iterator[str]:
         """The keys under `prefix`, in no promised order."""
+        ...
+
+    def listing(self, prefix: str) -> Iterator[tuple[str, float]]:
+        """(key, unix time it was last written) of each blob under `prefix`, in no promised order."""
         ...
 
     def delete(self, key: str) -> None: ...

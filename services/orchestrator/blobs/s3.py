@@ -150,12 +150,16 @@ class S3Blobs:
         return S3BlobWriter(self, key)
 
     def keys(self, prefix: str) -> Iterator[str]:
+        for key, _ in self.listing(prefix):
+            yield key
+
+    def listing(self, prefix: str) -> Iterator[tuple[str, float]]:
         pages = self.client.get_paginator("list_objects_v2").paginate(
             Bucket=self.bucket, Prefix=self.prefix + check_prefix(prefix)
         )
         for page in pages:
             for item in page.get("Contents", []):
-                yield item["Key"][len(self.prefix) :]
+                yield item["Key"][len(self.prefix) :], item["LastModified"].timestamp()
 
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self.object_name(key))

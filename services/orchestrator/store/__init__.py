@@ -42,6 +42,7 @@ from services.orchestrator.store.schema import SCHEMA_VERSION
 from services.orchestrator.store_errors import (
     DuplicateRequestId,
     InvalidTransition,
+    LeaseLost,
     ResultGone,
     StateDirLocked,
     StoreError,
@@ -64,6 +65,7 @@ __all__ = [
     "JobRecord",
     "JobState",
     "JobStore",
+    "LeaseLost",
     "MinFree",
     "ResultGone",
     "ResultReader",

@@ -30,6 +30,8 @@ class JobDatabase(Protocol):
     """The current unix time in seconds, as SQL."""
     skip_locked: str
     """Appended to a SELECT of rows to claim: lets one claimer pass rows another holds ('' where one process writes)."""
+    for_update: str
+    """Appended to a SELECT of a row the transaction then changes: locks it ('' where one process writes)."""
     mutex: Any
 
     def connection(self) -> Any: ...
@@ -54,6 +56,7 @@ class Database:
     # the current unix time in seconds, and the clause that lets a claimer pass rows another holds.
     now_sql = "((julianday('now') - 2440587.5) * 86400.0)"
     skip_locked = ""
+    for_update = ""
 
     def __init__(self, connection: sqlite3.Connection) -> None:
         self._connection: sqlite3.Connection | None = connection

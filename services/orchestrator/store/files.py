@@ -9,8 +9,14 @@ Layout of `jobs_dir`, one folder per job:
     <job_id>/.result.<ext>.<hex>.partial            the encoded result of a running job, as encoded
     <job_id>/result.<ext>                           the encoded result (result.mp4, result.png...)
 
-Rules. A file is complete (written, fsynced, renamed into place, folder fsynced) before the store commits
-the row that names it, so a file no row names is a leftover that `sweep` removes. Files are named by
+With a blob store (`blobs`, e.g. S3), stage outputs, input images and committed results are blobs under the
+same names (`<job_id>/<file>`), and the jobs folder keeps only the spool of results being written, each
+streamed to its blob as it grows (result_files.py). The names of what a claim writes then carry its lease
+epoch (`e<epoch>/result-frames.npy`, `stage-dit.e<epoch>.chunks`), so a replica that lost the job can
+never overwrite what the new owner's rows name.
+
+Rules. A file is complete (written, fsynced, renamed into place, folder fsynced; or a blob committed) before
+the store commits the row that names it, so a file no row names is a leftover that `sweep` removes. Files are named by
 (job_id, file name) across this module's interface; it holds no database and never decides when a file is
 kept or deleted (the store does). Stage outputs and input images are their protobuf messages, length-
 prefixed, in order, as they came off the wire (never decoded here). Errors are StoreError with a one-line
@@ -34,16 +40,18 @@ import numpy as np
 from google.protobuf import proto
 from google.protobuf.message import DecodeError
 
+from services.orchestrator.blobs.protocol import BlobError, BlobStore
 from services.orchestrator.result_files import (
     ENCODED_FILE,
     RESULT_FILE,
     EncodedWriter,
     ResultWriter,
+    check_shape,
     npy_header,
     read_npy_header,
 )
 from services.orchestrator.store.records import INPUT_IMAGES, SavedImages
-from services.orchestrator.store_errors import StoreError, fsync_dir, io_error
+from services.orchestrator.store_errors import StoreError, blob_error, fsync_dir, io_error
 from stagediff.v1 import image_pb2, tensor_pb2
 
 JOBS_DIR = "jobs"
@@ -92,10 +100,33 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
 
 
 class JobFiles:
-    """The folders of every job under `jobs_dir`. Blocking (fsync, large files): call through to_thread."""
+    """The folders of every job under `jobs_dir`, or their blobs in `blobs`. Blocking (fsync, large files,
+    network): call through to_thread."""
 
-    def __init__(self, jobs_dir: Path) -> None:
+    def __init__(self, jobs_dir: Path, blobs: BlobStore | None = None) -> None:
         self.jobs_dir = jobs_dir
+        self.blobs = blobs
+
+    def _put(self, job_id: str, file: str, data: memoryview, what: str) -> None:
+        """Stores a durable file whole: a blob, or a local file written atomically."""
+        if self.blobs is None:
+            try:
+                atomic_write(self.job_dir(job_id, create=True) / file, lambda out: out.write(data))
+            except FileNotFoundError:
+                raise
+            except OSError as error:
+                raise io_error(error, f"job {job_id}: {what}") from None
+            return
+        try:
+            self.blobs.put(f"{job_id}/{file}", bytes(data))
+        except Exception as error:
+            raise blob_error(error, f"job {job_id}: {what}") from None
+
+    def _get(self, job_id: str, file: str) -> BinaryIO:
+        """A durable file to read from start to end."""
+        if self.blobs is None:
+            return open(self.jobs_dir / job_id / file, "rb")
+        return io.BytesIO(self.blobs.get(f"{job_id}/{file}"))
 
     def job_dir(self, job_id: str, *, create: bool = False) -> Path:
         check_name("job_id", job_id)
@@ -115,11 +146,18 @@ class JobFiles:
 
     def unlink(self, job_id: str, files: Iterable[str]) -> None:
         for file in files:
-            (self.jobs_dir / job_id / file).unlink(missing_ok=True)
+            if self.blobs is None:
+                (self.jobs_dir / job_id / file).unlink(missing_ok=True)
+            else:
+                with contextlib.suppress(Exception):  # what cannot be deleted now, the janitor deletes later
+                    self.blobs.delete(f"{job_id}/{file}")
 
     def remove_job(self, job_id: str) -> None:
-        """Deletes the job's folder and everything in it."""
+        """Deletes the job's folder (its spool) and everything in it, and its blobs."""
         shutil.rmtree(self.jobs_dir / job_id, ignore_errors=True)
+        if self.blobs is not None:
+            with contextlib.suppress(Exception):
+                self.blobs.delete_prefix(f"{job_id}/")
 
     # -------------------------------------------------------- input images --
 
@@ -133,32 +171,31 @@ class JobFiles:
             return None
         data = buffer.getbuffer()
         file = f"stage-{INPUT_IMAGES}.{uuid.uuid4().hex}{_CHUNKS_SUFFIX}"  # never another job's, by any id
-        try:
-            atomic_write(self.job_dir(job_id, create=True) / file, lambda out: out.write(data))
-        except OSError as error:
-            raise io_error(error, f"job {job_id}: saving its input images") from None
+        self._put(job_id, file, data, "saving its input images")
         return SavedImages(file, len(data))
 
     def discard_input_images(self, job_id: str, images: SavedImages) -> None:
         """Deletes saved images, and the job's folder if nothing else is in it."""
-        (self.jobs_dir / job_id / images.file).unlink(missing_ok=True)
+        self.unlink(job_id, [images.file])
         with contextlib.suppress(OSError):
             (self.jobs_dir / job_id).rmdir()  # only when nothing else is there
 
     def load_input_images(self, job_id: str, file: str) -> list[image_pb2.InputImage]:
         images: list[image_pb2.InputImage] = []
         try:
-            with open(self.jobs_dir / job_id / file, "rb") as stream:
+            with self._get(job_id, file) as stream:
                 while (image := proto.parse_length_prefixed(image_pb2.InputImage, _readable(stream))) is not None:
                     images.append(image)
-        except (OSError, ValueError, DecodeError) as error:
+        except (OSError, ValueError, DecodeError, BlobError) as error:
             raise StoreError(f"job {job_id}: its input images cannot be read: {error}") from None
         return images
 
     # ------------------------------------------------------- stage outputs --
 
-    def save_stage(self, job_id: str, stage: str, chunks: Iterable[tensor_pb2.TensorChunk]) -> tuple[str, int]:
-        """Writes a finished stage's chunks; returns the file's name and size.
+    def save_stage(
+        self, job_id: str, stage: str, chunks: Iterable[tensor_pb2.TensorChunk], epoch: int = 0
+    ) -> tuple[str, int]:
+        """Writes a finished stage's chunks, by the claim of lease `epoch`; returns the file's name and size.
 
         Raises FileNotFoundError if the job's folder was deleted while writing (the caller knows why).
         """
@@ -166,30 +203,25 @@ class JobFiles:
         for chunk in chunks:
             proto.serialize_length_prefixed(chunk, buffer)
         data = buffer.getbuffer()
-        directory = self.job_dir(job_id, create=True)
-        file = f"stage-{stage}{_CHUNKS_SUFFIX}"
-        try:
-            atomic_write(directory / file, lambda out: out.write(data))
-        except FileNotFoundError:
-            raise
-        except OSError as error:
-            raise io_error(error, f"job {job_id}: saving the output of stage {stage}") from None
+        file = f"stage-{stage}{_CHUNKS_SUFFIX}" if self.blobs is None else f"stage-{stage}.e{epoch}{_CHUNKS_SUFFIX}"
+        self._put(job_id, file, data, f"saving the output of stage {stage}")
         return file, len(data)
 
     def load_stage(self, job_id: str, stage: str, file: str) -> list[tensor_pb2.TensorChunk]:
         chunks: list[tensor_pb2.TensorChunk] = []
         try:
-            with open(self.jobs_dir / job_id / file, "rb") as stream:
+            with self._get(job_id, file) as stream:
                 while (chunk := proto.parse_length_prefixed(tensor_pb2.TensorChunk, _readable(stream))) is not None:
                     chunks.append(chunk)
-        except (OSError, ValueError, DecodeError) as error:
+        except (OSError, ValueError, DecodeError, BlobError) as error:
             raise StoreError(f"job {job_id}: the saved output of stage {stage} cannot be read: {error}") from None
         return chunks
 
     # ------------------------------------------------------------- results --
 
-    def create_result(self, job_id: str, shape: tuple[int, int, int, int]) -> ResultWriter:
-        """Preallocates a result file of `shape` under a temporary name."""
+    def create_result(self, job_id: str, shape: tuple[int, int, int, int], epoch: int = 0) -> ResultWriter:
+        """Preallocates a result file of `shape` under a temporary name (streamed to its blob, with a blob
+        store, under the claim of lease `epoch`)."""
         header = npy_header(shape)
         nbytes = len(header) + shape[0] * shape[1] * shape[2] * shape[3]
         try:
@@ -205,9 +237,20 @@ class JobFiles:
             os.close(fd)
             partial.unlink(missing_ok=True)
             raise io_error(error, f"job {job_id}: creating its result file") from None
-        return ResultWriter(job_id, directory, shape, fd, partial, len(header))
+        writer = ResultWriter(job_id, directory, shape, fd, partial, len(header))
+        if self.blobs is not None:
+            self._attach(writer, f"e{epoch}/{RESULT_FILE}", header)
+        return writer
 
-    def create_encoded(self, job_id: str, extension: str, media_type: str) -> EncodedWriter:
+    def _attach(self, writer: ResultWriter | EncodedWriter, file: str, written: bytes) -> None:
+        try:
+            assert self.blobs is not None
+            writer.attach_upload(self.blobs, f"{writer.job_id}/{file}", written)
+        except Exception as error:
+            writer.discard()
+            raise blob_error(error, f"job {writer.job_id}: starting the upload of its {writer.kind}") from None
+
+    def create_encoded(self, job_id: str, extension: str, media_type: str, epoch: int = 0) -> EncodedWriter:
         """Opens an empty encoded result file under a temporary name; `extension` such as ".mp4"."""
         if not re.fullmatch(r"\.[a-z0-9]{1,8}", extension):
             raise ValueError(f"extension: {extension!r} is not a file extension")
@@ -217,13 +260,31 @@ class JobFiles:
             fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except OSError as error:
             raise io_error(error, f"job {job_id}: creating its encoded result file") from None
-        return EncodedWriter(job_id, directory, extension, media_type, fd, partial)
+        writer = EncodedWriter(job_id, directory, extension, media_type, fd, partial)
+        if self.blobs is not None:
+            self._attach(writer, f"e{epoch}/{ENCODED_FILE}{extension}", b"")
+        return writer
+
+    @staticmethod
+    def result_name(writer: ResultWriter | EncodedWriter) -> str:
+        """The name the store's row gives a result file: its blob's key in the job, or its file name."""
+        return writer.blob_key.split("/", 1)[1] if writer.blob_key is not None else writer.path.name
 
     def complete_result(self, writer: ResultWriter, encoded: EncodedWriter | None) -> None:
         """Fsyncs a result's files and renames them into place, both or neither.
 
         Raises FileNotFoundError if a file was deleted meanwhile (the caller knows why).
         """
+        if self.blobs is not None:
+            if encoded is not None:
+                encoded._finish_upload(encoded.size)
+            try:
+                writer._finish_upload(writer.nbytes)
+            except BaseException:
+                if encoded is not None:
+                    encoded._uncommit()
+                raise
+            return
         try:
             if encoded is not None:
                 encoded._finish_file()
@@ -243,6 +304,35 @@ class JobFiles:
         writer._uncommit()
         if encoded is not None:
             encoded._uncommit()
+
+    def check_raw_blob(self, job_id: str, file: str, shape: list[int]) -> tuple[str, tuple[int, int, int, int], int]:
+        """(key, shape, data offset) of a committed result blob that must hold frames of `shape`."""
+        assert self.blobs is not None
+        key, checked = f"{job_id}/{file}", check_shape(tuple(shape))
+        data_offset = len(npy_header(checked))
+        self._check_blob_size(job_id, key, data_offset + int(np.prod(checked)), "result")
+        return key, checked, data_offset
+
+    def check_encoded_blob(self, job_id: str, file: str, size: int) -> str:
+        """The key of a committed encoded result blob that must hold `size` bytes."""
+        key = f"{job_id}/{file}"
+        self._check_blob_size(job_id, key, size, "encoded result")
+        return key
+
+    def _check_blob_size(self, job_id: str, key: str, size: int, what: str) -> None:
+        assert self.blobs is not None
+        try:
+            found = self.blobs.size(key)
+        except Exception as error:
+            raise blob_error(error, f"job {job_id}: its {what} cannot be read") from None
+        if found is None:
+            raise StoreError(f"job {job_id}: its {what} cannot be read: it is no longer in the blob store")
+        if found != size:
+            raise StoreError(
+                f"job {job_id}: the {what} does not hold the frames its record describes"
+                if what == "result"
+                else f"job {job_id}: its {what} has {found} bytes, its record says {size}"
+            )
 
     def check_raw(self, job_id: str, file: str, shape: list[int]) -> tuple[Path, tuple[int, ...], int]:
         """(path, shape, data offset) of a committed result file that must hold frames of `shape`."""

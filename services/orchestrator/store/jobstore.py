@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import replace
@@ -33,7 +34,8 @@ from typing import IO, Any
 
 import numpy as np
 
-from services.orchestrator.result_files import RESULT_FILE, EncodedWriter, ResultWriter, StoredResult, check_shape
+from services.orchestrator.blobs.protocol import BlobStore
+from services.orchestrator.result_files import EncodedWriter, ResultWriter, StoredResult, check_shape
 from services.orchestrator.store import retention
 from services.orchestrator.store.database import (
     DB_NAME,
@@ -46,27 +48,42 @@ from services.orchestrator.store.database import (
 from services.orchestrator.store.files import JOBS_DIR, JobFiles, check_frames, check_name, check_pieces
 from services.orchestrator.store.postgres import PostgresDatabase
 from services.orchestrator.store.records import TERMINAL_STATES, JobRecord, JobState, SavedImages, Usage
-from services.orchestrator.store.rows import JobRows
+from services.orchestrator.store.rows import Fence, JobRows
 from services.orchestrator.store.schema import migrate
 from services.orchestrator.store_errors import InvalidTransition, StoreError, io_error
 from stagediff.v1 import image_pb2, tensor_pb2
 
 RUNNING = (JobState.JOB_STATE_RUNNING,)
+EMBEDDED_OWNER = "embedded"  # the owner of every job a lone orchestrator claims
+DEFAULT_LEASE_TTL_S = 30.0
+GARBAGE_MIN_AGE_S = 3600.0  # blobs no row names are deleted once this old (the clocks of replicas and store may differ)
 
 
 class JobStore:
     """Job records in SQLite and their files beside them; see the module docstring for guarantees."""
 
     def __init__(
-        self, state_dir: Path, database: JobDatabase, lock_file: IO[bytes], clock: Callable[[], float]
+        self,
+        state_dir: Path,
+        database: JobDatabase,
+        lock_file: IO[bytes],
+        clock: Callable[[], float],
+        *,
+        blobs: BlobStore | None = None,
+        owner: str = EMBEDDED_OWNER,
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
     ) -> None:
         self.state_dir = state_dir
         self.jobs_dir = state_dir / JOBS_DIR
         self.clock = clock
-        self.files = JobFiles(self.jobs_dir)
+        self.files = JobFiles(self.jobs_dir, blobs)
+        self.owner = owner
+        self.lease_ttl_s = lease_ttl_s
         self._db = database
         self._rows = JobRows(database)
         self._lock_file = lock_file
+        self._claims: dict[str, int] = {}  # job id -> lease epoch of the jobs this store moved to RUNNING
+        self._claims_lock = threading.Lock()
 
     @classmethod
     def open(
@@ -76,11 +93,17 @@ class JobStore:
         synchronous: str = "NORMAL",
         clock: Callable[[], float] = time.time,
         database_url: str | None = None,
+        blobs: BlobStore | None = None,
+        owner: str = EMBEDDED_OWNER,
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
     ) -> JobStore:
         """Opens (creating if needed) the store, takes ownership of the directory and sweeps crash leftovers.
 
-        A directory that cannot be used (not writable, a file in the way, a
-        read-only volume) raises StoreError with a one-line message.
+        `database_url` (postgresql://) keeps the rows in PostgreSQL instead of the directory's SQLite file;
+        `blobs` keeps stage outputs, input images and results in a blob store (S3) instead of the directory,
+        which then holds only the spool of results being written. `owner` names this replica in the jobs
+        it claims. A directory that cannot be used (not writable, a file in the way, a read-only volume)
+        raises StoreError with a one-line message.
         """
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError(f"synchronous: '{synchronous}' is not one of NORMAL, FULL")
@@ -95,13 +118,14 @@ class JobStore:
         try:
             if not os.access(state_dir / JOBS_DIR, os.W_OK | os.X_OK):
                 raise StoreError(f"cannot be used as the state dir: {state_dir / JOBS_DIR} is not writable")
+            settings: dict[str, Any] = {"blobs": blobs, "owner": owner, "lease_ttl_s": lease_ttl_s}
             if database_url is None:
                 database = Database.connect(state_dir / DB_NAME, synchronous)
-                store = cls(state_dir, database, lock_file, clock)
+                store = cls(state_dir, database, lock_file, clock, **settings)
                 migrate(database, state_dir / DB_NAME, store.files.size_of)
             else:  # the rows in PostgreSQL, which brings its own schema up to date
                 database = PostgresDatabase.connect(database_url)
-                store = cls(state_dir, database, lock_file, clock)
+                store = cls(state_dir, database, lock_file, clock, **settings)
             store.files.sweep(*store._rows.files_in_use())
         except sqlite3.Error as error:
             close_quietly(database, lock_file)
@@ -196,9 +220,34 @@ class JobStore:
             assignments["num_frames_out"] = num_frames_out
         if fps_out is not None:
             assignments["fps_out"] = fps_out
-        record, files = self._rows.update_state(job_id, state, assignments)
+        fence = self._fence(job_id)
+        if fence is not None and state == JobState.JOB_STATE_RUNNING:
+            fence = None  # claimed again: a requeued job this replica runs once more
+        record, files = self._rows.update_state(
+            job_id, state, assignments, fence=fence, claim_for=(self.owner, self.lease_ttl_s)
+        )
+        with self._claims_lock:
+            if state == JobState.JOB_STATE_RUNNING:
+                self._claims[job_id] = record.lease_epoch
+            else:
+                self._claims.pop(job_id, None)
         self.files.unlink(job_id, files)
         return record
+
+    def _fence(self, job_id: str) -> Fence | None:
+        """The claim this store's writes of `job_id` are made under; None for a job it did not claim."""
+        with self._claims_lock:
+            epoch = self._claims.get(job_id)
+        return None if epoch is None else Fence(self.owner, epoch)
+
+    def _epoch(self, job_id: str) -> int:
+        fence = self._fence(job_id)
+        return 0 if fence is None else fence.epoch
+
+    def forget_claim(self, job_id: str) -> None:
+        """Stops fencing `job_id`'s writes with this store's claim (the job left this replica)."""
+        with self._claims_lock:
+            self._claims.pop(job_id, None)
 
     def recoverable(self) -> list[JobRecord]:
         """Queued and running jobs in admission order: what a restarted orchestrator must finish."""
@@ -268,12 +317,12 @@ class JobStore:
         if self._rows.state(job_id) in TERMINAL_STATES:
             return False
         try:
-            file, size = self.files.save_stage(job_id, stage, chunks)
+            file, size = self.files.save_stage(job_id, stage, chunks, self._epoch(job_id))
         except FileNotFoundError:
             if self._rows.finished_or_gone(job_id):  # deleted while writing
                 return False
             raise StoreError(f"job {job_id}: its folder disappeared while stage {stage} was saved") from None
-        kept = self._rows.keep_stage(job_id, stage, file, size, self.clock, passes)
+        kept = self._rows.keep_stage(job_id, stage, file, size, self.clock, passes, self._fence(job_id))
         if not kept:
             self.files.unlink(job_id, [file])
         return kept
@@ -290,13 +339,13 @@ class JobStore:
         Raises InvalidTransition if the job is not running, StoreError (StoreFull) if the file cannot be made.
         """
         checked = check_shape(shape)
-        self._rows.require_state(job_id, RUNNING)
-        return self.files.create_result(job_id, checked)
+        self._rows.require_state(job_id, RUNNING, self._fence(job_id))
+        return self.files.create_result(job_id, checked, self._epoch(job_id))
 
     def create_encoded(self, job_id: str, extension: str, media_type: str) -> EncodedWriter:
         """Opens a running job's encoded result file (empty, appended to); blocking, use to_thread."""
-        self._rows.require_state(job_id, RUNNING)
-        return self.files.create_encoded(job_id, extension, media_type)
+        self._rows.require_state(job_id, RUNNING, self._fence(job_id))
+        return self.files.create_encoded(job_id, extension, media_type, self._epoch(job_id))
 
     def commit_result(
         self,
@@ -318,7 +367,8 @@ class JobStore:
         job_id = writer.job_id
         check_pieces(writer.pieces, writer.shape[0])
         keep_raw = keep_raw or encoded is None
-        self._rows.require_state(job_id, RUNNING)
+        fence = self._fence(job_id)
+        self._rows.require_state(job_id, RUNNING, fence)
         try:
             self.files.complete_result(writer, encoded)
         except FileNotFoundError:
@@ -329,14 +379,15 @@ class JobStore:
         try:
             record, files = self._rows.commit_result(
                 job_id,
-                file=RESULT_FILE,
+                fence=fence,
+                file=self.files.result_name(writer),
                 shape=writer.shape,
                 fps=fps,
                 pieces=writer.pieces,
                 at=at,
                 nbytes=(writer.nbytes if keep_raw else 0) + (encoded.size if encoded is not None else 0),
                 media_type=encoded.media_type if encoded is not None else "",
-                encoded_file=encoded.path.name if encoded is not None else None,
+                encoded_file=self.files.result_name(encoded) if encoded is not None else None,
                 encoded_bytes=encoded.size if encoded is not None else 0,
                 raw_kept=keep_raw,
                 timings=timings,
@@ -344,8 +395,9 @@ class JobStore:
         except BaseException:
             self.files.uncommit_result(writer, encoded)
             raise
+        self.forget_claim(job_id)
         if not keep_raw:
-            files.append(writer.path.name)
+            files.append(self.files.result_name(writer))
         self.files.unlink(job_id, files)
         return record
 
@@ -383,15 +435,26 @@ class JobStore:
         if row is None:
             return None
         path: Path | None = None
+        encoded_path: Path | None = None
+        raw_key: str | None = None
+        encoded_key: str | None = None
         shape: tuple[int, ...] = check_shape(json.loads(row["shape"]))
         data_offset = 0
-        if row["raw_kept"]:
-            path, shape, data_offset = self.files.check_raw(job_id, row["file"], json.loads(row["shape"]))
-        encoded_path = None
-        if row["encoded_file"]:
-            encoded_path = self.files.check_encoded(job_id, row["encoded_file"], row["encoded_bytes"])
+        if self.files.blobs is None:
+            if row["raw_kept"]:
+                path, shape, data_offset = self.files.check_raw(job_id, row["file"], json.loads(row["shape"]))
+            if row["encoded_file"]:
+                encoded_path = self.files.check_encoded(job_id, row["encoded_file"], row["encoded_bytes"])
+        else:
+            if row["raw_kept"]:
+                raw_key, shape, data_offset = self.files.check_raw_blob(job_id, row["file"], json.loads(row["shape"]))
+            if row["encoded_file"]:
+                encoded_key = self.files.check_encoded_blob(job_id, row["encoded_file"], row["encoded_bytes"])
         return StoredResult(
             path=path,
+            blobs=self.files.blobs,
+            raw_key=raw_key,
+            encoded_key=encoded_key,
             media_type=row["media_type"],
             encoded_path=encoded_path,
             encoded_bytes=row["encoded_bytes"],
@@ -404,6 +467,26 @@ class JobStore:
         )
 
     # ---------------------------------------------------------- retention --
+
+    def collect_garbage(self, *, min_age_s: float = GARBAGE_MIN_AGE_S) -> int:
+        """Deletes the blobs no row names that were written more than `min_age_s` ago (a crashed or fenced-out
+        owner's, a job deleted while its blobs could not be); returns how many. Blocking, lists every blob.
+
+        The age keeps what a live replica wrote just before committing the row that names it. Without a
+        blob store, `open` sweeps the state directory instead.
+        """
+        blobs = self.files.blobs
+        if blobs is None:
+            return 0
+        _, referenced = self._rows.files_in_use()
+        cutoff = time.time() - min_age_s
+        deleted = 0
+        for key, written_at in blobs.listing(""):
+            job_id, _, name = key.partition("/")
+            if (job_id, name) not in referenced and written_at < cutoff:
+                blobs.delete(key)
+                deleted += 1
+        return deleted
 
     def usage(self, tenant: str) -> Usage:
         """Bytes the tenant's jobs hold: results of its finished jobs, intermediates of its queued and running ones.

@@ -142,6 +142,7 @@ class PostgresDatabase:
 
     now_sql = "EXTRACT(EPOCH FROM clock_timestamp())"
     skip_locked = " FOR UPDATE SKIP LOCKED"
+    for_update = " FOR UPDATE"
 
     def __init__(self, connection: Any) -> None:
         self._connection: Any | None = connection

@@ -49,6 +49,8 @@ class JobRecord:
     fps_out: float = 0.0
     last_stage: str = ""
     attempts: int = 0
+    owner: str = ""  # the replica running the job; "" while queued
+    lease_epoch: int = 0  # +1 per claim: the fencing token of the owner's writes
     passes_run: int = 0
     passes_skipped: int = 0
     seq: int = 0
@@ -121,6 +123,8 @@ def record_from_row(row: Row) -> JobRecord:
         fps_out=row["fps_out"],
         last_stage=row["last_stage"],
         attempts=row["attempts"],
+        owner=row["owner"],
+        lease_epoch=row["lease_epoch"],
         passes_run=row["passes_run"],
         passes_skipped=row["passes_skipped"],
         seq=row["seq"],

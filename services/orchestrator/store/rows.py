@@ -4,6 +4,11 @@ tables, each write in one transaction.
 This module touches no file: a row names a file by (job_id, file name), and operations that drop rows
 return the names of the files that the caller deletes once the transaction is committed. States move only
 as `update_state` and `commit_result` allow; a finished job's row never changes again.
+
+Fencing. Moving a job to RUNNING claims it for one replica (`owner`) and adds one to its `lease_epoch`, as
+leases.py's claim does. A write that passes `fence=Fence(owner, epoch)` changes the job only while that
+claim still holds, checked on the row locked in the write's own transaction; otherwise it raises LeaseLost
+(or, for a stage output, keeps nothing), so a replica that lost its job can never commit over the new owner.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.orchestrator.store.database import JobDatabase
@@ -25,7 +30,15 @@ from services.orchestrator.store.records import (
     SavedImages,
     record_from_row,
 )
-from services.orchestrator.store_errors import DuplicateRequestId, InvalidTransition, StoreError, UnknownJob
+from services.orchestrator.store_errors import DuplicateRequestId, InvalidTransition, LeaseLost, StoreError, UnknownJob
+
+
+@dataclass(frozen=True)
+class Fence:
+    """The claim a write is made under: the job's owner and its lease epoch when this replica claimed it."""
+
+    owner: str
+    epoch: int
 
 
 class JobRows:
@@ -90,26 +103,41 @@ class JobRows:
         row = self.database.fetchone("SELECT * FROM jobs WHERE tenant = ? AND request_id = ?", (tenant, request_id))
         return record_from_row(row) if row is not None else None
 
-    def update_state(self, job_id: str, state: int, assignments: dict[str, Any]) -> tuple[JobRecord, list[str]]:
-        """Moves the job to `state` (not SUCCEEDED) setting `assignments` {column: value}, if its state allows;
-        returns the job and, once it is finished, the files of the intermediates it no longer has."""
+    def update_state(
+        self,
+        job_id: str,
+        state: int,
+        assignments: dict[str, Any],
+        *,
+        fence: Fence | None = None,
+        claim_for: tuple[str, float] | None = None,
+    ) -> tuple[JobRecord, list[str]]:
+        """Moves the job to `state` (not SUCCEEDED) setting `assignments` {column: value}, if its state (and
+        `fence`) allow; returns the job and, once it is finished, the files of the intermediates it no longer has.
+
+        RUNNING is a claim: `claim_for` (owner, lease seconds) becomes the job's owner, with its epoch + 1.
+        """
+        allowed_from: dict[int, tuple[int, ...]] = {
+            JobState.JOB_STATE_RUNNING: (JobState.JOB_STATE_QUEUED,),
+            JobState.JOB_STATE_QUEUED: (JobState.JOB_STATE_RUNNING,),
+        }
         with self.database.transaction() as db:
-            current = self._state_of(db, job_id)
-            allowed_from: dict[int, tuple[int, ...]] = {
-                JobState.JOB_STATE_RUNNING: (JobState.JOB_STATE_QUEUED,),
-                JobState.JOB_STATE_QUEUED: (JobState.JOB_STATE_RUNNING,),
-            }
+            current = self._locked_state(db, job_id, fence)
             allowed = allowed_from.get(state, ACTIVE_STATES)
             if current not in allowed:
                 raise InvalidTransition(
                     f"job {job_id} is {JobState.Name(current)}; it cannot become {JobState.Name(state)}"
                 )
             columns = ", ".join(f"{name} = ?" for name in assignments)
-            attempts = ", attempts = attempts + 1" if state == JobState.JOB_STATE_RUNNING else ""
-            db.execute(
-                f"UPDATE jobs SET state = ?, {columns}{attempts} WHERE job_id = ?",
-                (int(state), *assignments.values(), job_id),
-            )
+            params: list[Any] = [int(state), *assignments.values()]
+            if state == JobState.JOB_STATE_RUNNING:
+                owner, ttl_s = claim_for or ("", 0.0)
+                columns += ", attempts = attempts + 1, owner = ?, lease_epoch = lease_epoch + 1,"
+                columns += f" lease_until = {self.database.now_sql} + ?"
+                params += [owner, ttl_s]
+            elif state == JobState.JOB_STATE_QUEUED:
+                columns += ", owner = ''"
+            db.execute(f"UPDATE jobs SET state = ?, {columns} WHERE job_id = ?", (*params, job_id))
             files = self._drop_intermediates(db, job_id) if state in TERMINAL_STATES else []
             row = db.execute("SELECT * FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
         return record_from_row(row), files
@@ -177,10 +205,15 @@ class JobRows:
         size: int,
         clock: Callable[[], float],
         passes: tuple[int, int] | None,
+        fence: Fence | None = None,
     ) -> bool:
-        """Records a finished stage's output file (and the DiT's passes) unless the job finished meanwhile."""
+        """Records a finished stage's output file (and the DiT's passes) unless the job finished meanwhile
+        or `fence` no longer holds."""
         with self.database.transaction() as db:
-            if self._state_of(db, job_id) in TERMINAL_STATES:
+            try:
+                if self._locked_state(db, job_id, fence) in TERMINAL_STATES:
+                    return False
+            except LeaseLost:
                 return False
             db.execute(
                 "INSERT INTO intermediates (job_id, stage, file, done_at, bytes, position) VALUES (?, ?, ?, ?, ?,"
@@ -225,11 +258,13 @@ class JobRows:
         encoded_bytes: int,
         raw_kept: bool,
         timings: Mapping[str, float] | None,
+        fence: Fence | None = None,
     ) -> tuple[JobRecord, list[str]]:
         """Records a running job's result and marks it SUCCEEDED; returns the job and the files of the
-        intermediates it no longer has. InvalidTransition (keeping nothing) if the job is not running."""
+        intermediates it no longer has. InvalidTransition (keeping nothing) if the job is not running,
+        LeaseLost if `fence` no longer holds."""
         with self.database.transaction() as db:
-            self._require_state_of(db, job_id, (JobState.JOB_STATE_RUNNING,))
+            _require(job_id, self._locked_state(db, job_id, fence), (JobState.JOB_STATE_RUNNING,))
             db.execute(
                 "INSERT INTO results (job_id, file, shape, fps, pieces, saved_at, bytes, media_type, encoded_file,"
                 " encoded_bytes, raw_kept) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job_id) DO UPDATE SET"
@@ -284,18 +319,25 @@ class JobRows:
         except UnknownJob:
             return True
 
-    def require_state(self, job_id: str, states: tuple[int, ...]) -> None:
-        _require(job_id, self.state(job_id), states)
+    def require_state(self, job_id: str, states: tuple[int, ...], fence: Fence | None = None) -> None:
+        with self.database.transaction() as db:
+            _require(job_id, self._locked_state(db, job_id, fence), states)
 
-    def _state_of(self, db: sqlite3.Connection, job_id: str) -> int:
-        row = db.execute("SELECT state FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+    def _locked_state(self, db: Any, job_id: str, fence: Fence | None) -> int:
+        """The job's state, its row locked for the rest of the transaction; LeaseLost if `fence` does not hold."""
+        row = db.execute(
+            f"SELECT state, owner, lease_epoch FROM jobs WHERE job_id = ?{self.database.for_update}", (job_id,)
+        ).fetchone()
         if row is None:
             raise UnknownJob(job_id)
+        lost = fence is not None and (row["owner"], row["lease_epoch"]) != (fence.owner, fence.epoch)
+        if fence is not None and lost and row["state"] not in TERMINAL_STATES:
+            raise LeaseLost(
+                f"job {job_id} lost the lease of epoch {fence.epoch} (now epoch {row['lease_epoch']},"
+                f" owner '{row['owner']}'); this replica's writes of it change nothing"
+            )
         state: int = row["state"]
         return state
-
-    def _require_state_of(self, db: sqlite3.Connection, job_id: str, states: tuple[int, ...]) -> None:
-        _require(job_id, self._state_of(db, job_id), states)
 
     # --------------------------------------------------------------- sweep --
 
