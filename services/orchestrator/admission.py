@@ -16,6 +16,7 @@ defaults. A job never holds its input images' bytes (`without_image_bytes`).
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from services.orchestrator.scheduler import AdmissionRefused, FairScheduler
@@ -124,7 +125,7 @@ class StorageLimits:
                 tenant=tenant,
             )
 
-    def check_stored_bytes(self, tenant: Tenant, needed: int) -> None:
+    async def check_stored_bytes(self, tenant: Tenant, needed: int) -> None:
         """Refuses a job that needs `needed` bytes (its result and input images) when they cannot fit the
         tenant's max_stored_bytes even after its finished jobs go. Admission checks a request's image bytes
         alone before it parses them; `submit` checks them with the result."""
@@ -140,7 +141,8 @@ class StorageLimits:
                 f"output: the result and the input images take {needed} bytes, more than tenant "
                 f"'{tenant.name}' may store (max_stored_bytes {limit})",
             )
-        held = self.store.usage(tenant.name).active + self.reserved_bytes(tenant.name)
+        usage = await asyncio.to_thread(self.store.usage, tenant.name)
+        held = usage.active + self.reserved_bytes(tenant.name)
         if held + needed > limit:
             raise StorageRefused(
                 f"tenant '{tenant.name}' has {held} bytes in queued and running jobs; with this job's {needed} that "

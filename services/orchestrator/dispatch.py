@@ -17,6 +17,7 @@ store keeps the stopped jobs queued or running for the next start.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -64,27 +65,34 @@ class Dispatcher:
         self.pruner = pruner
         self.metrics = metrics
         self.shutting_down = False
+        # Held while jobs start, and while admission queues, stores and remembers a new one.
+        self.lock = asyncio.Lock()
 
     async def dispatch(self) -> None:
         """Starts every job the scheduler lets start. A job whose start cannot be recorded fails at once and
         gives its running slot back, so the next one still starts."""
-        while (job_id := self.scheduler.next_runnable()) is not None:
-            job = self.table.jobs[job_id]
-            try:
-                self.store.update_state(job_id, JobState.JOB_STATE_RUNNING)
-            except StoreError as error:
-                self.scheduler.finished(job_id)
-                code, message = store_failure(error, "the job could not be started")
-                logger.error("job %s: %s", job_id, message)
-                self.record_outcome(job_id, JobState.JOB_STATE_FAILED, code, message, job)
-                await job.finish(JobState.JOB_STATE_FAILED, code, message)
-                self.count_finished(job)
-                continue
-            job.state = JobState.JOB_STATE_RUNNING
-            if self.metrics is not None:
-                self.metrics.observe_queue_time(max(0.0, time.time() - job.created_at), job.priority)
-            job.task = asyncio.get_running_loop().create_task(self._run(job), name=f"job-{job_id}")
+        async with self.lock:
+            while (job_id := self.scheduler.next_runnable()) is not None:
+                await self._start(self.table.jobs[job_id])
         self.update_gauges()
+
+    async def _start(self, job: Job) -> None:
+        """Claims a job the scheduler let start (in the store: RUNNING, owned by this replica) and runs it."""
+        job_id = job.job_id
+        try:
+            await asyncio.to_thread(self.store.update_state, job_id, JobState.JOB_STATE_RUNNING)
+        except StoreError as error:
+            self.scheduler.finished(job_id)
+            code, message = store_failure(error, "the job could not be started")
+            logger.error("job %s: %s", job_id, message)
+            await self.record_outcome(job_id, JobState.JOB_STATE_FAILED, code, message, job)
+            await job.finish(JobState.JOB_STATE_FAILED, code, message)
+            self.count_finished(job)
+            return
+        job.state = JobState.JOB_STATE_RUNNING
+        if self.metrics is not None:
+            self.metrics.observe_queue_time(max(0.0, time.time() - job.created_at), job.priority)
+        job.task = asyncio.get_running_loop().create_task(self._run(job), name=f"job-{job_id}")
 
     def update_gauges(self) -> None:
         """Sets the queue-depth and running gauges from the jobs in memory."""
@@ -126,17 +134,19 @@ class Dispatcher:
         except asyncio.CancelledError:
             code, message = job.intermediates.get("cancel_reason", (grpc.StatusCode.CANCELLED, "cancelled"))
             if not self.shutting_down:
-                self.record_outcome(job.job_id, JobState.JOB_STATE_CANCELLED, code, message, job)
+                await self.record_outcome(job.job_id, JobState.JOB_STATE_CANCELLED, code, message, job)
             await job.finish(JobState.JOB_STATE_CANCELLED, code, message)
             logger.info("job %s cancelled: %s", job.job_id, message)
         except Exception:  # run_job records its own failures; this is a bug guard
             logger.exception("job %s failed unexpectedly", job.job_id)
             if not job.finished:
-                self.record_outcome(job.job_id, JobState.JOB_STATE_FAILED, grpc.StatusCode.INTERNAL, "internal error")
+                await self.record_outcome(
+                    job.job_id, JobState.JOB_STATE_FAILED, grpc.StatusCode.INTERNAL, "internal error"
+                )
                 await job.finish(JobState.JOB_STATE_FAILED, grpc.StatusCode.INTERNAL, "internal error")
         else:
             if job.state == JobState.JOB_STATE_FAILED:
-                self.record_outcome(job.job_id, job.state, job.error_code, job.error_message, job)
+                await self.record_outcome(job.job_id, job.state, job.error_code, job.error_message, job)
         finally:
             self.scheduler.finished(job.job_id)
             if not self.shutting_down:
@@ -146,7 +156,7 @@ class Dispatcher:
                 await self.pruner.prune_tenant(job.tenant)
             self.update_gauges()
 
-    def record_outcome(
+    async def record_outcome(
         self, job_id: str, state: int, code: grpc.StatusCode | None, message: str, job: Job | None = None
     ) -> None:
         """Records a failure or cancellation (success is stored by the pipeline with its result).
@@ -155,14 +165,17 @@ class Dispatcher:
         next start; the clients already hear the outcome from the job itself.
         """
         try:
-            self.store.update_state(
-                job_id,
-                state,
-                error_code=None if code is None else code.value[0],
-                error_message=message,
-                timings=job.timings if job is not None else None,
-                num_frames_out=job.num_frames_out if job is not None else None,
-                fps_out=job.fps_out if job is not None else None,
+            await asyncio.to_thread(
+                functools.partial(
+                    self.store.update_state,
+                    job_id,
+                    state,
+                    error_code=None if code is None else code.value[0],
+                    error_message=message,
+                    timings=job.timings if job is not None else None,
+                    num_frames_out=job.num_frames_out if job is not None else None,
+                    fps_out=job.fps_out if job is not None else None,
+                )
             )
         except InvalidTransition:
             pass  # already finished in the store (the result was stored just before a late cancel)

@@ -37,7 +37,7 @@ from services.orchestrator.job import Job, JobState, JobTable
 from services.orchestrator.pruning import Pruner
 from services.orchestrator.recovery import RestoreJob
 from services.orchestrator.scheduler import FairScheduler, TenantLimits
-from services.orchestrator.store import InvalidTransition, JobRecord, JobStore, MinFree, StoreFull
+from services.orchestrator.store import InvalidTransition, JobRecord, JobStore, MinFree, SavedImages, StoreFull
 from services.orchestrator.tenants import Tenant
 from stagediff.v1 import generation_pb2
 
@@ -115,21 +115,38 @@ class JobManager:
         # The tenant as it is now (its quotas) is what pruning and recovery use for its jobs.
         self.tenants[tenant.name] = tenant
         self.limits.check_free_space(tenant.name)
-        self.check_stored_bytes(tenant, result_bytes(request) + sum(len(image.data) for image in request.images))
+        await self.check_stored_bytes(tenant, result_bytes(request) + sum(len(image.data) for image in request.images))
         job_id = uuid.uuid4().hex
         # The images' bytes go to a file beside the job (counted in its tenant's bytes), never into its row or
-        # its Job: a queued or finished job holds their digests and sizes only. The file is written before the
-        # job enters the queue, so that nothing awaits between the queue taking the job and the job being known.
+        # its Job: a queued or finished job holds their digests and sizes only.
         try:
             saved = await asyncio.to_thread(self.store.save_input_images, job_id, request.images)
         except StoreFull as error:
             raise self.limits.disk_full(tenant.name, error) from None
         request = without_image_bytes(request)
-        admitted = self.table.by_request(tenant.name, request.request_id)
-        if admitted is not None:  # the same request, admitted meanwhile
-            if saved is not None:
-                self.store.discard_saved_images(job_id, saved)
-            return admitted, False
+        # The queue takes the job, the store records it and the table knows it under the dispatch lock, so no
+        # dispatch meets a job the table does not know or the store does not hold.
+        async with self.dispatcher.lock:
+            admitted = self.table.by_request(tenant.name, request.request_id)
+            if admitted is not None:  # the same request, admitted meanwhile
+                if saved is not None:
+                    await asyncio.to_thread(self.store.discard_saved_images, job_id, saved)
+                return admitted, False
+            job = await self._admit(job_id, request, tenant, deadline, saved)
+        await self.dispatcher.dispatch()
+        # Room for the new job's result: the tenant's oldest finished jobs beyond its limits go now.
+        await self.pruner.prune_tenant(tenant.name)
+        return job, True
+
+    async def _admit(
+        self,
+        job_id: str,
+        request: generation_pb2.GenerateRequest,
+        tenant: Tenant,
+        deadline: float | None,
+        saved: SavedImages | None,
+    ) -> Job:
+        """Queues the job, stores it and remembers it (the caller holds the dispatch lock)."""
         quotas = tenant.quotas
         try:
             self.scheduler.admit(
@@ -141,14 +158,12 @@ class JobManager:
             )
         except BaseException:
             if saved is not None:
-                self.store.discard_saved_images(job_id, saved)
+                await asyncio.to_thread(self.store.discard_saved_images, job_id, saved)
             raise
         deadline_at = None if deadline is None else time.time() + (deadline - asyncio.get_running_loop().time())
+        record = JobRecord.new(job_id, tenant.name, request, priority=tenant.priority.value, deadline_at=deadline_at)
         try:
-            record = self.store.insert(
-                JobRecord.new(job_id, tenant.name, request, priority=tenant.priority.value, deadline_at=deadline_at),
-                saved,
-            )
+            record = await asyncio.to_thread(self.store.insert, record, saved)
         except StoreFull as error:
             self.scheduler.remove(job_id)
             raise self.limits.disk_full(tenant.name, error) from None
@@ -171,16 +186,13 @@ class JobManager:
                 job_id=job_id, queued=generation_pb2.JobQueued(position=self.scheduler.position(job_id) or 0)
             )
         )
-        await self.dispatcher.dispatch()
-        # Room for the new job's result: the tenant's oldest finished jobs beyond its limits go now.
-        await self.pruner.prune_tenant(tenant.name)
-        return job, True
+        return job
 
-    def check_stored_bytes(self, tenant: Tenant, needed: int) -> None:
+    async def check_stored_bytes(self, tenant: Tenant, needed: int) -> None:
         """Refuses a job that needs `needed` bytes (its result and input images) when they cannot fit the
         tenant's max_stored_bytes even after its finished jobs go. Admission checks a request's image bytes
         alone before it parses them; `submit` checks them with the result."""
-        self.limits.check_stored_bytes(tenant, needed)
+        await self.limits.check_stored_bytes(tenant, needed)
 
     async def find_request(self, tenant: str, request_id: str) -> Job | None:
         """The tenant's job with this request id: live, or read back from the store (its result replayable)."""
@@ -189,7 +201,7 @@ class JobManager:
         live = self.table.by_request(tenant, request_id)
         if live is not None:
             return live
-        record = self.store.find_by_request_id(tenant, request_id)
+        record = await asyncio.to_thread(self.store.find_by_request_id, tenant, request_id)
         return await self.get(record.job_id, tenant) if record is not None else None
 
     # ---------------------------------------------------------------------- reads --
@@ -202,7 +214,7 @@ class JobManager:
         """
         job = self.jobs.get(job_id)
         if job is None:
-            record = self.store.get(job_id)
+            record = await asyncio.to_thread(self.store.get, job_id)
             if record is None or not record.finished or (tenant is not None and record.tenant != tenant):
                 return None
             job = Job.from_record(record)
@@ -235,8 +247,10 @@ class JobManager:
         if job.finished:
             return
         message = message or "cancelled by the client"
-        if self.scheduler.remove(job.job_id):
-            self.dispatcher.record_outcome(job.job_id, JobState.JOB_STATE_CANCELLED, code, message, job)
+        async with self.dispatcher.lock:  # the job is queued, or started with its task: never half started
+            removed = self.scheduler.remove(job.job_id)
+        if removed:
+            await self.dispatcher.record_outcome(job.job_id, JobState.JOB_STATE_CANCELLED, code, message, job)
             await job.finish(JobState.JOB_STATE_CANCELLED, code, message)
             self.dispatcher.count_finished(job)
             self.dispatcher.update_gauges()

@@ -49,10 +49,10 @@ async def recover(
     queued again."""
     requeued = 0
     loop = asyncio.get_running_loop()
-    for record in store.recoverable():
+    for record in await asyncio.to_thread(store.recoverable):
         job = Job.from_record(record)
         if record.deadline_at is not None and record.deadline_at <= time.time():
-            dispatcher.record_outcome(
+            await dispatcher.record_outcome(
                 job.job_id,
                 JobState.JOB_STATE_FAILED,
                 grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -61,14 +61,14 @@ async def recover(
             continue
         if record.state == JobState.JOB_STATE_RUNNING:
             if record.attempts >= max_attempts:
-                dispatcher.record_outcome(
+                await dispatcher.record_outcome(
                     job.job_id,
                     JobState.JOB_STATE_FAILED,
                     grpc.StatusCode.INTERNAL,
                     f"the job was started {record.attempts} times without finishing",
                 )
                 continue
-            store.update_state(job.job_id, JobState.JOB_STATE_QUEUED)
+            await asyncio.to_thread(store.update_state, job.job_id, JobState.JOB_STATE_QUEUED)
             job.state = JobState.JOB_STATE_QUEUED
             if restore_job is not None:
                 stored = await asyncio.to_thread(store.load_intermediates, job.job_id)
@@ -91,7 +91,7 @@ async def recover(
         requeued += 1
     if requeued:
         logger.info("recovered %d unfinished job(s) from the store", requeued)
-    for tenant_name in store.tenants():
+    for tenant_name in await asyncio.to_thread(store.tenants):
         await dispatcher.pruner.prune_tenant(tenant_name)
     await dispatcher.dispatch()
     return requeued

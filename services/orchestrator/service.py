@@ -26,9 +26,9 @@ from services.environment_options import parse_args
 from services.metrics import OrchestratorMetrics, ServerMetrics, start_metrics_server
 from services.orchestrator.adapter_rate import AdapterRate
 from services.orchestrator.config import OrchestratorConfig
+from services.orchestrator.janitor import BlobJanitor
 from services.orchestrator.jobs import JobManager
 from services.orchestrator.options import batch_per_tenant, build_parser
-from services.orchestrator.janitor import BlobJanitor
 from services.orchestrator.pipeline import Pipeline, restore_intermediates
 from services.orchestrator.request_bounds import RequestBoundsInterceptor
 from services.orchestrator.scheduler import FairScheduler
