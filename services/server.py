@@ -264,6 +264,7 @@ async def serve(
     register: Register,
     load: Callable[[], Coroutine[Any, Any, None]] | None = None,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
+    on_drain: Callable[[], Awaitable[None]] | None = None,
     grace: float = DEFAULT_GRACE_SECONDS,
     watchdog: Callable[[], str | None] | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
@@ -276,7 +277,8 @@ async def serve(
 ) -> None:
     """Runs a gRPC server until SIGTERM or SIGINT.
 
-    `register` adds the servicers and returns their full service names. `load`
+    `register` adds the servicers and returns their full service names. `on_drain` runs at SIGTERM once
+    health says NOT_SERVING, before the calls in flight are given `grace` to end; `on_shutdown` after. `load`
     runs after the port is bound, while health says NOT_SERVING, so that
     orchestrators and `stagediff up` can tell "loading" from "down". `watchdog`,
     polled while serving, returns a reason once the server can no longer do its
@@ -348,6 +350,8 @@ async def serve(
 
     logger.info("%s draining (grace %.0f s)", name, grace)
     await health.enter_graceful_shutdown()
+    if on_drain is not None:  # while the calls in flight still run
+        await on_drain()
     await server.stop(grace)
     if on_shutdown is not None:
         await on_shutdown()

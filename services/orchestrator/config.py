@@ -60,6 +60,11 @@ class OrchestratorConfig:
     # Where job records live (SQLite in state_dir, or PostgreSQL) and where files live (None: state_dir).
     store: SqliteLocation | PostgresLocation
     blobs: LocalBlobsLocation | S3Location | None
+    # With PostgreSQL: where peers reach this replica (None: this host's name and port), and the leases.
+    advertise: str | None
+    leader_lease_s: float
+    job_lease_s: float
+    drain_grace_s: float
     max_kept_jobs: int
     max_stored_bytes_per_tenant: int
     # Seconds a finished job is kept; 0: no age limit.
@@ -79,6 +84,14 @@ class OrchestratorConfig:
             raise ValueError(f"--job-retention {self.job_retention_s}: use 0 (no age limit) or more seconds")
         if self.max_stored_bytes_per_tenant < 1:
             raise ValueError(f"--max-stored-bytes-per-tenant {self.max_stored_bytes_per_tenant}: use 1 byte or more")
+        if not (math.isfinite(self.leader_lease_s) and 3.0 <= self.leader_lease_s <= 600.0):
+            raise ValueError(f"--leader-lease {self.leader_lease_s}: use 3 to 600 seconds")
+        if not (math.isfinite(self.job_lease_s) and 3.0 <= self.job_lease_s <= 3600.0):
+            raise ValueError(f"--job-lease {self.job_lease_s}: use 3 to 3600 seconds")
+        if not (math.isfinite(self.drain_grace_s) and 0 <= self.drain_grace_s <= MAX_DETACH_GRACE_S):
+            raise ValueError(f"--drain-grace {self.drain_grace_s}: use 0 to {MAX_DETACH_GRACE_S} seconds")
+        if self.advertise is not None and (":" not in self.advertise or not self.advertise.rsplit(":", 1)[1].isdigit()):
+            raise ValueError(f"--advertise '{self.advertise}': use HOST:PORT")
         if not (math.isfinite(self.detach_grace_s) and 0 <= self.detach_grace_s <= MAX_DETACH_GRACE_S):
             raise ValueError(f"--detach-grace {self.detach_grace_s}: use 0 to {MAX_DETACH_GRACE_S} seconds")
 
@@ -103,6 +116,10 @@ class OrchestratorConfig:
             blobs=blobs_location(args.blobs, endpoint=args.blobs_endpoint, checksums=args.blobs_checksums)
             if args.blobs
             else None,
+            advertise=args.advertise,
+            leader_lease_s=args.leader_lease,
+            job_lease_s=args.job_lease,
+            drain_grace_s=args.drain_grace,
             max_kept_jobs=args.max_kept_jobs,
             max_stored_bytes_per_tenant=args.max_stored_bytes_per_tenant,
             job_retention_s=args.job_retention,

@@ -36,6 +36,7 @@ from stagediff.v1 import generation_pb2
 logger = logging.getLogger(__name__)
 
 RunJob = Callable[[Job], Awaitable[None]]
+MOVED = "the job moved to another orchestrator replica; retry to reach it there"
 
 
 def store_failure(error: StoreError, what: str) -> tuple[grpc.StatusCode, str]:
@@ -65,6 +66,8 @@ class Dispatcher:
         self.pruner = pruner
         self.metrics = metrics
         self.shutting_down = False
+        # Whether this replica dispatches (it leads); a follower's jobs are the leader's to start.
+        self.leading = True
         # Held while jobs start, and while admission queues, stores and remembers a new one.
         self.lock = asyncio.Lock()
 
@@ -72,7 +75,7 @@ class Dispatcher:
         """Starts every job the scheduler lets start. A job whose start cannot be recorded fails at once and
         gives its running slot back, so the next one still starts."""
         async with self.lock:
-            while (job_id := self.scheduler.next_runnable()) is not None:
+            while self.leading and (job_id := self.scheduler.next_runnable()) is not None:
                 await self._start(self.table.jobs[job_id])
         self.update_gauges()
 
@@ -81,6 +84,10 @@ class Dispatcher:
         job_id = job.job_id
         try:
             await asyncio.to_thread(self.store.update_state, job_id, JobState.JOB_STATE_RUNNING)
+        except InvalidTransition:  # no longer queued: another replica claimed it (a former leader's admission)
+            self.scheduler.finished(job_id)
+            await self.hand_over(job)
+            return
         except StoreError as error:
             self.scheduler.finished(job_id)
             code, message = store_failure(error, "the job could not be started")
@@ -133,7 +140,7 @@ class Dispatcher:
             await self.run_job(job)
         except asyncio.CancelledError:
             code, message = job.intermediates.get("cancel_reason", (grpc.StatusCode.CANCELLED, "cancelled"))
-            if not self.shutting_down:
+            if not self.shutting_down and not job.intermediates.get("lease_lost"):
                 await self.record_outcome(job.job_id, JobState.JOB_STATE_CANCELLED, code, message, job)
             await job.finish(JobState.JOB_STATE_CANCELLED, code, message)
             logger.info("job %s cancelled: %s", job.job_id, message)
@@ -155,6 +162,12 @@ class Dispatcher:
                 await self.announce_positions()
                 await self.pruner.prune_tenant(job.tenant)
             self.update_gauges()
+
+    async def hand_over(self, job: Job, message: str = MOVED) -> None:
+        """Lets go of a job another replica holds now: its watchers here end UNAVAILABLE (their retry reaches
+        the holder) and this replica forgets it, recording nothing."""
+        await job.finish(JobState.JOB_STATE_CANCELLED, grpc.StatusCode.UNAVAILABLE, message)
+        self.table.forget(job.job_id)
 
     async def record_outcome(
         self, job_id: str, state: int, code: grpc.StatusCode | None, message: str, job: Job | None = None

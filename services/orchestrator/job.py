@@ -77,6 +77,7 @@ class JobIntermediates(TypedDict, total=False):
     outputs: dict[str, list[tensor_pb2.TensorChunk]]  # the finished stages' outputs, by stage
     cancel_reason: tuple[grpc.StatusCode, str]  # the status a cancelled run ends with
     frames_published: int  # frames of the result already published (services/orchestrator/result_publisher.py)
+    lease_lost: bool  # another replica runs the job now: this run records nothing
 
 
 # Rough share of a job's time in each stage on the served models, to turn stage steps into one percentage.

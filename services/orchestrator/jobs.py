@@ -22,6 +22,7 @@ when the volume is full).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Mapping
@@ -32,14 +33,24 @@ from opentelemetry import context as otel_context
 from services.metrics import OrchestratorMetrics
 from services.orchestrator import recovery
 from services.orchestrator.admission import StorageLimits, result_bytes, without_image_bytes
-from services.orchestrator.dispatch import Dispatcher, RunJob
+from services.orchestrator.dispatch import MOVED, Dispatcher, RunJob
 from services.orchestrator.job import Job, JobState, JobTable
 from services.orchestrator.pruning import Pruner
 from services.orchestrator.recovery import RestoreJob
 from services.orchestrator.scheduler import FairScheduler, TenantLimits
-from services.orchestrator.store import InvalidTransition, JobRecord, JobStore, MinFree, SavedImages, StoreFull
+from services.orchestrator.store import (
+    InvalidTransition,
+    JobRecord,
+    JobStore,
+    MinFree,
+    SavedImages,
+    StoreError,
+    StoreFull,
+)
 from services.orchestrator.tenants import Tenant
 from stagediff.v1 import generation_pb2
+
+logger = logging.getLogger(__name__)
 
 
 class JobManager:
@@ -67,6 +78,8 @@ class JobManager:
         metrics: OrchestratorMetrics | None = None,
     ) -> None:
         self.restore_job = restore_job
+        # Whether other replicas share the store (and may delete what this one remembers).
+        self.shared_store = False
         self.scheduler = scheduler
         self.store = store
         self.max_attempts = max_attempts
@@ -213,6 +226,11 @@ class JobManager:
         file is opened only when someone follows it (`Job.follow` replays it from disk).
         """
         job = self.jobs.get(job_id)
+        if job is not None and job.finished and self.shared_store:
+            # Another replica may have deleted it (or its tenant's retention pruned it) since it finished here.
+            if await asyncio.to_thread(self.store.get, job_id) is None:
+                self.table.forget(job_id)
+                return None
         if job is None:
             record = await asyncio.to_thread(self.store.get, job_id)
             if record is None or not record.finished or (tenant is not None and record.tenant != tenant):
@@ -292,6 +310,101 @@ class JobManager:
             restore_job=self.restore_job,
             max_attempts=self.max_attempts,
         )
+
+    @property
+    def leading(self) -> bool:
+        return self.dispatcher.leading
+
+    async def lead(self, *, requeue_running: bool = True) -> int:
+        """Becomes the replica that admits and dispatches: queues every stored unfinished job this replica does
+        not know yet and starts the queue; returns how many were queued.
+
+        `requeue_running=False` (replicas on a shared database): running jobs stay their owners', except those
+        whose lease expired, which are requeued first; the lease keeper requeues later expiries.
+        """
+        self.dispatcher.leading = True
+        if not requeue_running:
+            await asyncio.to_thread(self.store.requeue_expired)
+        return await recovery.recover(
+            self.store,
+            self.scheduler,
+            self.table,
+            self.dispatcher,
+            self.tenants,
+            restore_job=self.restore_job,
+            max_attempts=self.max_attempts,
+            requeue_running=requeue_running,
+        )
+
+    async def follow(self) -> None:
+        """Stops admitting and dispatching (another replica leads): the queued jobs are the leader's now, so
+        their watchers here end UNAVAILABLE and retry there. Running jobs run on here, under their leases."""
+        async with self.dispatcher.lock:
+            self.dispatcher.leading = False
+            queued = list(self.scheduler.positions())
+            for job_id in queued:
+                self.scheduler.remove(job_id)
+        for job_id in queued:
+            await self.dispatcher.hand_over(self.jobs[job_id], "another orchestrator replica leads now; retry there")
+        self.dispatcher.update_gauges()
+
+    async def adopt_queued(self) -> int:
+        """Queues here the stored queued jobs this leader does not know (requeued because their owner's lease
+        expired, or handed back by a replica that left), each from its last finished stage; starts the queue.
+        Returns how many."""
+        adopted = 0
+        async with self.dispatcher.lock:  # never between an admission's insert and its remember
+            for job_id in await asyncio.to_thread(self.store.queued_ids):
+                if job_id in self.jobs:
+                    continue
+                record = await asyncio.to_thread(self.store.get, job_id)
+                if record is None or record.state != JobState.JOB_STATE_QUEUED:
+                    continue
+                adopted += await recovery.queue_again(
+                    record,
+                    self.store,
+                    self.scheduler,
+                    self.table,
+                    self.dispatcher,
+                    self.tenants,
+                    restore_job=self.restore_job,
+                    max_attempts=self.max_attempts,
+                )
+        await self.dispatcher.dispatch()
+        return adopted
+
+    async def release(self) -> None:
+        """Stops the jobs still running here and puts them back in the queue at once, for the leader to start
+        elsewhere from their last finished stage (a replica leaving after its drain)."""
+        running = [job for job in self.jobs.values() if job.task is not None and not job.finished]
+        for job in running:
+            job.intermediates["lease_lost"] = True  # nothing of this run is recorded as its outcome
+            job.intermediates["cancel_reason"] = (grpc.StatusCode.UNAVAILABLE, MOVED)
+            assert job.task is not None
+            job.task.cancel()
+        await asyncio.gather(*(job.task for job in running if job.task is not None), return_exceptions=True)
+        for job in running:
+            try:
+                await asyncio.to_thread(self.store.update_state, job.job_id, JobState.JOB_STATE_QUEUED)
+            except StoreError as error:  # lost or finished meanwhile: its lease decides
+                logger.info("job %s: not handed back: %s", job.job_id, error)
+
+    async def lose(self, job_id: str) -> None:
+        """Stops a running job whose lease another replica took: nothing of it is recorded here."""
+        job = self.jobs.get(job_id)
+        if job is None or job.finished or job.task is None:
+            return
+        job.intermediates["lease_lost"] = True
+        job.intermediates["cancel_reason"] = (grpc.StatusCode.UNAVAILABLE, MOVED)
+        job.task.cancel()
+        await asyncio.gather(job.task, return_exceptions=True)
+        self.table.forget(job_id)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Waits up to `timeout_s` for the running jobs to finish (a replica leaving: it no longer leads)."""
+        tasks = [job.task for job in self.jobs.values() if job.task is not None and not job.finished]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
 
     async def shutdown(self) -> None:
         """Stops every job without recording it as cancelled: the store keeps them queued or running,

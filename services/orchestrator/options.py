@@ -16,8 +16,10 @@ from services.logging_setup import add_logging_arguments
 from services.metrics import add_metrics_arguments
 from services.orchestrator.adapter_rate import DEFAULT_ADAPTERS_PER_MINUTE
 from services.orchestrator.blobs.s3 import CHECKSUM_MODES
+from services.orchestrator.membership import LEADER_LEASE_S
 from services.orchestrator.sizes import MinFree, parse_size
 from services.orchestrator.stage_clients import PROBE_INTERVAL_S, REPLICA_WAIT_S
+from services.orchestrator.store.jobstore import DEFAULT_LEASE_TTL_S
 from services.server import add_server_arguments
 from services.stage_table import STAGES
 
@@ -27,6 +29,7 @@ DEFAULT_PORT = 50051
 MAX_CONCURRENT_RPCS = 1024
 # How long a job whose Generate stream was lost (not cancelled by the client) keeps running, waiting for the
 # client's retry to attach again with the same request id.
+DEFAULT_DRAIN_GRACE_S = 60.0  # a replica leaving lets its running jobs finish this long
 DEFAULT_DETACH_GRACE_S = 60.0
 DEFAULT_STATE_DIR = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "stagediff"
 
@@ -119,6 +122,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=CHECKSUM_MODES,
         help="when the S3 client adds and checks CRC checksums: when_supported is boto3's default, which some "
         "S3-compatible stores refuse (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--advertise",
+        metavar="HOST:PORT",
+        help="with --store postgresql://: where the other orchestrator replicas reach this one's gRPC port "
+        "(default: this host's name and --port)",
+    )
+    parser.add_argument(
+        "--leader-lease",
+        type=float,
+        default=LEADER_LEASE_S,
+        metavar="SECONDS",
+        help="with --store postgresql://: how long the leading replica's lease lasts unrenewed; a follower leads "
+        "within it and a second after the leader dies (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--job-lease",
+        type=float,
+        default=DEFAULT_LEASE_TTL_S,
+        metavar="SECONDS",
+        help="with --store postgresql://: how long a job's lease lasts unrenewed; the job of a replica that "
+        "died runs again elsewhere after it (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--drain-grace",
+        type=float,
+        default=DEFAULT_DRAIN_GRACE_S,
+        metavar="SECONDS",
+        help="with --store postgresql://: on SIGTERM, how long the running jobs may take to finish here before "
+        "the replica leaves them to another (default: %(default)s)",
     )
     parser.add_argument(
         "--max-kept-jobs",

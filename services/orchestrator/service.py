@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 import grpc
 
@@ -28,8 +29,10 @@ from services.orchestrator.adapter_rate import AdapterRate
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.janitor import BlobJanitor
 from services.orchestrator.jobs import JobManager
+from services.orchestrator.membership import PostgresMembership
 from services.orchestrator.options import batch_per_tenant, build_parser
 from services.orchestrator.pipeline import Pipeline, restore_intermediates
+from services.orchestrator.relay import Relay
 from services.orchestrator.request_bounds import RequestBoundsInterceptor
 from services.orchestrator.scheduler import FairScheduler
 from services.orchestrator.servicer import GenerationServicer
@@ -106,6 +109,11 @@ def main(argv: list[str] | None = None) -> None:
     except (TenantConfigError, ClusterSecretError, TLSConfigError) as error:
         raise SystemExit(f"{PROG}: {error}") from None
     check_exposure(config.server, tenants, secret, credentials)
+    if isinstance(config.store, PostgresLocation) and not secret:
+        raise SystemExit(
+            f"{PROG}: --store postgresql://: replicas relay calls to each other under the cluster secret; "
+            "give --cluster-secret-file or $STAGEDIFF_CLUSTER_SECRET"
+        )
     if tenants.is_open:
         logger.warning("no --tenants file: every caller is the open tenant 'default', with no key and no quota")
     try:
@@ -114,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
             database_url=config.store.dsn if isinstance(config.store, PostgresLocation) else None,
             blobs=open_blobs(config.blobs),
             owner=replica_owner(config.store),
+            lease_ttl_s=config.job_lease_s,
         )
     except StoreError as error:
         where = "--store: " if isinstance(config.store, PostgresLocation) else f"--state-dir {config.state_dir}: "
@@ -168,6 +177,11 @@ async def _serve(
         tenants=tenants.tenants,
         metrics=metrics,
     )
+    membership, relay = None, None
+    if isinstance(config.store, PostgresLocation):
+        endpoint = config.advertise or f"{socket.gethostname()}:{config.server.port}"
+        membership = PostgresMembership(config.store.dsn, store.owner, endpoint, lease_s=config.leader_lease_s)
+        relay = Relay(secret, stage_credentials)
     servicer = GenerationServicer(
         stages,
         jobs,
@@ -175,6 +189,9 @@ async def _serve(
         metrics,
         detach_grace_s=config.detach_grace_s,
         adapter_rate=AdapterRate(config.adapters_per_minute),
+        membership=membership,
+        relay=relay,
+        job_lease_s=config.job_lease_s,
     )
 
     janitor = BlobJanitor(store)
@@ -183,6 +200,9 @@ async def _serve(
         janitor.start()
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         return [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
+
+    async def drain() -> None:
+        await servicer.leave(config.drain_grace_s)
 
     async def shutdown() -> None:
         await janitor.stop()
@@ -197,6 +217,7 @@ async def _serve(
         register=register,
         load=servicer.start,
         on_shutdown=shutdown,
+        on_drain=drain,
         interceptors=[
             TenantAuthInterceptor(tenants),
             RequestBoundsInterceptor([generation_pb2.DESCRIPTOR.services_by_name["Generation"]]),

@@ -29,11 +29,15 @@ from services.orchestrator.followers import JobFollowers, TooManyWatchers
 from services.orchestrator.image_uploads import UPLOADS_DIR, ImageUploads, UploadRefused
 from services.orchestrator.job import Job, JobState
 from services.orchestrator.jobs import JobManager
+from services.orchestrator.lease_keeper import LeaseKeeper
 from services.orchestrator.lora_access import check_loras, visible
+from services.orchestrator.membership import Membership, SoloMembership
 from services.orchestrator.options import DEFAULT_DETACH_GRACE_S
 from services.orchestrator.refusals import REFUSABLE, ClusterNotReady, ModelNotFound, Refusal, refusal_for
+from services.orchestrator.relay import Relay, is_relayed
 from services.orchestrator.request_images import check_image_budget, probe_images, verify_images
 from services.orchestrator.stage_clients import NOT_SERVING, STAGE_ORDER, StagePool
+from services.orchestrator.store.jobstore import DEFAULT_LEASE_TTL_S
 from services.orchestrator.store_errors import ResultGone, StoreError
 from services.orchestrator.tenant_auth import current_tenant
 from services.orchestrator.tenants import TenantRegistry
@@ -50,6 +54,9 @@ MAX_LIST_LIMIT = 1000
 UNKNOWN_MODEL_LABEL = "unknown"
 # When a tenant at its max_watch_streams may try again.
 WATCH_RETRY_AFTER_S = 1.0
+# When to retry a call that reached no replica able to answer it (a takeover, a job changing hands).
+PEER_RETRY_S = 1.0
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
 
 def _abort_code(job: Job) -> grpc.StatusCode:
@@ -69,6 +76,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         image_workers: ImageWorkers | None = None,
         uploads: ImageUploads | None = None,
         adapter_rate: AdapterRate | None = None,
+        membership: Membership | None = None,
+        relay: Relay | None = None,
+        job_lease_s: float = DEFAULT_LEASE_TTL_S,
     ) -> None:
         self.stages = stages
         self.jobs = jobs
@@ -84,6 +94,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.image_workers = image_workers if image_workers is not None else ImageWorkers()
         # Image files sent ahead of their request (UploadImage), held until a request names them.
         self.uploads = uploads if uploads is not None else ImageUploads(jobs.store.state_dir / UPLOADS_DIR)
+        # The other orchestrator replicas, when there are (membership.py): who leads, where each answers.
+        self.membership: Membership = membership if membership is not None else SoloMembership(jobs.store.owner)
+        jobs.shared_store = self.replicated
+        self.relay = relay
+        self.job_lease_s = job_lease_s
+        self._background: list[asyncio.Task[None]] = []
+
+    @property
+    def replicated(self) -> bool:
+        return not isinstance(self.membership, SoloMembership)
 
     async def start(self) -> None:
         """Readies the orchestrator while its health says NOT_SERVING (the `load` of services.server.serve).
@@ -98,8 +118,69 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if problem is not None:
             logger.error("%s; health stays NOT_SERVING", problem)
             await asyncio.get_running_loop().create_future()  # never set: serve() stops waiting on SIGTERM
-        await self.jobs.recover()
+        if self.replicated:
+            # Followers serve at once (relaying what the leader or a job's owner must answer); the leader
+            # queues the stored jobs when it takes the lease.
+            self._background = [
+                asyncio.create_task(self.membership.run(self._lead, self.jobs.follow), name="membership"),
+                asyncio.create_task(LeaseKeeper(self.jobs, self.job_lease_s / 3).run(), name="lease-keeper"),
+            ]
+        else:
+            await self.jobs.lead()
         self.ready.set()
+
+    async def _lead(self) -> None:
+        await self.jobs.lead(requeue_running=False)
+
+    async def leave(self, drain_s: float) -> None:
+        """Leaves the cluster: resigns leadership at once (a follower leads at its next round), lets the running
+        jobs finish within `drain_s` while still renewing their leases, then stops taking part."""
+        if not self.replicated:
+            return
+        await self.membership.resign()
+        await self.jobs.follow()
+        await self.jobs.drain(drain_s)
+        await self.jobs.release()
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        if self.relay is not None:
+            await self.relay.close()
+
+    async def _admission_peer(self, context: grpc.aio.ServicerContext) -> str | None:
+        """Where an admission is answered: None here (this replica leads), else the leader's endpoint.
+        UNAVAILABLE with a retry delay while no replica leads (a takeover) or when a relayed call reached a
+        replica that no longer leads."""
+        if self.membership.is_leader():
+            return None
+        endpoint = self.membership.leader_endpoint()
+        if endpoint is None or self.relay is None or is_relayed(context, self.relay.secret):
+            await abort_with_retry(
+                context, "no orchestrator replica leads at the moment; retry", PEER_RETRY_S, code=UNAVAILABLE
+            )
+        return endpoint
+
+    async def _job_peer(self, job_id: str, context: grpc.aio.ServicerContext) -> str | None:
+        """Where a call about a job is answered: None here (the job is held here, finished, or not the caller's),
+        else the endpoint of the replica holding it (its owner while running, the leader while queued)."""
+        if not self.replicated or not job_id:
+            return None
+        live = self.jobs.jobs.get(job_id)
+        if live is not None and not live.finished:
+            return None
+        record = await asyncio.to_thread(self.jobs.store.get, job_id)
+        if record is None or record.finished or record.tenant != current_tenant().name:
+            return None
+        endpoint: str | None = None
+        if record.state == JobState.JOB_STATE_RUNNING and record.owner != self.membership.replica_id:
+            endpoint = await self.membership.endpoint_of(record.owner)
+        elif record.state == JobState.JOB_STATE_QUEUED and not self.membership.is_leader():
+            endpoint = self.membership.leader_endpoint()
+        if endpoint is None or self.relay is None or is_relayed(context, self.relay.secret):
+            await abort_with_retry(
+                context, f"job {job_id} is moving between orchestrator replicas; retry", PEER_RETRY_S, code=UNAVAILABLE
+            )
+        return endpoint
 
     def _stage_info(self, name: str) -> stages_pb2.StageInfo | None:
         """The StageInfo of a stage this orchestrator has endpoints for; None without them, or before one answered."""
@@ -269,6 +350,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request: generation_pb2.GenerateRequest,
         context: grpc.aio.ServicerContext[generation_pb2.GenerateRequest, generation_pb2.GenerateEvent],
     ) -> AsyncIterator[generation_pb2.GenerateEvent]:
+        peer = await self._admission_peer(context)
+        if peer is not None and self.relay is not None:
+            async for event in self.relay.stream(peer, "Generate", request, context):
+                yield event
+            return
         job, created = await self._admit(request, context)
         # A retry that attaches to a known job replays it, as WatchJob does, and counts as a watcher.
         replaying = contextlib.nullcontext() if created else await self._replaying(context)
@@ -302,6 +388,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request: generation_pb2.GenerateRequest,
         context: grpc.aio.ServicerContext[generation_pb2.GenerateRequest, generation_pb2.Job],
     ) -> generation_pb2.Job:
+        peer = await self._admission_peer(context)
+        if peer is not None and self.relay is not None:
+            relayed: generation_pb2.Job = await self.relay.unary(peer, "Submit", request, context)
+            return relayed
         job, _ = await self._admit(request, context)
         return self._shown(job.to_proto(self.jobs.position(job)))
 
@@ -310,6 +400,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request: generation_pb2.WatchJobRequest,
         context: grpc.aio.ServicerContext[generation_pb2.WatchJobRequest, generation_pb2.GenerateEvent],
     ) -> AsyncIterator[generation_pb2.GenerateEvent]:
+        peer = await self._job_peer(request.job_id, context)
+        if peer is not None and self.relay is not None:
+            async for event in self.relay.stream(peer, "WatchJob", request, context):
+                yield event
+            return
         job = await self._find(request.job_id, context)
         with self.followers.following(job), await self._replaying(context):
             async for event in self._stream(job, context):
@@ -320,6 +415,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request: generation_pb2.GetJobRequest,
         context: grpc.aio.ServicerContext[generation_pb2.GetJobRequest, generation_pb2.Job],
     ) -> generation_pb2.Job:
+        peer = await self._job_peer(request.job_id, context)
+        if peer is not None and self.relay is not None:
+            found: generation_pb2.Job = await self.relay.unary(peer, "GetJob", request, context)
+            return found
         job = await self._find(request.job_id, context)
         return self._shown(job.to_proto(self.jobs.position(job)))
 
@@ -328,6 +427,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request: generation_pb2.CancelJobRequest,
         context: grpc.aio.ServicerContext[generation_pb2.CancelJobRequest, generation_pb2.Job],
     ) -> generation_pb2.Job:
+        peer = await self._job_peer(request.job_id, context)
+        if peer is not None and self.relay is not None:
+            cancelled: generation_pb2.Job = await self.relay.unary(peer, "CancelJob", request, context)
+            return cancelled
         job = await self._find(request.job_id, context)
         await self.jobs.cancel(job)
         return self._shown(job.to_proto())
@@ -337,6 +440,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request: generation_pb2.DeleteJobRequest,
         context: grpc.aio.ServicerContext[generation_pb2.DeleteJobRequest, generation_pb2.DeleteJobResponse],
     ) -> generation_pb2.DeleteJobResponse:
+        peer = await self._job_peer(request.job_id, context)
+        if peer is not None and self.relay is not None:
+            answer: generation_pb2.DeleteJobResponse = await self.relay.unary(peer, "DeleteJob", request, context)
+            return answer
         job = await self._find(request.job_id, context)
         try:
             deleted = await self.jobs.delete(job)
@@ -383,6 +490,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request_iterator: AsyncIterator[image_pb2.ImageUploadChunk],
         context: grpc.aio.ServicerContext[image_pb2.ImageUploadChunk, image_pb2.UploadedImage],
     ) -> image_pb2.UploadedImage:
+        peer = await self._admission_peer(context)  # held by the replica that admits the request naming it
+        if peer is not None and self.relay is not None:
+            uploaded_there: image_pb2.UploadedImage = await self.relay.client_stream(
+                peer, "UploadImage", request_iterator, context
+            )
+            return uploaded_there
         tenant = current_tenant()
 
         async def chunks() -> AsyncIterator[bytes]:

@@ -46,11 +46,12 @@ from services.orchestrator.store.database import (
     lock_state_dir,
 )
 from services.orchestrator.store.files import JOBS_DIR, JobFiles, check_frames, check_name, check_pieces
+from services.orchestrator.store.leases import Claim, JobLeases
 from services.orchestrator.store.postgres import PostgresDatabase
 from services.orchestrator.store.records import TERMINAL_STATES, JobRecord, JobState, SavedImages, Usage
 from services.orchestrator.store.rows import Fence, JobRows
 from services.orchestrator.store.schema import migrate
-from services.orchestrator.store_errors import InvalidTransition, StoreError, io_error
+from services.orchestrator.store_errors import InvalidTransition, LeaseLost, StoreError, io_error
 from stagediff.v1 import image_pb2, tensor_pb2
 
 RUNNING = (JobState.JOB_STATE_RUNNING,)
@@ -223,9 +224,13 @@ class JobStore:
         fence = self._fence(job_id)
         if fence is not None and state == JobState.JOB_STATE_RUNNING:
             fence = None  # claimed again: a requeued job this replica runs once more
-        record, files = self._rows.update_state(
-            job_id, state, assignments, fence=fence, claim_for=(self.owner, self.lease_ttl_s)
-        )
+        try:
+            record, files = self._rows.update_state(
+                job_id, state, assignments, fence=fence, claim_for=(self.owner, self.lease_ttl_s)
+            )
+        except LeaseLost:
+            self.forget_claim(job_id)
+            raise
         with self._claims_lock:
             if state == JobState.JOB_STATE_RUNNING:
                 self._claims[job_id] = record.lease_epoch
@@ -243,6 +248,29 @@ class JobStore:
     def _epoch(self, job_id: str) -> int:
         fence = self._fence(job_id)
         return 0 if fence is None else fence.epoch
+
+    def claimed(self) -> dict[str, int]:
+        """{job id: lease epoch} of the jobs this store claimed and still runs."""
+        with self._claims_lock:
+            return dict(self._claims)
+
+    def renew_claims(self) -> set[str]:
+        """Extends the lease of every job this store claimed; returns the ids whose lease was lost (another
+        replica runs them now: stop them, record nothing). Blocking."""
+        claims = [Claim(job_id, epoch) for job_id, epoch in self.claimed().items()]
+        lost = JobLeases(self._db, self.owner, self.lease_ttl_s).renew(claims) if claims else set()
+        for job_id in lost:
+            self.forget_claim(job_id)
+        return lost
+
+    def queued_ids(self) -> list[str]:
+        """The ids of every queued job, in admission order."""
+        return self._rows.queued_ids()
+
+    def requeue_expired(self) -> list[str]:
+        """Moves every running job whose owner's lease ran out back to QUEUED (the leader's duty); returns
+        their ids. Blocking."""
+        return JobLeases(self._db, self.owner, self.lease_ttl_s).requeue_expired()
 
     def forget_claim(self, job_id: str) -> None:
         """Stops fencing `job_id`'s writes with this store's claim (the job left this replica)."""
@@ -392,8 +420,10 @@ class JobStore:
                 raw_kept=keep_raw,
                 timings=timings,
             )
-        except BaseException:
+        except BaseException as error:
             self.files.uncommit_result(writer, encoded)
+            if isinstance(error, LeaseLost):
+                self.forget_claim(job_id)
             raise
         self.forget_claim(job_id)
         if not keep_raw:

@@ -72,6 +72,9 @@ CREATE TABLE IF NOT EXISTS results (
 """
 
 
+SCHEMA_LOCK = 0x5354414745444946  # the advisory lock under which replicas create the tables
+
+
 class Row(tuple[Any, ...]):
     """A result row that answers by position and by column name, as sqlite3.Row."""
 
@@ -159,6 +162,8 @@ class PostgresDatabase:
             raise StoreError(f"cannot reach the job database: {error}") from None
         database = cls(connection)
         with database.transaction() as db:
+            # Replicas starting together create the tables one at a time (CREATE ... IF NOT EXISTS races).
+            db.execute("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK,))
             for statement in SCHEMA.split(";"):
                 if statement.strip():
                     db.execute(statement)

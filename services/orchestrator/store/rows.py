@@ -166,6 +166,12 @@ class JobRows:
         )
         return [record_from_row(row) for row in rows]
 
+    def queued_ids(self) -> list[str]:
+        rows = self.database.fetchall(
+            "SELECT job_id FROM jobs WHERE state = ? ORDER BY seq", (int(JobState.JOB_STATE_QUEUED),)
+        )
+        return [row["job_id"] for row in rows]
+
     def tenants(self) -> list[str]:
         return [row["tenant"] for row in self.database.fetchall("SELECT DISTINCT tenant FROM jobs ORDER BY tenant", ())]
 
