@@ -226,11 +226,11 @@ class JobManager:
         file is opened only when someone follows it (`Job.follow` replays it from disk).
         """
         job = self.jobs.get(job_id)
-        if job is not None and job.finished and self.shared_store:
-            # Another replica may have deleted it (or its tenant's retention pruned it) since it finished here.
-            if await asyncio.to_thread(self.store.get, job_id) is None:
-                self.table.forget(job_id)
-                return None
+        # Another replica may have deleted a finished job (or its tenant's retention pruned it) since.
+        stale = job is not None and job.finished and self.shared_store
+        if stale and await asyncio.to_thread(self.store.get, job_id) is None:
+            self.table.forget(job_id)
+            return None
         if job is None:
             record = await asyncio.to_thread(self.store.get, job_id)
             if record is None or not record.finished or (tenant is not None and record.tenant != tenant):

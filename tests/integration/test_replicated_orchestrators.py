@@ -157,9 +157,7 @@ def test_replicated_orchestrators(
         monkeypatch.setenv(key, value)
     tenants = tmp_path / "tenants.yaml"
     tenants.write_text(
-        yaml.safe_dump(
-            {"tenants": [{"name": name, "api_keys": [hash_api_key(key)]} for name, key in KEYS.items()]}
-        )
+        yaml.safe_dump({"tenants": [{"name": name, "api_keys": [hash_api_key(key)]} for name, key in KEYS.items()]})
     )
     asyncio.run(_scenario(tmp_path, postgres_server.new_database(), s3_server, tenants))
 
@@ -267,7 +265,8 @@ async def _leader_killed(cluster: Cluster) -> None:
     for seed, job_id in zip(seeds, job_ids, strict=True):
         frames, cuts = await _watch([follower], "alpha", job_id)
         assert np.array_equal(frames, expected_frames(seed, FRAMES, SIZE, SIZE)), (seed, cuts)
-    print(f"every job finished {time.monotonic() - killed:.1f} s after the kill; DiT calls {dict(cluster.denoiser.calls)}")
+    finished_after = time.monotonic() - killed
+    print(f"every job finished {finished_after:.1f} s after the kill; DiT calls {dict(cluster.denoiser.calls)}")
     records = await asyncio.to_thread(cluster.records)
     assert all(records[f"r{seed}"][0] == SUCCEEDED for seed in seeds)
     await leader.start()  # back, as a follower
