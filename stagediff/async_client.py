@@ -59,7 +59,9 @@ class AsyncClient:
         client_cert: str | Path | None = None,
         client_key: str | Path | None = None,
     ) -> None:
-        """`timeout` is every call's deadline in seconds (None: none); `retry` when calls are tried again.
+        """`endpoint` is HOST:PORT, or the addresses of several orchestrator replicas separated by commas (calls
+        go to the next one when one is UNAVAILABLE). `timeout` is every call's deadline in seconds (None: none);
+        `retry` when calls are tried again.
 
         The API key (`api_key`, else read from `api_key_file`, else as `resolve_api_key` finds one:
         $STAGEDIFF_API_KEY, $STAGEDIFF_API_KEY_FILE, ~/.config/stagediff/api-key) goes with every call as
@@ -67,6 +69,9 @@ class AsyncClient:
         `ca_cert` or the system's roots, presenting `client_cert`/`client_key` when the server asks for a client
         certificate."""
         self.endpoint = endpoint
+        self.endpoints = [part.strip() for part in endpoint.split(",") if part.strip()]
+        if not self.endpoints:
+            raise ValueError("endpoint: give HOST:PORT, or several separated by commas (orchestrator replicas)")
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
         self.metadata = list(metadata or [])
@@ -75,21 +80,39 @@ class AsyncClient:
             self.metadata.append(("authorization", f"Bearer {key}"))
         # Each call carries the caller's trace context (W3C traceparent), so its trace spans every stage.
         interceptors = trace_context_interceptors()
+        credentials = None
         if tls or ca_cert is not None:
             credentials = grpc.ssl_channel_credentials(
                 root_certificates=_read_optional(ca_cert),
                 private_key=_read_optional(client_key),
                 certificate_chain=_read_optional(client_cert),
             )
-            self._channel = grpc.aio.secure_channel(
-                endpoint, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors
-            )
-        else:
-            self._channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS, interceptors=interceptors)
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        # One channel per orchestrator replica; calls go to one until it is UNAVAILABLE, then to the next.
+        self._channels = [
+            grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors)
+            if credentials is not None
+            else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
+            for address in self.endpoints
+        ]
+        self._stubs = [generation_pb2_grpc.GenerationStub(channel) for channel in self._channels]
+        self._current = 0
+
+    @property
+    def _channel(self) -> grpc.aio.Channel:
+        return self._channels[self._current]
+
+    @property
+    def _stub(self) -> generation_pb2_grpc.GenerationStub:
+        return self._stubs[self._current]
+
+    def _after_failure(self, error: grpc.aio.AioRpcError) -> None:
+        """Moves on to the next replica's address after an UNAVAILABLE one (a replica down or leaving)."""
+        if error.code() == grpc.StatusCode.UNAVAILABLE:
+            self._current = (self._current + 1) % len(self._stubs)
 
     async def close(self) -> None:
-        await self._channel.close(None)
+        for channel in self._channels:
+            await channel.close(None)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -98,18 +121,21 @@ class AsyncClient:
         await self.close()
 
     async def _unary(
-        self, method: Callable[..., Any], request: Any, timeout: float | None = None, retry: bool = True
+        self, method: str | Callable[..., Any], request: Any, timeout: float | None = None, retry: bool = True
     ) -> Any:
-        """Calls a unary method, retrying UNAVAILABLE and RESOURCE_EXHAUSTED as the RetryPolicy says (only
-        with `retry`: a call that is safe to repeat)."""
+        """Calls a unary method (by its name on the stub, or a callable taking the request), retrying UNAVAILABLE
+        (on the next replica's address) and RESOURCE_EXHAUSTED as the RetryPolicy says (only with `retry`: a
+        call that is safe to repeat)."""
         retries = Retries(self.retry, retry)
         while True:
+            call = getattr(self._stub, method) if isinstance(method, str) else method
             try:
-                return await method(request, timeout=timeout or self.timeout, metadata=self.metadata)
+                return await call(request, timeout=timeout or self.timeout, metadata=self.metadata)
             except grpc.aio.AioRpcError as error:
                 delay = retries.delay(error)
                 if delay is None:
                     raise StageDiffError.from_rpc_error(error) from None
+                self._after_failure(error)
                 await asyncio.sleep(delay)
 
     async def _follow(self, open_call: Callable[[], Any], retry: bool = True) -> AsyncIterator[Event]:
@@ -132,6 +158,7 @@ class AsyncClient:
                 delay = retries.delay(error)
                 if delay is None:
                     raise StageDiffError.from_rpc_error(error) from None
+                self._after_failure(error)
                 await asyncio.sleep(delay)
 
     async def _with_uploads(
@@ -148,7 +175,7 @@ class AsyncClient:
         self, request: generation_pb2.GenerateRequest, timeout: float | None
     ) -> generation_pb2.Job:
         request = await self._with_uploads(request, timeout)
-        return await self._unary(self._stub.Submit, request, timeout, retry=bool(request.request_id))
+        return await self._unary("Submit", request, timeout, retry=bool(request.request_id))
 
     async def _stream_request(
         self, request: generation_pb2.GenerateRequest, timeout: float | None
@@ -247,34 +274,34 @@ class AsyncClient:
 
     async def get_job(self, job_id: str) -> generation_pb2.Job:
         """The job: its state, the request with every default filled in, its progress, timings or error."""
-        return await self._unary(self._stub.GetJob, generation_pb2.GetJobRequest(job_id=job_id))
+        return await self._unary("GetJob", generation_pb2.GetJobRequest(job_id=job_id))
 
     async def cancel(self, job_id: str) -> generation_pb2.Job:
         """Cancels a queued or running job (a finished one is left as it is); returns the job."""
-        return await self._unary(self._stub.CancelJob, generation_pb2.CancelJobRequest(job_id=job_id))
+        return await self._unary("CancelJob", generation_pb2.CancelJobRequest(job_id=job_id))
 
     async def delete(self, job_id: str) -> bool:
         """Cancels the job if it is queued or running, then deletes it and its result on the server.
         Returns False when the job was already gone."""
-        response = await self._unary(self._stub.DeleteJob, generation_pb2.DeleteJobRequest(job_id=job_id))
+        response = await self._unary("DeleteJob", generation_pb2.DeleteJobRequest(job_id=job_id))
         return response.deleted
 
     async def list_jobs(self, state: int = 0, limit: int = 0) -> list[generation_pb2.Job]:
         """The tenant's jobs, newest first: those in `state` (a JobState; 0 for every state), at most `limit`
         (0 means 100)."""
         response = await self._unary(
-            self._stub.ListJobs, generation_pb2.ListJobsRequest(state=cast(generation_pb2.JobState, state), limit=limit)
+            "ListJobs", generation_pb2.ListJobsRequest(state=cast(generation_pb2.JobState, state), limit=limit)
         )
         return list(response.jobs)
 
     async def list_models(self) -> list[generation_pb2.ModelDescription]:
         """The served models with their limits and the LoRA adapters the caller's tenant may use."""
-        response = await self._unary(self._stub.ListModels, generation_pb2.ListModelsRequest())
+        response = await self._unary("ListModels", generation_pb2.ListModelsRequest())
         return list(response.models)
 
     async def cluster_info(self) -> generation_pb2.ClusterInfo:
         """Every stage of the cluster: its replicas, their health, model, device and parallel configuration."""
-        return await self._unary(self._stub.GetClusterInfo, generation_pb2.GetClusterInfoRequest())
+        return await self._unary("GetClusterInfo", generation_pb2.GetClusterInfoRequest())
 
     async def health(self, service: str = "") -> str:
         """The orchestrator's grpc.health.v1 status name, e.g. SERVING."""

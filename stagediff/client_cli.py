@@ -26,7 +26,12 @@ def _lora_argument(value: str) -> tuple[str, float]:
 
 
 def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--endpoint", default="localhost:50051")
+    parser.add_argument(
+        "--endpoint",
+        default="localhost:50051",
+        help="the orchestrator's HOST:PORT, or its replicas' separated by commas (the next is tried when one is "
+        "unavailable; default: %(default)s)",
+    )
     parser.add_argument(
         "--api-key",
         default=None,

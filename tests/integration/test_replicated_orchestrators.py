@@ -6,8 +6,8 @@ stages whose frames depend on the seed:
 2. across replicas: a follower relays a running job's stream, a cancel that stops it within a step, and the
    deletion of a finished one (its objects gone);
 3. the leader SIGKILLed while a job denoises with others queued: the follower leads, the dead leader's job
-   runs again from the queue once its lease expires, and every job finishes with the expected frames, watched
-   through the follower;
+   runs again from the queue once its lease expires, and every job finishes with the expected frames, followed
+   by the SDK given both replicas' addresses (the dead leader's first);
 4. a rolling upgrade: the leader SIGTERMed while a job denoises: it resigns, finishes that job (run once), and
    exits; the other replica admits meanwhile.
 
@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from services.orchestrator.tenants import hash_api_key
+from stagediff.client import AsyncClient
 from stagediff.local.launch import free_ports
 from stagediff.tensor_codec import TensorAssembler
 from stagediff.v1 import generation_pb2, generation_pb2_grpc
@@ -256,20 +257,40 @@ async def _leader_killed(cluster: Cluster) -> None:
     follower = next(replica for replica in cluster.replicas if replica is not leader)
     cluster.denoiser.step_s = 0.05
     seeds = [300, 301, 302]
-    job_ids = [await _submit(follower, "alpha", _request(seed, steps=40)) for seed in seeds]
-    await _until(lambda: 300 in cluster.denoiser.denoising, "the first job's denoising")
-    await leader.kill()
-    killed = time.monotonic()
-    await cluster.leader(other_than=leader)
-    print(f"\nleader SIGKILLed: {follower.name} leads {time.monotonic() - killed:.1f} s later")
-    for seed, job_id in zip(seeds, job_ids, strict=True):
-        frames, cuts = await _watch([follower], "alpha", job_id)
-        assert np.array_equal(frames, expected_frames(seed, FRAMES, SIZE, SIZE)), (seed, cuts)
+    # The SDK given both replicas' addresses, the leader's first: it watches there until the leader dies, then
+    # goes on through the other.
+    client = AsyncClient(f"{leader.endpoint},{follower.endpoint}", api_key=KEYS["alpha"], timeout=WAIT_S)
+    try:
+        job_ids = [(await client.submit("p", **_options(seed, steps=40))).job_id for seed in seeds]
+        waits = [asyncio.create_task(client.wait(job_id)) for job_id in job_ids]
+        await _until(lambda: 300 in cluster.denoiser.denoising, "the first job's denoising")
+        await leader.kill()
+        killed = time.monotonic()
+        await cluster.leader(other_than=leader)
+        print(f"\nleader SIGKILLed: {follower.name} leads {time.monotonic() - killed:.1f} s later")
+        results = await asyncio.gather(*waits)
+    finally:
+        await client.close()
+    for seed, result in zip(seeds, results, strict=True):
+        assert np.array_equal(result.frames, expected_frames(seed, FRAMES, SIZE, SIZE)), seed
     finished_after = time.monotonic() - killed
     print(f"every job finished {finished_after:.1f} s after the kill; DiT calls {dict(cluster.denoiser.calls)}")
     records = await asyncio.to_thread(cluster.records)
     assert all(records[f"r{seed}"][0] == SUCCEEDED for seed in seeds)
     await leader.start()  # back, as a follower
+
+
+def _options(seed: int, steps: int) -> dict[str, object]:
+    request = _request(seed, steps)
+    return {
+        "height": request.height,
+        "width": request.width,
+        "num_frames": request.num_frames,
+        "num_inference_steps": request.num_inference_steps,
+        "guidance_scale": request.guidance_scale,
+        "seed": request.seed,
+        "request_id": request.request_id,
+    }
 
 
 async def _rolling_upgrade(cluster: Cluster) -> None:
