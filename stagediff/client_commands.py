@@ -43,6 +43,13 @@ JOB_STATES = {
 }
 
 
+def _retries(args: argparse.Namespace) -> int:
+    """--retries, or its default: more with several orchestrator addresses, to ride out a takeover."""
+    if args.retries is not None:
+        return int(args.retries)
+    return 6 if "," in args.endpoint else 3
+
+
 def _open_client(args: argparse.Namespace, attempts: int = 1) -> Client:
     """A client from the connection flags every command shares; `attempts` tries when the cluster is unavailable.
     Raises ValueError when the API key file cannot be read."""
@@ -99,7 +106,7 @@ def _follow_job(
     """Runs `run(client, on_progress)` with the progress display; returns the result, or the exit code on failure."""
     display = progress_display(args.quiet)
     try:
-        with _open_client(args, attempts=args.retries + 1) as client:
+        with _open_client(args, attempts=_retries(args) + 1) as client:
             if display is None:
                 return run(client, None)
             with display:

