@@ -12,8 +12,8 @@ import pytest
 
 from families.init_model import init_model
 from services.auth import CLUSTER_SECRET_ENV
-from tests.helpers.grpc_channels import CLUSTER_SECRET
 from stagediff.local.servers import Postgres, S3Server, postgres, seaweedfs
+from tests.helpers.grpc_channels import CLUSTER_SECRET
 from tests.helpers.store import OpenStore, open_embedded
 
 # The time each tier took, printed at the end of every run (tests/helpers/tier_times.py).

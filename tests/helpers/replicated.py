@@ -16,10 +16,10 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from stagediff.local.servers import S3Server
 from stagediff.tensor_codec import TensorAssembler, encode_tensor
 from stagediff.v1 import stages_pb2
 from tests.helpers.fake_stages import LIMITS, FakeDenoiser, FakeStages, FakeVae
-from stagediff.local.servers import S3Server
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 120.0

@@ -13,9 +13,9 @@ from services.orchestrator.blobs import S3Blobs, s3_client
 from services.orchestrator.blobs import s3 as s3_module
 from services.orchestrator.store import JobRecord, JobStore, LeaseLost
 from services.orchestrator.store.leases import JobLeases
+from stagediff.local.servers import Postgres, S3Server
 from stagediff.tensor_codec import encode_tensor
 from stagediff.v1 import generation_pb2
-from stagediff.local.servers import Postgres, S3Server
 from tests.helpers.store import FAILED, QUEUED, RUNNING, SUCCEEDED, files
 
 

@@ -29,6 +29,7 @@ import yaml
 from services.orchestrator.tenants import hash_api_key
 from stagediff.client import AsyncClient
 from stagediff.local.launch import free_ports
+from stagediff.local.servers import Postgres, S3Server
 from stagediff.tensor_codec import TensorAssembler
 from stagediff.v1 import generation_pb2, generation_pb2_grpc
 from tests.helpers.replicated import (
@@ -39,7 +40,6 @@ from tests.helpers.replicated import (
     s3_environment,
     seeded_stages,
 )
-from stagediff.local.servers import Postgres, S3Server
 
 SUCCEEDED = generation_pb2.JobState.JOB_STATE_SUCCEEDED
 CANCELLED = generation_pb2.JobState.JOB_STATE_CANCELLED
