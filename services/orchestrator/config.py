@@ -59,6 +59,7 @@ class OrchestratorConfig:
     state_dir: str
     # Where job records live (SQLite in state_dir, or PostgreSQL) and where files live (None: state_dir).
     store: SqliteLocation | PostgresLocation
+    store_password_file: str | None
     blobs: LocalBlobsLocation | S3Location | None
     # With PostgreSQL: where peers reach this replica (None: this host's name and port), and the leases.
     advertise: str | None
@@ -99,6 +100,8 @@ class OrchestratorConfig:
     def from_options(cls, args: argparse.Namespace) -> OrchestratorConfig:
         """The configuration the parsed options give; raises ValueError naming the first flag out of bounds."""
         endpoints = {stage: getattr(args, stage.replace("-", "_")) for stage in STAGE_ORDER}
+        if args.store_password_file and not args.store:
+            raise ValueError("--store-password-file: only with --store postgresql://...")
         if args.blobs_endpoint and not args.blobs:
             raise ValueError("--blobs-endpoint: only with --blobs s3://...")
         return cls(
@@ -113,6 +116,7 @@ class OrchestratorConfig:
             tenants_file=args.tenants or None,
             state_dir=args.state_dir,
             store=store_location(args.store) if args.store else SqliteLocation(Path(args.state_dir)),
+            store_password_file=args.store_password_file,
             blobs=blobs_location(args.blobs, endpoint=args.blobs_endpoint, checksums=args.blobs_checksums)
             if args.blobs
             else None,

@@ -106,6 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "~/.pgpass); default: SQLite in --state-dir, for one orchestrator",
     )
     parser.add_argument(
+        "--store-password-file",
+        metavar="FILE",
+        help="with --store postgresql://: a file holding the database user's password (a docker or Kubernetes "
+        "secret), instead of PGPASSWORD",
+    )
+    parser.add_argument(
         "--blobs",
         metavar="s3://BUCKET[/PREFIX]|DIR",
         help="keep stage outputs, input images and results in S3 (keys from AWS_ACCESS_KEY_ID and "

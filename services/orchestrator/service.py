@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
+from pathlib import Path
 
 import grpc
 
@@ -116,6 +118,11 @@ def main(argv: list[str] | None = None) -> None:
         )
     if tenants.is_open:
         logger.warning("no --tenants file: every caller is the open tenant 'default', with no key and no quota")
+    if config.store_password_file:
+        try:  # libpq reads it from the environment, for the store's connection and the membership's
+            os.environ["PGPASSWORD"] = Path(config.store_password_file).read_text().strip()
+        except OSError as error:
+            raise SystemExit(f"{PROG}: --store-password-file {config.store_password_file}: {error.strerror}") from None
     try:
         store = JobStore.open(
             config.state_dir,

@@ -42,6 +42,7 @@ STAGE_TLS_OVERRIDE = DEPLOY / "docker-compose.stage-tls.yml"
 IMAGE_OVERRIDE = DEPLOY / "docker-compose.image.yml"
 COMMON_SERVICES = DEPLOY / "common-services.yml"
 VARIANTS = [GPU_COMPOSE_FILE, SINGLE_GPU_COMPOSE_FILE, CPU_COMPOSE_FILE]
+HA_COMPOSE_FILE = DEPLOY / "docker-compose.ha.yml"
 
 
 def _docker_compose() -> str:
@@ -73,7 +74,10 @@ def _resolved(*files: Path) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     "files",
-    [*((file,) for file in [*VARIANTS, COMMON_SERVICES]), *((file, IMAGE_OVERRIDE) for file in VARIANTS)],
+    [
+        *((file,) for file in [*VARIANTS, COMMON_SERVICES, HA_COMPOSE_FILE]),
+        *((file, IMAGE_OVERRIDE) for file in VARIANTS),
+    ],
     ids=lambda files: "+".join(file.name for file in files),
 )
 def test_docker_compose_config_accepts_every_file(files: tuple[Path, ...]) -> None:
@@ -345,3 +349,31 @@ def test_stagediff_up_serves_an_image_model_without_an_interpolator(qwen_model: 
         except subprocess.TimeoutExpired:
             up_process.kill()
             up_process.wait()
+
+
+def test_the_ha_file_runs_two_orchestrators_on_shared_storage_behind_one_port() -> None:
+    """docker-compose.ha.yml: two orchestrators without volumes, each advertising its own address, both on the
+    database and bucket of their env files (parsed by the orchestrator's own parser and configuration), behind one
+    published port whose proxy checks both; the gateway is given both."""
+    from services.orchestrator.config import OrchestratorConfig
+    from services.orchestrator.store_location import PostgresLocation, S3Location
+
+    services = _resolved(HA_COMPOSE_FILE)
+    orchestrators = sorted(name for name in services if name.startswith("orchestrator"))
+    assert orchestrators == ["orchestrator", "orchestrator-2"]
+    assert _starts({name: services[name] for name in orchestrators}) == dict.fromkeys(orchestrators)
+    for name in orchestrators:
+        service = services[name]
+        assert not service.get("volumes") and not _published(service), name
+        environment = {key: str(value) for key, value in service["environment"].items()}
+        with pytest.MonkeyPatch.context() as patch:
+            for key, value in environment.items():
+                patch.setenv(key, value)
+            config = OrchestratorConfig.from_options(parse_serve(service["command"][1:]))
+        assert isinstance(config.store, PostgresLocation) and isinstance(config.blobs, S3Location), name
+        assert config.advertise == f"{name}:50051"
+        assert {"postgres", "seaweedfs"} <= set(service["depends_on"])
+    assert [target for _, target in _published(services["haproxy"])] == ["50051"]
+    backends = (DEPLOY / "ha" / "haproxy.cfg").read_text()
+    assert all(f"server {name} {name}:50051 check" in backends for name in orchestrators)
+    assert services[GATEWAY]["command"][-1] == "orchestrator:50051,orchestrator-2:50051"

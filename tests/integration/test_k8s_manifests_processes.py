@@ -16,7 +16,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from services.orchestrator.config import OrchestratorConfig
+from services.orchestrator.store_location import PostgresLocation, S3Location
 from tests.helpers.k8s_manifests import COMPONENTS, K8S_DIR, KUBERNETES_VERSION
+from tests.helpers.serving import parse_serve
 
 
 def _kustomize(tmp_path: Path, components: list[str]) -> list[dict[str, Any]]:
@@ -27,6 +30,8 @@ def _kustomize(tmp_path: Path, components: list[str]) -> list[dict[str, Any]]:
     shutil.copytree(K8S_DIR, root)
     (root / "secrets" / "cluster-secret").write_text("0123456789abcdef\n")
     shutil.copy(K8S_DIR.parents[0] / "tenants.example.yaml", root / "secrets" / "tenants.yaml")
+    for name in ("database-password", "blobs-access-key", "blobs-secret-key"):
+        (root / "orchestrator-ha" / "secrets" / name).write_text(f"{name}-value\n")
     if components:
         with (root / "kustomization.yaml").open("a") as file:
             file.write(yaml.safe_dump({"components": components}))
@@ -51,3 +56,64 @@ def test_kustomize_builds(tmp_path: Path, components: list[str]) -> None:
     for secret in secrets:  # the generated names (with their hash) replaced every reference
         assert re.fullmatch(r"stagediff-(cluster-secret|tenants)-[a-z0-9]+", secret), secret
     assert "name: stagediff-cluster-secret\n" not in rendered and "secretName: stagediff-tenants\n" not in rendered
+
+
+def test_the_orchestrator_ha_component_runs_replicas_on_shared_storage(tmp_path: Path) -> None:
+    """`components: [orchestrator-ha]`: two orchestrators on the database and bucket its ConfigMap names, rolled
+    one at a time, with no ReadWriteOnce volume; their command, run through a real shell with the pod's
+    environment, is one the orchestrator accepts."""
+    objects = _kustomize(tmp_path, ["orchestrator-ha"])
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    assert ("PersistentVolumeClaim", "stagediff-state") not in kinds
+    assert any(o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"] == "orchestrator" for o in objects)
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "orchestrator"]
+    spec = deployment["spec"]
+    assert spec["replicas"] >= 2
+    assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    pod = spec["template"]["spec"]
+    assert all("persistentVolumeClaim" not in volume for volume in pod["volumes"])
+    (container,) = pod["containers"]
+    argv = _shell_argv(container, objects)
+    args = parse_serve(argv)
+    config = OrchestratorConfig.from_options(args)
+    assert isinstance(config.store, PostgresLocation) and isinstance(config.blobs, S3Location)
+    assert config.advertise == "10.1.2.3:50051"
+    assert pod["terminationGracePeriodSeconds"] > config.drain_grace_s
+    secrets = {
+        ref["secretKeyRef"]["name"]
+        for env in container["env"]
+        if (ref := env.get("valueFrom", {})) and "secretKeyRef" in ref
+    }
+    assert {name.rsplit("-", 1)[0] for name in secrets} >= {"stagediff-database", "stagediff-blobs"}
+
+
+def _shell_argv(container: dict[str, Any], objects: list[dict[str, Any]]) -> list[str]:
+    """The container's `stagediff serve` arguments, as its /bin/sh passes them, in a pod whose IP is 10.1.2.3."""
+    maps = {o["metadata"]["name"]: o.get("data", {}) for o in objects if o["kind"] == "ConfigMap"}
+    environment: dict[str, str] = {"PATH": "/usr/bin:/bin"}
+    for entry in container["env"]:
+        source = entry.get("valueFrom", {})
+        if "configMapKeyRef" in source:
+            value = maps[source["configMapKeyRef"]["name"]][source["configMapKeyRef"]["key"]]
+        elif "secretKeyRef" in source:
+            value = "secret"
+        elif "fieldRef" in source:
+            value = {"status.podIP": "10.1.2.3"}[source["fieldRef"]["fieldPath"]]
+        else:  # kubelet expands $(VAR) of variables defined before
+            value = re.sub(r"\$\((\w+)\)", lambda found: environment[found[1]], entry["value"])
+        environment[entry["name"]] = value
+    (script,) = container["args"]
+    assert script.startswith("exec stagediff serve "), script
+    printed = subprocess.run(
+        ["/bin/sh", "-c", "stagediff() { printf '%s\\0' \"$@\"; }; " + script.removeprefix("exec ")],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert printed.returncode == 0, printed.stderr
+    argv = printed.stdout.split("\0")[:-1]
+    assert argv[0] == "serve"
+    return argv[1:]
