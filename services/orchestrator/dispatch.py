@@ -30,6 +30,7 @@ from services.orchestrator.job import Job, JobState, JobTable
 from services.orchestrator.pruning import Pruner
 from services.orchestrator.scheduler import FairScheduler
 from services.orchestrator.store import InvalidTransition, JobStore, StoreError, StoreFull
+from services.orchestrator.store_retry import store_call
 from services.tracing import set_grpc_status, start_span_under
 from stagediff.v1 import generation_pb2
 
@@ -83,7 +84,7 @@ class Dispatcher:
         """Claims a job the scheduler let start (in the store: RUNNING, owned by this replica) and runs it."""
         job_id = job.job_id
         try:
-            await asyncio.to_thread(self.store.update_state, job_id, JobState.JOB_STATE_RUNNING)
+            await store_call(self.store.update_state, job_id, JobState.JOB_STATE_RUNNING)
         except InvalidTransition:  # no longer queued: another replica claimed it (a former leader's admission)
             self.scheduler.finished(job_id)
             await self.hand_over(job)
@@ -178,7 +179,7 @@ class Dispatcher:
         next start; the clients already hear the outcome from the job itself.
         """
         try:
-            await asyncio.to_thread(
+            await store_call(
                 functools.partial(
                     self.store.update_state,
                     job_id,

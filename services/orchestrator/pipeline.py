@@ -35,13 +35,14 @@ from services.metrics import OrchestratorMetrics
 from services.orchestrator.admission import result_shape
 from services.orchestrator.cache_namespace import cache_namespace_key
 from services.orchestrator.chain import served_family, stages_for
-from services.orchestrator.dispatch import store_failure
+from services.orchestrator.dispatch import MOVED, store_failure
 from services.orchestrator.encoded_results import EncodedResult, EncodingError
 from services.orchestrator.job import Job, JobState
 from services.orchestrator.result_publisher import ResultPublisher
 from services.orchestrator.stage_calls import END, VAE_ENCODE, StageCalls
 from services.orchestrator.stage_clients import StageError, StagePool
-from services.orchestrator.store import InvalidTransition, JobStore, StoreError
+from services.orchestrator.store import InvalidTransition, JobStore, LeaseLost, StoreError
+from services.orchestrator.store_retry import store_call
 from stagediff.tensor_codec import WireError
 from stagediff.v1 import generation_pb2, tensor_pb2
 
@@ -115,12 +116,10 @@ class Pipeline:
         try:
             deadline = asyncio.timeout_at(job.deadline) if job.deadline is not None else contextlib.nullcontext()
             async with deadline:
-                job.result = result = await asyncio.to_thread(
-                    store.create_result, job.job_id, result_shape(job.request)
-                )
+                job.result = result = await store_call(store.create_result, job.job_id, result_shape(job.request))
                 output = output_format(job.request.output_format)
                 if output.name != RAW:
-                    job.encoded = encoded = await asyncio.to_thread(
+                    job.encoded = encoded = await store_call(
                         store.create_encoded, job.job_id, output.extension, output.media_type
                     )
                     job.encoder = EncodedResult(job, result, encoded)
@@ -173,7 +172,7 @@ class Pipeline:
         """Completes the result file and marks the job SUCCEEDED in the store, before any client hears it."""
         assert job.result is not None  # `_run_and_store` made it before the run
         try:
-            await asyncio.to_thread(
+            await store_call(
                 store.commit_result,
                 job.result,
                 job.fps_out,
@@ -181,6 +180,10 @@ class Pipeline:
                 keep_raw=job.request.keep_raw_frames,
                 timings=job.timings,
             )
+        except LeaseLost:  # another replica runs the job now: this run leaves it to that one
+            job.intermediates["lease_lost"] = True
+            job.intermediates["cancel_reason"] = (grpc.StatusCode.UNAVAILABLE, MOVED)
+            raise asyncio.CancelledError from None
         except InvalidTransition:  # cancelled while the file was being completed
             raise asyncio.CancelledError from None
         except StoreError as error:

@@ -16,7 +16,7 @@ import grpc
 from services.orchestrator.chain import StageNotDeployed
 from services.orchestrator.lora_access import LoraNotAllowed, LoraNotFound
 from services.orchestrator.scheduler import AdmissionRefused
-from services.orchestrator.store_errors import StoreError
+from services.orchestrator.store_errors import StoreError, StoreUnavailable
 from services.orchestrator.tenants import LimitExceeded, RateLimited
 from stagekit.errors import RequestError
 
@@ -30,6 +30,8 @@ class ClusterNotReady(Exception):
 
 
 # What admission raises for a request it will not take; anything else propagates.
+STORE_RETRY_S = 1.0  # when to retry an admission the job database could not take
+
 REFUSABLE: tuple[type[Exception], ...] = (
     RateLimited,
     AdmissionRefused,
@@ -72,6 +74,8 @@ def refusal_for(error: Exception) -> Refusal:
         return Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(error))
     if isinstance(error, ClusterNotReady):
         return Refusal(grpc.StatusCode.UNAVAILABLE, str(error), drops_uploads=False)
+    if isinstance(error, StoreUnavailable):
+        return Refusal(grpc.StatusCode.UNAVAILABLE, f"{error}; retry", STORE_RETRY_S, drops_uploads=False)
     if isinstance(error, StoreError):
         return Refusal(grpc.StatusCode.INTERNAL, f"could not store the job: {error}", drops_uploads=False)
     raise TypeError(f"not a refusal: {type(error).__name__}") from error

@@ -33,12 +33,19 @@ from services.orchestrator.lease_keeper import LeaseKeeper
 from services.orchestrator.lora_access import check_loras, visible
 from services.orchestrator.membership import Membership, SoloMembership
 from services.orchestrator.options import DEFAULT_DETACH_GRACE_S
-from services.orchestrator.refusals import REFUSABLE, ClusterNotReady, ModelNotFound, Refusal, refusal_for
+from services.orchestrator.refusals import (
+    REFUSABLE,
+    STORE_RETRY_S,
+    ClusterNotReady,
+    ModelNotFound,
+    Refusal,
+    refusal_for,
+)
 from services.orchestrator.relay import Relay, is_relayed
 from services.orchestrator.request_images import check_image_budget, probe_images, verify_images
 from services.orchestrator.stage_clients import NOT_SERVING, STAGE_ORDER, StagePool
 from services.orchestrator.store.jobstore import DEFAULT_LEASE_TTL_S
-from services.orchestrator.store_errors import ResultGone, StoreError
+from services.orchestrator.store_errors import ResultGone, StoreError, StoreUnavailable
 from services.orchestrator.tenant_auth import current_tenant
 from services.orchestrator.tenants import TenantRegistry
 from stagediff import __version__
@@ -168,7 +175,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         live = self.jobs.jobs.get(job_id)
         if live is not None and not live.finished:
             return None
-        record = await asyncio.to_thread(self.jobs.store.get, job_id)
+        try:
+            record = await asyncio.to_thread(self.jobs.store.get, job_id)
+        except StoreUnavailable as error:
+            await abort_with_retry(context, f"{error}; retry", STORE_RETRY_S, code=UNAVAILABLE)
         if record is None or record.finished or record.tenant != current_tenant().name:
             return None
         endpoint: str | None = None
@@ -314,7 +324,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _find(self, job_id: str, context: grpc.aio.ServicerContext) -> Job:
         """The caller's job; another tenant's job is as unknown as one that never existed."""
-        job = await self.jobs.get(job_id, current_tenant().name) if job_id else None
+        try:
+            job = await self.jobs.get(job_id, current_tenant().name) if job_id else None
+        except StoreUnavailable as error:
+            await abort_with_retry(context, f"{error}; retry", STORE_RETRY_S, code=UNAVAILABLE)
         if job is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, bounded(f"job_id: no job '{job_id}'"))
         assert job is not None  # context.abort raised
@@ -466,7 +479,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"state: {request.state} is not one of {list(JobState.keys())}"
             )
-        jobs = await self.jobs.list_jobs(current_tenant().name, request.state, limit)
+        try:
+            jobs = await self.jobs.list_jobs(current_tenant().name, request.state, limit)
+        except StoreUnavailable as error:
+            await abort_with_retry(context, f"{error}; retry", STORE_RETRY_S, code=UNAVAILABLE)
         return generation_pb2.ListJobsResponse(jobs=[self._shown(job) for job in jobs])
 
     async def ListModels(

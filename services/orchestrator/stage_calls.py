@@ -31,6 +31,7 @@ from services.orchestrator.cache_namespace import tenant_cache_namespace
 from services.orchestrator.job import Job
 from services.orchestrator.stage_clients import StageError, StagePool
 from services.orchestrator.store import JobStore
+from services.orchestrator.store_retry import store_call
 from stagediff.v1 import generation_pb2, image_pb2, stages_pb2, tensor_pb2
 
 END = None  # closes a relay queue
@@ -86,7 +87,7 @@ class StageCalls:
         if self.store is not None:
             passes = job.transformer_passes
             kept = (passes.run, passes.skipped) if stage == "dit" else None
-            await asyncio.to_thread(self.store.mark_stage_done, job.job_id, stage, chunks, passes=kept)
+            await store_call(self.store.mark_stage_done, job.job_id, stage, chunks, passes=kept)
 
     def checkpoint_model(self, request: generation_pb2.GenerateRequest) -> str:
         """The model id the stages besides the DiT serve: the request's, unless the DiT serves the checkpoint with

@@ -35,6 +35,10 @@ class InvalidTransition(StoreError):
     """The job's current state does not allow the change (e.g. it already finished)."""
 
 
+class StoreUnavailable(StoreError):
+    """The job database cannot be reached now (restarting, failing over, cut off): worth retrying."""
+
+
 class LeaseLost(InvalidTransition):
     """Another replica claimed the job since this one did: this replica's writes of it change nothing."""
 

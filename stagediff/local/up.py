@@ -204,61 +204,64 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         return 2
-    try:
-        with contextlib.ExitStack() as servers:
-            store_flags, environment = _storage(args, servers)
-            return _run_cluster(args, store_flags, environment)
-    except ServerMissing as error:
-        print(f"stagediff up: {error}", file=sys.stderr, flush=True)
-        return 1
+    with contextlib.ExitStack() as servers:
+        try:
+            store_flags, environment = _storage(args.store, args.blobs, args.blobs_endpoint, servers)
+        except ServerMissing as error:
+            print(f"stagediff up: {error}", file=sys.stderr, flush=True)
+            return 1
+        extra = stage_flags(vars(args))
+        if store_flags:
+            extra.setdefault("orchestrator", []).extend(store_flags)
+        try:
+            cluster = LocalCluster(
+                args.model,
+                compose_file=args.file,
+                port=args.port,
+                http_port=args.http_port,
+                host=args.host,
+                extra_args=extra,
+                env=environment,
+                orchestrators=args.orchestrators,
+                threads_per_stage=args.threads_per_stage,
+                log_dir=args.log_dir,
+                echo_logs=args.echo_logs,
+                replicas=args.replicas,
+                state_dir=args.state_dir,
+            )
+        except (OSError, ValueError, yaml.YAMLError) as error:
+            print(f"stagediff up: {error}", file=sys.stderr, flush=True)
+            return 2
+        return _serve_cluster(cluster, args.startup_timeout)
 
 
-def _storage(args: argparse.Namespace, servers: contextlib.ExitStack) -> tuple[list[str], dict[str, str]]:
+def _storage(
+    store: str | None, blobs: str | None, blobs_endpoint: str | None, servers: contextlib.ExitStack
+) -> tuple[list[str], dict[str, str]]:
     """The orchestrators' --store and --blobs flags and the environment they need, starting the throwaway
     servers asked for (stopped when `servers` closes)."""
     flags: list[str] = []
     environment: dict[str, str] = {}
-    if args.store == LOCAL_POSTGRES:
+    if store == LOCAL_POSTGRES:
         postgres = servers.enter_context(local_postgres())
         print(f"postgres {postgres.dsn}", flush=True)
         flags += ["--store", postgres.dsn]
-    elif args.store:
-        flags += ["--store", args.store]
-    if args.blobs == LOCAL_S3:
+    elif store:
+        flags += ["--store", store]
+    if blobs == LOCAL_S3:
         s3 = servers.enter_context(seaweedfs(Path(tempfile.mkdtemp(prefix="stagediff-seaweedfs-"))))
         print(f"s3 {s3.endpoint} bucket={s3.bucket}", flush=True)
         flags += ["--blobs", f"s3://{s3.bucket}", "--blobs-endpoint", s3.endpoint]
         environment = {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key}
-    elif args.blobs:
-        flags += ["--blobs", args.blobs]
-        if args.blobs_endpoint:
-            flags += ["--blobs-endpoint", args.blobs_endpoint]
+    elif blobs:
+        flags += ["--blobs", blobs]
+        if blobs_endpoint:
+            flags += ["--blobs-endpoint", blobs_endpoint]
     return flags, environment
 
 
-def _run_cluster(args: argparse.Namespace, store_flags: list[str], environment: dict[str, str]) -> int:
-    extra = stage_flags(vars(args))
-    if store_flags:
-        extra.setdefault("orchestrator", []).extend(store_flags)
-    try:
-        cluster = LocalCluster(
-            args.model,
-            compose_file=args.file,
-            port=args.port,
-            http_port=args.http_port,
-            host=args.host,
-            extra_args=extra,
-            env=environment,
-            orchestrators=args.orchestrators,
-            threads_per_stage=args.threads_per_stage,
-            log_dir=args.log_dir,
-            echo_logs=args.echo_logs,
-            replicas=args.replicas,
-            state_dir=args.state_dir,
-        )
-    except (OSError, ValueError, yaml.YAMLError) as error:
-        print(f"stagediff up: {error}", file=sys.stderr, flush=True)
-        return 2
+def _serve_cluster(cluster: LocalCluster, startup_timeout: float) -> int:
+    """Starts `cluster`, reports it, and keeps it until SIGINT or SIGTERM."""
 
     def started(service: ServiceProcess) -> None:
         print(f"started {service.name} pid={service.pid} endpoint={service.endpoint}", flush=True)
@@ -266,7 +269,7 @@ def _run_cluster(args: argparse.Namespace, store_flags: list[str], environment: 
     previous = {sig: signal.signal(sig, _raise_shutdown) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
-            cluster.start(timeout=args.startup_timeout, on_started=started)
+            cluster.start(timeout=startup_timeout, on_started=started)
         except StartupConflict as conflict:
             for problem in conflict.problems:
                 print(f"stagediff up: {problem}", file=sys.stderr, flush=True)

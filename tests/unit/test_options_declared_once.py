@@ -24,6 +24,8 @@ COMPOSE_FILES = [
     DEPLOY / "docker-compose.single-gpu.yml",
     DEPLOY / "docker-compose.cpu.yml",
 ]
+# Replicated orchestrators beside servers that are not StageDiff's (a proxy, PostgreSQL, SeaweedFS).
+HA_COMPOSE_FILE = DEPLOY / "docker-compose.ha.yml"
 
 
 # Overrides, applied on top of docker-compose.yml.
@@ -120,6 +122,10 @@ def test_every_variable_of_the_deploy_files_is_an_option_of_each_service_that_re
         for override in OVERRIDES:
             for name, body in (yaml.safe_load(override.read_text())["services"]).items():
                 variables.setdefault(target_of[name], set()).update(body.get("environment") or {})
+    for name, body in (yaml.safe_load(HA_COMPOSE_FILE.read_text())["services"]).items():
+        if body.get("command", [None])[0] == "serve":
+            for env_file in _env_files(body):
+                readers.setdefault((DEPLOY / env_file).resolve(), set()).add(body["command"][1])
     assert set(readers) == {path.resolve() for path in (DEPLOY / "env").glob("*.env")}, "an env file no one reads"
     for env_file, targets in readers.items():
         for variable in _SETTING.findall(env_file.read_text()):

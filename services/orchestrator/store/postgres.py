@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from services.orchestrator.store_errors import StoreError
+from services.orchestrator.store_errors import StoreError, StoreUnavailable
 
 SCHEMA_VERSION = 6
 
@@ -72,6 +72,7 @@ CREATE TABLE IF NOT EXISTS results (
 """
 
 
+CONNECT_TIMEOUT_S = 5
 SCHEMA_LOCK = 0x5354414745444946  # the advisory lock under which replicas create the tables
 
 
@@ -147,20 +148,15 @@ class PostgresDatabase:
     skip_locked = " FOR UPDATE SKIP LOCKED"
     for_update = " FOR UPDATE"
 
-    def __init__(self, connection: Any) -> None:
+    def __init__(self, connection: Any, dsn: str = "") -> None:
         self._connection: Any | None = connection
+        self._dsn = dsn
         self.mutex = threading.RLock()
 
     @classmethod
     def connect(cls, dsn: str) -> PostgresDatabase:
         """Connects and brings the schema to SCHEMA_VERSION; StoreError naming the problem otherwise."""
-        import psycopg
-
-        try:
-            connection = psycopg.connect(dsn, autocommit=True, row_factory=_row_factory)
-        except psycopg.Error as error:
-            raise StoreError(f"cannot reach the job database: {error}") from None
-        database = cls(connection)
+        database = cls(_open(dsn), dsn)
         with database.transaction() as db:
             # Replicas starting together create the tables one at a time (CREATE ... IF NOT EXISTS races).
             db.execute("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK,))
@@ -177,6 +173,8 @@ class PostgresDatabase:
     def connection(self) -> Any:
         if self._connection is None:
             raise StoreError("the job store is closed")
+        if self._connection.broken or self._connection.closed:  # the server restarted or the link broke
+            self._connection = _open(self._dsn)
         return self._connection
 
     def close(self, *, checkpoint: bool = True) -> bool:
@@ -205,9 +203,25 @@ class PostgresDatabase:
             try:
                 with connection.transaction():
                     yield _Connection(connection)
+            except psycopg.OperationalError as error:  # the connection broke: the next call opens another
+                raise StoreUnavailable(f"the job database cannot be reached: {_first_line(error)}") from None
             except psycopg.Error as error:
                 raise StoreError(f"the job database failed: {error}") from None
 
 
 class UniqueViolation(StoreError):
     """An insert met a row with the same unique key."""
+
+
+def _open(dsn: str) -> Any:
+    """A connection in autocommit mode (each transaction explicit); StoreUnavailable when none can be made."""
+    import psycopg
+
+    try:
+        return psycopg.connect(dsn, autocommit=True, row_factory=_row_factory, connect_timeout=CONNECT_TIMEOUT_S)
+    except psycopg.Error as error:
+        raise StoreUnavailable(f"cannot reach the job database: {_first_line(error)}") from None
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
