@@ -61,6 +61,19 @@ class Postgres:
         """This server, with a new empty database for one test."""
         return Postgres(self.directory, self.port, self.new_database().rsplit("/", 1)[1])
 
+    def restart(self) -> None:
+        """Stops the server at once (open connections break, as in a crash or failover) and starts it again."""
+        data = self.directory / "data"
+        pg_ctl = str(_postgres_bin() / "pg_ctl")
+        options = f"-c listen_addresses={HOST} -p {self.port} -k {self.directory} -c fsync=off"
+        for command in (
+            [pg_ctl, "-D", str(data), "-m", "immediate", "-w", "stop"],
+            [pg_ctl, "-D", str(data), "-l", str(self.directory / "log"), "-w", "-o", options, "start"],
+        ):
+            finished = subprocess.run(_as_postgres(command), capture_output=True, text=True, timeout=START_TIMEOUT_S)
+            if finished.returncode != 0:
+                raise ServerMissing(f"PostgreSQL did not restart: {finished.stderr.strip()}")
+
     def new_database(self) -> str:
         """Creates an empty database of its own for one test; returns its URL."""
         import psycopg

@@ -1,6 +1,6 @@
 """Two orchestrators' stores on one PostgreSQL database and one S3 bucket (real servers): a replica that lost
 its job's lease writes nothing the new owner's rows name, and a result reaches the bucket part by part while
-it is written, visible only once committed and never after an abort."""
+it is written, visible only once committed and never after an abort; a database restart costs one call."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from services.orchestrator.blobs import S3Blobs, s3_client
 from services.orchestrator.blobs import s3 as s3_module
 from services.orchestrator.store import JobRecord, JobStore, LeaseLost
 from services.orchestrator.store.leases import JobLeases
-from stagediff.local.servers import Postgres, S3Server
+from services.orchestrator.store_errors import StoreUnavailable
+from stagediff.local.servers import Postgres, S3Server, postgres
 from stagediff.tensor_codec import encode_tensor
 from stagediff.v1 import generation_pb2
 from tests.helpers.store import FAILED, QUEUED, RUNNING, SUCCEEDED, files
@@ -99,3 +100,16 @@ def test_a_result_streams_to_the_bucket_and_appears_only_when_committed(
         assert np.array_equal(reader.frames(39, 1), frames[39:])
     b.delete("kept")
     assert files(b) == []
+
+
+def test_a_database_restart_breaks_one_call_and_the_next_reconnects(tmp_path: Path) -> None:
+    """A call during the outage raises StoreUnavailable (what the orchestrator retries, or answers UNAVAILABLE);
+    the next one opens a new connection and finds every committed row."""
+    with postgres() as server, JobStore.open(tmp_path, database_url=server.dsn) as store:
+        request = generation_pb2.GenerateRequest(model="tiny", prompt="p", height=8, width=16, num_frames=2)
+        store.insert(JobRecord.new("j", "acme", request))
+        server.restart()
+        with pytest.raises(StoreUnavailable, match="cannot be reached"):
+            store.get("j")
+        assert store.get("j").state == QUEUED
+        assert store.update_state("j", RUNNING).attempts == 1

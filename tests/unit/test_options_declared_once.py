@@ -122,7 +122,7 @@ def test_every_variable_of_the_deploy_files_is_an_option_of_each_service_that_re
         for override in OVERRIDES:
             for name, body in (yaml.safe_load(override.read_text())["services"]).items():
                 variables.setdefault(target_of[name], set()).update(body.get("environment") or {})
-    for name, body in (yaml.safe_load(HA_COMPOSE_FILE.read_text())["services"]).items():
+    for body in (yaml.safe_load(HA_COMPOSE_FILE.read_text())["services"]).values():
         if body.get("command", [None])[0] == "serve":
             for env_file in _env_files(body):
                 readers.setdefault((DEPLOY / env_file).resolve(), set()).add(body["command"][1])
