@@ -28,7 +28,7 @@ import numpy as np
 
 from services.orchestrator.blobs.protocol import BlobStore, BlobWriter
 from services.orchestrator.result_sources import BlobSource, ByteSource, FdSource
-from services.orchestrator.store_errors import ResultGone, StoreError, fsync_dir, io_error
+from services.orchestrator.store_errors import ResultGone, StoreError, blob_error, fsync_dir, io_error
 from stagediff.tensor_codec import DEFAULT_CHUNK_BYTES
 from stagediff.v1 import generation_pb2, stages_pb2, tensor_pb2
 
@@ -283,12 +283,9 @@ class _PartialFile:
                     finally:
                         spool.close()
                 self._upload.commit()
-            except StoreError:
-                self._abort_upload()
-                raise
             except Exception as error:
                 self._abort_upload()
-                raise StoreError(f"job {self.job_id}: uploading its {self.kind}: {error}") from None
+                raise blob_error(error, f"job {self.job_id}: uploading its {self.kind}") from None
             self._upload = None
             os.close(self._fd)
             self._fd = None

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from typing import Protocol
 
-from services.orchestrator.blobs.protocol import BlobError, BlobNotFound, BlobStore
-from services.orchestrator.store_errors import ResultGone, StoreError, io_error
+from services.orchestrator.blobs.protocol import BlobNotFound, BlobStore
+from services.orchestrator.store_errors import ResultGone, StoreError, blob_error, io_error
 
 
 class ByteSource(Protocol):
@@ -60,10 +60,8 @@ class BlobSource:
             data = self._blobs.get_range(self.key, at, at + size)
         except BlobNotFound:
             raise ResultGone("the result was deleted") from None
-        except BlobError as error:
-            raise StoreError(f"reading a result from the blob store: {error}") from None
-        except Exception as error:  # the client's own errors (a connection refused, a timeout)
-            raise StoreError(f"reading a result from the blob store: {type(error).__name__}") from None
+        except Exception as error:  # BlobError, or the client's own (a connection refused, a timeout)
+            raise blob_error(error, "reading a result") from None
         if len(data) != size:
             raise StoreError("the result in the blob store is shorter than its record says")
         return data

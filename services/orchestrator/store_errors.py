@@ -65,10 +65,21 @@ def io_error(error: OSError, what: str, *, with_path: bool = False) -> StoreErro
     return kind(f"{what}: {error.strerror or error}{where}")
 
 
+# The S3 client's errors for a store it cannot reach (botocore's names), as opposed to one that refused a call.
+_UNREACHABLE = frozenset(
+    {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError"}
+)
+
+
 def blob_error(error: Exception, what: str) -> StoreError:
-    """A one-line StoreError for a failed blob store call (the message names the key, never a URL or secret)."""
+    """A one-line StoreError for a failed blob store call (the message names the key, never a URL or secret);
+    StoreUnavailable when the store could not be reached."""
+    if isinstance(error, StoreError):
+        return error
     detail = str(error) if isinstance(error, RuntimeError) else type(error).__name__
-    return StoreError(f"{what}: the blob store failed: {detail}")
+    unreachable = isinstance(error, ConnectionError | TimeoutError) or type(error).__name__ in _UNREACHABLE
+    kind = StoreUnavailable if unreachable else StoreError
+    return kind(f"{what}: the blob store {'cannot be reached' if unreachable else 'failed'}: {detail}")
 
 
 def db_error(error: sqlite3.Error) -> StoreError:

@@ -126,7 +126,12 @@ class JobFiles:
         """A durable file to read from start to end."""
         if self.blobs is None:
             return open(self.jobs_dir / job_id / file, "rb")
-        return io.BytesIO(self.blobs.get(f"{job_id}/{file}"))
+        try:
+            return io.BytesIO(self.blobs.get(f"{job_id}/{file}"))
+        except BlobError:
+            raise  # a missing blob: the caller names what could not be read
+        except Exception as error:
+            raise blob_error(error, f"job {job_id}: reading {file}") from None
 
     def job_dir(self, job_id: str, *, create: bool = False) -> Path:
         check_name("job_id", job_id)
