@@ -22,6 +22,7 @@ from stagediff.errors import InternalError, StageDiffError
 from stagediff.request import RequestOptions, build_request
 from stagediff.results import Event, GenerationResult, ResultBuilder
 from stagediff.retries import Retries, RetryPolicy
+from stagediff.status_details import retry_after
 from stagediff.uploads import with_uploads
 from stagediff.v1 import generation_pb2, generation_pb2_grpc, image_pb2
 
@@ -106,8 +107,9 @@ class AsyncClient:
         return self._stubs[self._current]
 
     def _after_failure(self, error: grpc.aio.AioRpcError) -> None:
-        """Moves on to the next replica's address after an UNAVAILABLE one (a replica down or leaving)."""
-        if error.code() == grpc.StatusCode.UNAVAILABLE:
+        """Moves on to the next replica's address after an UNAVAILABLE one that did not say when to retry (a
+        replica down or leaving); one that did (a takeover under way) answers, and is tried again."""
+        if error.code() == grpc.StatusCode.UNAVAILABLE and retry_after(error) is None:
             self._current = (self._current + 1) % len(self._stubs)
 
     async def close(self) -> None:

@@ -18,7 +18,9 @@ class RetryPolicy:
 
     UNAVAILABLE (the orchestrator restarting, a dropped connection): exponential backoff, initial,
     initial*multiplier, ... capped at maximum, for `max_attempts` tries in all. The default waits about 24 s
-    in all (0.5, 1, 2, 4, 8, 8), enough to ride out an orchestrator restart.
+    in all (0.5, 1, 2, 4, 8, 8), enough to ride out an orchestrator restart. Where the server says when to
+    retry (a RetryInfo: a takeover between orchestrator replicas, the job database restarting), its delay is
+    taken instead, as often as fits in the same total wait.
 
     RESOURCE_EXHAUSTED (a rate limit, a full queue): up to `rate_limit_retries` more tries, each after the
     server's RetryInfo delay (or, where it gave none, the backoff above), as long as the waits add up to at
@@ -51,6 +53,8 @@ class Retries:
         self.policy = policy
         self.allowed = allowed
         self.unavailable_delays = policy.delays()
+        self.unavailable_budget = sum(policy.delays())
+        self.unavailable_waited = 0.0
         self.rate_limit_tries = 0
         self.rate_limit_waited = 0.0
 
@@ -59,7 +63,14 @@ class Retries:
         if not self.allowed or is_job_outcome(error):
             return None
         if error.code() == grpc.StatusCode.UNAVAILABLE:
-            return next(self.unavailable_delays, None)
+            asked = retry_after(error)
+            if asked is not None and self.unavailable_waited + asked <= self.unavailable_budget:
+                self.unavailable_waited += asked
+                return asked
+            delay = next(self.unavailable_delays, None)
+            if delay is not None:
+                self.unavailable_waited += delay
+            return delay
         if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
             return None
         if self.rate_limit_tries >= self.policy.rate_limit_retries:

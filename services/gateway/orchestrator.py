@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stagediff.async_client import CHANNEL_OPTIONS
 from stagediff.errors import StageDiffError
+from stagediff.status_details import retry_after
 from stagediff.uploads import with_uploads
 from stagediff.v1 import generation_pb2, generation_pb2_grpc, image_pb2
 
@@ -58,7 +59,7 @@ class Orchestrator:
 
     def _after_failure(self, error: grpc.aio.AioRpcError) -> None:
         """Moves the next calls to the next replica after an UNAVAILABLE one (the caller's retry reaches it)."""
-        if error.code() == grpc.StatusCode.UNAVAILABLE and len(self.endpoints) > 1:
+        if error.code() == grpc.StatusCode.UNAVAILABLE and retry_after(error) is None and len(self.endpoints) > 1:
             self._current = (self._current + 1) % len(self.endpoints)
             channel, self._channel = self._channel, None
             if channel is not None:

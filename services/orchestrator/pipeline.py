@@ -172,6 +172,7 @@ class Pipeline:
         """Completes the result file and marks the job SUCCEEDED in the store, before any client hears it."""
         assert job.result is not None  # `_run_and_store` made it before the run
         try:
+            await asyncio.gather(*job.intermediates.get("saving", []))  # the stage outputs, before the result
             await store_call(
                 store.commit_result,
                 job.result,

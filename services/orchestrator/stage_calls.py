@@ -19,6 +19,7 @@ the job and in the store, so that a retry or a restart resumes after it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -39,6 +40,9 @@ END = None  # closes a relay queue
 VAE_ENCODE = "vae-encode"
 # Where a relayed stage sends each chunk: the next stage's queue, or the result.
 Emit = Callable[[tensor_pb2.TensorChunk], Awaitable[None]]
+
+
+logger = logging.getLogger(__name__)
 
 
 def _tensor_names(chunks: list[tensor_pb2.TensorChunk]) -> list[str]:
@@ -82,12 +86,16 @@ class StageCalls:
         self.batch_per_tenant = batch_per_tenant
 
     async def keep_output(self, job: Job, stage: str, chunks: list[tensor_pb2.TensorChunk]) -> None:
-        """Keeps a finished stage's output, in the job and in the store, so that a retry resumes after it."""
+        """Keeps a finished stage's output, in the job and in the store, so that a retry resumes after it. The
+        store writes it while the next stage runs (`saving`, awaited before the result is committed)."""
         job.intermediates.setdefault("outputs", {})[stage] = chunks
         if self.store is not None:
             passes = job.transformer_passes
             kept = (passes.run, passes.skipped) if stage == "dit" else None
-            await store_call(self.store.mark_stage_done, job.job_id, stage, chunks, passes=kept)
+            save = store_call(self.store.mark_stage_done, job.job_id, stage, chunks, passes=kept)
+            task = asyncio.create_task(save, name=f"save-{job.job_id}-{stage}")
+            task.add_done_callback(_logged)  # a job that ends before its commit never awaits it
+            job.intermediates.setdefault("saving", []).append(task)
 
     def checkpoint_model(self, request: generation_pb2.GenerateRequest) -> str:
         """The model id the stages besides the DiT serve: the request's, unless the DiT serves the checkpoint with
@@ -276,3 +284,9 @@ class StageCalls:
                         )
                     )
         job.timings["interp"] = time.perf_counter() - (started or time.perf_counter())
+
+
+def _logged(task: asyncio.Task[bool]) -> None:
+    """Reads a stage output's save result, so that a failure nobody awaited is logged, not warned about."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("saving a stage output failed: %s", task.exception())

@@ -33,6 +33,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO, cast
 
@@ -106,6 +107,7 @@ class JobFiles:
     def __init__(self, jobs_dir: Path, blobs: BlobStore | None = None) -> None:
         self.jobs_dir = jobs_dir
         self.blobs = blobs
+        self._deletes: ThreadPoolExecutor | None = None
 
     def _put(self, job_id: str, file: str, data: memoryview, what: str) -> None:
         """Stores a durable file whole: a blob, or a local file written atomically."""
@@ -150,12 +152,26 @@ class JobFiles:
         return path.stat().st_size if path.is_file() else 0
 
     def unlink(self, job_id: str, files: Iterable[str]) -> None:
-        for file in files:
-            if self.blobs is None:
+        """Deletes files no row names any more: at once in the state dir; in a blob store, in the background
+        (off the path of the job whose commit dropped them), and what fails is the janitor's."""
+        if self.blobs is None:
+            for file in files:
                 (self.jobs_dir / job_id / file).unlink(missing_ok=True)
-            else:
-                with contextlib.suppress(Exception):  # what cannot be deleted now, the janitor deletes later
-                    self.blobs.delete(f"{job_id}/{file}")
+            return
+        blobs, keys = self.blobs, [f"{job_id}/{file}" for file in files]
+        if keys:
+            self._deleter().submit(_delete_quietly, blobs, keys)
+
+    def _deleter(self) -> ThreadPoolExecutor:
+        if self._deletes is None:
+            self._deletes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blob-deletes")
+        return self._deletes
+
+    def close(self) -> None:
+        """Waits for the background deletes."""
+        if self._deletes is not None:
+            self._deletes.shutdown(wait=True)
+            self._deletes = None
 
     def remove_job(self, job_id: str) -> None:
         """Deletes the job's folder (its spool) and everything in it, and its blobs."""
@@ -383,6 +399,12 @@ class JobFiles:
                         path.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 directory.rmdir()  # only succeeds when nothing is left
+
+
+def _delete_quietly(blobs: BlobStore, keys: list[str]) -> None:
+    for key in keys:
+        with contextlib.suppress(Exception):  # the janitor deletes what is left
+            blobs.delete(key)
 
 
 def _readable(stream: BinaryIO) -> io.BytesIO:

@@ -140,6 +140,7 @@ class JobStore:
         return store
 
     def close(self) -> None:
+        self.files.close()
         with self._db.mutex:
             if self._db.close():
                 self._lock_file.close()
