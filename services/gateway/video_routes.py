@@ -1,5 +1,6 @@
 """The video routes: submit a job (JSON or multipart, `input_reference` as a file), list, get, delete, and the
-job's content (the encoded video, streamed as the orchestrator sends it) and events (server-sent events)."""
+job's content (the encoded video, streamed as the orchestrator sends it, or a 307 to a presigned URL of the
+object store where the orchestrator presigns downloads) and events (server-sent events)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import binascii
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.datastructures import UploadFile
 
 from services.encoding import OUTPUT_FORMATS, RAW
@@ -94,7 +95,7 @@ def video_routes(orchestrator: Orchestrator, downloads: DownloadSlots) -> APIRou
         return {"id": answer.job_id, "object": "video.deleted", "deleted": answer.deleted}
 
     @router.get("/v1/videos/{video_id}/content")
-    async def video_content(video_id: str, request: Request, variant: str = "video") -> StreamingResponse:
+    async def video_content(video_id: str, request: Request, variant: str = "video") -> Response:
         if variant != "video":
             raise invalid("variant", f"{variant[:32]!r} is not served; use video")
         authorization = request.headers.get("authorization")
@@ -105,6 +106,8 @@ def video_routes(orchestrator: Orchestrator, downloads: DownloadSlots) -> APIRou
         output = OUTPUT_FORMATS[job.request.output_format or RAW]
         if output.name == RAW:  # submitted over gRPC for raw frames
             raise raw_result(video_id)
+        if job.download_url:  # the orchestrator presigns downloads: the file comes from the object store itself
+            return RedirectResponse(job.download_url, status_code=307)
         slot = downloads.take(authorization)
         data = encoded_bytes(orchestrator.watch(video_id, authorization))
         try:

@@ -38,6 +38,7 @@ _LEAST = (
     ("adapters_per_minute", "--adapters-per-minute", 0),
 )
 MAX_DETACH_GRACE_S = 3600
+MAX_PRESIGN_S = 7 * 24 * 3600  # S3's longest presigned URL
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class OrchestratorConfig:
     store: SqliteLocation | PostgresLocation
     store_password_file: str | None
     blobs: LocalBlobsLocation | S3Location | None
+    # Seconds a presigned download URL of a result lives; 0: downloads are not presigned.
+    presign_downloads_s: int
     # With PostgreSQL: where peers reach this replica (None: this host's name and port), and the leases.
     advertise: str | None
     leader_lease_s: float
@@ -85,6 +88,10 @@ class OrchestratorConfig:
             raise ValueError(f"--job-retention {self.job_retention_s}: use 0 (no age limit) or more seconds")
         if self.max_stored_bytes_per_tenant < 1:
             raise ValueError(f"--max-stored-bytes-per-tenant {self.max_stored_bytes_per_tenant}: use 1 byte or more")
+        if not 0 <= self.presign_downloads_s <= MAX_PRESIGN_S:
+            raise ValueError(f"--presign-downloads {self.presign_downloads_s}: use 0 (off) to {MAX_PRESIGN_S} seconds")
+        if self.presign_downloads_s and not isinstance(self.blobs, S3Location):
+            raise ValueError("--presign-downloads: only with --blobs s3://... (the store signs the URLs)")
         if not (math.isfinite(self.leader_lease_s) and 3.0 <= self.leader_lease_s <= 600.0):
             raise ValueError(f"--leader-lease {self.leader_lease_s}: use 3 to 600 seconds")
         if not (math.isfinite(self.job_lease_s) and 3.0 <= self.job_lease_s <= 3600.0):
@@ -120,6 +127,7 @@ class OrchestratorConfig:
             blobs=blobs_location(args.blobs, endpoint=args.blobs_endpoint, checksums=args.blobs_checksums)
             if args.blobs
             else None,
+            presign_downloads_s=args.presign_downloads,
             advertise=args.advertise,
             leader_lease_s=args.leader_lease,
             job_lease_s=args.job_lease,

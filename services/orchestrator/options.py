@@ -123,6 +123,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the endpoint of an S3-compatible store for --blobs s3://... (e.g. http://seaweedfs:8333); default: AWS's",
     )
     parser.add_argument(
+        "--presign-downloads",
+        type=int,
+        default=0,
+        metavar="SECONDS",
+        help="with --blobs s3://: GetJob names a presigned URL of a succeeded job's encoded file, valid this long, "
+        "and the HTTP gateway answers its content download with a 307 there; clients must reach the store's "
+        "endpoint (0: off, downloads stream through the orchestrator; default: %(default)s)",
+    )
+    parser.add_argument(
         "--blobs-checksums",
         default="when_required",
         choices=CHECKSUM_MODES,

@@ -199,6 +199,7 @@ async def _serve(
         membership=membership,
         relay=relay,
         job_lease_s=config.job_lease_s,
+        presign_downloads_s=config.presign_downloads_s,
     )
 
     janitor = BlobJanitor(store)

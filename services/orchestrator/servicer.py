@@ -18,11 +18,13 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from services.encoding import output_format
 from services.image_work import ImageWorkers
 from services.images import ImageInfo
 from services.metrics import OrchestratorMetrics
 from services.orchestrator import request_defaults
 from services.orchestrator.adapter_rate import AdapterRate
+from services.orchestrator.blobs.protocol import PresignsDownloads
 from services.orchestrator.chain import StageNotDeployed, chain_problem, missing_stages, served_family
 from services.orchestrator.error_redaction import for_tenant, job_for_tenant
 from services.orchestrator.followers import JobFollowers, TooManyWatchers
@@ -86,6 +88,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         membership: Membership | None = None,
         relay: Relay | None = None,
         job_lease_s: float = DEFAULT_LEASE_TTL_S,
+        presign_downloads_s: int = 0,
     ) -> None:
         self.stages = stages
         self.jobs = jobs
@@ -106,6 +109,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         jobs.shared_store = self.replicated
         self.relay = relay
         self.job_lease_s = job_lease_s
+        # Seconds a presigned download URL lives (GetJob's download_url); 0: none.
+        self.presign_downloads_s = presign_downloads_s
         self._background: list[asyncio.Task[None]] = []
 
     @property
@@ -433,7 +438,30 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             found: generation_pb2.Job = await self.relay.unary(peer, "GetJob", request, context)
             return found
         job = await self._find(request.job_id, context)
-        return self._shown(job.to_proto(self.jobs.position(job)))
+        shown = self._shown(job.to_proto(self.jobs.position(job)))
+        if self.presign_downloads_s and job.state == JobState.JOB_STATE_SUCCEEDED:
+            shown.download_url = await self._download_url(job) or ""
+        return shown
+
+    async def _download_url(self, job: Job) -> str | None:
+        """A presigned GET of the job's encoded result, where the blob store signs URLs; None without one."""
+        blobs = self.jobs.store.files.blobs
+        if not isinstance(blobs, PresignsDownloads):
+            return None
+        try:
+            stored = await asyncio.to_thread(self.jobs.store.load_result, job.job_id)
+        except StoreError:
+            return None  # deleted meanwhile: the download says so
+        if stored is None or stored.encoded_key is None:
+            return None
+        output = output_format(job.request.output_format)
+        return await asyncio.to_thread(
+            blobs.presigned_get,
+            stored.encoded_key,
+            self.presign_downloads_s,
+            media_type=stored.media_type,
+            filename=f"{job.job_id}{output.extension}",
+        )
 
     async def CancelJob(
         self,

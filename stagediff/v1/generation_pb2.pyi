@@ -89,7 +89,7 @@ class JobError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "state", "request", "created_at", "finished_at", "queue_position", "current_stage", "error", "timings", "num_frames_out", "fps_out", "transformer_passes", "progress", "progress_percent", "media_type")
+    __slots__ = ("job_id", "state", "request", "created_at", "finished_at", "queue_position", "current_stage", "error", "timings", "num_frames_out", "fps_out", "transformer_passes", "progress", "progress_percent", "media_type", "download_url")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class Job(_message.Message):
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_PERCENT_FIELD_NUMBER: _ClassVar[int]
     MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_URL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     request: GenerateRequest
@@ -127,7 +128,8 @@ class Job(_message.Message):
     progress: StageProgress
     progress_percent: float
     media_type: str
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., queue_position: _Optional[int] = ..., current_stage: _Optional[str] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., timings: _Optional[_Mapping[str, float]] = ..., num_frames_out: _Optional[int] = ..., fps_out: _Optional[float] = ..., transformer_passes: _Optional[_Union[_stages_pb2.TransformerPasses, _Mapping]] = ..., progress: _Optional[_Union[StageProgress, _Mapping]] = ..., progress_percent: _Optional[float] = ..., media_type: _Optional[str] = ...) -> None: ...
+    download_url: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., queue_position: _Optional[int] = ..., current_stage: _Optional[str] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., timings: _Optional[_Mapping[str, float]] = ..., num_frames_out: _Optional[int] = ..., fps_out: _Optional[float] = ..., transformer_passes: _Optional[_Union[_stages_pb2.TransformerPasses, _Mapping]] = ..., progress: _Optional[_Union[StageProgress, _Mapping]] = ..., progress_percent: _Optional[float] = ..., media_type: _Optional[str] = ..., download_url: _Optional[str] = ...) -> None: ...
 
 class JobQueued(_message.Message):
     __slots__ = ("position",)

@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from stagediff.local.launch import free_ports
 from stagediff.local.servers import S3Server
 from stagediff.tensor_codec import TensorAssembler, encode_tensor
 from stagediff.v1 import stages_pb2
@@ -215,3 +216,29 @@ def replica_args(
 
 def s3_environment(s3: S3Server) -> dict[str, str]:
     return {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key}
+
+
+async def start_gateway(orchestrators: list[Replica], log_path: Path) -> tuple[asyncio.subprocess.Process, str]:
+    """`stagediff serve http` in front of every replica; returns the process and its base URL once ready."""
+    import urllib.request
+
+    (port,) = free_ports(1, "127.0.0.1")
+    addresses = ",".join(replica.endpoint for replica in orchestrators)
+    log = log_path.open("ab")
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stagediff.cli", "serve", "http", "--host", "127.0.0.1", "--port", str(port),
+        "--orchestrator", addresses, cwd=REPO, stdout=log, stderr=log, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    deadline = asyncio.get_running_loop().time() + STARTUP_TIMEOUT_S
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/readyz", timeout=1) as answer:
+                if answer.status == 200:
+                    return process, url
+        except OSError:
+            pass
+        if process.returncode is not None or asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"the gateway did not get ready:\n{log_path.read_text()[-4000:]}")
+        await asyncio.sleep(0.2)

@@ -8,7 +8,10 @@ stages whose frames depend on the seed:
 3. the leader SIGKILLed while a job denoises with others queued: the follower leads, the dead leader's job
    runs again from the queue once its lease expires, and every job finishes with the expected frames, followed
    by the SDK given both replicas' addresses (the dead leader's first);
-4. a rolling upgrade: the leader SIGTERMed while a job denoises: it resigns, finishes that job (run once), and
+4. presigned downloads through the HTTP gateway (in front of both replicas): the content route answers 307 to a
+   presigned URL of the bucket, which the official `openai` package and curl follow (the API key stays with the
+   gateway), a tampered URL is refused, and deleting the video deletes the object;
+5. a rolling upgrade: the leader SIGTERMed while a job denoises: it resigns, finishes that job (run once), and
    exits; the other replica admits meanwhile.
 
 One scenario keeps the servers and processes to one start each; times are printed, never asserted.
@@ -17,11 +20,15 @@ One scenario keeps the servers and processes to one start each; times are printe
 from __future__ import annotations
 
 import asyncio
+import http.client
+import subprocess
 import time
+import urllib.parse
 from pathlib import Path
 
 import grpc
 import numpy as np
+import openai
 import psycopg
 import pytest
 import yaml
@@ -39,6 +46,7 @@ from tests.helpers.replicated import (
     replica_args,
     s3_environment,
     seeded_stages,
+    start_gateway,
 )
 
 SUCCEEDED = generation_pb2.JobState.JOB_STATE_SUCCEEDED
@@ -180,7 +188,7 @@ async def _scenario(tmp_path: Path, database_url: str, s3: S3Server, tenants: Pa
                 s3=s3,
                 prefix=tmp_path.name,
                 tenants_file=tenants,
-                extra=["--job-lease", "3", "--leader-lease", "3"],
+                extra=["--job-lease", "3", "--leader-lease", "3", "--presign-downloads", "60"],
             ),
             tmp_path / f"{name}.log",
         )
@@ -192,6 +200,7 @@ async def _scenario(tmp_path: Path, database_url: str, s3: S3Server, tenants: Pa
         await _claims(cluster)
         await _across_replicas(cluster)
         await _leader_killed(cluster)
+        await _presigned_downloads(cluster, tmp_path)
         await _rolling_upgrade(cluster)
     except BaseException:
         for replica in replicas:
@@ -291,6 +300,53 @@ def _options(seed: int, steps: int) -> dict[str, object]:
         "seed": request.seed,
         "request_id": request.request_id,
     }
+
+
+async def _presigned_downloads(cluster: Cluster, tmp_path: Path) -> None:
+    gateway, url = await start_gateway(cluster.replicas, tmp_path / "gateway.log")
+    try:
+        await asyncio.to_thread(_download_through_the_bucket, url)
+    finally:
+        gateway.terminate()
+        await gateway.wait()
+
+
+def _download_through_the_bucket(url: str) -> None:
+    client = openai.OpenAI(api_key=KEYS["alpha"], base_url=f"{url}/v1", max_retries=0, timeout=60)
+    video = client.videos.create(prompt="a fox", size="32x32", seconds="1")
+    deadline = time.monotonic() + WAIT_S
+    while (video := client.videos.retrieve(video.id)).status != "completed":
+        assert video.status in ("queued", "in_progress") and time.monotonic() < deadline, video
+        time.sleep(0.1)
+    content = f"{url}/v1/videos/{video.id}/content"
+    status, location = _get(content, {"Authorization": f"Bearer {KEYS['alpha']}"})
+    assert status == 307, location
+    assert "X-Amz-Signature=" in location and KEYS["alpha"] not in location
+    through_openai = client.videos.download_content(video.id).read()
+    assert through_openai[4:8] == b"ftyp"  # an MP4, from the bucket
+    curl = subprocess.run(
+        ["curl", "-sSfL", "-H", f"Authorization: Bearer {KEYS['alpha']}", content], capture_output=True, timeout=60
+    )
+    assert curl.returncode == 0 and curl.stdout == through_openai, curl.stderr
+    tampered = location.replace("X-Amz-Signature=", "X-Amz-Signature=0")
+    assert _get(tampered)[0] == 403
+    client.videos.delete(video.id)
+    deadline = time.monotonic() + WAIT_S
+    while _get(location)[0] != 404:  # the object goes with the video (deleted in the background)
+        assert time.monotonic() < deadline, "the deleted video's object is still in the bucket"
+        time.sleep(0.1)
+
+
+def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    """(status, Location header or body) of one GET, redirects not followed."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        connection.request("GET", f"{parts.path}?{parts.query}" if parts.query else parts.path, headers=headers or {})
+        answer = connection.getresponse()
+        return answer.status, answer.getheader("location") or answer.read().decode(errors="replace")
+    finally:
+        connection.close()
 
 
 async def _rolling_upgrade(cluster: Cluster) -> None:

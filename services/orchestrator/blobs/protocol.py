@@ -66,6 +66,16 @@ class BlobWriter(Protocol):
 
 
 @runtime_checkable
+class PresignsDownloads(Protocol):
+    """A blob store whose blobs a client may fetch itself, by a signed URL that expires (S3)."""
+
+    def presigned_get(self, key: str, expires_s: int, *, media_type: str, filename: str) -> str:
+        """A URL that GETs `key` until `expires_s` from now, answered with `media_type` as an attachment
+        named `filename`."""
+        ...
+
+
+@runtime_checkable
 class BlobStore(Protocol):
     """Blobs by key; see the module docstring for the rules."""
 

@@ -9,6 +9,7 @@ every request by default since 1.36, which some S3-compatible stores refuse: `ch
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,13 +30,17 @@ def s3_client(endpoint: str | None, access_key: str | None, secret_key: str | No
         request_checksum_calculation=checksums,
         response_checksum_validation=checksums,
         retries={"mode": "standard", "max_attempts": 3},
+        signature_version="s3v4",  # presigned URLs too: SigV2 is deprecated, and refused by newer regions
+        connect_timeout=5,
+        read_timeout=60,
     )
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
     return boto3.client(
         "s3",
         endpoint_url=endpoint,
         aws_access_key_id=access_key,
         aws_secret_access_key=secret_key,
-        region_name="us-east-1",
+        region_name=region,
         config=config,
     )
 
@@ -170,6 +175,16 @@ class S3Blobs:
             batch = [{"Key": self.prefix + key} for key in keys[start : start + 1000]]
             self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
         return len(keys)
+
+    def presigned_get(self, key: str, expires_s: int, *, media_type: str, filename: str) -> str:
+        params = {
+            "Bucket": self.bucket,
+            "Key": self.object_name(key),
+            "ResponseContentType": media_type,
+            "ResponseContentDisposition": f'attachment; filename="{filename}"',
+        }
+        url: str = self.client.generate_presigned_url("get_object", Params=params, ExpiresIn=expires_s)
+        return url
 
     def open_uploads(self, prefix: str = "") -> list[str]:
         """The keys of multipart uploads started and neither completed nor aborted (under `prefix`)."""
