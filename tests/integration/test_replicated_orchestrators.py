@@ -8,10 +8,13 @@ stages whose frames depend on the seed:
 3. the leader SIGKILLed while a job denoises with others queued: the follower leads, the dead leader's job
    runs again from the queue once its lease expires, and every job finishes with the expected frames, followed
    by the SDK given both replicas' addresses (the dead leader's first);
-4. presigned downloads through the HTTP gateway (in front of both replicas): the content route answers 307 to a
+4. fencing: the leader SIGSTOPped past its leases while it runs a job: the other replica leads, takes the job
+   back and finishes it; at SIGCONT the stale owner's writes change nothing and none of its objects stays in the
+   bucket, so the job has exactly one result;
+5. presigned downloads through the HTTP gateway (in front of both replicas): the content route answers 307 to a
    presigned URL of the bucket, which the official `openai` package and curl follow (the API key stays with the
    gateway), a tampered URL is refused, and deleting the video deletes the object;
-5. a rolling upgrade: the leader SIGTERMed while a job denoises: it resigns, finishes that job (run once), and
+6. a rolling upgrade: the leader SIGTERMed while a job denoises: it resigns, finishes that job (run once), and
    exits; the other replica admits meanwhile.
 
 One scenario keeps the servers and processes to one start each; times are printed, never asserted.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import signal
 import subprocess
 import time
 import urllib.parse
@@ -33,6 +37,7 @@ import psycopg
 import pytest
 import yaml
 
+from services.orchestrator.blobs import S3Blobs, s3_client
 from services.orchestrator.tenants import hash_api_key
 from stagediff.client import AsyncClient
 from stagediff.local.launch import free_ports
@@ -200,6 +205,7 @@ async def _scenario(tmp_path: Path, database_url: str, s3: S3Server, tenants: Pa
         await _claims(cluster)
         await _across_replicas(cluster)
         await _leader_killed(cluster)
+        await _stale_owner_fenced(cluster, s3, tmp_path.name)
         await _presigned_downloads(cluster, tmp_path)
         await _rolling_upgrade(cluster)
     except BaseException:
@@ -302,6 +308,34 @@ def _options(seed: int, steps: int) -> dict[str, object]:
     }
 
 
+async def _stale_owner_fenced(cluster: Cluster, s3: S3Server, prefix: str) -> None:
+    stale = await cluster.leader()
+    other = next(replica for replica in cluster.replicas if replica is not stale)
+    cluster.denoiser.step_s = 0.05
+    job_id = await _submit(stale, "beta", _request(500, steps=50))
+    await _until(lambda: 500 in cluster.denoiser.denoising, "the job's denoising")
+    stale.signal(signal.SIGSTOP)
+    try:
+        assert await cluster.leader(other_than=stale) is other
+        frames, _ = await _watch([other], "beta", job_id)  # requeued once its lease expired, run by the other
+    finally:
+        stale.signal(signal.SIGCONT)
+    assert np.array_equal(frames, expected_frames(500, FRAMES, SIZE, SIZE))
+    await _until(lambda: cluster.denoiser.calls[500] == 2 and 500 not in cluster.denoiser.denoising, "the end")
+    state, attempts, owner = (await asyncio.to_thread(cluster.records))["r500"]
+    assert (state, attempts) == (SUCCEEDED, 2)
+    bucket = S3Blobs(
+        s3_client(s3.endpoint, s3.access_key, s3.secret_key, checksums="when_required"),
+        s3.bucket,
+        f"{prefix}/",
+    )
+    await asyncio.sleep(2.0)  # the stale owner wakes, finds its lease lost and stops; nothing of it may stay
+    keys = sorted(key for key in bucket.keys(f"{job_id}/"))
+    assert keys == [f"{job_id}/e2/result-frames.npy"], keys
+    frames, _ = await _watch([stale], "beta", job_id)  # the stale one serves the finished job from the bucket
+    assert np.array_equal(frames, expected_frames(500, FRAMES, SIZE, SIZE)) and owner != ""
+
+
 async def _presigned_downloads(cluster: Cluster, tmp_path: Path) -> None:
     gateway, url = await start_gateway(cluster.replicas, tmp_path / "gateway.log")
     try:
@@ -355,7 +389,7 @@ async def _rolling_upgrade(cluster: Cluster) -> None:
     cluster.denoiser.step_s = 0.1
     job_id = await _submit(leader, "beta", _request(400, steps=30))
     await _until(lambda: 400 in cluster.denoiser.denoising, "the job's denoising")
-    leader.signal(__import__("signal").SIGTERM)
+    leader.signal(signal.SIGTERM)
     assert await cluster.leader(other_than=leader) is follower
     admitted = await _submit(follower, "alpha", _request(401, steps=1))  # admissions go on meanwhile
     assert await leader.stop() == 0

@@ -3,7 +3,9 @@ real server started once for the session (tests/conftest.py).
 
 The tests are those of tests/unit/test_store.py and tests/unit/test_retention.py that hold for every
 backend (the rest read SQLite files or pragmas themselves); this module collects them once more with its own
-`open_store`, parametrized over the combinations the unit tier does not run.
+`open_store`: the other implementation of each protocol, rows in PostgreSQL with blobs in S3 (the unit tier runs
+SQLite with the state directory; the code of the two protocols is independent, so these two combinations cover
+each implementation).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from tests.unit.test_store import (  # noqa: F401 - collected here with this mod
 )
 
 
-@pytest.fixture(params=["postgres+s3", "postgres+local", "sqlite+s3"])
+@pytest.fixture(params=["postgres+s3"])
 def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[..., JobStore]:
     """Opens stores of one backend combination; every store a test opens shares its database and bucket prefix
     (a reopened store finds what the last one stored)."""
