@@ -445,3 +445,29 @@ def test_bad_extends_and_env_files_are_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="secret 'nowhere' is not declared"):
         load_compose(undeclared, {})
+
+
+def test_orchestrator_replicas_get_ports_state_dirs_and_addresses_of_their_own(tmp_path: Path) -> None:
+    """`stagediff up --orchestrators 2`: a second orchestrator beside the first, each with its own port, state
+    directory and advertised address; the gateway is given both."""
+    extra = {"orchestrator": ["--store", "postgresql://stagediff@127.0.0.1:5432/stagediff"]}
+    cluster = LocalCluster(_checkpoint(tmp_path), port=0, orchestrators=2, extra_args=extra)
+    plans = cluster.plan(local_ports=LOCAL_PORTS)
+    assert list(plans) == [*STAGES, "orchestrator", "orchestrator-2", GATEWAY]
+    first, second = plans["orchestrator"], plans["orchestrator-2"]
+    assert first.port == 41000 and second.port not in LOCAL_PORTS.values()
+
+    def option(plan, flag: str) -> list[str]:
+        return [plan.args[index + 1] for index, arg in enumerate(plan.args) if arg == flag]
+
+    assert option(first, "--advertise") == ["127.0.0.1:41000"]
+    assert option(second, "--advertise") == [second.endpoint] and option(second, "--port") == [str(second.port)]
+    assert option(first, "--state-dir")[-1] == str(cluster.state_dir)
+    assert set(option(second, "--state-dir")) == {str(cluster.state_dir / "replica-2")}
+    assert option(second, "--store") == option(first, "--store") == extra["orchestrator"][1:]
+    assert option(plans[GATEWAY], "--orchestrator") == [f"127.0.0.1:41000,{second.endpoint}"]
+
+
+def test_up_refuses_replicas_without_a_shared_store(capsys: pytest.CaptureFixture[str]) -> None:
+    assert up.run(up.build_parser().parse_args(["--model", "m", "--orchestrators", "2"])) == 2
+    assert "--store postgresql://USER@HOST/DB, or --store local-postgres" in capsys.readouterr().err
