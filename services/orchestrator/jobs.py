@@ -31,12 +31,11 @@ import grpc
 from opentelemetry import context as otel_context
 
 from services.metrics import OrchestratorMetrics
-from services.orchestrator import recovery
 from services.orchestrator.admission import StorageLimits, result_bytes, without_image_bytes
 from services.orchestrator.dispatch import MOVED, Dispatcher, RunJob
 from services.orchestrator.job import Job, JobState, JobTable
 from services.orchestrator.pruning import Pruner
-from services.orchestrator.recovery import RestoreJob
+from services.orchestrator.recovery import Recovery, RestoreJob
 from services.orchestrator.scheduler import FairScheduler, TenantLimits
 from services.orchestrator.store import (
     InvalidTransition,
@@ -101,6 +100,15 @@ class JobManager:
         )
         self.pruner = Pruner(store, self.limits, self.table, retention_s)
         self.dispatcher = Dispatcher(run_job, scheduler, store, self.table, self.pruner, metrics)
+        self.recovery = Recovery(
+            store,
+            scheduler,
+            self.table,
+            self.dispatcher,
+            self.tenants,
+            restore_job=restore_job,
+            max_attempts=max_attempts,
+        )
 
     @property
     def min_free(self) -> MinFree:
@@ -301,15 +309,7 @@ class JobManager:
         orchestrator down) fails with INTERNAL. Then every tenant's stored jobs are pruned to its limits.
         Returns how many jobs were queued again.
         """
-        return await recovery.recover(
-            self.store,
-            self.scheduler,
-            self.table,
-            self.dispatcher,
-            self.tenants,
-            restore_job=self.restore_job,
-            max_attempts=self.max_attempts,
-        )
+        return await self.lead()
 
     @property
     def leading(self) -> bool:
@@ -325,16 +325,7 @@ class JobManager:
         self.dispatcher.leading = True
         if not requeue_running:
             await asyncio.to_thread(self.store.requeue_expired)
-        return await recovery.recover(
-            self.store,
-            self.scheduler,
-            self.table,
-            self.dispatcher,
-            self.tenants,
-            restore_job=self.restore_job,
-            max_attempts=self.max_attempts,
-            requeue_running=requeue_running,
-        )
+        return await self.recovery.recover(requeue_running=requeue_running)
 
     async def follow(self) -> None:
         """Stops admitting and dispatching (another replica leads): the queued jobs are the leader's now, so
@@ -360,16 +351,7 @@ class JobManager:
                 record = await asyncio.to_thread(self.store.get, job_id)
                 if record is None or record.state != JobState.JOB_STATE_QUEUED:
                     continue
-                adopted += await recovery.queue_again(
-                    record,
-                    self.store,
-                    self.scheduler,
-                    self.table,
-                    self.dispatcher,
-                    self.tenants,
-                    restore_job=self.restore_job,
-                    max_attempts=self.max_attempts,
-                )
+                adopted += await self.recovery.queue_again(record)
         await self.dispatcher.dispatch()
         return adopted
 

@@ -65,7 +65,8 @@ class Relay:
         return generation_pb2_grpc.GenerationStub(channel)
 
     async def unary(self, endpoint: str, method: str, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        """Relays a unary call (`method` as the stub names it, e.g. "Submit"); the peer's answer or its error."""
+        """Relays a call with one answer (`method` as the stub names it, e.g. "Submit"): `request` is its message,
+        or for a client-streamed call (UploadImage) an async iterator of them. The peer's answer or its error."""
         call = getattr(self._stub(endpoint), method)(
             request, metadata=_relayed_metadata(context), timeout=context.time_remaining()
         )
@@ -88,18 +89,6 @@ class Relay:
             await _abort_as(context, error)
         finally:
             call.cancel()  # the client left: the peer stops sending
-
-    async def client_stream(
-        self, endpoint: str, method: str, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
-    ) -> Any:
-        """Relays a client-streaming call (UploadImage), message by message."""
-        call = getattr(self._stub(endpoint), method)(
-            requests, metadata=_relayed_metadata(context), timeout=context.time_remaining()
-        )
-        try:
-            return await call
-        except grpc.aio.AioRpcError as error:
-            await _abort_as(context, error)
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}

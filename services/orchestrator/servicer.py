@@ -536,7 +536,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> image_pb2.UploadedImage:
         peer = await self._admission_peer(context)  # held by the replica that admits the request naming it
         if peer is not None and self.relay is not None:
-            uploaded_there: image_pb2.UploadedImage = await self.relay.client_stream(
+            uploaded_there: image_pb2.UploadedImage = await self.relay.unary(
                 peer, "UploadImage", request_iterator, context
             )
             return uploaded_there

@@ -9,7 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from stagediff.tensor_codec import TensorAssembler, encode_tensor
+from stagediff.tensor_codec import TensorAssembler, WireTensor, encode_tensor
 from stagediff.v1 import generation_pb2, generation_pb2_grpc, stages_pb2, stages_pb2_grpc, tensor_pb2
 
 MODEL = "tiny"
@@ -70,10 +70,13 @@ class FakeDenoiser(stages_pb2_grpc.DenoiserServicer):
 
 
 class FakeVae(stages_pb2_grpc.VaeDecoderServicer):
-    """Latent frame t -> its video frames (1 for the first, then temporal_factor each), filled with t."""
+    """Latent frame t -> its video frames (1 for the first, then temporal_factor each), filled with `fill`: t."""
 
     def __init__(self) -> None:
         self.calls = 0
+
+    def fill(self, latent: WireTensor) -> int:
+        return latent.index
 
     async def Decode(self, request_iterator, context):
         self.calls += 1
@@ -88,7 +91,7 @@ class FakeVae(stages_pb2_grpc.VaeDecoderServicer):
             count = 1 if t == 0 else LIMITS.temporal_factor
             first = 0 if t == 0 else 1 + LIMITS.temporal_factor * (t - 1)
             _, _, _, height, width = latent.shape
-            frames = np.full((count, height * 8, width * 8, 3), t, np.uint8)
+            frames = np.full((count, height * 8, width * 8, 3), self.fill(latent), np.uint8)
             for chunk in encode_tensor("frames", frames, index=first):
                 yield stages_pb2.DecodeResponse(tensor=chunk)
 

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stagediff.local.launch import free_ports
 from stagediff.local.servers import S3Server
-from stagediff.tensor_codec import TensorAssembler, encode_tensor
+from stagediff.tensor_codec import WireTensor, encode_tensor
 from stagediff.v1 import stages_pb2
 from tests.helpers.fake_stages import LIMITS, FakeDenoiser, FakeStages, FakeVae
 
@@ -62,22 +62,8 @@ class SeededDenoiser(FakeDenoiser):
 class SeededVae(FakeVae):
     """Latent frame t -> its video frames, filled with the latent's value."""
 
-    async def Decode(self, request_iterator, context):
-        self.calls += 1
-        assembler = TensorAssembler()
-        async for request in request_iterator:
-            if request.HasField("params"):
-                continue
-            latent = assembler.feed(request.tensor)
-            if latent is None:
-                continue
-            t = latent.index
-            count = 1 if t == 0 else LIMITS.temporal_factor
-            first = 0 if t == 0 else 1 + LIMITS.temporal_factor * (t - 1)
-            _, _, _, height, width = latent.shape
-            frames = np.full((count, height * 8, width * 8, 3), int(latent.array.flat[0]), np.uint8)
-            for chunk in encode_tensor("frames", frames, index=first):
-                yield stages_pb2.DecodeResponse(tensor=chunk)
+    def fill(self, latent: WireTensor) -> int:
+        return int(latent.array.flat[0])
 
 
 def expected_frames(seed: int, num_frames: int, height: int, width: int) -> np.ndarray:
