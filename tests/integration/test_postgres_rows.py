@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -66,3 +67,20 @@ def test_state_moves_and_deletion(rows: JobRows) -> None:
     failed, _ = rows.update_state(job.job_id, JobState.JOB_STATE_FAILED, {"finished_at": 3.0})
     assert failed.state == JobState.JOB_STATE_FAILED
     assert rows.delete(job.job_id) and rows.get(job.job_id) is None
+
+
+def test_a_newer_schema_is_refused_and_replicas_starting_together_create_it_once(server: Postgres) -> None:
+    """The schema is created under an advisory lock (replicas that start at once do not race), and a database
+    a newer version wrote is refused, naming both versions."""
+    import psycopg
+
+    from services.orchestrator.store.postgres import SCHEMA_VERSION
+
+    with ThreadPoolExecutor(4) as pool:
+        for database in pool.map(lambda _: PostgresDatabase.connect(server.dsn), range(4)):
+            database.close()
+    with psycopg.connect(server.dsn, autocommit=True) as connection:
+        assert connection.execute("SELECT count(*) FROM schema_version").fetchone() == (1,)
+        connection.execute("UPDATE schema_version SET version = %s", (SCHEMA_VERSION + 1,))
+    with pytest.raises(StoreError, match=f"schema version {SCHEMA_VERSION + 1}; this version reads {SCHEMA_VERSION}"):
+        PostgresDatabase.connect(server.dsn)

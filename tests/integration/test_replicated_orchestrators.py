@@ -3,8 +3,8 @@ stages whose frames depend on the seed:
 
 1. claims: 20 jobs from two tenants, submitted to either replica, each run exactly once (attempts 1, one DiT
    call), every result the expected frames, read back through either replica from the bucket;
-2. across replicas: a follower relays a running job's stream, a cancel that stops it within a step, and the
-   deletion of a finished one (its objects gone);
+2. across replicas: a follower relays a running job's stream, a cancel and a deletion that stop it within a
+   step, and the deletion of a finished one (its objects gone);
 3. the leader SIGKILLed while a job denoises with others queued: the follower leads, the dead leader's job
    runs again from the queue once its lease expires, and every job finishes with the expected frames, followed
    by the SDK given both replicas' addresses (the dead leader's first);
@@ -255,6 +255,15 @@ async def _across_replicas(cluster: Cluster) -> None:
     stopped_after = await _until(lambda: 201 not in cluster.denoiser.denoising, "the cancelled call's end")
     assert job.state == CANCELLED
     print(f"\ncancel through the follower: the DiT call ended {stopped_after:.2f} s after the answer")
+    # A running job deleted through the follower stops within a step and is gone from both replicas.
+    deleted = await _submit(follower, "beta", _request(202, steps=50))
+    await _until(lambda: 202 in cluster.denoiser.denoising, "the deleted job's denoising")
+    answer = await _call(follower, "DeleteJob", generation_pb2.DeleteJobRequest(job_id=deleted), "beta")
+    assert answer.deleted and 202 not in cluster.denoiser.denoising
+    for replica in (leader, follower):
+        with pytest.raises(grpc.aio.AioRpcError) as gone_everywhere:
+            await _call(replica, "GetJob", generation_pb2.GetJobRequest(job_id=deleted), "beta")
+        assert gone_everywhere.value.code() == grpc.StatusCode.NOT_FOUND
     # Another tenant's job is as unknown through either replica.
     with pytest.raises(grpc.aio.AioRpcError) as unknown:
         await _call(follower, "GetJob", generation_pb2.GetJobRequest(job_id=watched), "beta")

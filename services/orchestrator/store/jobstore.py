@@ -368,13 +368,19 @@ class JobStore:
         Raises InvalidTransition if the job is not running, StoreError (StoreFull) if the file cannot be made.
         """
         checked = check_shape(shape)
-        self._rows.require_state(job_id, RUNNING, self._fence(job_id))
+        self._require_running(job_id)
         return self.files.create_result(job_id, checked, self._epoch(job_id))
 
     def create_encoded(self, job_id: str, extension: str, media_type: str) -> EncodedWriter:
         """Opens a running job's encoded result file (empty, appended to); blocking, use to_thread."""
-        self._rows.require_state(job_id, RUNNING, self._fence(job_id))
+        self._require_running(job_id)
         return self.files.create_encoded(job_id, extension, media_type, self._epoch(job_id))
+
+    def _require_running(self, job_id: str) -> None:
+        """InvalidTransition unless the job runs. A job this store claimed is taken to run without asking the
+        database again: its claim was made just now, and the commit of its result is fenced."""
+        if self._fence(job_id) is None:
+            self._rows.require_state(job_id, RUNNING)
 
     def commit_result(
         self,
@@ -397,7 +403,7 @@ class JobStore:
         check_pieces(writer.pieces, writer.shape[0])
         keep_raw = keep_raw or encoded is None
         fence = self._fence(job_id)
-        self._rows.require_state(job_id, RUNNING, fence)
+        self._require_running(job_id)
         try:
             self.files.complete_result(writer, encoded)
         except FileNotFoundError:
