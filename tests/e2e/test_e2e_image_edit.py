@@ -2,10 +2,10 @@
 QwenImageEditPlusPipeline's within one level, the input sent as PNG, JPEG or WebP bytes and the reference
 fed `diffusers.utils.load_image` of the same bytes; a size the request leaves unset is the one the
 pipeline calculates from the image, and the job records it; requests the family cannot serve are refused
-at the door with INVALID_ARGUMENT naming the field. Qwen-Image-Edit-Plus runs through a parallel cluster
-(Ulysses, CFG-parallel and HSDP in the DiT, a patch-parallel VAE), Qwen-Image-Edit through one rank: the two
-share their DiT and VAE code, and every layout, Ring and tensor parallelism included, is proven against one
-rank for both in tests/integration/test_family_features.py (the ParallelLayouts classes).
+at the door with INVALID_ARGUMENT naming the field. Both run through one-rank clusters: every parallel layout of
+their DiT and VAE, Ring and tensor parallelism included, is proven against one rank in
+tests/integration/test_family_features.py (the ParallelLayouts classes), and a parallel Qwen-Image cluster runs
+end to end in tests/e2e/test_families_cluster.py.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from families.qwen_image_edit.encode import load_processor
 from stagediff import Client
 from stagediff.local.supervisor import LocalCluster
 from stagediff.v1 import generation_pb2, generation_pb2_grpc, image_pb2
-from tests.helpers.image_to_video import PATCH_PARALLEL_VAE, ULYSSES_CFG_HSDP, assert_close, encoded
+from tests.helpers.image_to_video import assert_close, encoded
 from tests.helpers.serving import THREADS_PER_STAGE
 from tests.helpers.wan_i2v import input_image
 
@@ -153,11 +153,6 @@ def test_qwen_image_edit_images_equal_pipeline(edit_cluster, models) -> None:
         check_case(edit_cluster, models["qwen-image-edit"], case)
 
 
-# 4 DiT ranks: the noise and image latents split over Ulysses, the branches apart, the weights sharded over two
-# ranks; the VAE decodes in bands over two ranks and encodes the references on its rank 0.
-PARALLEL = {"dit": ULYSSES_CFG_HSDP, "vae": PATCH_PARALLEL_VAE}
-
-
 # Two and three references, PNG and WebP, with CFG; sizes given, or the last image's calculated width (a request
 # without CFG and JPEG input run through the Edit cases above, on the same DiT and VAE code).
 PLUS_CASES = [
@@ -189,9 +184,10 @@ PLUS_CASES = [
 
 
 def test_qwen_image_edit_plus_images_equal_pipeline(models, tmp_path) -> None:
-    """Through a parallel cluster: 4 DiT ranks and 2 VAE ranks (PARALLEL)."""
+    """Through a one-rank cluster: the parallel layouts of the Edit-Plus DiT and VAE are proven equal on gloo
+    (TestQwenImageEditPlusParallelLayouts), and a parallel Qwen-Image cluster end to end in test_families_cluster.py."""
     model_dir = models["qwen-image-edit-plus"]
-    for cluster in _cluster(model_dir, tmp_path, PARALLEL):
+    for cluster in _cluster(model_dir, tmp_path):
         for case in PLUS_CASES:
             check_case(cluster, model_dir, case, plus=True)
         with grpc.insecure_channel(cluster.endpoint) as channel:

@@ -338,9 +338,14 @@ async def _stale_owner_fenced(cluster: Cluster, s3: S3Server, prefix: str) -> No
         s3.bucket,
         f"{prefix}/",
     )
-    await asyncio.sleep(2.0)  # the stale owner wakes, finds its lease lost and stops; nothing of it may stay
-    keys = sorted(key for key in bucket.keys(f"{job_id}/"))
-    assert keys == [f"{job_id}/e2/result-frames.npy"], keys
+    # The stale owner wakes and finds its lease lost (its keeper's renewal, or a fenced write); nothing of it may
+    # stay in the bucket (its deletes run in the background, so the bucket is read until they are done).
+    await _until(lambda: "lease was lost" in stale.log() or "lost the lease" in stale.log(), "the stale owner's stop")
+    expected = [f"{job_id}/e2/result-frames.npy"]
+    deadline = time.monotonic() + WAIT_S
+    while (keys := sorted(await asyncio.to_thread(lambda: list(bucket.keys(f"{job_id}/"))))) != expected:
+        assert time.monotonic() < deadline, keys
+        await asyncio.sleep(0.1)
     frames, _ = await _watch([stale], "beta", job_id)  # the stale one serves the finished job from the bucket
     assert np.array_equal(frames, expected_frames(500, FRAMES, SIZE, SIZE)) and owner != ""
 
@@ -396,7 +401,7 @@ async def _rolling_upgrade(cluster: Cluster) -> None:
     leader = await cluster.leader()
     follower = next(replica for replica in cluster.replicas if replica is not leader)
     cluster.denoiser.step_s = 0.1
-    job_id = await _submit(leader, "beta", _request(400, steps=30))
+    job_id = await _submit(leader, "beta", _request(400, steps=20))
     await _until(lambda: 400 in cluster.denoiser.denoising, "the job's denoising")
     leader.signal(signal.SIGTERM)
     assert await cluster.leader(other_than=leader) is follower
