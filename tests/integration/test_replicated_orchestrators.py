@@ -340,7 +340,8 @@ async def _stale_owner_fenced(cluster: Cluster, s3: S3Server, prefix: str) -> No
     )
     # The stale owner wakes and finds its lease lost (its keeper's renewal, or a fenced write); nothing of it may
     # stay in the bucket (its deletes run in the background, so the bucket is read until they are done).
-    await _until(lambda: "lease was lost" in stale.log() or "lost the lease" in stale.log(), "the stale owner's stop")
+    stopped = ("lease was lost", "lost the lease", "moved to another orchestrator replica")
+    await _until(lambda: any(words in stale.log() for words in stopped), "the stale owner's stop")
     expected = [f"{job_id}/e2/result-frames.npy"]
     deadline = time.monotonic() + WAIT_S
     while (keys := sorted(await asyncio.to_thread(lambda: list(bucket.keys(f"{job_id}/"))))) != expected:
