@@ -141,9 +141,12 @@ class Dispatcher:
             await self.run_job(job)
         except asyncio.CancelledError:
             code, message = job.intermediates.get("cancel_reason", (grpc.StatusCode.CANCELLED, "cancelled"))
-            if not self.shutting_down and not job.intermediates.get("lease_lost"):
+            lost = bool(job.intermediates.get("lease_lost"))
+            if not self.shutting_down and not lost and not job.intermediates.get("handing_back"):
                 await self.record_outcome(job.job_id, JobState.JOB_STATE_CANCELLED, code, message, job)
             await job.finish(JobState.JOB_STATE_CANCELLED, code, message)
+            if lost:  # its run here is over: nothing writes the job under the lost claim any more
+                self.store.forget_claim(job.job_id)
             logger.info("job %s cancelled: %s", job.job_id, message)
         except Exception:  # run_job records its own failures; this is a bug guard
             logger.exception("job %s failed unexpectedly", job.job_id)

@@ -78,6 +78,7 @@ class JobIntermediates(TypedDict, total=False):
     cancel_reason: tuple[grpc.StatusCode, str]  # the status a cancelled run ends with
     frames_published: int  # frames of the result already published (services/orchestrator/result_publisher.py)
     lease_lost: bool  # another replica runs the job now: this run records nothing
+    handing_back: bool  # the replica is leaving and requeues the job itself: this run records nothing
     saving: list[asyncio.Task[bool]]  # stage outputs being stored, awaited before the result's commit
 
 

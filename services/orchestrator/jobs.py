@@ -360,7 +360,7 @@ class JobManager:
         elsewhere from their last finished stage (a replica leaving after its drain)."""
         running = [job for job in self.jobs.values() if job.task is not None and not job.finished]
         for job in running:
-            job.intermediates["lease_lost"] = True  # nothing of this run is recorded as its outcome
+            job.intermediates["handing_back"] = True  # nothing of this run is recorded as its outcome
             job.intermediates["cancel_reason"] = (grpc.StatusCode.UNAVAILABLE, MOVED)
             assert job.task is not None
             job.task.cancel()

@@ -51,7 +51,7 @@ from services.orchestrator.store.postgres import PostgresDatabase
 from services.orchestrator.store.records import TERMINAL_STATES, JobRecord, JobState, SavedImages, Usage
 from services.orchestrator.store.rows import Fence, JobRows
 from services.orchestrator.store.schema import migrate
-from services.orchestrator.store_errors import InvalidTransition, LeaseLost, StoreError, io_error
+from services.orchestrator.store_errors import InvalidTransition, StoreError, io_error
 from stagediff.v1 import image_pb2, tensor_pb2
 
 RUNNING = (JobState.JOB_STATE_RUNNING,)
@@ -225,13 +225,9 @@ class JobStore:
         fence = self._fence(job_id)
         if fence is not None and state == JobState.JOB_STATE_RUNNING:
             fence = None  # claimed again: a requeued job this replica runs once more
-        try:
-            record, files = self._rows.update_state(
-                job_id, state, assignments, fence=fence, claim_for=(self.owner, self.lease_ttl_s)
-            )
-        except LeaseLost:
-            self.forget_claim(job_id)
-            raise
+        record, files = self._rows.update_state(
+            job_id, state, assignments, fence=fence, claim_for=(self.owner, self.lease_ttl_s)
+        )
         with self._claims_lock:
             if state == JobState.JOB_STATE_RUNNING:
                 self._claims[job_id] = record.lease_epoch
@@ -274,7 +270,8 @@ class JobStore:
         return JobLeases(self._db, self.owner, self.lease_ttl_s).requeue_expired()
 
     def forget_claim(self, job_id: str) -> None:
-        """Stops fencing `job_id`'s writes with this store's claim (the job left this replica)."""
+        """Stops fencing `job_id`'s writes with this store's claim, once nothing here writes it any more (its
+        run here ended). A lost claim is kept until then: every write under it keeps failing."""
         with self._claims_lock:
             self._claims.pop(job_id, None)
 
@@ -427,10 +424,8 @@ class JobStore:
                 raw_kept=keep_raw,
                 timings=timings,
             )
-        except BaseException as error:
+        except BaseException:
             self.files.uncommit_result(writer, encoded)
-            if isinstance(error, LeaseLost):
-                self.forget_claim(job_id)
             raise
         self.forget_claim(job_id)
         if not keep_raw:
