@@ -74,7 +74,14 @@ class Dispatcher:
 
     async def dispatch(self) -> None:
         """Starts every job the scheduler lets start. A job whose start cannot be recorded fails at once and
-        gives its running slot back, so the next one still starts."""
+        gives its running slot back, so the next one still starts.
+
+        Shielded: a caller cancelled meanwhile (a client that hung up during its admission) must not leave a
+        job claimed in the store and taken from the queue, yet without the task that runs it.
+        """
+        await asyncio.shield(self._dispatch())
+
+    async def _dispatch(self) -> None:
         async with self.lock:
             while self.leading and (job_id := self.scheduler.next_runnable()) is not None:
                 await self._start(self.table.jobs[job_id])

@@ -147,17 +147,34 @@ class JobManager:
         request = without_image_bytes(request)
         # The queue takes the job, the store records it and the table knows it under the dispatch lock, so no
         # dispatch meets a job the table does not know or the store does not hold.
+        # Shielded: a client that hangs up meanwhile must not leave a job stored but unknown here, or queued
+        # with no dispatch to start it.
+        admitted, job = await asyncio.shield(self._admit_once(job_id, request, tenant, deadline, saved))
+        if admitted is not None:
+            return admitted, False
+        assert job is not None
+        # Room for the new job's result: the tenant's oldest finished jobs beyond its limits go now.
+        await self.pruner.prune_tenant(tenant.name)
+        return job, True
+
+    async def _admit_once(
+        self,
+        job_id: str,
+        request: generation_pb2.GenerateRequest,
+        tenant: Tenant,
+        deadline: float | None,
+        saved: SavedImages | None,
+    ) -> tuple[Job | None, Job | None]:
+        """(the job its request id names, admitted meanwhile, None) or (None, the new job, dispatched)."""
         async with self.dispatcher.lock:
             admitted = self.table.by_request(tenant.name, request.request_id)
             if admitted is not None:  # the same request, admitted meanwhile
                 if saved is not None:
                     await asyncio.to_thread(self.store.discard_saved_images, job_id, saved)
-                return admitted, False
+                return admitted, None
             job = await self._admit(job_id, request, tenant, deadline, saved)
         await self.dispatcher.dispatch()
-        # Room for the new job's result: the tenant's oldest finished jobs beyond its limits go now.
-        await self.pruner.prune_tenant(tenant.name)
-        return job, True
+        return None, job
 
     async def _admit(
         self,

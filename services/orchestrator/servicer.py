@@ -289,8 +289,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self.tenants.check_rate(tenant)
             request = await self.uploads.resolve(tenant.name, request)
             # The images count in the tenant's stored bytes before a byte of them is parsed.
-            if request.images:
-                await self.jobs.check_stored_bytes(tenant, sum(len(image.data) for image in request.images))
+            await self.jobs.check_stored_bytes(tenant, sum(len(image.data) for image in request.images))
             full = self.complete_request(request, await self._probe_images(request))
             model = full.model
             if full.images:

@@ -374,10 +374,8 @@ class JobStore:
         return self.files.create_encoded(job_id, extension, media_type, self._epoch(job_id))
 
     def _require_running(self, job_id: str) -> None:
-        """InvalidTransition unless the job runs. A job this store claimed is taken to run without asking the
-        database again: its claim was made just now, and the commit of its result is fenced."""
-        if self._fence(job_id) is None:
-            self._rows.require_state(job_id, RUNNING)
+        """InvalidTransition unless the job runs (LeaseLost if this store's claim of it was lost)."""
+        self._rows.require_state(job_id, RUNNING, self._fence(job_id))
 
     def commit_result(
         self,
