@@ -10,6 +10,7 @@ retry. Any other error is a bug, not a refusal.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import grpc
 
@@ -18,6 +19,7 @@ from services.orchestrator.lora_access import LoraNotAllowed, LoraNotFound
 from services.orchestrator.scheduler import AdmissionRefused
 from services.orchestrator.store_errors import StoreError, StoreUnavailable
 from services.orchestrator.tenants import LimitExceeded, RateLimited
+from stagediff.status_details import abort_with_retry
 from stagekit.errors import RequestError
 
 
@@ -79,3 +81,8 @@ def refusal_for(error: Exception) -> Refusal:
     if isinstance(error, StoreError):
         return Refusal(grpc.StatusCode.INTERNAL, f"could not store the job: {error}", drops_uploads=False)
     raise TypeError(f"not a refusal: {type(error).__name__}") from error
+
+
+async def abort_store_unavailable(context: grpc.aio.ServicerContext[Any, Any], error: StoreUnavailable) -> NoReturn:
+    """Ends a call the store could not answer (an outage, a failover) UNAVAILABLE, with a retry delay."""
+    await abort_with_retry(context, f"{error}; retry", STORE_RETRY_S, code=grpc.StatusCode.UNAVAILABLE)

@@ -31,19 +31,19 @@ from services.orchestrator.followers import JobFollowers, TooManyWatchers
 from services.orchestrator.image_uploads import UPLOADS_DIR, ImageUploads, UploadRefused
 from services.orchestrator.job import Job, JobState
 from services.orchestrator.jobs import JobManager
-from services.orchestrator.lease_keeper import LeaseKeeper
 from services.orchestrator.lora_access import check_loras, visible
-from services.orchestrator.membership import Membership, SoloMembership
+from services.orchestrator.membership import Membership
 from services.orchestrator.options import DEFAULT_DETACH_GRACE_S
+from services.orchestrator.placement import Placement
 from services.orchestrator.refusals import (
     REFUSABLE,
-    STORE_RETRY_S,
     ClusterNotReady,
     ModelNotFound,
     Refusal,
+    abort_store_unavailable,
     refusal_for,
 )
-from services.orchestrator.relay import Relay, is_relayed
+from services.orchestrator.relay import Relay
 from services.orchestrator.request_images import check_image_budget, probe_images, verify_images
 from services.orchestrator.stage_clients import NOT_SERVING, STAGE_ORDER, StagePool
 from services.orchestrator.store.jobstore import DEFAULT_LEASE_TTL_S
@@ -63,9 +63,6 @@ MAX_LIST_LIMIT = 1000
 UNKNOWN_MODEL_LABEL = "unknown"
 # When a tenant at its max_watch_streams may try again.
 WATCH_RETRY_AFTER_S = 1.0
-# When to retry a call that reached no replica able to answer it (a takeover, a job changing hands).
-PEER_RETRY_S = 1.0
-UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
 
 def _abort_code(job: Job) -> grpc.StatusCode:
@@ -104,98 +101,32 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.image_workers = image_workers if image_workers is not None else ImageWorkers()
         # Image files sent ahead of their request (UploadImage), held until a request names them.
         self.uploads = uploads if uploads is not None else ImageUploads(jobs.store.state_dir / UPLOADS_DIR)
-        # The other orchestrator replicas, when there are (membership.py): who leads, where each answers.
-        self.membership: Membership = membership if membership is not None else SoloMembership(jobs.store.owner)
-        jobs.shared_store = self.replicated
+        # The other orchestrator replicas, when there are: where each call is answered (placement.py).
+        self.placement = Placement(jobs, membership, relay, job_lease_s)
         self.relay = relay
-        self.job_lease_s = job_lease_s
         # Seconds a presigned download URL lives (GetJob's download_url); 0: none.
         self.presign_downloads_s = presign_downloads_s
-        self._background: list[asyncio.Task[None]] = []
-
-    @property
-    def replicated(self) -> bool:
-        return not isinstance(self.membership, SoloMembership)
 
     async def start(self) -> None:
         """Readies the orchestrator while its health says NOT_SERVING (the `load` of services.server.serve).
 
         Waits until every stage it has endpoints for serves, then checks that the served family's chain
         has every stage it cannot do without: if not, it logs why and stays NOT_SERVING (refusing requests
-        with FAILED_PRECONDITION naming the missing flag) until it is stopped. Then the jobs accepted before a
-        restart are queued again, in their order, before any new request is admitted.
+        with FAILED_PRECONDITION naming the missing flag) until it is stopped. Then it joins the replicas
+        (placement.py): alone, the jobs accepted before a restart are queued again, in their order, before any
+        new request is admitted; replicated, followers serve at once and the leader queues them.
         """
         await self.stages.wait_until_serving()
         problem = self.chain_problem()
         if problem is not None:
             logger.error("%s; health stays NOT_SERVING", problem)
             await asyncio.get_running_loop().create_future()  # never set: serve() stops waiting on SIGTERM
-        if self.replicated:
-            # Followers serve at once (relaying what the leader or a job's owner must answer); the leader
-            # queues the stored jobs when it takes the lease.
-            self._background = [
-                asyncio.create_task(self.membership.run(self._lead, self.jobs.follow), name="membership"),
-                asyncio.create_task(LeaseKeeper(self.jobs, self.job_lease_s / 3).run(), name="lease-keeper"),
-            ]
-        else:
-            await self.jobs.lead()
+        await self.placement.join()
         self.ready.set()
 
-    async def _lead(self) -> None:
-        await self.jobs.lead(requeue_running=False)
-
     async def leave(self, drain_s: float) -> None:
-        """Leaves the cluster: resigns leadership at once (a follower leads at its next round), lets the running
-        jobs finish within `drain_s` while still renewing their leases, then stops taking part."""
-        if not self.replicated:
-            return
-        await self.membership.resign()
-        await self.jobs.follow()
-        await self.jobs.drain(drain_s)
-        await self.jobs.release()
-        for task in self._background:
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        if self.relay is not None:
-            await self.relay.close()
-
-    async def _admission_peer(self, context: grpc.aio.ServicerContext) -> str | None:
-        """Where an admission is answered: None here (this replica leads), else the leader's endpoint.
-        UNAVAILABLE with a retry delay while no replica leads (a takeover) or when a relayed call reached a
-        replica that no longer leads."""
-        if self.membership.is_leader():
-            return None
-        endpoint = self.membership.leader_endpoint()
-        if endpoint is None or self.relay is None or is_relayed(context, self.relay.secret):
-            await abort_with_retry(
-                context, "no orchestrator replica leads at the moment; retry", PEER_RETRY_S, code=UNAVAILABLE
-            )
-        return endpoint
-
-    async def _job_peer(self, job_id: str, context: grpc.aio.ServicerContext) -> str | None:
-        """Where a call about a job is answered: None here (the job is held here, finished, or not the caller's),
-        else the endpoint of the replica holding it (its owner while running, the leader while queued)."""
-        if not self.replicated or not job_id:
-            return None
-        live = self.jobs.jobs.get(job_id)
-        if live is not None and not live.finished:
-            return None
-        try:
-            record = await asyncio.to_thread(self.jobs.store.get, job_id)
-        except StoreUnavailable as error:
-            await abort_with_retry(context, f"{error}; retry", STORE_RETRY_S, code=UNAVAILABLE)
-        if record is None or record.finished or record.tenant != current_tenant().name:
-            return None
-        endpoint: str | None = None
-        if record.state == JobState.JOB_STATE_RUNNING and record.owner != self.membership.replica_id:
-            endpoint = await self.membership.endpoint_of(record.owner)
-        elif record.state == JobState.JOB_STATE_QUEUED and not self.membership.is_leader():
-            endpoint = self.membership.leader_endpoint()
-        if endpoint is None or self.relay is None or is_relayed(context, self.relay.secret):
-            await abort_with_retry(
-                context, f"job {job_id} is moving between orchestrator replicas; retry", PEER_RETRY_S, code=UNAVAILABLE
-            )
-        return endpoint
+        """Leaves the group of replicas at a drain (Placement.leave)."""
+        await self.placement.leave(drain_s)
 
     def _stage_info(self, name: str) -> stages_pb2.StageInfo | None:
         """The StageInfo of a stage this orchestrator has endpoints for; None without them, or before one answered."""
@@ -332,7 +263,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             job = await self.jobs.get(job_id, current_tenant().name) if job_id else None
         except StoreUnavailable as error:
-            await abort_with_retry(context, f"{error}; retry", STORE_RETRY_S, code=UNAVAILABLE)
+            await abort_store_unavailable(context, error)
         if job is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, bounded(f"job_id: no job '{job_id}'"))
         assert job is not None  # context.abort raised
@@ -368,7 +299,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request: generation_pb2.GenerateRequest,
         context: grpc.aio.ServicerContext[generation_pb2.GenerateRequest, generation_pb2.GenerateEvent],
     ) -> AsyncIterator[generation_pb2.GenerateEvent]:
-        peer = await self._admission_peer(context)
+        peer = await self.placement.admission_peer(context)
         if peer is not None and self.relay is not None:
             async for event in self.relay.stream(peer, "Generate", request, context):
                 yield event
@@ -406,7 +337,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request: generation_pb2.GenerateRequest,
         context: grpc.aio.ServicerContext[generation_pb2.GenerateRequest, generation_pb2.Job],
     ) -> generation_pb2.Job:
-        peer = await self._admission_peer(context)
+        peer = await self.placement.admission_peer(context)
         if peer is not None and self.relay is not None:
             relayed: generation_pb2.Job = await self.relay.unary(peer, "Submit", request, context)
             return relayed
@@ -418,7 +349,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request: generation_pb2.WatchJobRequest,
         context: grpc.aio.ServicerContext[generation_pb2.WatchJobRequest, generation_pb2.GenerateEvent],
     ) -> AsyncIterator[generation_pb2.GenerateEvent]:
-        peer = await self._job_peer(request.job_id, context)
+        peer = await self.placement.job_peer(request.job_id, context)
         if peer is not None and self.relay is not None:
             async for event in self.relay.stream(peer, "WatchJob", request, context):
                 yield event
@@ -433,7 +364,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request: generation_pb2.GetJobRequest,
         context: grpc.aio.ServicerContext[generation_pb2.GetJobRequest, generation_pb2.Job],
     ) -> generation_pb2.Job:
-        peer = await self._job_peer(request.job_id, context)
+        peer = await self.placement.job_peer(request.job_id, context)
         if peer is not None and self.relay is not None:
             found: generation_pb2.Job = await self.relay.unary(peer, "GetJob", request, context)
             return found
@@ -468,7 +399,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request: generation_pb2.CancelJobRequest,
         context: grpc.aio.ServicerContext[generation_pb2.CancelJobRequest, generation_pb2.Job],
     ) -> generation_pb2.Job:
-        peer = await self._job_peer(request.job_id, context)
+        peer = await self.placement.job_peer(request.job_id, context)
         if peer is not None and self.relay is not None:
             cancelled: generation_pb2.Job = await self.relay.unary(peer, "CancelJob", request, context)
             return cancelled
@@ -481,7 +412,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request: generation_pb2.DeleteJobRequest,
         context: grpc.aio.ServicerContext[generation_pb2.DeleteJobRequest, generation_pb2.DeleteJobResponse],
     ) -> generation_pb2.DeleteJobResponse:
-        peer = await self._job_peer(request.job_id, context)
+        peer = await self.placement.job_peer(request.job_id, context)
         if peer is not None and self.relay is not None:
             answer: generation_pb2.DeleteJobResponse = await self.relay.unary(peer, "DeleteJob", request, context)
             return answer
@@ -510,7 +441,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             jobs = await self.jobs.list_jobs(current_tenant().name, request.state, limit)
         except StoreUnavailable as error:
-            await abort_with_retry(context, f"{error}; retry", STORE_RETRY_S, code=UNAVAILABLE)
+            await abort_store_unavailable(context, error)
         return generation_pb2.ListJobsResponse(jobs=[self._shown(job) for job in jobs])
 
     async def ListModels(
@@ -534,7 +465,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request_iterator: AsyncIterator[image_pb2.ImageUploadChunk],
         context: grpc.aio.ServicerContext[image_pb2.ImageUploadChunk, image_pb2.UploadedImage],
     ) -> image_pb2.UploadedImage:
-        peer = await self._admission_peer(context)  # held by the replica that admits the request naming it
+        peer = await self.placement.admission_peer(context)  # held by the replica that admits the request naming it
         if peer is not None and self.relay is not None:
             uploaded_there: image_pb2.UploadedImage = await self.relay.unary(
                 peer, "UploadImage", request_iterator, context
