@@ -389,15 +389,19 @@ class JobManager:
                 logger.info("job %s: not handed back: %s", job.job_id, error)
 
     async def lose(self, job_id: str) -> None:
-        """Stops a running job whose lease another replica took: nothing of it is recorded here."""
+        """Stops a running job whose lease another replica took: nothing of it is recorded here. Its claim
+        fences this replica's writes until its run here has ended, then is forgotten."""
         job = self.jobs.get(job_id)
-        if job is None or job.finished or job.task is None:
-            return
-        job.intermediates["lease_lost"] = True
-        job.intermediates["cancel_reason"] = (grpc.StatusCode.UNAVAILABLE, MOVED)
-        job.task.cancel()
-        await asyncio.gather(job.task, return_exceptions=True)
-        self.table.forget(job_id)
+        if job is not None and job.task is not None and not job.task.done():
+            if not job.finished:
+                job.intermediates["lease_lost"] = True
+                job.intermediates["cancel_reason"] = (grpc.StatusCode.UNAVAILABLE, MOVED)
+                job.task.cancel()
+            # Waited for, never cancelled with the caller: a finished job's task may still record its outcome.
+            await asyncio.wait([job.task])
+        if job is not None:
+            self.table.forget(job_id)  # a finished job: read from the store, where its new owner writes it
+        self.store.forget_claim(job_id)
 
     async def drain(self, timeout_s: float) -> None:
         """Waits up to `timeout_s` for the running jobs to finish (a replica leaving: it no longer leads)."""

@@ -52,12 +52,16 @@ def test_a_replica_that_lost_its_lease_changes_nothing(stores: tuple[JobStore, J
     assert JobLeases(b._db, "leader").requeue_expired() == ["j"]
     assert b.get("j").state == QUEUED
     assert b.update_state("j", RUNNING).lease_epoch == 2
-    # a wakes up: every write it makes under epoch 1 is refused, and the blob it uploaded is dropped.
+    # a wakes up: its lease keeper finds the lease lost (its run is stopped), and until that run ends every
+    # write it makes under epoch 1 is refused, and the blob it uploaded is dropped.
+    assert a.renew_claims() == {"j"} and a.claimed() == {"j": 1}
     assert not a.mark_stage_done("j", "dit", list(encode_tensor("latents", np.ones(4, np.float32))))
     with pytest.raises(LeaseLost, match="epoch 1"):
         a.commit_result(stale, 16.0)
     with pytest.raises(LeaseLost):
         a.update_state("j", FAILED, error_code=13)
+    a.forget_claim("j")  # the run there ended (Dispatcher, JobManager.lose)
+    assert a.renew_claims() == set() and a.claimed() == {}
     assert list(b.load_intermediates("j")) == ["text-encoder"]  # what the former owner finished still counts
     b.save_result("j", _frames(2, 2), 16.0)
     record, result = b.get("j"), b.load_result("j")

@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import replace
@@ -46,10 +45,10 @@ from services.orchestrator.store.database import (
     lock_state_dir,
 )
 from services.orchestrator.store.files import JOBS_DIR, JobFiles, check_frames, check_name, check_pieces
-from services.orchestrator.store.leases import Claim, JobLeases
+from services.orchestrator.store.leases import HeldClaims, JobLeases
 from services.orchestrator.store.postgres import PostgresDatabase
 from services.orchestrator.store.records import TERMINAL_STATES, JobRecord, JobState, SavedImages, Usage
-from services.orchestrator.store.rows import Fence, JobRows
+from services.orchestrator.store.rows import JobRows
 from services.orchestrator.store.schema import migrate
 from services.orchestrator.store_errors import InvalidTransition, StoreError, io_error
 from stagediff.v1 import image_pb2, tensor_pb2
@@ -83,8 +82,8 @@ class JobStore:
         self._db = database
         self._rows = JobRows(database)
         self._lock_file = lock_file
-        self._claims: dict[str, int] = {}  # job id -> lease epoch of the jobs this store moved to RUNNING
-        self._claims_lock = threading.Lock()
+        self._leases = JobLeases(database, owner, lease_ttl_s)
+        self._claims = HeldClaims(owner)  # the jobs this store moved to RUNNING and still runs
 
     @classmethod
     def open(
@@ -222,43 +221,26 @@ class JobStore:
             assignments["num_frames_out"] = num_frames_out
         if fps_out is not None:
             assignments["fps_out"] = fps_out
-        fence = self._fence(job_id)
-        if fence is not None and state == JobState.JOB_STATE_RUNNING:
-            fence = None  # claimed again: a requeued job this replica runs once more
+        # Claimed again (a requeued job this replica runs once more) the claim is a new one: no fence.
+        fence = None if state == JobState.JOB_STATE_RUNNING else self._claims.fence(job_id)
         record, files = self._rows.update_state(
             job_id, state, assignments, fence=fence, claim_for=(self.owner, self.lease_ttl_s)
         )
-        with self._claims_lock:
-            if state == JobState.JOB_STATE_RUNNING:
-                self._claims[job_id] = record.lease_epoch
-            else:
-                self._claims.pop(job_id, None)
+        if state == JobState.JOB_STATE_RUNNING:
+            self._claims.record(job_id, record.lease_epoch)
+        else:
+            self._claims.forget(job_id)
         self.files.unlink(job_id, files)
         return record
 
-    def _fence(self, job_id: str) -> Fence | None:
-        """The claim this store's writes of `job_id` are made under; None for a job it did not claim."""
-        with self._claims_lock:
-            epoch = self._claims.get(job_id)
-        return None if epoch is None else Fence(self.owner, epoch)
-
-    def _epoch(self, job_id: str) -> int:
-        fence = self._fence(job_id)
-        return 0 if fence is None else fence.epoch
-
     def claimed(self) -> dict[str, int]:
         """{job id: lease epoch} of the jobs this store claimed and still runs."""
-        with self._claims_lock:
-            return dict(self._claims)
+        return self._claims.held()
 
     def renew_claims(self) -> set[str]:
         """Extends the lease of every job this store claimed; returns the ids whose lease was lost (another
         replica runs them now: stop them, record nothing). Blocking."""
-        claims = [Claim(job_id, epoch) for job_id, epoch in self.claimed().items()]
-        lost = JobLeases(self._db, self.owner, self.lease_ttl_s).renew(claims) if claims else set()
-        for job_id in lost:
-            self.forget_claim(job_id)
-        return lost
+        return self._claims.renew(self._leases)
 
     def queued_ids(self) -> list[str]:
         """The ids of every queued job, in admission order."""
@@ -267,13 +249,12 @@ class JobStore:
     def requeue_expired(self) -> list[str]:
         """Moves every running job whose owner's lease ran out back to QUEUED (the leader's duty); returns
         their ids. Blocking."""
-        return JobLeases(self._db, self.owner, self.lease_ttl_s).requeue_expired()
+        return self._leases.requeue_expired()
 
     def forget_claim(self, job_id: str) -> None:
         """Stops fencing `job_id`'s writes with this store's claim, once nothing here writes it any more (its
         run here ended). A lost claim is kept until then: every write under it keeps failing."""
-        with self._claims_lock:
-            self._claims.pop(job_id, None)
+        self._claims.forget(job_id)
 
     def recoverable(self) -> list[JobRecord]:
         """Queued and running jobs in admission order: what a restarted orchestrator must finish."""
@@ -343,12 +324,12 @@ class JobStore:
         if self._rows.state(job_id) in TERMINAL_STATES:
             return False
         try:
-            file, size = self.files.save_stage(job_id, stage, chunks, self._epoch(job_id))
+            file, size = self.files.save_stage(job_id, stage, chunks, self._claims.epoch(job_id))
         except FileNotFoundError:
             if self._rows.finished_or_gone(job_id):  # deleted while writing
                 return False
             raise StoreError(f"job {job_id}: its folder disappeared while stage {stage} was saved") from None
-        kept = self._rows.keep_stage(job_id, stage, file, size, self.clock, passes, self._fence(job_id))
+        kept = self._rows.keep_stage(job_id, stage, file, size, self.clock, passes, self._claims.fence(job_id))
         if not kept:
             self.files.unlink(job_id, [file])
         return kept
@@ -366,16 +347,16 @@ class JobStore:
         """
         checked = check_shape(shape)
         self._require_running(job_id)
-        return self.files.create_result(job_id, checked, self._epoch(job_id))
+        return self.files.create_result(job_id, checked, self._claims.epoch(job_id))
 
     def create_encoded(self, job_id: str, extension: str, media_type: str) -> EncodedWriter:
         """Opens a running job's encoded result file (empty, appended to); blocking, use to_thread."""
         self._require_running(job_id)
-        return self.files.create_encoded(job_id, extension, media_type, self._epoch(job_id))
+        return self.files.create_encoded(job_id, extension, media_type, self._claims.epoch(job_id))
 
     def _require_running(self, job_id: str) -> None:
         """InvalidTransition unless the job runs (LeaseLost if this store's claim of it was lost)."""
-        self._rows.require_state(job_id, RUNNING, self._fence(job_id))
+        self._rows.require_state(job_id, RUNNING, self._claims.fence(job_id))
 
     def commit_result(
         self,
@@ -397,7 +378,7 @@ class JobStore:
         job_id = writer.job_id
         check_pieces(writer.pieces, writer.shape[0])
         keep_raw = keep_raw or encoded is None
-        fence = self._fence(job_id)
+        fence = self._claims.fence(job_id)
         self._require_running(job_id)
         try:
             self.files.complete_result(writer, encoded)

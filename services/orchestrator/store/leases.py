@@ -10,11 +10,13 @@ from its last finished stage (attempts counted, so a crash loop still ends).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection
 from dataclasses import dataclass
 
 from services.orchestrator.store.database import JobDatabase
 from services.orchestrator.store.records import JobState
+from services.orchestrator.store.rows import Fence
 
 # Leases renewed in one statement at most; an owner with more renews them in several.
 RENEW_BATCH = 500
@@ -86,3 +88,46 @@ class JobLeases:
                 (int(JobState.JOB_STATE_QUEUED), int(JobState.JOB_STATE_RUNNING)),
             ).fetchall()
         return [row[0] for row in rows]
+
+
+class HeldClaims:
+    """The claims this replica made and still runs, {job id: epoch}: what fences its writes of each job.
+
+    A claim is recorded when this replica moves the job to RUNNING, and forgotten when its run here ends. A
+    claim lost meanwhile (another replica claimed the job again) is kept until then, so that every write
+    under it keeps failing. Every method may be called from any thread.
+    """
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._epochs: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def record(self, job_id: str, epoch: int) -> None:
+        with self._lock:
+            self._epochs[job_id] = epoch
+
+    def forget(self, job_id: str) -> None:
+        with self._lock:
+            self._epochs.pop(job_id, None)
+
+    def fence(self, job_id: str) -> Fence | None:
+        """The claim this replica's writes of `job_id` are made under; None for a job it did not claim."""
+        with self._lock:
+            epoch = self._epochs.get(job_id)
+        return None if epoch is None else Fence(self.owner, epoch)
+
+    def epoch(self, job_id: str) -> int:
+        """The epoch of this replica's claim of `job_id` (0 without one): what tags the job's blob keys."""
+        with self._lock:
+            return self._epochs.get(job_id, 0)
+
+    def held(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._epochs)
+
+    def renew(self, leases: JobLeases) -> set[str]:
+        """Extends the lease of every claim held; returns the ids whose lease was lost (stop them, record
+        nothing), which stay fenced until their run here ends."""
+        claims = [Claim(job_id, epoch) for job_id, epoch in self.held().items()]
+        return leases.renew(claims) if claims else set()
