@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from stagediff.local.compose import ComposeService
 
@@ -109,3 +110,41 @@ def free_ports(count: int, host: str, exclude: Iterable[int] = ()) -> list[int]:
         for sock in sockets:
             sock.close()
     return ports
+
+
+def orchestrator_replicas(
+    plans: dict[str, LaunchSpec],
+    entry: str,
+    count: int,
+    host: str,
+    state_dir: Path,
+    *,
+    taken_ports: Iterable[int] = (),
+) -> dict[str, LaunchSpec]:
+    """`plans` with the orchestrator (`entry`) cloned into `count` replicas (`entry`, `entry`-2, ...), each
+    advertising its own address to the others and keeping its spool in a folder of its own, started right after
+    it; the services that call the orchestrator are given every replica."""
+    base = plans[entry]
+    replicas = [replace(base, args=[*base.args, "--advertise", base.endpoint])]
+    for number, port in enumerate(free_ports(count - 1, host, exclude=taken_ports), start=2):
+        endpoint = format_endpoint(connect_host(host), port)
+        args = with_option(base.args, "--port", str(port))
+        args = with_option(args, "--state-dir", str(state_dir / f"replica-{number}"))
+        replicas.append(
+            replace(base, name=f"{entry}-{number}", args=[*args, "--advertise", endpoint], port=port, endpoint=endpoint)
+        )
+    every = ",".join(replica.endpoint for replica in replicas)
+    ordered: dict[str, LaunchSpec] = {}
+    for name, plan in plans.items():
+        if name == entry:
+            ordered.update((replica.name, replica) for replica in replicas)
+        else:
+            ordered[name] = replace(plan, args=[every if arg == base.endpoint else arg for arg in plan.args])
+    return ordered
+
+
+def with_option(args: list[str], option: str, value: str) -> list[str]:
+    """`args` with every value of `option` replaced (or the option added)."""
+    if option not in args:
+        return [*args, option, value]
+    return [value if index > 0 and args[index - 1] == option else arg for index, arg in enumerate(args)]

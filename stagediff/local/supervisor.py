@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -49,6 +49,7 @@ from stagediff.local.launch import (
     free_ports,
     gpu_environment,
     host_path,
+    orchestrator_replicas,
     rewrite_command,
 )
 from stagediff.local.ownership import grpc_ready_as, http_ready_as, startup_problems
@@ -264,34 +265,12 @@ class LocalCluster:
                 ready_url=readiness_url(service, args, {**environment, **self.env}, endpoint),
             )
         if self.orchestrators > 1:
-            plans = self._orchestrator_replicas(plans, entry, ports)
-        return plans
-
-    def _orchestrator_replicas(
-        self, plans: dict[str, LaunchSpec], entry: str, ports: dict[str, int]
-    ) -> dict[str, LaunchSpec]:
-        """`plans` with the orchestrator cloned into replicas, each advertising its own address to the others,
-        started right after it; the services that call the orchestrator are given every replica."""
-        base = plans[entry]
-        extra_ports = free_ports(self.orchestrators - 1, self.host, exclude=ports.values())
-        replicas = [replace(base, args=[*base.args, "--advertise", base.endpoint])]
-        for number, port in enumerate(extra_ports, start=2):
-            name = f"{entry}-{number}"
-            endpoint = format_endpoint(connect_host(self.host), port)
-            args = _with_option(base.args, "--port", str(port))
-            args = _with_option(args, "--state-dir", str(self.state_dir / f"replica-{number}"))
-            replicas.append(
-                replace(base, name=name, args=[*args, "--advertise", endpoint], port=port, endpoint=endpoint)
+            plans = orchestrator_replicas(
+                plans, entry, self.orchestrators, self.host, self.state_dir, taken_ports=ports.values()
             )
-            self.compose[name] = self.compose[entry]
-        every = ",".join(replica.endpoint for replica in replicas)
-        ordered: dict[str, LaunchSpec] = {}
-        for name, plan in plans.items():
-            if name == entry:
-                ordered.update((replica.name, replica) for replica in replicas)
-            else:
-                ordered[name] = replace(plan, args=[every if arg == base.endpoint else arg for arg in plan.args])
-        return ordered
+            for name in plans:
+                self.compose.setdefault(name, self.compose[entry])  # a replica is the orchestrator's service
+        return plans
 
     # -- lifecycle ------------------------------------------------------
 
@@ -502,10 +481,3 @@ def _echo(stream: IO[bytes], log_file: IO[bytes], prefix: str) -> None:
         sys.stderr.write(prefix + line.decode(errors="replace"))
         sys.stderr.flush()
     stream.close()
-
-
-def _with_option(args: list[str], option: str, value: str) -> list[str]:
-    """`args` with every value of `option` replaced (or the option added)."""
-    if option not in args:
-        return [*args, option, value]
-    return [value if index > 0 and args[index - 1] == option else arg for index, arg in enumerate(args)]

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from services.orchestrator.blobs.protocol import BlobError, BlobNotFound, check_key, check_prefix
+from services.orchestrator.blobs.protocol import BlobError, BlobNotFound, check_key, check_prefix, check_range
 
 PARTIAL = ".partial-"
 
@@ -82,11 +82,7 @@ class LocalBlobs:
             raise BlobNotFound(key) from None
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
-        size = self.size(key)
-        if size is None:
-            raise BlobNotFound(key)
-        if not 0 <= start <= end <= size:
-            raise BlobError(f"blob {key}: range [{start}, {end}) is outside its {size} bytes")
+        check_range(key, start, end, self.size(key))
         with open(self._path(key), "rb") as file:
             file.seek(start)
             return file.read(end - start)

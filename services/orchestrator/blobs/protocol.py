@@ -48,6 +48,14 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
+def check_range(key: str, start: int, end: int, size: int | None) -> None:
+    """Refuses a read of [start, end) from a blob of `size` bytes (None: there is none)."""
+    if size is None:
+        raise BlobNotFound(key)
+    if not 0 <= start <= end <= size:
+        raise BlobError(f"blob {key}: range [{start}, {end}) is outside its {size} bytes")
+
+
 @runtime_checkable
 class BlobWriter(Protocol):
     """A blob written in pieces, published by `commit` and dropped by `abort`."""

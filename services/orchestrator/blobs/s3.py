@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from services.orchestrator.blobs.protocol import BlobError, BlobNotFound, check_key, check_prefix
+from services.orchestrator.blobs.protocol import BlobError, BlobNotFound, check_key, check_prefix, check_range
 
 PART_BYTES = 8 << 20
 CHECKSUM_MODES = ("when_required", "when_supported")
@@ -132,11 +132,7 @@ class S3Blobs:
             raise
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
-        size = self.size(key)
-        if size is None:
-            raise BlobNotFound(key)
-        if not 0 <= start <= end <= size:
-            raise BlobError(f"blob {key}: range [{start}, {end}) is outside its {size} bytes")
+        check_range(key, start, end, self.size(key))
         if start == end:
             return b""
         answer = self.client.get_object(Bucket=self.bucket, Key=self.object_name(key), Range=f"bytes={start}-{end - 1}")
