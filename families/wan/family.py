@@ -124,7 +124,6 @@ _WAN_TESTS = {
 }
 # Each expert keeps its own cache state, so the cache resets at the switch (the second expert's first step runs).
 _TWO_EXPERTS_CACHE = ("tests/integration/test_family_features.py::TestWanA14BStepCache", _TEACACHE_REFERENCE)
-_A14B_E2E = "tests/e2e/test_families_cluster.py::test_a14b_parallel_dit_equals_wan_pipeline"
 # diffusers loads an adapter into the first expert only unless told otherwise (load_into_transformer_2).
 _A14B_LORA = Support(
     reason="not verified yet with two experts (diffusers loads an adapter into the first unless told otherwise)",
@@ -169,9 +168,9 @@ WAN22_A14B = Family(
     conditioning=CONDITIONING,
     defaults=RequestDefaults(),
     features={
-        "ulysses": Support(tests=(_FEATURE_CLASSES + "ParallelLayouts", _A14B_E2E)),
+        "ulysses": Support(tests=(_FEATURE_CLASSES + "ParallelLayouts",)),
         "ring": Support(tests=(_FEATURE_CLASSES + "ParallelLayouts",)),
-        "cfg_parallel": Support(tests=(_FEATURE_CLASSES + "ParallelLayouts", _A14B_E2E)),
+        "cfg_parallel": Support(tests=(_FEATURE_CLASSES + "ParallelLayouts",)),
         "tensor_parallel": Support(tests=(_FEATURE_CLASSES + "ParallelLayouts",)),
         "hsdp": Support(tests=(_FEATURE_CLASSES + "ParallelLayouts",)),
         "vae_patch_parallel": Support(tests=(_A14B + "test_a14b_patch_parallel_vae_equals_whole_decode",)),

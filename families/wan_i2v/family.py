@@ -41,19 +41,28 @@ _UNVERIFIED_TILING = Support(
 )
 
 
+# The patch-parallel VAE of an image-to-video cluster: its decode in bands over two ranks (the Wan2.1 and the
+# Wan2.2 VAE), its Encode whole on rank 0, through the A14B cluster test.
+_VAE_PATCH_PARALLEL = Support(
+    tests=(
+        "tests/integration/test_vae_patch_parallel.py::test_patch_parallel_equals_untiled_decode",
+        _E2E + "test_wan22_i2v_a14b_frames_equal_pipeline",
+    )
+)
+
+
 def _features(e2e: str, tester: str, **more: Support) -> dict[str, Support]:
-    """`e2e`: the family's cluster test with Ulysses, CFG-parallel and HSDP in the DiT and a patch-parallel VAE
-    (whose Encode runs whole on rank 0, the decode in bands over both ranks); `tester`: the name its tester
-    config gives its feature classes."""
+    """`e2e`: the family's cluster test (its DiT on one rank: the layouts are proven on the latents); `tester`: the
+    name its tester config gives its feature classes."""
     classes = _FEATURE_CLASSES + tester
     parallel = classes + "ParallelLayouts"
     return {
-        "ulysses": Support(tests=(parallel, e2e)),
+        "ulysses": Support(tests=(parallel,)),
         "ring": Support(tests=(parallel,)),
-        "cfg_parallel": Support(tests=(parallel, e2e)),
+        "cfg_parallel": Support(tests=(parallel,)),
         "tensor_parallel": Support(tests=(parallel,)),
-        "hsdp": Support(tests=(parallel, e2e)),
-        "vae_patch_parallel": Support(tests=(e2e,)),
+        "hsdp": Support(tests=(parallel,)),
+        "vae_patch_parallel": _VAE_PATCH_PARALLEL,
         "vae_tiling": _UNVERIFIED_TILING,
         "cpu_offload": Support(tests=(classes + "ModuleOffload",)),
         "layerwise_offload": Support(tests=(classes + "LayerwiseOffload",)),
@@ -100,21 +109,7 @@ WAN_I2V = Family(
     images=ImageInputs(
         roles=("first_frame", "last_frame"), required=("first_frame",), encoded_by=("text-encoder", "vae")
     ),
-    # Its cluster test runs one rank per stage; its parallel layouts are proven on the latents, and the
-    # patch-parallel VAE (the same Wan2.1 VAE, its Encode on rank 0) runs through the A14B cluster test.
-    features=_features(
-        _E2E + "test_wan_i2v_frames_equal_pipeline",
-        "WanI2V",
-        ulysses=Support(tests=(_FEATURE_CLASSES + "WanI2VParallelLayouts",)),
-        cfg_parallel=Support(tests=(_FEATURE_CLASSES + "WanI2VParallelLayouts",)),
-        hsdp=Support(tests=(_FEATURE_CLASSES + "WanI2VParallelLayouts",)),
-        vae_patch_parallel=Support(
-            tests=(
-                "tests/integration/test_vae_patch_parallel.py::test_patch_parallel_equals_untiled_decode",
-                _E2E + "test_wan22_i2v_a14b_frames_equal_pipeline",
-            )
-        ),
-    ),
+    features=_features(_E2E + "test_wan_i2v_frames_equal_pipeline", "WanI2V"),
     **_COMPUTE,
 )
 

@@ -3,7 +3,8 @@
 1. Under a load from three tenants, one DiT replica and one VAE replica are SIGKILLed while they
    have calls in flight: every job still completes with exactly the frames a fault-free run of the
    same request makes, each frame arrives once, every tenant lists exactly its jobs, and the killed
-   replicas, restarted, rejoin the rotation and take calls again.
+   replicas, restarted, rejoin the rotation and take calls again. The orchestrator may retry no stage
+   call (`--stage-retries 0`): the cut calls move to the other replica as failovers, which are free.
 2. The orchestrator is SIGKILLed with jobs queued, running and finished, and restarted on the same
    port and state directory: every accepted job completes with the fault-free frames, finished
    results replay as they were first received, and a resubmitted request id returns its job.
@@ -225,6 +226,7 @@ def test_replicas_killed_under_a_multi_tenant_load_lose_no_job_and_rejoin(tiny_m
         extra_args={
             "orchestrator": [
                 "--tenants", str(tmp_path / "tenants.yaml"),
+                "--stage-retries", "0",
                 "--health-interval", "0.2",
                 "--metrics-port", str(metrics_port),
             ]
@@ -368,6 +370,7 @@ async def _load_with_replica_kills(cluster: LocalCluster, keys: dict[str, str], 
             retries = metric(samples, "stagediff_stage_retries_total", stage=stage)
             print(f"{stage}: {cut:.0f} call(s) to {name} cut, {failovers:.0f} failover(s), {retries:.0f} retry(ies)")
             assert cut > 0, f"no call to the killed {name} failed: the kill cut nothing"
+            assert failovers > 0 and retries == 0, f"{stage}: the cut calls were not failed over for free"
     finally:
         for client in clients.values():
             await client.close()

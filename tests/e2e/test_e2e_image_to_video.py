@@ -1,8 +1,11 @@
 """Image-to-video through the running cluster: the frames equal WanImageToVideoPipeline's (WanPipeline's for
-TI2V without an image) within one level, for each Wan image-to-video family (wan-i2v on one rank per stage, A14B
-and TI2V with a parallel DiT and a patch-parallel VAE); and input images that cannot be served are refused at the
-door with INVALID_ARGUMENT naming the field. Every family's parallel layouts are proven on the latents in
-tests/integration/test_family_wan_i2v.py."""
+TI2V without an image) within one level, for each Wan image-to-video family with its DiT on one rank (A14B's VAE
+patch-parallel, its Encode whole on rank 0); and input images that cannot be served are refused at the door with
+INVALID_ARGUMENT naming the field. Every family's parallel layouts are proven on the latents in
+tests/integration/test_family_features.py (the ParallelLayouts classes), the Wan2.2 VAE's patch-parallel decode in
+tests/integration/test_vae_patch_parallel.py, and each family's stages against its pipeline, case by case, in
+tests/integration/test_family_wan_i2v.py; parallel DiTs run end to end in tests/e2e/test_e2e_parallel.py,
+test_e2e_compose_gpu_file.py and test_families_cluster.py."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from families.init_model import init_model
 from stagediff import Client
 from stagediff.local.supervisor import LocalCluster
 from stagediff.v1 import generation_pb2, generation_pb2_grpc, image_pb2
-from tests.helpers.image_to_video import PATCH_PARALLEL_VAE, ULYSSES_CFG_HSDP, assert_close, encoded
+from tests.helpers.image_to_video import PATCH_PARALLEL_VAE, assert_close, encoded
 from tests.helpers.serving import THREADS_PER_STAGE
 from tests.helpers.wan_i2v import input_image
 
@@ -105,7 +108,7 @@ def check_cases(cluster: LocalCluster, model_dir: Path, cases: list[dict]) -> No
             assert job.timings["vae-encode"] > 0
 
 
-# The parallel families first: the wan-i2v cluster (module-scoped) starts only after them.
+# These clusters first: the module-scoped wan-i2v cluster starts only after them.
 def test_wan22_i2v_a14b_frames_equal_pipeline(models, tmp_path) -> None:
     cases = [
         dict(
@@ -129,19 +132,9 @@ def test_wan22_i2v_a14b_frames_equal_pipeline(models, tmp_path) -> None:
             seed=2,
             images={"first": encoded(input_image(64, 48, 4), "PNG"), "last": encoded(input_image(70, 40, 5), "PNG")},
         ),
-        dict(
-            prompt="snow",
-            height=32,
-            width=32,
-            num_frames=5,
-            steps=3,
-            guidance=1.0,
-            seed=4,
-            images={"first": encoded(input_image(32, 32, 6), "JPEG")},
-        ),
     ]
-    # Ulysses, CFG-parallel and HSDP at once (each expert sharded); the VAE patch-parallel.
-    for cluster in _cluster(models["wan2.2-i2v-a14b"], tmp_path, {"dit": ULYSSES_CFG_HSDP, "vae": PATCH_PARALLEL_VAE}):
+    # The VAE patch-parallel over two ranks: its Encode runs whole on rank 0, its decode in bands.
+    for cluster in _cluster(models["wan2.2-i2v-a14b"], tmp_path, {"vae": PATCH_PARALLEL_VAE}):
         check_cases(cluster, models["wan2.2-i2v-a14b"], cases)
 
 
@@ -160,20 +153,8 @@ def test_wan22_ti2v_frames_equal_pipelines(models, tmp_path) -> None:
             images={"first": encoded(input_image(50, 70, 7), "PNG")},
         ),
         dict(prompt="a boat at sea", height=64, width=96, num_frames=5, steps=2, guidance=1.0, seed=4),
-        dict(
-            prompt="clouds",
-            negative_prompt="dark",
-            height=32,
-            width=64,
-            num_frames=5,
-            steps=3,
-            guidance=3.0,
-            seed=5,
-            images={"first": encoded(input_image(96, 40, 8), "WEBP", lossless=True)},
-        ),
     ]
-    # The Wan2.2 VAE (its DupUp3D shortcuts) decodes in bands over two ranks.
-    for cluster in _cluster(models["wan2.2-ti2v"], tmp_path, {"dit": ULYSSES_CFG_HSDP, "vae": PATCH_PARALLEL_VAE}):
+    for cluster in _cluster(models["wan2.2-ti2v"], tmp_path):
         check_cases(cluster, models["wan2.2-ti2v"], cases)
 
 

@@ -282,12 +282,13 @@ STAGE_CASES = [
         steps=2,
         seed=7,
     ),
+    # Edit-Plus at its most references: three.
     dict(
         family=PLUS,
-        images=[(56, 40), (30, 70)],
+        images=[(56, 40), (30, 70), (24, 36)],
         height=64,
         width=64,
-        prompt="the fox from picture 1 in the forest of picture 2",
+        prompt="the fox from picture 1 in the forest of picture 2 under the sky of picture 3",
         negative_prompt="blurry",
         guidance=4.0,
         steps=2,
