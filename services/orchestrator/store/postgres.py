@@ -135,6 +135,10 @@ class _Connection:
     def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
         _executemany(self._connection, sql, rows)
 
+    def transaction(self) -> contextlib.AbstractContextManager[Any]:
+        started: contextlib.AbstractContextManager[Any] = self._connection.transaction()
+        return started
+
 
 def _executemany(connection: Any, sql: str, rows: Sequence[Sequence[Any]]) -> None:
     with connection.cursor() as cursor:
@@ -185,24 +189,30 @@ class PostgresDatabase:
             self._connection = None
             return True
 
+    # One statement is a transaction of its own on an autocommit connection: one round trip, not three.
     def fetchone(self, sql: str, params: tuple[Any, ...]) -> Row | None:
-        with self.transaction() as db:
+        with self._statements() as db:
             return db.execute(sql, params).fetchone()
 
     def fetchall(self, sql: str, params: tuple[Any, ...]) -> list[Row]:
-        with self.transaction() as db:
+        with self._statements() as db:
             return db.execute(sql, params).fetchall()
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[_Connection]:
         """One transaction; rolled back on any error, database errors raised as StoreError."""
+        with self._statements() as db, db.transaction():
+            yield db
+
+    @contextlib.contextmanager
+    def _statements(self) -> Iterator[_Connection]:
+        """The connection, for this thread alone, with database errors raised as StoreError."""
         import psycopg
 
         with self.mutex:
             connection = self.connection()
             try:
-                with connection.transaction():
-                    yield _Connection(connection)
+                yield _Connection(connection)
             except psycopg.OperationalError as error:  # the connection broke: the next call opens another
                 raise StoreUnavailable(f"the job database cannot be reached: {_first_line(error)}") from None
             except psycopg.Error as error:

@@ -137,10 +137,10 @@ class JobRows:
                 params += [owner, ttl_s]
             elif state == JobState.JOB_STATE_QUEUED:
                 columns += ", owner = ''"
-            db.execute(f"UPDATE jobs SET state = ?, {columns} WHERE job_id = ?", (*params, job_id))
+            row = db.execute(f"UPDATE jobs SET state = ?, {columns} WHERE job_id = ? RETURNING *", (*params, job_id))
+            record = record_from_row(row.fetchone())
             files = self._drop_intermediates(db, job_id) if state in TERMINAL_STATES else []
-            row = db.execute("SELECT * FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
-        return record_from_row(row), files
+        return record, files
 
     def list_jobs(
         self, *, states: Collection[int] | None, tenant: str | None, limit: int, before_seq: int | None
@@ -228,9 +228,13 @@ class JobRows:
                 " bytes = excluded.bytes, position = excluded.position",
                 (job_id, stage, file, clock(), size, job_id),
             )
-            db.execute("UPDATE jobs SET last_stage = ? WHERE job_id = ?", (stage, job_id))
-            if passes is not None:
-                db.execute("UPDATE jobs SET passes_run = ?, passes_skipped = ? WHERE job_id = ?", (*passes, job_id))
+            if passes is None:
+                db.execute("UPDATE jobs SET last_stage = ? WHERE job_id = ?", (stage, job_id))
+            else:
+                db.execute(
+                    "UPDATE jobs SET last_stage = ?, passes_run = ?, passes_skipped = ? WHERE job_id = ?",
+                    (stage, *passes, job_id),
+                )
             return True
 
     def stage_files(self, job_id: str) -> list[tuple[str, str]]:
@@ -243,8 +247,7 @@ class JobRows:
 
     def _drop_intermediates(self, db: sqlite3.Connection, job_id: str) -> list[str]:
         """Deletes the rows in this transaction; the caller deletes the returned files after commit."""
-        rows = db.execute("SELECT file FROM intermediates WHERE job_id = ?", (job_id,)).fetchall()
-        db.execute("DELETE FROM intermediates WHERE job_id = ?", (job_id,))
+        rows = db.execute("DELETE FROM intermediates WHERE job_id = ? RETURNING file", (job_id,)).fetchall()
         return [row["file"] for row in rows]
 
     # ------------------------------------------------------------ results --
@@ -297,10 +300,10 @@ class JobRows:
             if timings is not None:
                 updates += ", timings = ?"
                 params.append(json.dumps(dict(timings)))
-            db.execute(f"UPDATE jobs SET {updates} WHERE job_id = ?", (*params, job_id))
+            row = db.execute(f"UPDATE jobs SET {updates} WHERE job_id = ? RETURNING *", (*params, job_id))
+            record = record_from_row(row.fetchone())
             files = self._drop_intermediates(db, job_id)
-            row = db.execute("SELECT * FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
-        return record_from_row(row), files
+        return record, files
 
     def result(self, job_id: str) -> Any:
         """The job's results row (by column name), with its job's timings and pass counts; None without one."""
@@ -326,24 +329,16 @@ class JobRows:
             return True
 
     def require_state(self, job_id: str, states: tuple[int, ...], fence: Fence | None = None) -> None:
-        with self.database.transaction() as db:
-            _require(job_id, self._locked_state(db, job_id, fence), states)
+        """InvalidTransition unless the job is in one of `states` now; LeaseLost if `fence` does not hold."""
+        row = self.database.fetchone("SELECT state, owner, lease_epoch FROM jobs WHERE job_id = ?", (job_id,))
+        _require(job_id, _fenced_state(job_id, row, fence), states)
 
     def _locked_state(self, db: Any, job_id: str, fence: Fence | None) -> int:
         """The job's state, its row locked for the rest of the transaction; LeaseLost if `fence` does not hold."""
         row = db.execute(
             f"SELECT state, owner, lease_epoch FROM jobs WHERE job_id = ?{self.database.for_update}", (job_id,)
         ).fetchone()
-        if row is None:
-            raise UnknownJob(job_id)
-        lost = fence is not None and (row["owner"], row["lease_epoch"]) != (fence.owner, fence.epoch)
-        if fence is not None and lost and row["state"] not in TERMINAL_STATES:
-            raise LeaseLost(
-                f"job {job_id} lost the lease of epoch {fence.epoch} (now epoch {row['lease_epoch']},"
-                f" owner '{row['owner']}'); this replica's writes of it change nothing"
-            )
-        state: int = row["state"]
-        return state
+        return _fenced_state(job_id, row, fence)
 
     # --------------------------------------------------------------- sweep --
 
@@ -363,6 +358,21 @@ class JobRows:
                 )
             }
         return known, referenced
+
+
+def _fenced_state(job_id: str, row: Any, fence: Fence | None) -> int:
+    """The state of the job `row` (state, owner, lease_epoch); UnknownJob without a row, LeaseLost if `fence`
+    does not hold while the job is unfinished."""
+    if row is None:
+        raise UnknownJob(job_id)
+    lost = fence is not None and (row["owner"], row["lease_epoch"]) != (fence.owner, fence.epoch)
+    if fence is not None and lost and row["state"] not in TERMINAL_STATES:
+        raise LeaseLost(
+            f"job {job_id} lost the lease of epoch {fence.epoch} (now epoch {row['lease_epoch']},"
+            f" owner '{row['owner']}'); this replica's writes of it change nothing"
+        )
+    state: int = row["state"]
+    return state
 
 
 def _require(job_id: str, current: int, states: tuple[int, ...]) -> None:
