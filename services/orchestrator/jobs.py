@@ -30,8 +30,10 @@ from collections.abc import Mapping
 import grpc
 from opentelemetry import context as otel_context
 
+from services.encoding import output_format
 from services.metrics import OrchestratorMetrics
 from services.orchestrator.admission import StorageLimits, result_bytes, without_image_bytes
+from services.orchestrator.blobs.protocol import PresignsDownloads
 from services.orchestrator.dispatch import MOVED, Dispatcher, RunJob
 from services.orchestrator.job import Job, JobState, JobTable
 from services.orchestrator.pruning import Pruner
@@ -315,6 +317,27 @@ class JobManager:
             deleted = await asyncio.to_thread(self.store.delete, job.job_id)
         self.table.forget(job.job_id)
         return deleted
+
+    async def download_url(self, job: Job, expires_in_s: int) -> str | None:
+        """A presigned GET of a succeeded job's encoded result, valid `expires_in_s`, where the blob store signs
+        URLs; None without one, or once the result is deleted (its download then says so)."""
+        blobs = self.store.files.blobs
+        if not isinstance(blobs, PresignsDownloads):
+            return None
+        try:
+            stored = await asyncio.to_thread(self.store.load_result, job.job_id)
+        except StoreError:
+            return None
+        if stored is None or stored.encoded_key is None:
+            return None
+        extension = output_format(job.request.output_format).extension
+        return await asyncio.to_thread(
+            blobs.presigned_get,
+            stored.encoded_key,
+            expires_in_s,
+            media_type=stored.media_type,
+            filename=f"{job.job_id}{extension}",
+        )
 
     # ------------------------------------------------------------------ lifecycle --
 

@@ -18,14 +18,13 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from services.encoding import output_format
 from services.image_work import ImageWorkers
 from services.images import ImageInfo
 from services.metrics import OrchestratorMetrics
 from services.orchestrator import request_defaults
 from services.orchestrator.adapter_rate import AdapterRate
-from services.orchestrator.blobs.protocol import PresignsDownloads
-from services.orchestrator.chain import StageNotDeployed, chain_problem, missing_stages, served_family
+from services.orchestrator.chain import StageNotDeployed, chain_problem, served_family
+from services.orchestrator.cluster_status import cluster_status
 from services.orchestrator.error_redaction import for_tenant, job_for_tenant
 from services.orchestrator.followers import JobFollowers, TooManyWatchers
 from services.orchestrator.image_uploads import UPLOADS_DIR, ImageUploads, UploadRefused
@@ -45,12 +44,11 @@ from services.orchestrator.refusals import (
 )
 from services.orchestrator.relay import Relay
 from services.orchestrator.request_images import check_image_budget, probe_images, verify_images
-from services.orchestrator.stage_clients import NOT_SERVING, STAGE_ORDER, StagePool
+from services.orchestrator.stage_clients import StagePool
 from services.orchestrator.store.jobstore import DEFAULT_LEASE_TTL_S
 from services.orchestrator.store_errors import ResultGone, StoreError, StoreUnavailable
 from services.orchestrator.tenant_auth import current_tenant
 from services.orchestrator.tenants import TenantRegistry
-from stagediff import __version__
 from stagediff.protocol import JOB_FAILED_METADATA_KEY
 from stagediff.status_details import abort_with_retry
 from stagediff.v1 import generation_pb2, generation_pb2_grpc, image_pb2, stages_pb2
@@ -371,28 +369,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         job = await self._find(request.job_id, context)
         shown = self._shown(job.to_proto(self.jobs.position(job)))
         if self.presign_downloads_s and job.state == JobState.JOB_STATE_SUCCEEDED:
-            shown.download_url = await self._download_url(job) or ""
+            shown.download_url = await self.jobs.download_url(job, self.presign_downloads_s) or ""
         return shown
-
-    async def _download_url(self, job: Job) -> str | None:
-        """A presigned GET of the job's encoded result, where the blob store signs URLs; None without one."""
-        blobs = self.jobs.store.files.blobs
-        if not isinstance(blobs, PresignsDownloads):
-            return None
-        try:
-            stored = await asyncio.to_thread(self.jobs.store.load_result, job.job_id)
-        except StoreError:
-            return None  # deleted meanwhile: the download says so
-        if stored is None or stored.encoded_key is None:
-            return None
-        output = output_format(job.request.output_format)
-        return await asyncio.to_thread(
-            blobs.presigned_get,
-            stored.encoded_key,
-            self.presign_downloads_s,
-            media_type=stored.media_type,
-            filename=f"{job.job_id}{output.extension}",
-        )
 
     async def CancelJob(
         self,
@@ -504,40 +482,4 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"GetClusterInfo: tenant '{tenant.name}' is not an admin tenant (admin: true in the tenants file)",
             )
-        # From the pool's periodic probes (every --health-interval), never a probe per call. The stages listed
-        # are those this orchestrator has endpoints for, and any its served chain needs but lacks.
-        missing = missing_stages(self.stages.stages, self._stage_info("dit"))
-        stages = []
-        for name in STAGE_ORDER:
-            stage = self.stages.stages.get(name)
-            if stage is None:
-                if name in missing:
-                    stages.append(
-                        generation_pb2.StageStatus(
-                            info=stages_pb2.StageInfo(stage=name),
-                            health=NOT_SERVING,
-                            detail=f"no endpoint: the served chain needs it; give the orchestrator --{name} HOST:PORT",
-                        )
-                    )
-                continue
-            replicas = [
-                generation_pb2.ReplicaStatus(
-                    endpoint=replica.endpoint,
-                    health=replica.health,
-                    detail=replica.detail,
-                    in_flight=replica.in_flight,
-                    calls=replica.calls,
-                    info=replica.info,
-                )
-                for replica in stage.replicas
-            ]
-            stages.append(
-                generation_pb2.StageStatus(
-                    info=stage.info or stages_pb2.StageInfo(stage=name),
-                    endpoint=stage.endpoint,
-                    health=stage.health,
-                    detail=stage.detail,
-                    replicas=replicas,
-                )
-            )
-        return generation_pb2.ClusterInfo(stages=stages, version=__version__)
+        return cluster_status(self.stages, self._stage_info("dit"))

@@ -178,3 +178,19 @@ def test_families_import_no_stage_package_and_no_service() -> None:
         if ("families", target) in edges
     ]
     assert not wrong, "\n".join(wrong)
+
+
+# docs/design.md: a module that grows past this many lines has taken on several jobs; split it along them.
+MAX_MODULE_LINES = 500
+
+
+def test_no_product_module_is_over_its_line_limit() -> None:
+    long = {
+        str(path.relative_to(REPOSITORY)): lines
+        for package in PACKAGES
+        for path in (REPOSITORY / package).rglob("*.py")
+        if "__pycache__" not in path.parts
+        and not path.name.endswith(("_pb2.py", "_pb2_grpc.py", "_pb2.pyi"))
+        and (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split each along its jobs): {long}"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import shutil
@@ -35,7 +36,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO, cast
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 from google.protobuf import proto
@@ -47,6 +48,7 @@ from services.orchestrator.result_files import (
     RESULT_FILE,
     EncodedWriter,
     ResultWriter,
+    StoredResult,
     check_shape,
     npy_header,
     read_npy_header,
@@ -379,6 +381,40 @@ class JobFiles:
             raise StoreError(f"job {job_id}: its encoded result has {found} bytes, its record says {size}")
         return path
 
+    def stored_result(self, job_id: str, row: Any) -> StoredResult:
+        """The result a `results` row (joined with its job's timings and passes) describes, its files checked."""
+        path: Path | None = None
+        encoded_path: Path | None = None
+        raw_key: str | None = None
+        encoded_key: str | None = None
+        shape: tuple[int, ...] = check_shape(json.loads(row["shape"]))
+        data_offset = 0
+        if self.blobs is None:
+            if row["raw_kept"]:
+                path, shape, data_offset = self.check_raw(job_id, row["file"], json.loads(row["shape"]))
+            if row["encoded_file"]:
+                encoded_path = self.check_encoded(job_id, row["encoded_file"], row["encoded_bytes"])
+        else:
+            if row["raw_kept"]:
+                raw_key, shape, data_offset = self.check_raw_blob(job_id, row["file"], json.loads(row["shape"]))
+            if row["encoded_file"]:
+                encoded_key = self.check_encoded_blob(job_id, row["encoded_file"], row["encoded_bytes"])
+        return StoredResult(
+            path=path,
+            blobs=self.blobs,
+            raw_key=raw_key,
+            encoded_key=encoded_key,
+            media_type=row["media_type"],
+            encoded_path=encoded_path,
+            encoded_bytes=row["encoded_bytes"],
+            shape=check_shape(shape),
+            data_offset=data_offset,
+            fps=row["fps"],
+            pieces=[(first, count) for first, count in json.loads(row["pieces"])],
+            timings=json.loads(row["timings"]),
+            transformer_passes=(row["passes_run"], row["passes_skipped"]),
+        )
+
     # --------------------------------------------------------------- sweep --
 
     def sweep(self, known: set[str], referenced: set[tuple[str, str]]) -> None:
@@ -399,6 +435,18 @@ class JobFiles:
                         path.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 directory.rmdir()  # only succeeds when nothing is left
+
+    def collect_garbage(self, referenced: set[tuple[str, str]], written_before: float) -> int:
+        """Deletes the blobs not `referenced` as (job_id, file) and written before the unix time `written_before`;
+        returns how many."""
+        assert self.blobs is not None
+        deleted = 0
+        for key, written_at in self.blobs.listing(""):
+            job_id, _, name = key.partition("/")
+            if (job_id, name) not in referenced and written_at < written_before:
+                self.blobs.delete(key)
+                deleted += 1
+        return deleted
 
 
 def _delete_quietly(blobs: BlobStore, keys: list[str]) -> None:

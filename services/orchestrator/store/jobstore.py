@@ -1,21 +1,22 @@
-"""`JobStore`: durable job records and their files under the orchestrator's state directory.
+"""`JobStore`: durable job records (rows) and their files (a state directory, or blobs).
 
-It composes the rows (rows.py, in SQLite) and the files (files.py, in the jobs folder); every operation
-that touches both follows one rule: a file is complete before the row that names it is committed, and a
-row's files are deleted only after the transaction that drops the row. So a row always points at a
-complete file, and a file without a row (a crash between the two, or a result still being written) is
-never read as a result and is swept away by the next `open`.
+It composes the rows (rows.py: SQLite in the state directory, or PostgreSQL) and the files (files.py: the
+directory, or a BlobStore such as S3); every operation that touches both follows one rule: a file is complete
+before the row that names it is committed, and a row's files are deleted only after the transaction that drops
+the row. So a row always points at a complete file, and a file without a row (a crash between the two, a result
+still being written, a fenced-out owner's upload) is never read as a result: `open` sweeps the directory, and
+`collect_garbage` the blob store.
 
 Durability. SQLite runs in WAL mode with `synchronous=NORMAL` by default: a committed transaction survives a
 crash or SIGKILL of the process; only a power loss or kernel crash can lose the last transactions (never
 corrupt the database). `synchronous="FULL"` also survives those, at one fsync per commit.
 
-Threads. Every method may be called from any thread. Record methods (insert, get, update_state,
-find_by_request_id, recoverable, list_jobs, usage) are quick and meant to be called on the event loop
-thread; methods that read or write files (mark_stage_done, load_intermediates, create_result,
-ResultWriter.write, commit_result, save_result, load_result, delete, prune) can block: call them through
-`asyncio.to_thread`. The database lock is held only for a short transaction, never while writing a file.
-Each job has one writer at a time (its own task). One process owns a state directory at a time.
+Claims. Moving a job to RUNNING claims it for this store's `owner` (leases.py); every later write of the job
+names that claim and changes nothing once another replica claimed the job again (LeaseLost).
+
+Threads. Every method may be called from any thread; all of them can block (the database, the files): call them
+through `asyncio.to_thread`. The database lock is held only for a short transaction, never while writing a file.
+Each job has one writer at a time (its own task).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ GARBAGE_MIN_AGE_S = 3600.0  # blobs no row names are deleted once this old (the 
 
 
 class JobStore:
-    """Job records in SQLite and their files beside them; see the module docstring for guarantees."""
+    """Job records and their files; see the module docstring for the guarantees."""
 
     def __init__(
         self,
@@ -161,8 +162,6 @@ class JobStore:
         """The database connection (StoreError once closed), for inspection."""
         return self._db.connection()
 
-    # ------------------------------------------------------------ records --
-
     def insert(self, record: JobRecord, images: SavedImages | None = None) -> JobRecord:
         """Stores a new job, with the input images `save_input_images` wrote for it; returns the job with `seq`
         (and `created_at` if unset) filled in. The images' file is deleted if the job cannot be stored."""
@@ -196,13 +195,9 @@ class JobStore:
         num_frames_out: int | None = None,
         fps_out: float | None = None,
     ) -> JobRecord:
-        """Moves a job to RUNNING, back to QUEUED (recovery), or to FAILED / CANCELLED.
-
-        RUNNING sets started_at and counts an attempt. FAILED and CANCELLED set
-        finished_at, the error and timings, and delete the job's intermediates.
-        SUCCEEDED goes through `commit_result`, so that a succeeded job always
-        has its result. A finished job cannot change: InvalidTransition.
-        """
+        """Moves a job to RUNNING (a claim: it sets started_at and counts an attempt), back to QUEUED, or to FAILED
+        or CANCELLED (finished_at, the error and timings set, the intermediates deleted). SUCCEEDED goes through
+        `commit_result`, so that a succeeded job always has its result. A finished job cannot change."""
         at = self.clock() if at is None else at
         assignments: dict[str, object]
         if state in (JobState.JOB_STATE_FAILED, JobState.JOB_STATE_CANCELLED):
@@ -443,39 +438,7 @@ class JobStore:
     def load_result(self, job_id: str) -> StoredResult | None:
         """A succeeded job's result (file, shape, pieces), None if it has none; reads the file's header only."""
         row = self._rows.result(job_id)
-        if row is None:
-            return None
-        path: Path | None = None
-        encoded_path: Path | None = None
-        raw_key: str | None = None
-        encoded_key: str | None = None
-        shape: tuple[int, ...] = check_shape(json.loads(row["shape"]))
-        data_offset = 0
-        if self.files.blobs is None:
-            if row["raw_kept"]:
-                path, shape, data_offset = self.files.check_raw(job_id, row["file"], json.loads(row["shape"]))
-            if row["encoded_file"]:
-                encoded_path = self.files.check_encoded(job_id, row["encoded_file"], row["encoded_bytes"])
-        else:
-            if row["raw_kept"]:
-                raw_key, shape, data_offset = self.files.check_raw_blob(job_id, row["file"], json.loads(row["shape"]))
-            if row["encoded_file"]:
-                encoded_key = self.files.check_encoded_blob(job_id, row["encoded_file"], row["encoded_bytes"])
-        return StoredResult(
-            path=path,
-            blobs=self.files.blobs,
-            raw_key=raw_key,
-            encoded_key=encoded_key,
-            media_type=row["media_type"],
-            encoded_path=encoded_path,
-            encoded_bytes=row["encoded_bytes"],
-            shape=check_shape(shape),
-            data_offset=data_offset,
-            fps=row["fps"],
-            pieces=[(first, count) for first, count in json.loads(row["pieces"])],
-            timings=json.loads(row["timings"]),
-            transformer_passes=(row["passes_run"], row["passes_skipped"]),
-        )
+        return None if row is None else self.files.stored_result(job_id, row)
 
     # ---------------------------------------------------------- retention --
 
@@ -486,18 +449,10 @@ class JobStore:
         The age keeps what a live replica wrote just before committing the row that names it. Without a
         blob store, `open` sweeps the state directory instead.
         """
-        blobs = self.files.blobs
-        if blobs is None:
+        if self.files.blobs is None:
             return 0
         _, referenced = self._rows.files_in_use()
-        cutoff = time.time() - min_age_s
-        deleted = 0
-        for key, written_at in blobs.listing(""):
-            job_id, _, name = key.partition("/")
-            if (job_id, name) not in referenced and written_at < cutoff:
-                blobs.delete(key)
-                deleted += 1
-        return deleted
+        return self.files.collect_garbage(referenced, time.time() - min_age_s)
 
     def usage(self, tenant: str) -> Usage:
         """Bytes the tenant's jobs hold: results of its finished jobs, intermediates of its queued and running ones.
@@ -525,15 +480,11 @@ class JobStore:
     ) -> list[str]:
         """Deletes finished jobs (records and files) beyond the limits; returns their ids. Blocking.
 
-        The limits hold for each tenant on its own: with `tenant`, only that
-        tenant's jobs are looked at; without, every tenant's, each against its
-        own count and bytes, so one tenant's jobs never make room for another's.
-        A tenant keeps its newest finished jobs while they number at most
-        `max_kept` and its bytes (the files of its queued and running jobs,
-        `reserved_bytes` for what they will still write, then its finished
-        results from the newest) stay within `max_bytes`; the rest, oldest
-        first, go. `max_age_s` deletes jobs that finished longer ago.
-        `reserved_bytes` needs `tenant`.
+        The limits hold for each tenant on its own (with `tenant`, that tenant's jobs only), so one tenant's jobs
+        never make room for another's. A tenant keeps its newest finished jobs while they number at most `max_kept`
+        and its bytes (its queued and running jobs' files, `reserved_bytes` for what they will still write, then
+        its results from the newest) stay within `max_bytes`; the rest go, oldest first, as do jobs that finished
+        more than `max_age_s` ago. `reserved_bytes` needs `tenant`.
         """
         doomed = retention.prune_rows(
             self._db,
