@@ -109,18 +109,9 @@ def _exif_turned(image: Image.Image) -> bytes:
 
 
 EDIT_CASES = [
-    # Stored 56x40, decoded 40x56: the output takes 864x1216 from the decoded image, as the pipeline does.
-    dict(
-        prompt="a red fox wearing a hat",
-        negative_prompt="blurry",
-        guidance=4.0,
-        steps=2,
-        seed=0,
-        images=[_exif_turned(input_image(56, 40, 0))],
-        size=(1216, 864),
-        image_sizes=[(40, 56)],
-    ),
-    # Another size than the calculated 768x1376, without CFG.
+    # A JPEG stored 56x40 whose EXIF orientation decodes it 40x56, another size than the calculated 864x1216,
+    # without CFG. (The size calculated from the decoded image is tests/integration/test_family_qwen_image_edit.py's
+    # first stage case; a width calculated end to end is Edit-Plus's case below.)
     dict(
         prompt="a boat at sea",
         height=48,
@@ -128,8 +119,21 @@ EDIT_CASES = [
         guidance=1.0,
         steps=3,
         seed=3,
-        images=[encoded(input_image(33, 61, 1), "PNG")],
+        images=[_exif_turned(input_image(56, 40, 0))],
         size=(48, 80),
+        image_sizes=[(40, 56)],
+    ),
+    # A PNG, CFG.
+    dict(
+        prompt="a red fox wearing a hat",
+        negative_prompt="blurry",
+        height=64,
+        width=64,
+        guidance=4.0,
+        steps=2,
+        seed=0,
+        images=[encoded(input_image(33, 61, 1), "PNG")],
+        size=(64, 64),
         image_sizes=[(33, 61)],
     ),
     # A wide output from a portrait image, CFG with another scale, WebP.

@@ -117,11 +117,11 @@ def test_qwen_defaults_and_cli_png(qwen_cluster, qwen_pipeline, tmp_path: Path) 
 @pytest.mark.e2e
 def test_qwen_parallel_dit_and_vae_equal_pipeline(qwen_model, qwen_pipeline, tmp_path: Path) -> None:
     """4 DiT ranks (Ulysses, CFG-parallel, HSDP sharded over two) and the VAE decoding in bands over two."""
-    # 64x64 with true CFG; 48x80 packs into 3x5 = 15 image tokens, which 2 does not divide (padded and
-    # masked); 80x32 (tall, 10 latent rows) runs true CFG with the prompt's embeddings masked.
+    # 48x80 packs into 3x5 = 15 image tokens, which 2 does not divide (padded and masked); 80x32 (tall, 10 latent
+    # rows) runs true CFG with the prompt's embeddings masked. (64x64 with true CFG runs on the default cluster.)
     flags = {"dit": ULYSSES_CFG_HSDP, "vae": PATCH_PARALLEL_VAE}
     for cluster in _cluster(qwen_model, tmp_path, flags):
-        for case in QWEN_CASES[:3]:
+        for case in QWEN_CASES[1:3]:
             frames = generate(cluster.endpoint, case)
             expected = qwen_reference(qwen_pipeline, **case)
             levels = np.abs(frames.astype(np.int16) - expected.astype(np.int16)).max()

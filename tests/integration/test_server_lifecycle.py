@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from stagediff.local.supervisor import wait_for_serving
 from tests.helpers.grpc_channels import stage_channel
+from tests.helpers.serving import run_together
 
 
 def _free_port() -> int:
@@ -62,34 +63,24 @@ def test_stage_serves_reflection_and_exits_cleanly_on_sigterm(tiny_model, tmp_pa
     assert "draining" in (tmp_path / "log").read_text()
 
 
-def test_a_missing_checkpoint_fails_at_startup_with_a_clear_error(tmp_path) -> None:
-    completed = subprocess.run(
-        [sys.executable, "-m", "stagediff.cli", "serve", "dit", "--model", str(tmp_path / "nope"), "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+@pytest.fixture(scope="module")
+def refusals(tiny_model, tmp_path_factory) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The stages that refuse their flags at startup, side by side: each refuses after its imports."""
+    serve = [sys.executable, "-m", "stagediff.cli", "serve"]
+    commands = {
+        "missing checkpoint": [*serve, "dit", "--model", str(tmp_path_factory.mktemp("models") / "nope")],
+        "no load threads": [*serve, "vae", "--model", str(tiny_model), "--num-weight-load-threads", "0"],
+    }
+    finished = run_together([[*command, "--port", "0"] for command in commands.values()], timeout=300)
+    return dict(zip(commands, finished, strict=True))
+
+
+def test_a_missing_checkpoint_fails_at_startup_with_a_clear_error(refusals) -> None:
+    completed = refusals["missing checkpoint"]
     assert completed.returncode != 0
     assert "does not exist" in completed.stderr and "nope" in completed.stderr
 
 
-def test_weight_load_threads_flags_are_checked(tiny_model) -> None:
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "stagediff.cli",
-            "serve",
-            "vae",
-            "--model",
-            str(tiny_model),
-            "--port",
-            "0",
-            "--num-weight-load-threads",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def test_weight_load_threads_flags_are_checked(refusals) -> None:
+    completed = refusals["no load threads"]
     assert completed.returncode != 0 and "--num-weight-load-threads 0: use 1 or more" in completed.stderr
