@@ -36,6 +36,7 @@ def files(store: JobStore) -> list[str]:
     Blob names carry the lease epoch of the claim that wrote them (`e1/result-frames.npy`, `stage-dit.e1.chunks`);
     they are listed without it, as the embedded store names the same files.
     """
+    store.files.close()  # a blob store deletes in the background: wait for what is under way (it restarts lazily)
     local = [str(path.relative_to(store.jobs_dir)) for path in store.jobs_dir.rglob("*") if path.is_file()]
     blobs = store.files.blobs
     if blobs is None:
