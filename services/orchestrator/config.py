@@ -69,6 +69,8 @@ class OrchestratorConfig:
     leader_lease_s: float
     job_lease_s: float
     drain_grace_s: float
+    # How long a job runs on past a finished stage before its output is written to the store (kept_outputs.py).
+    keep_outputs_after_s: float
     max_kept_jobs: int
     max_stored_bytes_per_tenant: int
     # Seconds a finished job is kept; 0: no age limit.
@@ -100,6 +102,8 @@ class OrchestratorConfig:
             raise ValueError(f"--drain-grace {self.drain_grace_s}: use 0 to {MAX_DETACH_GRACE_S} seconds")
         if self.advertise is not None and (":" not in self.advertise or not self.advertise.rsplit(":", 1)[1].isdigit()):
             raise ValueError(f"--advertise '{self.advertise}': use HOST:PORT")
+        if not (math.isfinite(self.keep_outputs_after_s) and 0 <= self.keep_outputs_after_s <= MAX_DETACH_GRACE_S):
+            raise ValueError(f"--keep-outputs-after {self.keep_outputs_after_s}: use 0 to {MAX_DETACH_GRACE_S} seconds")
         if not (math.isfinite(self.detach_grace_s) and 0 <= self.detach_grace_s <= MAX_DETACH_GRACE_S):
             raise ValueError(f"--detach-grace {self.detach_grace_s}: use 0 to {MAX_DETACH_GRACE_S} seconds")
 
@@ -132,6 +136,7 @@ class OrchestratorConfig:
             leader_lease_s=args.leader_lease,
             job_lease_s=args.job_lease,
             drain_grace_s=args.drain_grace,
+            keep_outputs_after_s=args.keep_outputs_after,
             max_kept_jobs=args.max_kept_jobs,
             max_stored_bytes_per_tenant=args.max_stored_bytes_per_tenant,
             job_retention_s=args.job_retention,

@@ -31,6 +31,7 @@ from opentelemetry import context as otel_context
 
 from services.encoding import output_format
 from services.orchestrator.admission import without_image_bytes
+from services.orchestrator.kept_outputs import PendingWrite
 from services.orchestrator.store import (
     EncodedReader,
     EncodedWriter,
@@ -78,8 +79,10 @@ class JobIntermediates(TypedDict, total=False):
     cancel_reason: tuple[grpc.StatusCode, str]  # the status a cancelled run ends with
     frames_published: int  # frames of the result already published (services/orchestrator/result_publisher.py)
     lease_lost: bool  # another replica runs the job now: this run records nothing
-    handing_back: bool  # the replica is leaving and requeues the job itself: this run records nothing
-    saving: list[asyncio.Task[bool]]  # stage outputs being stored, awaited before the result's commit
+    # The run stops to run again, elsewhere (the replica leaves and requeues the job itself) or after a restart
+    # (the orchestrator shuts down): its outcome is not recorded, and its kept outputs are written at once.
+    handing_back: bool
+    saving: list[PendingWrite]  # kept stage outputs on their way to the store (kept_outputs.py)
 
 
 # Rough share of a job's time in each stage on the served models, to turn stage steps into one percentage.

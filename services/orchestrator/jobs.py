@@ -442,6 +442,7 @@ class JobManager:
             await self.jobs[job_id].finish(JobState.JOB_STATE_CANCELLED, grpc.StatusCode.UNAVAILABLE, message)
         running = [(job, job.task) for job in self.jobs.values() if job.task is not None and not job.finished]
         for job, task in running:
+            job.intermediates["handing_back"] = True  # to the next start, which resumes it
             job.intermediates["cancel_reason"] = (grpc.StatusCode.UNAVAILABLE, message)
             task.cancel()
         await asyncio.gather(*(task for _, task in running), return_exceptions=True)

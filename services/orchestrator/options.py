@@ -16,6 +16,7 @@ from services.logging_setup import add_logging_arguments
 from services.metrics import add_metrics_arguments
 from services.orchestrator.adapter_rate import DEFAULT_ADAPTERS_PER_MINUTE
 from services.orchestrator.blobs.s3 import CHECKSUM_MODES
+from services.orchestrator.kept_outputs import DEFAULT_AFTER_S as KEEP_OUTPUTS_AFTER_S
 from services.orchestrator.membership import LEADER_LEASE_S
 from services.orchestrator.sizes import MinFree, parse_size
 from services.orchestrator.stage_clients import PROBE_INTERVAL_S, REPLICA_WAIT_S
@@ -167,6 +168,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="with --store postgresql://: on SIGTERM, how long the running jobs may take to finish here before "
         "the replica leaves them to another (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--keep-outputs-after",
+        type=float,
+        default=KEEP_OUTPUTS_AFTER_S,
+        metavar="SECONDS",
+        help="how long a job runs on past a finished stage before that stage's output is written to the store, "
+        "for a restart to resume after it: a job that ends sooner writes none, and a crash within it runs the "
+        "stage again (0: at once; default: %(default)s)",
     )
     parser.add_argument(
         "--max-kept-jobs",

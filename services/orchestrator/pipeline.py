@@ -6,8 +6,9 @@
   "vae-encode"; its "image_latents" join the conditioning). Later stages run at the same time, joined by
   queues: each chunk is forwarded as it arrives and the last stage's frames go to the result
   (`ResultPublisher`). The calls themselves are in services/orchestrator/stage_calls.py.
-- Finished stages leave their output (`KEPT_OUTPUTS`) in `job.intermediates` and in the `JobStore`, so a retry
-  or a restarted orchestrator resumes after the last finished stage (`restore_intermediates`).
+- Finished stages leave their output (`KEPT_OUTPUTS`) in `job.intermediates` and, once the job has run on
+  past them a while (services/orchestrator/kept_outputs.py), in the `JobStore`, so a retry or a restarted
+  orchestrator resumes after the last finished stage (`restore_intermediates`).
 - A call that fails with UNAVAILABLE takes its replica out of rotation. Failing over to another serving replica
   is free (bounded per job and stage by the replica count); otherwise the retry spends one of `stage_retries`
   after a short backoff and waits a bounded time for a replica before the job fails with UNAVAILABLE naming the
@@ -32,6 +33,7 @@ import grpc
 from families.base import Family
 from services.encoding import RAW, output_format
 from services.metrics import OrchestratorMetrics
+from services.orchestrator import kept_outputs
 from services.orchestrator.admission import result_shape
 from services.orchestrator.cache_namespace import cache_namespace_key
 from services.orchestrator.chain import served_family, stages_for
@@ -85,6 +87,7 @@ class Pipeline:
         metrics: OrchestratorMetrics | None = None,
         cluster_secret: str | None = None,
         batch_per_tenant: bool = False,
+        keep_outputs_after_s: float = kept_outputs.DEFAULT_AFTER_S,
     ) -> None:
         self.stages = stages
         self.store = store
@@ -92,7 +95,9 @@ class Pipeline:
         # Retries of a stage with no other serving replica; failovers to another replica are free.
         self.stage_retries = stage_retries
         self.retry_backoff_s = retry_backoff_s
-        self.calls = StageCalls(stages, store, metrics, cache_namespace_key(cluster_secret), batch_per_tenant)
+        self.calls = StageCalls(
+            stages, store, metrics, cache_namespace_key(cluster_secret), batch_per_tenant, keep_outputs_after_s
+        )
 
     async def run(self, job: Job) -> None:
         """Runs a job to its end and records the outcome on it (never raises, except when cancelled)."""
@@ -106,6 +111,11 @@ class Pipeline:
             if job.encoder is not None:
                 job.encoder.close()
             if not committed:
+                saving = job.intermediates.get("saving", [])
+                if job.intermediates.get("handing_back"):  # it runs again from its last kept stage
+                    await kept_outputs.flush(saving)
+                else:
+                    kept_outputs.drop(saving)
                 for file in (job.result, job.encoded):
                     if file is not None:
                         await asyncio.to_thread(file.discard)
@@ -172,11 +182,12 @@ class Pipeline:
         """Completes the result file and marks the job SUCCEEDED in the store, before any client hears it."""
         assert job.result is not None  # `_run_and_store` made it before the run
         try:
-            await asyncio.gather(*job.intermediates.get("saving", []))  # the stage outputs, before the result
+            await kept_outputs.settle(job.intermediates.get("saving", []))  # none may land after the commit
             await store_call(
                 store.commit_result,
                 job.result,
                 job.fps_out,
+                passes=(job.transformer_passes.run, job.transformer_passes.skipped),
                 encoded=job.encoded,
                 keep_raw=job.request.keep_raw_frames,
                 timings=job.timings,

@@ -169,6 +169,7 @@ async def _serve(
         metrics=metrics,
         cluster_secret=secret,
         batch_per_tenant=batch_per_tenant(config.batch_per_tenant, has_tenants=not tenants.is_open),
+        keep_outputs_after_s=config.keep_outputs_after_s,
     )
     scheduler = FairScheduler(max_queued=config.max_queued_jobs, max_running=config.max_running_jobs)
     jobs = JobManager(

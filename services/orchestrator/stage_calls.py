@@ -13,13 +13,12 @@ queue closed by `END` and hand each chunk they receive to `emit`.
 With `batch_per_tenant` (--batch-per-tenant) each Denoise call carries its
 tenant's opaque batch group, so that a batched DiT puts it in a batch with the
 same tenant's requests only. `keep_output` keeps a finished stage's output in
-the job and in the store, so that a retry or a restart resumes after it.
+the job and in the store (behind the job: kept_outputs.py), so that a retry or a restart resumes after it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -30,6 +29,7 @@ from services.input_images import ROLE_NAMES
 from services.metrics import OrchestratorMetrics
 from services.orchestrator.cache_namespace import tenant_cache_namespace
 from services.orchestrator.job import Job
+from services.orchestrator.kept_outputs import DEFAULT_AFTER_S, PendingWrite
 from services.orchestrator.stage_clients import StageError, StagePool
 from services.orchestrator.store import JobStore
 from services.orchestrator.store_retry import store_call
@@ -40,9 +40,6 @@ END = None  # closes a relay queue
 VAE_ENCODE = "vae-encode"
 # Where a relayed stage sends each chunk: the next stage's queue, or the result.
 Emit = Callable[[tensor_pb2.TensorChunk], Awaitable[None]]
-
-
-logger = logging.getLogger(__name__)
 
 
 def _tensor_names(chunks: list[tensor_pb2.TensorChunk]) -> list[str]:
@@ -76,6 +73,7 @@ class StageCalls:
         metrics: OrchestratorMetrics | None,
         cache_namespace_key: bytes,
         batch_per_tenant: bool,
+        keep_outputs_after_s: float = DEFAULT_AFTER_S,
     ) -> None:
         self.stages = stages
         self.store = store
@@ -84,18 +82,22 @@ class StageCalls:
         self.cache_namespace_key = cache_namespace_key
         # Whether the DiT may batch one tenant's requests only with the same tenant's (DenoiseParams.batch_group).
         self.batch_per_tenant = batch_per_tenant
+        # How long the job runs on past a finished stage before its output is written to the store.
+        self.keep_outputs_after_s = keep_outputs_after_s
 
     async def keep_output(self, job: Job, stage: str, chunks: list[tensor_pb2.TensorChunk]) -> None:
-        """Keeps a finished stage's output, in the job and in the store, so that a retry resumes after it. The
-        store writes it while the next stage runs (`saving`, awaited before the result is committed)."""
+        """Keeps a finished stage's output in the job, so that a retry resumes after it, and in the store once
+        the job has run on `keep_outputs_after_s` past it (kept_outputs.py), so that a restart does too."""
         job.intermediates.setdefault("outputs", {})[stage] = chunks
         if self.store is not None:
-            passes = job.transformer_passes
+            store, passes = self.store, job.transformer_passes
             kept = (passes.run, passes.skipped) if stage == "dit" else None
-            save = store_call(self.store.mark_stage_done, job.job_id, stage, chunks, passes=kept)
-            task = asyncio.create_task(save, name=f"save-{job.job_id}-{stage}")
-            task.add_done_callback(_logged)  # a job that ends before its commit never awaits it
-            job.intermediates.setdefault("saving", []).append(task)
+
+            def write() -> Awaitable[bool]:
+                return store_call(store.mark_stage_done, job.job_id, stage, chunks, passes=kept)
+
+            pending = PendingWrite(write, self.keep_outputs_after_s, name=f"save-{job.job_id}-{stage}")
+            job.intermediates.setdefault("saving", []).append(pending)
 
     def checkpoint_model(self, request: generation_pb2.GenerateRequest) -> str:
         """The model id the stages besides the DiT serve: the request's, unless the DiT serves the checkpoint with
@@ -284,9 +286,3 @@ class StageCalls:
                         )
                     )
         job.timings["interp"] = time.perf_counter() - (started or time.perf_counter())
-
-
-def _logged(task: asyncio.Task[bool]) -> None:
-    """Reads a stage output's save result, so that a failure nobody awaited is logged, not warned about."""
-    if not task.cancelled() and task.exception() is not None:
-        logger.warning("saving a stage output failed: %s", task.exception())

@@ -403,6 +403,8 @@ def test_orchestrator_killed_with_jobs_queued_running_and_finished_loses_none(ti
                 "--tenants", str(tmp_path / "tenants.yaml"),
                 "--max-running-jobs", "1",
                 "--health-interval", "0.2",
+                # The kill comes right after the slow job's first DiT step: its conditioning is stored by then.
+                "--keep-outputs-after", "0",
             ]
         },
     )  # fmt: skip

@@ -24,17 +24,26 @@ from services.orchestrator.store import JobRecord, JobStore
 from services.orchestrator.tenant_auth import TenantAuthInterceptor
 from services.orchestrator.tenants import TenantRegistry
 from stagediff.tensor_codec import TensorAssembler, encode_tensor
-from stagediff.v1 import generation_pb2, generation_pb2_grpc
-from tests.helpers.fake_stages import MODEL, FakeStages, generate, generate_request, refusal
+from stagediff.v1 import generation_pb2, generation_pb2_grpc, stages_pb2
+from tests.helpers.fake_stages import (
+    MODEL,
+    FakeDenoiser,
+    FakeStages,
+    generate,
+    generate_request,
+    refusal,
+)
 
 
 class Orchestrator:
     """The orchestrator's servicer, pipeline, jobs and stage pool, served on 127.0.0.1."""
 
-    def __init__(self, endpoints: dict[str, str], state_dir: Path) -> None:
+    def __init__(self, endpoints: dict[str, str], state_dir: Path, keep_outputs_after_s: float = 1.0) -> None:
         self.pool = StagePool(endpoints, probe_interval_s=0.1)
         self.store = JobStore.open(state_dir)
-        pipeline = Pipeline(self.pool, retry_backoff_s=0.01, store=self.store)
+        pipeline = Pipeline(
+            self.pool, retry_backoff_s=0.01, store=self.store, keep_outputs_after_s=keep_outputs_after_s
+        )
         self.jobs = JobManager(pipeline.run, FairScheduler(), self.store, restore_job=restore_intermediates)
         tenants = TenantRegistry.open()
         self.servicer = GenerationServicer(self.pool, self.jobs, tenants)
@@ -182,6 +191,74 @@ def test_a_restarted_orchestrator_relays_the_stored_chunks_without_running_their
             ]
             assert stages.text_encoder.sent == [] and stages.denoiser.received == []
             assert stages.vae.calls == 1
+        finally:
+            await orchestrator.stop()
+            await stages.stop()
+
+    asyncio.run(scenario())
+
+
+class HeldDenoiser(FakeDenoiser):
+    """The fake DiT, reporting its passes after its step and holding its latents while `held` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = False
+        self.holding = asyncio.Event()
+
+    async def Denoise(self, request_iterator, context):
+        async for response in super().Denoise(request_iterator, context):
+            yield response
+            if response.HasField("progress"):
+                yield stages_pb2.DenoiseResponse(passes=stages_pb2.TransformerPasses(run=3, skipped=1))
+                while self.held:
+                    self.holding.set()
+                    await asyncio.sleep(3600)
+
+
+def test_stage_outputs_are_stored_behind_the_job_and_when_it_stops_to_resume(tmp_path: Path) -> None:
+    """A job that commits before its outputs were due writes none (its commit records the DiT's passes); a job
+    stopped by a shutdown writes its finished stages' outputs at once, and the next start resumes after them."""
+
+    async def scenario() -> None:
+        stages = FakeStages()
+        stages.denoiser = denoiser = HeldDenoiser()
+        await stages.start()
+        orchestrator = Orchestrator(stages.endpoints, tmp_path / "state", keep_outputs_after_s=3600)
+        written: list[tuple[str, str]] = []
+        mark_stage_done = orchestrator.store.mark_stage_done
+
+        def recorded(job_id: str, stage: str, *args, **kwargs) -> bool:
+            written.append((job_id, stage))
+            return mark_stage_done(job_id, stage, *args, **kwargs)
+
+        orchestrator.store.mark_stage_done = recorded  # type: ignore[method-assign]
+        await orchestrator.start()
+        try:
+            await orchestrator.servicer.ready.wait()
+            events = await generate(orchestrator.endpoint, generate_request(request_id="quick"))
+            quick = events[0].job_id
+            assert events[-1].HasField("completed") and written == []
+            record = orchestrator.store.get(quick)
+            assert record is not None and (record.passes_run, record.passes_skipped) == (3, 1)
+
+            denoiser.held = True
+            async with grpc.aio.insecure_channel(orchestrator.endpoint) as channel:
+                held = await generation_pb2_grpc.GenerationStub(channel).Submit(generate_request(request_id="held"))
+            await denoiser.holding.wait()
+        finally:
+            await orchestrator.stop()  # the held job stops, to run again at the next start
+        assert written == [(held.job_id, "text-encoder")]
+        denoiser.held = False
+        encoded = len(stages.text_encoder.sent)
+        orchestrator = Orchestrator(stages.endpoints, tmp_path / "state")
+        await orchestrator.start()
+        try:
+            await orchestrator.servicer.ready.wait()
+            job = await orchestrator.jobs.get(held.job_id, "default")
+            [event async for event in job.follow()]
+            assert job.state == JobState.JOB_STATE_SUCCEEDED, job.error_message
+            assert len(stages.text_encoder.sent) == encoded, "the text encoder ran again"
         finally:
             await orchestrator.stop()
             await stages.stop()

@@ -312,9 +312,7 @@ class JobStore:
     ) -> bool:
         """Saves a finished stage's output, the chunks it sent in order, so that a restarted job resumes after
         it; blocking, use to_thread. `passes`: the DiT's (run, skipped) transformer passes, kept with its output.
-
-        Returns False (and keeps nothing) if the job finished meanwhile, e.g. it was cancelled.
-        """
+        Returns False (and keeps nothing) if the job finished meanwhile, e.g. it was cancelled."""
         check_name("stage", stage)
         if self._rows.state(job_id) in TERMINAL_STATES:
             return False
@@ -361,13 +359,14 @@ class JobStore:
         encoded: EncodedWriter | None = None,
         keep_raw: bool = True,
         timings: Mapping[str, float] | None = None,
+        passes: tuple[int, int] | None = None,
         at: float | None = None,
     ) -> JobRecord:
-        """Completes a written result and marks its job SUCCEEDED in one step; blocking, use to_thread.
+        """Completes a written result and marks its job SUCCEEDED in one step, with the DiT's (run, skipped)
+        transformer `passes`; blocking, use to_thread.
 
-        The writer's pieces must cover every frame (ValueError otherwise). With
-        `encoded`, its file is completed too, and the raw frames are deleted
-        once committed unless `keep_raw`. Raises InvalidTransition (keeping
+        The writer's pieces must cover every frame (ValueError otherwise). With `encoded`, its file is completed
+        too, and the raw frames are deleted once committed unless `keep_raw`. Raises InvalidTransition (keeping
         nothing) if the job is not running, e.g. it was cancelled meanwhile.
         """
         job_id = writer.job_id
@@ -397,6 +396,7 @@ class JobStore:
                 encoded_bytes=encoded.size if encoded is not None else 0,
                 raw_kept=keep_raw,
                 timings=timings,
+                passes=passes,
             )
         except BaseException:
             self.files.uncommit_result(writer, encoded)

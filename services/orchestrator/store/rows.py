@@ -267,6 +267,7 @@ class JobRows:
         encoded_bytes: int,
         raw_kept: bool,
         timings: Mapping[str, float] | None,
+        passes: tuple[int, int] | None = None,
         fence: Fence | None = None,
     ) -> tuple[JobRecord, list[str]]:
         """Records a running job's result and marks it SUCCEEDED; returns the job and the files of the
@@ -300,6 +301,9 @@ class JobRows:
             if timings is not None:
                 updates += ", timings = ?"
                 params.append(json.dumps(dict(timings)))
+            if passes is not None:
+                updates += ", passes_run = ?, passes_skipped = ?"
+                params.extend(passes)
             row = db.execute(f"UPDATE jobs SET {updates} WHERE job_id = ? RETURNING *", (*params, job_id))
             record = record_from_row(row.fetchone())
             files = self._drop_intermediates(db, job_id)
