@@ -6,11 +6,14 @@ One set of stages (the tiny preset) serves three control planes at once:
   shared-1   one orchestrator on PostgreSQL and S3 (SeaweedFS)
   shared-2   two orchestrators on another PostgreSQL database and bucket prefix, each job sent to the leader
   relayed    the same two, each job sent to the follower (which relays it to the leader)
-Jobs go to the three in turn, one at a time, and each one's end-to-end time is measured from the client
-(`generate`: admission, the stages, the result's upload and commit, every frame back). Then the leader of
-shared-2 is SIGKILLed `--kills` times while a client submits through the SDK with both addresses: the time from
-the kill to the first accepted admission is the takeover. Real servers: Debian's PostgreSQL, SeaweedFS.
-Prints one JSON object.
+Jobs go to the planes in turn, one at a time (each round in another order, so that no plane always follows
+the same one), and each one's end-to-end time is measured from the client (`generate`: admission, the stages,
+the result's upload and commit, every frame back). The overhead of a plane is the median over rounds of its
+job's time over the sqlite job's of the same round. Every process's CPU time is read from /proc around each
+job and summed by role (orchestrators, stages, PostgreSQL, SeaweedFS), since on one machine the servers' CPU
+competes with the stages for the same cores. Then the leader of shared-2 is SIGKILLed `--kills` times while a
+client submits through the SDK with both addresses: the time from the kill to the first accepted admission is
+the takeover. Real servers: Debian's PostgreSQL, SeaweedFS. Prints one JSON object.
 
     python bench/failover.py --jobs 20 --kills 3
 """
@@ -101,6 +104,42 @@ def _leader(dsn: str, replicas: list[Orchestrator]) -> Orchestrator | None:
     return next((replica for replica in replicas if row is not None and replica.endpoint == row[0]), None)
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pids_named(name: str) -> list[int]:
+    """The processes whose command name is `name` (PostgreSQL's server processes are all `postgres`)."""
+    found = []
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            if comm.read_text().strip() == name:
+                found.append(int(comm.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+class CpuByRole:
+    """The CPU seconds of each role's processes, read before and after a job."""
+
+    def __init__(self, roles: dict[str, list[int]]) -> None:
+        self.roles = roles
+
+    def read(self) -> dict[str, float]:
+        return {role: sum(_cpu_seconds(pid) for pid in pids) for role, pids in self.roles.items()}
+
+
+def _paired_ratio(times: list[float], baseline: list[float]) -> float:
+    """The median over rounds of a plane's job time over the baseline's in the same round."""
+    return statistics.median([a / b for a, b in zip(times, baseline, strict=True)])
+
+
 def _storage(dsn: str, s3: S3Server, prefix: str) -> list[str]:
     return ["--store", dsn, "--blobs", f"s3://{s3.bucket}/{prefix}", "--blobs-endpoint", s3.endpoint]
 
@@ -147,15 +186,30 @@ def main() -> None:
                 "relayed": follower.endpoint,
             }
             seconds: dict[str, list[float]] = {name: [] for name in planes}
+            cpu: dict[str, dict[str, float]] = {name: {} for name in planes}
             clients = {name: Client(endpoint) for name, endpoint in planes.items()}
+            stage_pids = [service.pid for name, service in cluster.services.items() if name in stages]
+            roles = CpuByRole(
+                {
+                    "orchestrators": [cluster.services["orchestrator"].pid]
+                    + [replica.process.pid for replica in replicas if replica.process is not None],
+                    "stages": stage_pids,
+                    "postgresql": _pids_named("postgres"),
+                    "seaweedfs": _pids_named("weed"),
+                }
+            )
+            order = list(clients)
             try:
                 for client in clients.values():  # warm: first-call allocations, connections, lazy imports
                     client.generate(PROMPT, seed=0, **request)
                 for job in range(args.jobs):
-                    for name, client in clients.items():
+                    for name in order[job % len(order) :] + order[: job % len(order)]:
+                        before = roles.read()
                         started = time.perf_counter()
-                        client.generate(PROMPT, seed=job + 1, **request)
+                        clients[name].generate(PROMPT, seed=job + 1, **request)
                         seconds[name].append(time.perf_counter() - started)
+                        for role, used in roles.read().items():
+                            cpu[name][role] = cpu[name].get(role, 0.0) + used - before[role]
             finally:
                 for client in clients.values():
                     client.close()
@@ -188,6 +242,14 @@ def main() -> None:
                 "overhead_vs_sqlite": {
                     name: round(medians[name] / medians["sqlite"] - 1.0, 4)
                     for name in ("shared-1", "shared-2", "relayed")
+                },
+                "overhead_vs_sqlite_paired": {
+                    name: round(_paired_ratio(seconds[name], seconds["sqlite"]) - 1.0, 4)
+                    for name in ("shared-1", "shared-2", "relayed")
+                },
+                "cpu_ms_per_job": {
+                    name: {role: round(used / args.jobs * 1000, 1) for role, used in roles_used.items()}
+                    for name, roles_used in cpu.items()
                 },
                 "takeover_seconds": [round(value, 2) for value in takeovers],
                 "takeover_seconds_max": round(max(takeovers), 2) if takeovers else None,

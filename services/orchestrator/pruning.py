@@ -5,7 +5,8 @@ jobs and `max_stored_bytes` of files (its quotas in the tenants file, else the
 orchestrator's defaults; `StorageLimits.limits`), and no finished job older than
 `retention_s`; pruning runs tenant by tenant whenever a job finishes, after each
 admission (room for the new job's reserved result) and at start-up, so one
-tenant's jobs never push out another's. At most `MAX_FINISHED_IN_MEMORY`
+tenant's jobs never push out another's (the age limit, for every tenant at
+once, at most once a minute). At most `MAX_FINISHED_IN_MEMORY`
 finished jobs stay in memory; the store answers for the others.
 """
 
@@ -22,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 # Finished jobs kept in memory (their logs hold no frames); older ones are answered from the store.
 MAX_FINISHED_IN_MEMORY = 64
+# The age limit is applied to every tenant at most this often: an hour's or a day's retention needs no more.
+AGE_PRUNE_INTERVAL_S = 60.0
 
 
 class Pruner:
@@ -31,8 +34,9 @@ class Pruner:
         self.store = store
         self.limits = limits
         self.table = table
-        # The age limit of finished jobs, for every tenant (None: no age limit).
+        # The age limit of finished jobs, for every tenant (None: no age limit), and when it was last applied.
         self.retention_s = retention_s
+        self._aged_at: float | None = None
 
     async def prune_tenant(self, tenant: str) -> None:
         """Keeps the tenant within its kept-jobs and stored-bytes limits, every tenant within the age limit,
@@ -46,7 +50,9 @@ class Pruner:
                 max_bytes=max_bytes,
                 reserved_bytes=self.limits.reserved_bytes(tenant),
             )
-            if self.retention_s is not None:
+            now = self.store.clock()
+            if self.retention_s is not None and (self._aged_at is None or now - self._aged_at >= AGE_PRUNE_INTERVAL_S):
+                self._aged_at = now
                 removed += await asyncio.to_thread(self.store.prune, max_age_s=self.retention_s)
         except StoreError as error:
             logger.error("pruning finished jobs failed: %s", error)

@@ -217,8 +217,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             self.tenants.check_rate(tenant)
             request = await self.uploads.resolve(tenant.name, request)
-            # The images count in the tenant's stored bytes before a byte of them is parsed.
-            await self.jobs.check_stored_bytes(tenant, sum(len(image.data) for image in request.images))
+            if request.images:  # they count in the tenant's stored bytes before a byte of them is parsed
+                await self.jobs.check_stored_bytes(tenant, sum(len(image.data) for image in request.images))
             full = self.complete_request(request, await self._probe_images(request))
             model = full.model
             if full.images:

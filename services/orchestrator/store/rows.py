@@ -116,28 +116,39 @@ class JobRows:
         `fence`) allow; returns the job and, once it is finished, the files of the intermediates it no longer has.
 
         RUNNING is a claim: `claim_for` (owner, lease seconds) becomes the job's owner, with its epoch + 1.
+        A move to RUNNING or QUEUED is one conditional statement; only a refused one (to say why) and a finish
+        (whose intermediates go in the same transaction) take a transaction that locks the row first.
         """
         allowed_from: dict[int, tuple[int, ...]] = {
             JobState.JOB_STATE_RUNNING: (JobState.JOB_STATE_QUEUED,),
             JobState.JOB_STATE_QUEUED: (JobState.JOB_STATE_RUNNING,),
         }
+        allowed = tuple(int(s) for s in allowed_from.get(state, ACTIVE_STATES))
+        columns = ", ".join(f"{name} = ?" for name in assignments)
+        params: list[Any] = [int(state), *assignments.values()]
+        if state == JobState.JOB_STATE_RUNNING:
+            owner, ttl_s = claim_for or ("", 0.0)
+            columns += ", attempts = attempts + 1, owner = ?, lease_epoch = lease_epoch + 1,"
+            columns += f" lease_until = {self.database.now_sql} + ?"
+            params += [owner, ttl_s]
+        elif state == JobState.JOB_STATE_QUEUED:
+            columns += ", owner = ''"
+        update = f"UPDATE jobs SET state = ?, {columns} WHERE job_id = ?"
+        if state not in TERMINAL_STATES:
+            fenced = " AND owner = ? AND lease_epoch = ?" if fence is not None else ""
+            row = self.database.fetchone(
+                f"{update} AND state IN ({', '.join('?' * len(allowed))}){fenced} RETURNING *",
+                (*params, job_id, *allowed, *((fence.owner, fence.epoch) if fence is not None else ())),
+            )
+            if row is not None:
+                return record_from_row(row), []
         with self.database.transaction() as db:
             current = self._locked_state(db, job_id, fence)
-            allowed = allowed_from.get(state, ACTIVE_STATES)
             if current not in allowed:
                 raise InvalidTransition(
                     f"job {job_id} is {JobState.Name(current)}; it cannot become {JobState.Name(state)}"
                 )
-            columns = ", ".join(f"{name} = ?" for name in assignments)
-            params: list[Any] = [int(state), *assignments.values()]
-            if state == JobState.JOB_STATE_RUNNING:
-                owner, ttl_s = claim_for or ("", 0.0)
-                columns += ", attempts = attempts + 1, owner = ?, lease_epoch = lease_epoch + 1,"
-                columns += f" lease_until = {self.database.now_sql} + ?"
-                params += [owner, ttl_s]
-            elif state == JobState.JOB_STATE_QUEUED:
-                columns += ", owner = ''"
-            row = db.execute(f"UPDATE jobs SET state = ?, {columns} WHERE job_id = ? RETURNING *", (*params, job_id))
+            row = db.execute(f"{update} RETURNING *", (*params, job_id))
             record = record_from_row(row.fetchone())
             files = self._drop_intermediates(db, job_id) if state in TERMINAL_STATES else []
         return record, files
