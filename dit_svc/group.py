@@ -196,14 +196,23 @@ def serve_dit_node(
     host: str,
     port: int,
     credentials: grpc.ServerCredentials | None,
+    drain_grace_s: float,
 ) -> None:
     """Node r > 0 of a multi-node DiT group: loads the same checkpoint with the same layout on its ranks and
-    follows node 0, answering only health on `host`:`port`; exits non-zero when the group ends under it."""
+    follows node 0, answering only health on `host`:`port`; exits non-zero when the group ends under it. On
+    SIGTERM its ranks stay for node 0's calls in flight, up to `drain_grace_s`."""
     layout = config.layout
     settings = layout.settings("dit", config.parallel.total_ranks, device.type, config.threads)
     payload = DitPayload(str(model_dir), dtype, config.build, config.step_cache.mag_ratios)
     if layout.channel is None:
         raise ValueError("a follower node needs the control channel to node 0")
     serve_follower_node(
-        settings, layout.channel, make_dit_worker, payload, host=host, port=port, credentials=credentials
+        settings,
+        layout.channel,
+        make_dit_worker,
+        payload,
+        host=host,
+        port=port,
+        credentials=credentials,
+        drain_grace_s=drain_grace_s,
     )

@@ -404,7 +404,14 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"stagediff serve dit: {error}") from None
         server = stage.server
         serve_dit_node(
-            config, stage.checkpoint.path, device, dtype, host=server.host, port=server.port, credentials=credentials
+            config,
+            stage.checkpoint.path,
+            device,
+            dtype,
+            host=server.host,
+            port=server.port,
+            credentials=credentials,
+            drain_grace_s=stage.drain_grace_s,
         )
         return
     run_stage(stage, lambda runtime: DenoiserServicer(config, runtime))

@@ -9,10 +9,14 @@ configuration embeds a `StageConfig` and adds its section; `services/stage_main.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
 from services.checkpoint import CheckpointSpec, read_checkpoint
+from services.server import DEFAULT_GRACE_SECONDS
 from services.server_config import ServerConfig
+
+MAX_DRAIN_GRACE_S = 24 * 3600.0  # a day: beyond it, a call is stuck rather than long
 
 
 @dataclass(frozen=True)
@@ -36,10 +40,14 @@ class StageConfig:
     """False: read shards one at a time, in one thread (--disable-multithread-weight-load)."""
     server: ServerConfig
     """The gRPC server: address, limits, credentials, logging and metrics."""
+    drain_grace_s: float = DEFAULT_GRACE_SECONDS
+    """How long the calls in flight may run on after SIGTERM (--drain-grace, 0 to MAX_DRAIN_GRACE_S)."""
 
     def __post_init__(self) -> None:
         if self.num_weight_load_threads < 1:
             raise ValueError(f"--num-weight-load-threads {self.num_weight_load_threads}: use 1 or more")
+        if not (math.isfinite(self.drain_grace_s) and 0 <= self.drain_grace_s <= MAX_DRAIN_GRACE_S):
+            raise ValueError(f"--drain-grace {self.drain_grace_s}: use 0 to {MAX_DRAIN_GRACE_S:.0f} seconds")
 
     @property
     def prog(self) -> str:
@@ -69,6 +77,7 @@ class StageConfig:
             num_weight_load_threads=args.num_weight_load_threads,
             multithread_weight_load=not args.disable_multithread_weight_load,
             server=ServerConfig.from_options(args),
+            drain_grace_s=args.drain_grace,
         )
 
     @classmethod

@@ -119,6 +119,7 @@ def run_stage(config: StageConfig, make_servicer: Callable[[StageRuntime], Stage
             register=register,
             load=load,
             on_shutdown=shutdown,
+            grace=config.drain_grace_s,
             watchdog=servicer.failure,
             interceptors=interceptors,
             credentials=credentials,

@@ -12,11 +12,17 @@ from services.auth import add_cluster_secret_argument, add_tls_arguments
 from services.environment_options import OptionParser
 from services.logging_setup import add_logging_arguments
 from services.metrics import add_metrics_arguments
-from services.server import add_server_arguments
+from services.server import DEFAULT_GRACE_SECONDS, add_server_arguments
 from services.stage_table import STAGES
 
 
-def add_stage_arguments(parser: argparse.ArgumentParser, default_port: int, *, reads_checkpoint: bool = True) -> None:
+def add_stage_arguments(
+    parser: argparse.ArgumentParser,
+    default_port: int,
+    *,
+    reads_checkpoint: bool = True,
+    drain_grace_s: float = DEFAULT_GRACE_SECONDS,
+) -> None:
     """The options of every stage. A stage that does not read the served checkpoint (its StageKind says
     `reads_checkpoint=False`) takes `--model` only to report the checkpoint's id and limits."""
     if reads_checkpoint:
@@ -31,6 +37,15 @@ def add_stage_arguments(parser: argparse.ArgumentParser, default_port: int, *, r
     parser.add_argument("--model-name", default=None, help="model id to serve under (default: directory name)")
     add_server_arguments(parser)
     parser.add_argument("--port", type=int, default=default_port)
+    parser.add_argument(
+        "--drain-grace",
+        type=float,
+        default=drain_grace_s,
+        metavar="SECONDS",
+        help="on SIGTERM, how long the calls in flight may run on while health says NOT_SERVING and no new call "
+        "is taken; calls still running then are cut, and the orchestrator moves them to another replica. Keep "
+        "a container's termination grace above it (default: %(default)s, this stage's longest call at real size)",
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
@@ -56,7 +71,9 @@ def add_stage_arguments(parser: argparse.ArgumentParser, default_port: int, *, r
 def add_stage_kind_arguments(parser: argparse.ArgumentParser, stage: str) -> None:
     """`add_stage_arguments` with the port and checkpoint use of the stage kind (services/stage_table.py)."""
     kind = STAGES[stage]
-    add_stage_arguments(parser, kind.default_port, reads_checkpoint=kind.reads_checkpoint)
+    add_stage_arguments(
+        parser, kind.default_port, reads_checkpoint=kind.reads_checkpoint, drain_grace_s=kind.drain_grace_s
+    )
 
 
 def stage_parser(stage: str) -> OptionParser:

@@ -25,6 +25,9 @@ class StageKind:
     # its weights are its own (--model-path).
     reads_checkpoint: bool
     summary: str
+    # How long its calls in flight may run on after SIGTERM (--drain-grace): its longest call at real size,
+    # so that an upgrade or a scale-in finishes the work instead of redoing it on another replica.
+    drain_grace_s: float
 
 
 STAGES: dict[str, StageKind] = {
@@ -37,6 +40,7 @@ STAGES: dict[str, StageKind] = {
             default_port=50061,
             reads_checkpoint=True,
             summary="prompts -> the embeddings the DiT takes",
+            drain_grace_s=30.0,
         ),
         StageKind(
             name="dit",
@@ -45,6 +49,7 @@ STAGES: dict[str, StageKind] = {
             default_port=50062,
             reads_checkpoint=True,
             summary="embeddings and a seed -> latents, one latent frame at a time",
+            drain_grace_s=600.0,
         ),
         StageKind(
             name="vae",
@@ -53,6 +58,7 @@ STAGES: dict[str, StageKind] = {
             default_port=50063,
             reads_checkpoint=True,
             summary="latent frames -> uint8 frames",
+            drain_grace_s=120.0,
         ),
         StageKind(
             name="interp",
@@ -61,6 +67,7 @@ STAGES: dict[str, StageKind] = {
             default_port=50064,
             reads_checkpoint=False,
             summary="frames -> denser frames (RIFE), when a request asks for interpolation",
+            drain_grace_s=120.0,
         ),
     )
 }

@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import signal
 import time
 import traceback
 from multiprocessing.process import BaseProcess
@@ -56,7 +57,14 @@ def _next_message(inbox: Any, parent: int) -> Any:
 def follower_main(
     rank: int, settings: GroupSettings, factory: WorkerFactory, payload: Any, inbox: Any, replies: Any
 ) -> None:
-    """A follower rank: build the worker, then handle every message rank 0 hands over until told to stop."""
+    """A follower rank: build the worker, then handle every message rank 0 hands over until told to stop.
+
+    SIGTERM and SIGINT are rank 0's to answer. They reach this process too when they are sent to the service's
+    whole process group (Ctrl-C in a terminal, `kill -- -PGID`), and this rank takes part in the calls rank 0
+    drains: it stops when rank 0 says so, or once rank 0 is gone.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     try:
         device = join_group(rank, settings)

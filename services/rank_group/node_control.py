@@ -40,7 +40,7 @@ from services.rank_group.settings import (
     GroupSettings,
     WorkerFactory,
 )
-from services.server import serve
+from services.server import DEFAULT_GRACE_SECONDS, serve
 
 logger = logging.getLogger(__name__)
 
@@ -292,6 +292,7 @@ def serve_follower_node(
     host: str,
     port: int,
     credentials: grpc.ServerCredentials | None = None,
+    drain_grace_s: float = DEFAULT_GRACE_SECONDS,
 ) -> None:
     """Runs node r > 0 until SIGTERM, or until its group ends (then raises SystemExit, non-zero, to be restarted).
 
@@ -299,13 +300,21 @@ def serve_follower_node(
     NOT_SERVING until its ranks are ready, SERVING while they are, NOT_SERVING as it
     drains, so Kubernetes' gRPC probes work on every node. With `credentials` (the
     stage's --tls-cert) it answers over TLS, as node 0 does, so one probe fits every node.
+    Its ranks take part in node 0's calls, so on SIGTERM they stay until node 0 ends the group (having drained
+    its own calls) or `drain_grace_s` runs out, whichever comes first.
     """
     name = f"{settings.name} node {settings.node_rank}"
     nodes: list[FollowerNode] = []
+    group_ended = threading.Event()
 
     def stop_serving(reason: str) -> None:
         # The group cannot come back without node 0: drain and exit, as SIGTERM would have us do.
+        group_ended.set()
         os.kill(os.getpid(), signal.SIGTERM)
+
+    async def drain() -> None:
+        if nodes:
+            await asyncio.to_thread(group_ended.wait, drain_grace_s)
 
     def start() -> None:
         nodes.append(FollowerNode(settings, channel, factory, payload, on_end=stop_serving))
@@ -327,6 +336,7 @@ def serve_follower_node(
                 register=lambda server: [],
                 load=load,
                 on_shutdown=shutdown,
+                on_drain=drain,
                 credentials=credentials,
             )
         )

@@ -1,5 +1,6 @@
 """End to end with parallel stages: a DiT group (HSDP over Ulysses) and a patch-parallel VAE in one cluster give
-WanPipeline's frames, report their layouts, and a dead DiT rank turns the DiT not serving.
+WanPipeline's frames, report their layouts, drain as one group on SIGTERM, and a dead DiT rank turns the DiT
+not serving.
 
 Every DiT layout and combination is proven on the latents in tests/integration/test_family_features.py
 (TestWanT2VParallelLayouts) and tests/integration/test_tensor_parallel_hsdp.py, the patch-parallel VAE in
@@ -14,7 +15,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -23,6 +24,7 @@ import pytest
 
 from stagediff import Client, StageDiffError
 from stagediff.local.supervisor import LocalCluster
+from stagediff.results import Progress
 from tests.helpers.references import reference_frames
 from tests.helpers.serving import THREADS_PER_STAGE
 
@@ -67,7 +69,7 @@ def parallel_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory)
         cluster.stop()
 
 
-def _generate(client: Client, case: dict) -> np.ndarray:
+def _generate(client: Client, case: dict, on_progress: Callable[[object], None] | None = None) -> np.ndarray:
     return client.generate(
         case["prompt"],
         negative_prompt=case["negative_prompt"],
@@ -77,6 +79,7 @@ def _generate(client: Client, case: dict) -> np.ndarray:
         num_inference_steps=case["steps"],
         guidance_scale=case["guidance"],
         seed=case["seed"],
+        on_progress=on_progress,
     ).frames
 
 
@@ -108,6 +111,39 @@ def test_patch_parallel_vae_frames_equal_wan_pipeline(parallel_cluster, referenc
         vae = _stage(client, "vae")
     assert vae.info.parallel_config["vae_patch_parallel_size"] == "2"
     assert vae.info.limits.min_height == 16
+
+
+def test_a_dit_group_told_to_stop_finishes_its_call(parallel_cluster) -> None:
+    """SIGTERM to the DiT's whole process group, its follower rank included (as a terminal or `kill -- -PGID`
+    sends it), while a call runs: the group drains as one (the follower leaves the signal to rank 0), the call
+    ends with the frames of an undisturbed run, and the DiT exits 0. It is started again for the next test."""
+    cluster, _ = parallel_cluster
+    case = dict(CASE, steps=12)
+    with Client(cluster.endpoint) as client:
+        undisturbed = _generate(client, case)
+    running = threading.Event()
+    outcome: dict[str, object] = {}
+
+    def on_progress(event: object) -> None:
+        if isinstance(event, Progress) and event.stage == "dit":
+            running.set()
+
+    def generate() -> None:
+        with Client(cluster.endpoint) as client:
+            try:
+                outcome["frames"] = _generate(client, case, on_progress)
+            except StageDiffError as error:
+                outcome["error"] = error
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    assert running.wait(timeout=120)
+    cluster.kill("dit", signal.SIGTERM)  # the whole session; returns once the DiT has exited
+    worker.join(timeout=120)
+    assert "error" not in outcome, outcome.get("error")
+    assert np.array_equal(outcome["frames"], undisturbed)
+    assert cluster.services["dit"].process.returncode == 0
+    cluster.restart("dit")
 
 
 def test_a_dead_rank_turns_the_dit_not_serving(parallel_cluster) -> None:

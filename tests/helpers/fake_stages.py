@@ -104,7 +104,10 @@ class FakeControl(stages_pb2_grpc.StageControlServicer):
         return self.info
 
 
-async def serve_stage(name: str, servicer, limits: stages_pb2.ModelLimits = LIMITS) -> tuple[grpc.aio.Server, str]:
+async def serve_stage(
+    name: str, servicer, limits: stages_pb2.ModelLimits = LIMITS, port: int = 0
+) -> tuple[grpc.aio.Server, str]:
+    """Serves a fake stage on 127.0.0.1 (`port`, or a free one), SERVING at once; returns it and its endpoint."""
     server = grpc.aio.server()
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -116,7 +119,7 @@ async def serve_stage(name: str, servicer, limits: stages_pb2.ModelLimits = LIMI
         "vae": stages_pb2_grpc.add_VaeDecoderServicer_to_server,
     }[name]
     add(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, f"127.0.0.1:{port}"

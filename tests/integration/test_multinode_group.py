@@ -168,6 +168,28 @@ def test_two_nodes_denoise_as_one_rank_does(two_nodes, tiny_model) -> None:
     assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
+def test_a_follower_node_told_to_stop_stays_for_node0s_call(two_nodes, tiny_model) -> None:
+    """SIGTERM to node 1 (its pod being deleted) in the middle of node 0's call: node 1 says NOT_SERVING but
+    keeps its ranks in the group until node 0 ends it or its --drain-grace runs out, so the call ends whole."""
+    prompt, negative = _embeds(WanDenoiser(tiny_model, torch.device("cpu"), torch.float32).text_dim)
+    spec = replace(SPEC, num_inference_steps=30)
+    with stage_channel(two_nodes["endpoint0"]) as channel:
+        denoise = channel.stream_stream(
+            "/stagediff.v1.Denoiser/Denoise",
+            request_serializer=stages_pb2.DenoiseRequest.SerializeToString,
+            response_deserializer=stages_pb2.DenoiseResponse.FromString,
+        )
+        responses = []
+        for response in denoise(_denoise_requests(spec, prompt, negative), timeout=120):
+            responses.append(response)
+            if response.HasField("progress") and response.progress.step == 2:
+                two_nodes["node1"].send_signal(signal.SIGTERM)
+    assert _latents(responses).shape[2] == 2  # 5 frames: 2 latent frames, all of them
+    assert two_nodes["node1"].poll() is None, "node 1 left the group while node 0 still served"
+    _wait_for_health(two_nodes["endpoint1"], "NOT_SERVING", 10)
+    assert "draining" in (two_nodes["logs"] / "node1.log").read_text()
+
+
 def test_a_lost_node_turns_node0_not_serving(two_nodes, tiny_model) -> None:
     """Runs last on the module's nodes: it kills node 1, ranks and all, in the middle of a request."""
     prompt, negative = _embeds(WanDenoiser(tiny_model, torch.device("cpu"), torch.float32).text_dim)

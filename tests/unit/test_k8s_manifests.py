@@ -222,6 +222,15 @@ def test_grpc_probes_on_the_serving_port(component: str | None, objects: list[di
 
 
 @pytest.mark.parametrize(("component", "objects"), CASES, ids=CASE_IDS)
+def test_a_stage_pod_outlives_its_drain(component: str | None, objects: list[dict[str, Any]]) -> None:
+    """On SIGTERM a stage's calls in flight run on for its --drain-grace: the kubelet must wait longer before
+    it kills the pod, or an upgrade cuts the calls it meant to let finish."""
+    for _, pod, _, stage, args in _containers(_flags(component), objects):
+        if stage in STAGE_KINDS:
+            assert pod["terminationGracePeriodSeconds"] >= args.drain_grace + 10, stage
+
+
+@pytest.mark.parametrize(("component", "objects"), CASES, ids=CASE_IDS)
 def test_cluster_secret_model_and_shm(component: str | None, objects: list[dict[str, Any]]) -> None:
     for _, pod, container, stage, args in _containers(_flags(component), objects):
         secret = [e for e in container["env"] if e["name"] == CLUSTER_SECRET_ENV]
