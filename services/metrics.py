@@ -190,6 +190,16 @@ class OrchestratorMetrics:
     def stage_retry(self, stage: str) -> None:
         self.stage_retries.labels(stage).inc()
 
+    def forget_stage_replica(self, stage: str, replica: str) -> None:
+        """Drops the series of a replica no longer listed (discovery), so that a pool whose members come and go
+        keeps a bounded set of label values."""
+        for metric in (self.stage_call_latency, self.stage_healthy, self.stage_failovers):
+            with contextlib.suppress(KeyError):
+                metric.remove(stage, replica)
+        for code in grpc.StatusCode:
+            with contextlib.suppress(KeyError):
+                self.stage_calls.remove(stage, replica, code.name)
+
     def stage_failover(self, stage: str, failed_replica: str) -> None:
         self.stage_failovers.labels(stage, failed_replica).inc()
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.orchestrator.discovery import StageSources
 from services.orchestrator.sizes import MinFree
 from services.orchestrator.stage_clients import STAGE_ORDER
 from services.orchestrator.store_location import (
@@ -111,6 +112,9 @@ class OrchestratorConfig:
     def from_options(cls, args: argparse.Namespace) -> OrchestratorConfig:
         """The configuration the parsed options give; raises ValueError naming the first flag out of bounds."""
         endpoints = {stage: getattr(args, stage.replace("-", "_")) for stage in STAGE_ORDER}
+        for stage, value in endpoints.items():
+            if value is not None:
+                StageSources.parse(stage, value)  # ValueError naming the flag and the source
         if args.store_password_file and not args.store:
             raise ValueError("--store-password-file: only with --store postgresql://...")
         if args.blobs_endpoint and not args.blobs:

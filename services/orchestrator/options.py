@@ -50,14 +50,15 @@ def _min_free(text: str) -> MinFree:
 
 
 def add_stage_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--<stage> HOST:PORT[,HOST:PORT...]` for every stage kind."""
+    """`--<stage> HOST:PORT|dns:NAME:PORT[,...]` for every stage kind (services/orchestrator/discovery.py)."""
     group = parser.add_argument_group("stages", "the replicas of each stage the served model's chain uses")
     for name, stage in STAGES.items():
         group.add_argument(
             f"--{name}",
             default=None,
-            metavar="HOST:PORT[,HOST:PORT...]",
-            help=f"endpoints of the {name} stage's replicas, comma-separated ({stage.summary})",
+            metavar="HOST:PORT|dns:NAME:PORT[,...]",
+            help=f"the {name} stage's replicas, comma-separated ({stage.summary}): endpoints, or dns:NAME:PORT "
+            "for every address NAME resolves to, looked up again every --health-interval (a headless Service)",
         )
 
 

@@ -32,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.auth import cluster_secret_interceptors
 from services.metrics import OrchestratorMetrics
+from services.orchestrator.discovery import Lookup, StageSources, system_lookup
 from services.server import GRPC_OPTIONS
 from services.stage_table import STAGES
 from services.tracing import client_interceptors as tracing_client_interceptors
@@ -72,12 +73,6 @@ class StageError(Exception):
         super().__init__(message)
 
 
-def parse_endpoints(value: str | Sequence[str]) -> list[str]:
-    """A stage's replica endpoints from `HOST:PORT[,HOST:PORT...]` or a list of them."""
-    parts = value.split(",") if isinstance(value, str) else [part for item in value for part in item.split(",")]
-    return [part.strip() for part in parts if part.strip()]
-
-
 @dataclass(eq=False)  # replicas compare by identity: each has its own channel
 class StageClient:
     """One replica of a stage: its channel and stubs, and what the orchestrator knows of it."""
@@ -96,6 +91,9 @@ class StageClient:
     secret: str | None = field(default=None, repr=False)
     # TLS for the channel (trusted CA, and a client certificate for mutual TLS); None: plaintext.
     credentials: grpc.ChannelCredentials | None = field(default=None, repr=False)
+    # The name the replica's certificate is checked against when it is not the endpoint's host (an address
+    # found by looking a name up: discovery.py).
+    server_name: str | None = None
     channel: grpc.aio.Channel = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -104,8 +102,9 @@ class StageClient:
         if self.secret:
             interceptors = [*cluster_secret_interceptors(self.secret), *interceptors]
         if self.credentials is not None:
+            named = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
             self.channel = grpc.aio.secure_channel(
-                self.endpoint, self.credentials, options=STAGE_CHANNEL_OPTIONS, interceptors=interceptors
+                self.endpoint, self.credentials, options=[*STAGE_CHANNEL_OPTIONS, *named], interceptors=interceptors
             )
         else:
             self.channel = grpc.aio.insecure_channel(
@@ -153,26 +152,67 @@ class Stage:
         secret: str | None = None,
         metrics: OrchestratorMetrics | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        *,
+        looked_up: str = "",
     ) -> None:
-        if not endpoints:
+        """`looked_up`: the stage's flag when it names sources looked up later (discovery.py), whose endpoints
+        join through `reconcile`; the stage may then start with none."""
+        if not endpoints and not looked_up:
             raise ValueError(f"no endpoint for stage {name}")
         duplicates = sorted({endpoint for endpoint in endpoints if endpoints.count(endpoint) > 1})
         if duplicates:
             raise ValueError(f"stage {name} lists {', '.join(duplicates)} more than once")
         self.name = name
-        self.replicas = [StageClient(name, endpoint, secret=secret, credentials=credentials) for endpoint in endpoints]
+        self.looked_up = looked_up
+        self.secret, self.credentials = secret, credentials
         self.replica_wait_s = replica_wait_s
         self.metrics = metrics
-        if metrics is not None:
-            for replica in self.replicas:
-                metrics.set_stage_health(name, replica.endpoint, False)
+        self.replicas: list[StageClient] = []
+        self.retiring: list[StageClient] = []  # no longer listed, closed once their calls in flight end
         self._next = 0  # round-robin cursor among equally loaded replicas
         self._changed = asyncio.Condition()
+        self.reconcile(endpoints)
 
     @property
     def endpoint(self) -> str:
-        """Every replica's endpoint, comma-separated (the form the orchestrator's flags take)."""
-        return ",".join(replica.endpoint for replica in self.replicas)
+        """Every replica's endpoint, comma-separated (the form the orchestrator's flags take), or the flag
+        whose lookups found none yet."""
+        return ",".join(replica.endpoint for replica in self.replicas) or self.looked_up
+
+    def reconcile(self, endpoints: Sequence[str], server_names: Mapping[str, str | None] | None = None) -> None:
+        """Makes the replicas those of `endpoints`, in that order: a new one joins out of rotation until a probe
+        finds it SERVING; one no longer listed takes no new call and is closed once its calls have ended.
+        `server_names`: the name a looked-up endpoint's certificate is checked against."""
+        current = {replica.endpoint: replica for replica in self.replicas}
+        wanted = list(dict.fromkeys(endpoints))
+        for replica in self.replicas:
+            if replica.endpoint not in wanted:
+                logger.info(
+                    "stage %s replica %s is no longer listed: it takes no new call", self.name, replica.endpoint
+                )
+                self.retiring.append(replica)
+        replicas = []
+        for endpoint in wanted:
+            known = current.get(endpoint)
+            if known is None:
+                server_name = (server_names or {}).get(endpoint)
+                known = StageClient(
+                    self.name, endpoint, secret=self.secret, credentials=self.credentials, server_name=server_name
+                )
+                if self.metrics is not None:
+                    self.metrics.set_stage_health(self.name, endpoint, False)
+            replicas.append(known)
+        self.replicas = replicas
+        self._next = self._next % len(replicas) if replicas else 0
+
+    async def close_retired(self) -> None:
+        """Closes the replicas no longer listed whose calls have all ended, and forgets their metrics."""
+        done = [replica for replica in self.retiring if replica.in_flight == 0]
+        self.retiring = [replica for replica in self.retiring if replica.in_flight > 0]
+        for replica in done:
+            await replica.close()
+            if self.metrics is not None:
+                self.metrics.forget_stage_replica(self.name, replica.endpoint)
 
     @property
     def info(self) -> stages_pb2.StageInfo | None:
@@ -312,7 +352,7 @@ class Stage:
         await self._mark_serving(replica)
 
     async def close(self) -> None:
-        for replica in self.replicas:
+        for replica in [*self.replicas, *self.retiring]:
             await replica.close()
 
 
@@ -328,16 +368,30 @@ class StagePool:
         secret: str | None = None,
         metrics: OrchestratorMetrics | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        lookup: Lookup = system_lookup,
     ) -> None:
+        """`endpoints`: each stage's sources (discovery.py: HOST:PORT and dns:NAME:PORT, comma-separated or a
+        list); `lookup` resolves the names, every probe interval."""
         unknown = sorted(set(endpoints) - set(STAGE_ORDER))
         if unknown:
             raise ValueError(f"no stage kind named {', '.join(unknown)}; the kinds are {', '.join(STAGE_ORDER)}")
-        lists = {name: parse_endpoints(endpoints.get(name) or []) for name in STAGE_ORDER}
-        self.stages = {
-            name: Stage(name, lists[name], replica_wait_s, secret, metrics, credentials)
-            for name in STAGE_ORDER
-            if lists[name]
+        self.sources = {
+            name: StageSources.parse(name, value) for name in STAGE_ORDER if (value := endpoints.get(name) or [])
         }
+        self.sources = {name: sources for name, sources in self.sources.items() if sources.flag}
+        self.stages = {
+            name: Stage(
+                name,
+                list(sources.endpoints),
+                replica_wait_s,
+                secret,
+                metrics,
+                credentials,
+                looked_up=sources.flag if sources.names else "",
+            )
+            for name, sources in self.sources.items()
+        }
+        self.lookup = lookup
         self.probe_interval_s = probe_interval_s
         self._prober: asyncio.Task | None = None
 
@@ -346,6 +400,20 @@ class StagePool:
 
     def replicas(self) -> list[tuple[Stage, StageClient]]:
         return [(stage, replica) for stage in self.stages.values() for replica in stage.replicas]
+
+    async def discover(self) -> None:
+        """Looks the stages' names up again and reconciles each stage with what they say (a failed lookup
+        leaves its stage as it was), then closes the replicas no longer listed whose calls have ended."""
+        for name, sources in self.sources.items():
+            stage = self.stages[name]
+            if sources.names:
+                try:
+                    found = await sources.resolve(self.lookup)
+                    stage.reconcile(list(found), found)
+                except OSError as error:
+                    logger.warning("stage %s: looking up %s failed: %s; its replicas stay as they were", name,
+                                   sources.flag, error)  # fmt: skip
+            await stage.close_retired()
 
     async def probe_all(self) -> None:
         """Checks every replica now (the background task does this every `probe_interval_s`)."""
@@ -358,6 +426,7 @@ class StagePool:
     async def _probe_forever(self) -> None:
         while True:
             try:
+                await self.discover()
                 await self.probe_all()
             except Exception:  # a probe must never stop the probing
                 logger.exception("probing the stage replicas failed")

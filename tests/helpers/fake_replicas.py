@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -15,13 +17,22 @@ from stagediff.v1 import stages_pb2, stages_pb2_grpc
 SETTLE_S = 30.0
 
 
+async def eventually(condition: Callable[[], bool], what: str) -> None:
+    """Waits (bounded) for a condition that the background probes make true."""
+    give_up_at = time.monotonic() + SETTLE_S
+    while not condition():
+        assert time.monotonic() < give_up_at, f"never happened: {what}"
+        await asyncio.sleep(0.02)
+
+
 class FakeReplica(stages_pb2_grpc.StageControlServicer, stages_pb2_grpc.TextEncoderServicer):
-    """A stage replica in miniature: health, GetStageInfo, and an Encode that fails with `encode_code`."""
+    """A stage replica in miniature: health, GetStageInfo, and an Encode that fails with `encode_code` (None:
+    answers one empty response)."""
 
     def __init__(self, version: str = "v1") -> None:
         self.version = version
         self.info_calls = 0
-        self.encode_code = grpc.StatusCode.UNAVAILABLE
+        self.encode_code: grpc.StatusCode | None = grpc.StatusCode.UNAVAILABLE
         self.port = 0
         self.server: grpc.aio.Server | None = None
         self.health = health_aio.HealthServicer()
@@ -55,8 +66,9 @@ class FakeReplica(stages_pb2_grpc.StageControlServicer, stages_pb2_grpc.TextEnco
         return stages_pb2.StageInfo(stage="text-encoder", model="fake", version=self.version)
 
     async def Encode(self, request, context):
-        await context.abort(self.encode_code, "refused by the fake replica")
-        yield  # an async generator, like the real servicer
+        if self.encode_code is not None:
+            await context.abort(self.encode_code, "refused by the fake replica")
+        yield stages_pb2.EncodeResponse()
 
 
 @contextlib.asynccontextmanager

@@ -104,8 +104,8 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A CA, a server certificate for 127.0.0.1 and localhost, and a client certificate, all signed by the CA;
-    and another CA (other-ca.pem) that signed none of them."""
+    """A CA, a server certificate for 127.0.0.1 and localhost, one for the name `dit-pods` alone, and a client
+    certificate, all signed by the CA; and another CA (other-ca.pem) that signed none of them."""
     folder = tmp_path_factory.mktemp("certs")
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
     for ca in ("ca", "other-ca"):
@@ -114,6 +114,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
                  "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=folder)  # fmt: skip
     for name, extensions in (
         ("server", "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n"),
+        ("named", "subjectAltName=DNS:dit-pods\nextendedKeyUsage=serverAuth\n"),
         ("client", "extendedKeyUsage=clientAuth\n"),
     ):
         (folder / f"{name}.ext").write_text(extensions)
@@ -261,6 +262,34 @@ def test_the_stage_pool_reaches_a_tls_stage_only_trusting_its_ca(certs: Path) ->
     for case in ("plaintext", "other ca"):
         for health, detail in results[case]:
             assert health == "NOT_SERVING" and detail.startswith("unreachable: UNAVAILABLE"), (case, detail)
+
+
+def test_a_looked_up_address_is_verified_as_the_name_it_was_found_under(certs: Path) -> None:
+    """`dns:dit-pods:PORT` finds 127.0.0.1, whose stage's certificate names only `dit-pods`: the pool dials the
+    address and checks the certificate against the name; the same address listed as such is refused."""
+
+    async def scenario():
+        async with _tls_stage(server_credentials(certs / "named.pem", certs / "named.key")) as target:
+            port = target.rsplit(":", 1)[1]
+            results = {}
+            for case, flag in (("looked up", f"dns:dit-pods:{port}"), ("listed", target)):
+                pool = StagePool(
+                    {"interp": flag},
+                    secret=SECRET,
+                    credentials=channel_credentials(certs / "ca.pem"),
+                    lookup=lambda name, port: ["127.0.0.1"] if name == "dit-pods" else [],
+                )
+                try:
+                    await pool.discover()
+                    await asyncio.wait_for(pool.probe_all(), timeout=30)
+                    results[case] = [(replica.endpoint, replica.health) for _, replica in pool.replicas()]
+                finally:
+                    await pool.close()
+            return results
+
+    results = run(scenario)
+    assert results["looked up"] == [(f"127.0.0.1:{results['listed'][0][0].rsplit(':', 1)[1]}", "SERVING")]
+    assert results["listed"][0][1] == "NOT_SERVING"
 
 
 def test_mutual_tls_stages_answer_only_the_orchestrators_certificate(certs: Path) -> None:

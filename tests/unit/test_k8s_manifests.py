@@ -286,7 +286,14 @@ def test_orchestrator_state_tenants_and_metrics() -> None:
 
 
 def _serves(objects: list[dict[str, Any]], host: str, port: int) -> str:
-    """The stage behind HOST:PORT: a Service, or a pod of a StatefulSet by its headless Service."""
+    """The stage behind HOST:PORT: a Service, a pod of a StatefulSet by its headless Service, or (`dns:NAME`)
+    every ready pod of a headless Service, looked up again every probe interval."""
+    if host.startswith("dns:"):
+        service = _one(objects, "Service", host.removeprefix("dns:"))
+        assert service["spec"].get("clusterIP") == "None", f"{host}: one address per pod needs a headless Service"
+        assert not service["spec"].get("publishNotReadyAddresses"), f"{host}: list only the pods that are ready"
+        assert port in {p["port"] for p in service["spec"]["ports"]}, f"{host}:{port}: no such Service port"
+        return str(service["spec"]["selector"]["app.kubernetes.io/component"])
     pod_name, _, service_name = host.partition(".")
     service = _one(objects, "Service", service_name or pod_name)
     assert port in {p["port"] for p in service["spec"]["ports"]}, f"{host}:{port}: no such Service port"
@@ -313,9 +320,8 @@ def test_orchestrator_reaches_every_stage(component: str | None, objects: list[d
             host, _, port = endpoint.rpartition(":")
             assert int(port) == ports[stage], endpoint
             assert _serves(everything, host, int(port)) == stage, endpoint
-    if component == "dit-replicas":
-        statefulset = _one(REPLICAS, "StatefulSet", "dit")
-        assert len(orchestrator.dit.split(",")) == statefulset["spec"]["replicas"], "list every DiT replica"
+    if component == "dit-replicas":  # every ready replica, however many the StatefulSet has
+        assert orchestrator.dit == "dns:dit-pods:50062"
     if component == "dit-multinode":
         assert orchestrator.dit == "dit-group-0.dit-group:50062", "a multi-node group is served by its node 0"
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import time
-from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -26,15 +24,7 @@ from stagediff.local.compose import with_replicas
 from stagediff.local.supervisor import LocalCluster
 from stagediff.tensor_codec import encode_tensor
 from stagediff.v1 import generation_pb2, stages_pb2
-from tests.helpers.fake_replicas import SETTLE_S, replicas
-
-
-async def eventually(condition: Callable[[], bool], what: str) -> None:
-    """Waits (bounded) for a condition that the background probes make true."""
-    give_up_at = time.monotonic() + SETTLE_S
-    while not condition():
-        assert time.monotonic() < give_up_at, f"never happened: {what}"
-        await asyncio.sleep(0.02)
+from tests.helpers.fake_replicas import SETTLE_S, eventually, replicas
 
 
 async def probe(stage: Stage) -> None:
