@@ -103,6 +103,13 @@ class OrchestratorMetrics:
             buckets=CALL_LATENCY_BUCKETS,
             registry=r,
         )
+        self.model_stage_latency = Histogram(
+            PREFIX + "model_stage_call_latency_seconds",
+            "Duration of the orchestrator's calls to a stage for one model, whatever their outcome and replica.",
+            ["model", "stage"],
+            buckets=CALL_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.stage_calls = Counter(
             PREFIX + "stage_calls",
             "Calls to a stage replica, by gRPC status.",
@@ -164,7 +171,7 @@ class OrchestratorMetrics:
     # -------------------------------------------------------------- stages --
 
     @contextlib.contextmanager
-    def time_stage_call(self, stage: str, replica: str) -> Iterator[None]:
+    def time_stage_call(self, stage: str, replica: str, model: str = "") -> Iterator[None]:
         """Times a stage call made inside the block, and counts it by the status it ended with.
 
         The status comes from the exception leaving the block (an AioRpcError, a
@@ -178,7 +185,10 @@ class OrchestratorMetrics:
             error = raised
             raise
         finally:
-            self.observe_stage_call(stage, replica, time.perf_counter() - started, status_of(error))
+            seconds = time.perf_counter() - started
+            self.observe_stage_call(stage, replica, seconds, status_of(error))
+            if model:  # one of the served models (routes.py bounds them)
+                self.model_stage_latency.labels(model, stage).observe(seconds)
 
     def observe_stage_call(self, stage: str, replica: str, seconds: float, code: grpc.StatusCode) -> None:
         self.stage_call_latency.labels(stage, replica).observe(seconds)

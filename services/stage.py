@@ -22,6 +22,7 @@ import grpc
 import torch
 
 from services.checkpoint import CheckpointSpec
+from services.component_identity import StageIdentity
 from stagediff import __version__
 from stagediff.tensor_codec import WireError
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
@@ -66,10 +67,20 @@ _DONE = object()
 class StageRuntime:
     """The stage's identity, its compute thread, and its info for GetStageInfo."""
 
-    def __init__(self, stage: str, spec: CheckpointSpec | None, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        stage: str,
+        spec: CheckpointSpec | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        identity: StageIdentity | None = None,
+    ) -> None:
         self.stage = stage
         # None for a stage started without a checkpoint (one that does not read it: the interpolator).
         self.spec = spec
+        # The components held and the models served (services/component_identity.py); by default, the checkpoint's
+        # model alone, its components not reported.
+        self.identity = identity or StageIdentity({}, {}, (spec.model_id,) if spec is not None else ())
         self.device = device
         self.dtype = dtype
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage}-compute")
@@ -127,11 +138,22 @@ class StageRuntime:
             limits=limits,
             version=__version__,
             weights_path=self.weights_path,
+            components=self.identity.components,
+            model_components=self.identity.model_components,
+            models=self.served_models,
         )
 
+    @property
+    def served_models(self) -> list[str]:
+        """Every model id a call may name: the served one first, then the other checkpoints'."""
+        return list(dict.fromkeys([self.model_id, *self.identity.models[1:]])) if self.model_id else []
+
     def check_model(self, requested: str) -> None:
-        if requested and requested != self.model_id:
-            raise RequestError(f"model: '{requested}' is not served by this stage; it serves '{self.model_id}'")
+        served = self.served_models
+        if requested and requested not in served:
+            raise RequestError(
+                f"model: '{requested}' is not served by this stage; it serves {', '.join(map(repr, served))}"
+            )
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs blocking compute on the stage's thread, in the caller's context (its log fields and trace)."""

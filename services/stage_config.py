@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from services.checkpoint import CheckpointSpec, read_checkpoint
+from services.component_identity import IdentityError, Served, StageIdentity, identify_stage
 from services.server import DEFAULT_GRACE_SECONDS
 from services.server_config import ServerConfig
 
@@ -42,6 +43,9 @@ class StageConfig:
     """The gRPC server: address, limits, credentials, logging and metrics."""
     drain_grace_s: float = DEFAULT_GRACE_SECONDS
     """How long the calls in flight may run on after SIGTERM (--drain-grace, 0 to MAX_DRAIN_GRACE_S)."""
+    identity: StageIdentity = StageIdentity({}, {}, ())
+    """The components the stage holds and the models it serves (--model, then each --also-serve, whose
+    components for this stage are checked to be the same files), as StageInfo reports them."""
 
     def __post_init__(self) -> None:
         if self.num_weight_load_threads < 1:
@@ -68,6 +72,17 @@ class StageConfig:
         already read it, so that it is read once."""
         if checkpoint is None and args.model is not None:
             checkpoint = read_checkpoint(args.model, args.model_name)
+        also = [read_checkpoint(path) for path in getattr(args, "also_serve", None) or []]
+        if also and checkpoint is None:
+            raise ValueError("--also-serve: give --model too; it names the checkpoint whose weights are loaded")
+        served = [Served(spec.model_id, spec.path, spec.traits) for spec in ([checkpoint] if checkpoint else []) + also]
+        ids = [item.model_id for item in served]
+        if len(set(ids)) < len(ids):
+            raise ValueError(f"--also-serve: the model ids {', '.join(ids)} repeat one; each checkpoint serves one id")
+        try:
+            identity = identify_stage(stage, served) if served else StageIdentity({}, {}, ())
+        except IdentityError as error:
+            raise ValueError(str(error)) from None
         return cls(
             stage=stage,
             checkpoint=checkpoint,
@@ -78,6 +93,7 @@ class StageConfig:
             multithread_weight_load=not args.disable_multithread_weight_load,
             server=ServerConfig.from_options(args),
             drain_grace_s=args.drain_grace,
+            identity=identity,
         )
 
     @classmethod

@@ -83,7 +83,14 @@ def run_stage(config: StageConfig, make_servicer: Callable[[StageRuntime], Stage
     """Starts a stage: bind the port, answer NOT_SERVING while loading, then serve until SIGTERM."""
     configure_tracing(f"stagediff-{config.stage}")
     device, dtype = prepare_stage_process(config)
-    runtime = StageRuntime(config.stage, config.checkpoint, device, dtype)
+    runtime = StageRuntime(config.stage, config.checkpoint, device, dtype, config.identity)
+    if len(config.identity.models) > 1:
+        logger.info(
+            "one %s for the models %s: their %s are the same files",
+            config.stage,
+            ", ".join(config.identity.models),
+            ", ".join(f"{name} ({identity[:19]})" for name, identity in config.identity.components.items()),
+        )
     runtime.load_threads = config.load_threads
     server = config.server
     interceptors = _secret_interceptors(config.stage, server.cluster_secret_file, insecure=server.insecure)

@@ -74,6 +74,15 @@ def add_stage_kind_arguments(parser: argparse.ArgumentParser, stage: str) -> Non
     add_stage_arguments(
         parser, kind.default_port, reads_checkpoint=kind.reads_checkpoint, drain_grace_s=kind.drain_grace_s
     )
+    if kind.shares_components:
+        parser.add_argument(
+            "--also-serve",
+            action="append",
+            default=[],
+            metavar="DIR",
+            help=f"another checkpoint directory whose {stage} components are the same files as --model's: this "
+            "replica serves its model too, with the weights loaded once (repeatable)",
+        )
 
 
 def stage_parser(stage: str) -> OptionParser:

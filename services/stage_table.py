@@ -28,6 +28,9 @@ class StageKind:
     # How long its calls in flight may run on after SIGTERM (--drain-grace): its longest call at real size,
     # so that an upgrade or a scale-in finishes the work instead of redoing it on another replica.
     drain_grace_s: float
+    # Whether one replica may serve several models whose checkpoints hold the same files for it
+    # (`--also-serve DIR`: services/component_identity.py); the DiT and the interpolator serve one.
+    shares_components: bool = False
 
 
 STAGES: dict[str, StageKind] = {
@@ -41,6 +44,7 @@ STAGES: dict[str, StageKind] = {
             reads_checkpoint=True,
             summary="prompts -> the embeddings the DiT takes",
             drain_grace_s=30.0,
+            shares_components=True,
         ),
         StageKind(
             name="dit",
@@ -59,6 +63,7 @@ STAGES: dict[str, StageKind] = {
             reads_checkpoint=True,
             summary="latent frames -> uint8 frames",
             drain_grace_s=120.0,
+            shares_components=True,
         ),
         StageKind(
             name="interp",

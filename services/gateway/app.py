@@ -111,6 +111,8 @@ def create_app(
                     "default_size": f"{model.limits.default_width}x{model.limits.default_height}",
                     "default_num_frames": model.limits.default_num_frames,
                     "default_fps": model.limits.default_fps,
+                    # Replicas serving the model at each stage of its chain now (0: it waits for one).
+                    "serving_replicas": dict(model.serving_replicas),
                 }
                 for model in models
             ],

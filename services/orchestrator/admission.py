@@ -11,7 +11,9 @@ retry later) while the state volume has less than `min_free` space left.
 
 A tenant's limits are its quotas in the tenants file, else the orchestrator's
 defaults; a tenant no longer in the file (its jobs are still stored) gets the
-defaults. A job never holds its input images' bytes (`without_image_bytes`).
+defaults. Its queue limits in the scheduler (`queue_limits`) are its quotas'
+max_queued_jobs and max_running_jobs, and those of its model_quotas per model.
+A job never holds its input images' bytes (`without_image_bytes`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from services.orchestrator.scheduler import AdmissionRefused, FairScheduler
+from services.orchestrator.scheduler import AdmissionRefused, FairScheduler, JobLimits, TenantLimits
 from services.orchestrator.store import JobStore, MinFree, StoreFull
 from services.orchestrator.tenants import LimitExceeded, Tenant, output_frames
 from stagediff.v1 import generation_pb2
@@ -34,6 +36,20 @@ DISK_FULL_RETRY_AFTER_S = 60.0
 class StorageRefused(AdmissionRefused):
     """A job refused for space: the state volume is nearly full (scope "disk"), or its tenant's running and
     queued jobs already hold its max_stored_bytes (scope "storage"). RESOURCE_EXHAUSTED with a retry-after."""
+
+
+def queue_limits(tenant: Tenant | None) -> TenantLimits:
+    """The scheduler's limits for a tenant's jobs (none for a tenant no longer in the file): its max_queued_jobs
+    and max_running_jobs over all its jobs, and on each model those its model_quotas set there."""
+    if tenant is None:
+        return TenantLimits()
+    per_model = {
+        model: JobLimits(max_queued=quotas.max_queued_jobs, max_running=quotas.max_running_jobs)
+        for model, quotas in tenant.model_quotas.items()
+        if quotas.max_queued_jobs is not None or quotas.max_running_jobs is not None
+    }
+    quotas = tenant.quotas
+    return TenantLimits(max_queued=quotas.max_queued_jobs, max_running=quotas.max_running_jobs, per_model=per_model)
 
 
 def result_shape(request: generation_pb2.GenerateRequest) -> tuple[int, int, int, int]:

@@ -17,7 +17,7 @@ Nothing here imports torch: the orchestrator relays bytes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from families.base import Family
@@ -78,7 +78,17 @@ def missing_stages(deployed: Collection[str], dit_info: stages_pb2.StageInfo | N
     return [stage for stage in family.required_stages() if stage not in deployed]
 
 
-def chain_problem(deployed: Collection[str], dit_info: stages_pb2.StageInfo | None) -> str | None:
+def chain_problem(deployed: Collection[str], dit_infos: Sequence[stages_pb2.StageInfo]) -> str | None:
+    """Why this deployment cannot serve one of the DiTs' models (a stage of its chain has no endpoint), or None."""
+    answered: Sequence[stages_pb2.StageInfo | None] = dit_infos or [None]  # none: no DiT has answered yet
+    for info in answered:
+        problem = model_problem(deployed, info)
+        if problem is not None:
+            return problem
+    return None
+
+
+def model_problem(deployed: Collection[str], dit_info: stages_pb2.StageInfo | None) -> str | None:
     """Why this deployment cannot serve the DiT's model (a stage of its chain has no endpoint), or None.
 
     None also while the DiT has not answered yet: its family, and so its chain, is not known.

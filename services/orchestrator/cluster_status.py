@@ -13,9 +13,12 @@ from stagediff import __version__
 from stagediff.v1 import generation_pb2, stages_pb2
 
 
-def cluster_status(pool: StagePool, dit_info: stages_pb2.StageInfo | None) -> generation_pb2.ClusterInfo:
-    """The ClusterInfo of `pool`; `dit_info` (the DiT's StageInfo, None before it answered) names the chain."""
-    missing = missing_stages(pool.stages, dit_info)
+def cluster_status(pool: StagePool) -> generation_pb2.ClusterInfo:
+    """The ClusterInfo of `pool`; the chains of the models its DiT replicas serve name the stages needed."""
+    routes = pool.routes.models().values()
+    missing = {
+        stage for info in [None, *(route.info for route in routes)] for stage in missing_stages(pool.stages, info)
+    }
     stages = []
     for name in STAGE_ORDER:
         stage = pool.stages.get(name)

@@ -32,13 +32,13 @@ from opentelemetry import context as otel_context
 
 from services.encoding import output_format
 from services.metrics import OrchestratorMetrics
-from services.orchestrator.admission import StorageLimits, result_bytes, without_image_bytes
+from services.orchestrator.admission import StorageLimits, queue_limits, result_bytes, without_image_bytes
 from services.orchestrator.blobs.protocol import PresignsDownloads
 from services.orchestrator.dispatch import MOVED, Dispatcher, RunJob
 from services.orchestrator.job import Job, JobState, JobTable
 from services.orchestrator.pruning import Pruner
 from services.orchestrator.recovery import Recovery, RestoreJob
-from services.orchestrator.scheduler import FairScheduler, TenantLimits
+from services.orchestrator.scheduler import FairScheduler
 from services.orchestrator.store import (
     InvalidTransition,
     JobRecord,
@@ -128,8 +128,9 @@ class JobManager:
     ) -> tuple[Job, bool]:
         """Queues a job for `tenant`; returns (job, created). A known request_id returns its job instead.
 
-        `deadline` is event-loop time. Raises AdmissionRefused (with a retry-after) when the queue or the
-        tenant's share of it is full, StorageRefused when there is no room to store the result, and
+        `deadline` is event-loop time. The job is for `request.model` (filled in: its tenant's limits on that
+        model apply). Raises AdmissionRefused (with a retry-after) when the queue, the tenant's share of it or its
+        share on the model is full, StorageRefused when there is no room to store the result, and
         LimitExceeded when the result alone is larger than the tenant's max_stored_bytes.
         """
         existing = await self.find_request(tenant.name, request.request_id)
@@ -187,14 +188,9 @@ class JobManager:
         saved: SavedImages | None,
     ) -> Job:
         """Queues the job, stores it and remembers it (the caller holds the dispatch lock)."""
-        quotas = tenant.quotas
         try:
             self.scheduler.admit(
-                job_id,
-                tenant.name,
-                tenant.priority,
-                tenant.weight,
-                TenantLimits(max_queued=quotas.max_queued_jobs, max_running=quotas.max_running_jobs),
+                job_id, tenant.name, tenant.priority, tenant.weight, queue_limits(tenant), model=request.model
             )
         except BaseException:
             if saved is not None:

@@ -30,17 +30,17 @@ from typing import Any
 
 import grpc
 
-from families.base import Family
 from services.encoding import RAW, output_format
 from services.metrics import OrchestratorMetrics
 from services.orchestrator import kept_outputs
 from services.orchestrator.admission import result_shape
 from services.orchestrator.cache_namespace import cache_namespace_key
-from services.orchestrator.chain import served_family, stages_for
+from services.orchestrator.chain import stages_for
 from services.orchestrator.dispatch import MOVED, store_failure
 from services.orchestrator.encoded_results import EncodedResult, EncodingError
 from services.orchestrator.job import Job, JobState
 from services.orchestrator.result_publisher import ResultPublisher
+from services.orchestrator.routes import ModelRoute, accept_any
 from services.orchestrator.stage_calls import END, VAE_ENCODE, StageCalls
 from services.orchestrator.stage_clients import StageError, StagePool
 from services.orchestrator.store import InvalidTransition, JobStore, LeaseLost, StoreError
@@ -210,15 +210,15 @@ class Pipeline:
             return False
         return True
 
-    def _family(self) -> Family:
-        """The served family, as the DiT says; its chain is what a job runs through."""
-        dit = self.stages["dit"]
-        family = served_family(dit.info)
-        if family is None:
+    def _route(self, job: Job) -> ModelRoute:
+        """The job's model's route (routes.py): its family's chain, and which replicas serve it at each stage."""
+        route = self.stages.routes.get(job.request.model)
+        if route is None:
+            dit = self.stages["dit"]
             raise StageError(
-                "dit", dit.endpoint, grpc.StatusCode.UNAVAILABLE, "no replica has said which model it serves yet"
+                "dit", dit.endpoint, grpc.StatusCode.UNAVAILABLE, f"no replica has served model '{job.request.model}'"
             )
-        return family
+        return route
 
     async def _run_with_retries(self, job: Job) -> None:
         attempt = 0
@@ -234,7 +234,9 @@ class Pipeline:
             if not isinstance(error, StageError) or error.code != grpc.StatusCode.UNAVAILABLE:
                 raise error
             stage = self.stages[error.stage]
-            others = [replica for replica in stage.serving() if replica.endpoint != error.endpoint]
+            route = self.stages.routes.get(job.request.model)
+            serving = stage.serving(route.accepts(stage.name) if route is not None else accept_any)
+            others = [replica for replica in serving if replica.endpoint != error.endpoint]
             if others and failovers.get(stage.name, 0) < len(stage.replicas):
                 failovers[stage.name] = failovers.get(stage.name, 0) + 1
                 if self.metrics is not None:
@@ -251,7 +253,8 @@ class Pipeline:
 
     async def _run_once(self, job: Job) -> None:
         request = job.request
-        family = self._family()
+        route = self._route(job)
+        family = route.family
         stages = stages_for(family, request)
         job.chain = tuple(stages)
         job.fps_out = request.fps * (2**request.interpolation.exp if "interp" in stages else 1)
@@ -260,9 +263,9 @@ class Pipeline:
         encode_images = bool(request.images) and "vae" in family.images.encoded_by
         async with asyncio.TaskGroup() as group:
             if "text-encoder" not in outputs:
-                group.create_task(self.calls.encode(job, family))
+                group.create_task(self.calls.encode(job, route))
             if encode_images and VAE_ENCODE not in outputs:
-                group.create_task(self.calls.encode_images(job, family))
+                group.create_task(self.calls.encode_images(job, route))
         if request.images and self.store is not None:
             # The conditioning is kept: a retry or a restart resumes from it, never from the images again.
             await asyncio.to_thread(self.store.drop_input_images, job.job_id)
@@ -282,13 +285,14 @@ class Pipeline:
                         outbox.put_nowait(chunk)
                     outbox.put_nowait(END)
                 else:
-                    group.create_task(self._relay(job, stage, inbox, outbox, publisher))
+                    group.create_task(self._relay(job, route, stage, inbox, outbox, publisher))
                 if outbox is not None:  # None after the last stage only
                     inbox = outbox
 
     async def _relay(
         self,
         job: Job,
+        route: ModelRoute,
         stage: str,
         inbox: asyncio.Queue,
         outbox: asyncio.Queue | None,
@@ -307,7 +311,7 @@ class Pipeline:
                 await publisher.publish(chunk)
 
         stage_calls = {"dit": self.calls.denoise, "vae": self.calls.decode, "interp": self.calls.interpolate}
-        await stage_calls[stage](job, inbox, emit)
+        await stage_calls[stage](job, route, inbox, emit)
         if outbox is not None:
             outbox.put_nowait(END)  # first, so that the next stage does not wait for the store
         if kept is not None:

@@ -20,9 +20,10 @@ from collections.abc import Callable
 
 import grpc
 
+from services.orchestrator.admission import queue_limits
 from services.orchestrator.dispatch import Dispatcher
 from services.orchestrator.job import Job, JobState, JobTable
-from services.orchestrator.scheduler import FairScheduler, TenantLimits
+from services.orchestrator.scheduler import FairScheduler
 from services.orchestrator.store import JobRecord, JobStore
 from services.orchestrator.tenants import Tenant
 from stagediff.v1 import generation_pb2, tensor_pb2
@@ -35,8 +36,9 @@ RestoreJob = Callable[[Job, dict[str, list[tensor_pb2.TensorChunk]]], None]
 
 class Recovery:
     """Queues stored unfinished jobs again: all of them at start-up (or when a replica takes the lead), and one
-    by one those whose owner's lease expired. Jobs go to `scheduler` and `table`, with each tenant's weight and
-    limits as they are in `tenants`; outcomes are recorded through `dispatcher`."""
+    by one those whose owner's lease expired. Jobs go to `scheduler` and `table` for the model their stored request
+    names, with each tenant's weight and limits (per model too) as they are in `tenants`; outcomes are recorded
+    through `dispatcher`."""
 
     def __init__(
         self,
@@ -108,11 +110,16 @@ class Recovery:
         if record.deadline_at is not None:
             job.deadline = asyncio.get_running_loop().time() + (record.deadline_at - time.time())
         tenant = self.tenants.get(record.tenant)
-        weight, limits = 1.0, None
-        if tenant is not None:
-            weight = tenant.weight
-            limits = TenantLimits(tenant.quotas.max_queued_jobs, tenant.quotas.max_running_jobs)
-        self.scheduler.admit(job.job_id, record.tenant, record.priority, weight, limits, check_limits=False)
+        weight = tenant.weight if tenant is not None else 1.0
+        self.scheduler.admit(
+            job.job_id,
+            record.tenant,
+            record.priority,
+            weight,
+            queue_limits(tenant),
+            model=job.request.model,
+            check_limits=False,
+        )
         self.table.remember(job)
         job.events.append(
             generation_pb2.GenerateEvent(

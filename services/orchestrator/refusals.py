@@ -18,7 +18,7 @@ from services.orchestrator.chain import StageNotDeployed
 from services.orchestrator.lora_access import LoraNotAllowed, LoraNotFound
 from services.orchestrator.scheduler import AdmissionRefused
 from services.orchestrator.store_errors import StoreError, StoreUnavailable
-from services.orchestrator.tenants import LimitExceeded, RateLimited
+from services.orchestrator.tenants import LimitExceeded, ModelNotAllowed, RateLimited
 from stagediff.status_details import abort_with_retry
 from stagekit.errors import RequestError
 
@@ -38,6 +38,7 @@ REFUSABLE: tuple[type[Exception], ...] = (
     RateLimited,
     AdmissionRefused,
     LimitExceeded,
+    ModelNotAllowed,
     LoraNotFound,
     LoraNotAllowed,
     RequestError,
@@ -66,7 +67,7 @@ def refusal_for(error: Exception) -> Refusal:
         return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, error.message, error.retry_after, drops_uploads=False)
     if isinstance(error, AdmissionRefused):
         return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), error.retry_after_s, drops_uploads=False)
-    if isinstance(error, LimitExceeded | LoraNotFound | LoraNotAllowed):
+    if isinstance(error, LimitExceeded | ModelNotAllowed | LoraNotFound | LoraNotAllowed):
         return Refusal(error.code, error.message)
     if isinstance(error, RequestError):
         return Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(error))

@@ -23,7 +23,7 @@ from services.images import ImageInfo
 from services.metrics import OrchestratorMetrics
 from services.orchestrator import request_defaults
 from services.orchestrator.adapter_rate import AdapterRate
-from services.orchestrator.chain import StageNotDeployed, chain_problem, served_family
+from services.orchestrator.chain import StageNotDeployed, chain_problem
 from services.orchestrator.cluster_status import cluster_status
 from services.orchestrator.error_redaction import for_tenant, job_for_tenant
 from services.orchestrator.followers import JobFollowers, TooManyWatchers
@@ -37,7 +37,6 @@ from services.orchestrator.placement import Placement
 from services.orchestrator.refusals import (
     REFUSABLE,
     ClusterNotReady,
-    ModelNotFound,
     Refusal,
     abort_store_unavailable,
     refusal_for,
@@ -48,7 +47,7 @@ from services.orchestrator.stage_clients import StagePool
 from services.orchestrator.store.jobstore import DEFAULT_LEASE_TTL_S
 from services.orchestrator.store_errors import ResultGone, StoreError, StoreUnavailable
 from services.orchestrator.tenant_auth import current_tenant
-from services.orchestrator.tenants import TenantRegistry
+from services.orchestrator.tenants import TenantRegistry, visible_models
 from stagediff.protocol import JOB_FAILED_METADATA_KEY
 from stagediff.status_details import abort_with_retry
 from stagediff.v1 import generation_pb2, generation_pb2_grpc, image_pb2, stages_pb2
@@ -131,18 +130,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         stage = self.stages.stages.get(name)
         return stage.info if stage is not None else None
 
-    def chain_problem(self) -> str | None:
-        """Why the served model's chain cannot run here (a stage without endpoints), or None."""
-        return chain_problem(self.stages.stages, self._stage_info("dit"))
+    def chain_problem(self, model: str = "") -> str | None:
+        """Why a served model's chain (`model`'s, or any one's) cannot run here (a stage without endpoints, a
+        family this build does not know), or None."""
+        dit = self.stages.stages.get("dit")
+        infos = [replica.info for replica in dit.replicas if replica.info is not None] if dit is not None else []
+        return chain_problem(self.stages.stages, [info for info in infos if info.model == model or not model])
 
     def _models(self) -> dict[str, stages_pb2.StageInfo]:
-        info = self._stage_info("dit")
-        return {info.model: info} if info is not None else {}
+        """The served models (routes.py) and the StageInfo of a DiT replica of each."""
+        return {model: route.info for model, route in self.stages.routes.models().items()}
 
     async def _probe_images(self, request: generation_pb2.GenerateRequest) -> list[ImageInfo] | None:
         """The headers of the request's images, read on the image workers once their count and bytes are
         within the model's limits; None when the request names no served model (complete_request says so)."""
-        info = self._models().get(request.model or next(iter(self._models()), ""))
+        models = self._models()
+        info = models.get(request.model or self.stages.routes.default(visible_models(current_tenant(), models)))
         if info is None or not request.images or not self.ready.is_set():
             return None
         check_image_budget(request.images, info.limits)
@@ -156,7 +159,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """Validates a request and fills in every default (request_defaults.py); raises RequestError,
         ModelNotFound, StageNotDeployed or ClusterNotReady. `probed` is what `_probe_images` read of the
         request's images."""
-        problem = self.chain_problem()
+        problem = self.chain_problem(request.model)
         if problem is not None:
             raise StageNotDeployed(problem)
         if not self.ready.is_set():
@@ -166,28 +169,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if waiting
                 else "the cluster is starting; the jobs accepted before a restart are being queued again"
             )
-        models = self._models()
-        model = request.model or next(iter(models))
-        if model not in models:
-            raise ModelNotFound(f"model '{model}' is not served here; available: {', '.join(models)}")
-        family = served_family(models[model])
-        # models holds only the StageInfo of a DiT that answered, so the family is known.
-        assert family is not None
+        route = self.stages.routes.resolve(request.model, visible_models(current_tenant(), self._models()))
         limits = stages_pb2.ModelLimits()
-        limits.CopyFrom(models[model].limits)
-        # A patch-parallel VAE needs enough rows for its ranks: the larger minimum wins.
-        vae = self._stage_info("vae")
-        if vae is not None and vae.limits.min_height > limits.min_height:
-            limits.min_height = vae.limits.min_height
+        limits.CopyFrom(route.info.limits)
+        # A patch-parallel VAE needs enough rows for its ranks: the larger minimum of those serving the model wins.
+        vae = self.stages.stages.get("vae")
+        vae_info = vae.info_for(route.accepts("vae", "decode")) if vae is not None else None
+        if vae_info is not None and vae_info.limits.min_height > limits.min_height:
+            limits.min_height = vae_info.limits.min_height
         return request_defaults.complete_request(
-            request, model, limits, family, self.stages.stages, self._stage_info("interp"), probed
+            request, route.model, limits, route.family, self.stages.stages, self._stage_info("interp"), probed
         )
 
     def _model_label(self, model: str) -> str:
         """`model` as a metric label: a served model id, or a fixed value for anything else."""
         models = self._models()
-        if not model and len(models) == 1:
-            return next(iter(models))
+        if not model:
+            return self.stages.routes.default(list(models)) or UNKNOWN_MODEL_LABEL
         return model if model in models else UNKNOWN_MODEL_LABEL
 
     async def _refuse(self, context: grpc.aio.ServicerContext, tenant: str, model: str, refusal: Refusal) -> None:
@@ -216,11 +214,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         full: generation_pb2.GenerateRequest | None = None
         try:
             self.tenants.check_rate(tenant)
+            if request.model:  # before anything else is said of the model, so that a forbidden one stays unknown
+                self.tenants.check_model(tenant, request.model)
             request = await self.uploads.resolve(tenant.name, request)
             if request.images:  # they count in the tenant's stored bytes before a byte of them is parsed
                 await self.jobs.check_stored_bytes(tenant, sum(len(image.data) for image in request.images))
             full = self.complete_request(request, await self._probe_images(request))
             model = full.model
+            self.tenants.check_model(tenant, model)
             if full.images:
                 # Decoding proves the images whole (a truncated file is refused here, not by a stage later).
                 limits = self._models()[full.model].limits
@@ -429,13 +430,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> generation_pb2.ListModelsResponse:
         tenant = current_tenant()
         models = []
-        for model, info in self._models().items():
+        routes = self.stages.routes.models()
+        for model in visible_models(tenant, routes):
+            route = routes[model]
+            info = route.info
             limits = stages_pb2.ModelLimits()
             limits.CopyFrom(info.limits)
             # Each tenant sees the adapters it may use, never another tenant's.
             del limits.loras[:]
             limits.loras.extend(visible(tenant, info.limits.loras))
-            models.append(generation_pb2.ModelDescription(id=model, family=info.family, limits=limits))
+            models.append(
+                generation_pb2.ModelDescription(
+                    id=model,
+                    family=info.family,
+                    limits=limits,
+                    serving_replicas={
+                        stage: len(self.stages[stage].serving(route.accepts(stage)))
+                        for stage in route.family.chain
+                        if stage in self.stages.stages
+                    },
+                )
+            )
         return generation_pb2.ListModelsResponse(models=models)
 
     async def UploadImage(
@@ -482,4 +497,4 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"GetClusterInfo: tenant '{tenant.name}' is not an admin tenant (admin: true in the tenants file)",
             )
-        return cluster_status(self.stages, self._stage_info("dit"))
+        return cluster_status(self.stages)

@@ -30,6 +30,7 @@ from services.metrics import OrchestratorMetrics
 from services.orchestrator.cache_namespace import tenant_cache_namespace
 from services.orchestrator.job import Job
 from services.orchestrator.kept_outputs import DEFAULT_AFTER_S, PendingWrite
+from services.orchestrator.routes import ModelRoute
 from services.orchestrator.stage_clients import StageError, StagePool
 from services.orchestrator.store import JobStore
 from services.orchestrator.store_retry import store_call
@@ -99,12 +100,6 @@ class StageCalls:
             pending = PendingWrite(write, self.keep_outputs_after_s, name=f"save-{job.job_id}-{stage}")
             job.intermediates.setdefault("saving", []).append(pending)
 
-    def checkpoint_model(self, request: generation_pb2.GenerateRequest) -> str:
-        """The model id the stages besides the DiT serve: the request's, unless the DiT serves the checkpoint with
-        adapters fused in under another id (--lora; its StageInfo.base_model names the checkpoint)."""
-        info = self.stages["dit"].info
-        return info.base_model if info is not None and info.base_model else request.model
-
     def remaining(self, job: Job) -> float | None:
         if job.deadline is None:
             return None
@@ -117,9 +112,9 @@ class StageCalls:
             return list(job.request.images)
         return await asyncio.to_thread(self.store.load_input_images, job.job_id)
 
-    async def encode(self, job: Job, family: Family) -> None:
+    async def encode(self, job: Job, route: ModelRoute) -> None:
         """Runs the text encoder to its end: the DiT's conditioning, as the chunks the text encoder sent."""
-        request = job.request
+        request, family = job.request, route.family
         stage = self.stages["text-encoder"]
         texts = [request.prompt]
         if request.guidance_scale > 1.0:
@@ -128,10 +123,10 @@ class StageCalls:
         started = time.perf_counter()
         chunks: list[tensor_pb2.TensorChunk] = []
         images = await self.input_images(job) if "text-encoder" in family.images.encoded_by else []
-        async with stage.call() as replica:
+        async with stage.call(route.accepts("text-encoder", "encode"), route.model) as replica:
             call = replica.text_encoder.Encode(
                 stages_pb2.EncodeRequest(
-                    model=self.checkpoint_model(request),
+                    model=route.model_for(replica.info),
                     texts=texts,
                     cache_namespace=tenant_cache_namespace(self.cache_namespace_key, job.tenant),
                     images=images,
@@ -147,16 +142,16 @@ class StageCalls:
             generation_pb2.GenerateEvent(progress=generation_pb2.StageProgress(stage="text-encoder", step=1, total=1))
         )
 
-    async def encode_images(self, job: Job, family: Family) -> None:
+    async def encode_images(self, job: Job, route: ModelRoute) -> None:
         """Runs the VAE's Encode of the input images to its end: the DiT's image latents."""
-        request = job.request
+        request, family = job.request, route.family
         started = time.perf_counter()
         chunks: list[tensor_pb2.TensorChunk] = []
         images = await self.input_images(job)
-        async with self.stages["vae"].call() as replica:
+        async with self.stages["vae"].call(route.accepts("vae", "encode"), route.model) as replica:
             call = replica.vae.Encode(
                 stages_pb2.VaeEncodeRequest(
-                    model=self.checkpoint_model(request),
+                    model=route.model_for(replica.info),
                     height=request.height,
                     width=request.width,
                     num_frames=request.num_frames,
@@ -174,7 +169,7 @@ class StageCalls:
         """The job's DenoiseParams.batch_group: its tenant's opaque namespace with --batch-per-tenant, else empty."""
         return tenant_cache_namespace(self.cache_namespace_key, job.tenant) if self.batch_per_tenant else b""
 
-    async def denoise(self, job: Job, conditioning: asyncio.Queue, emit: Emit) -> None:
+    async def denoise(self, job: Job, route: ModelRoute, conditioning: asyncio.Queue, emit: Emit) -> None:
         request = job.request
         stage = self.stages["dit"]
 
@@ -202,7 +197,7 @@ class StageCalls:
 
         job.current_stage = "dit"
         started = time.perf_counter()
-        async with stage.call() as replica:
+        async with stage.call(route.accepts("dit"), route.model) as replica:
             async for response in replica.denoiser.Denoise(requests(), timeout=self.remaining(job)):
                 if response.HasField("progress"):
                     progress = response.progress
@@ -221,25 +216,24 @@ class StageCalls:
                     await emit(response.tensor)
         job.timings["dit"] = time.perf_counter() - started
 
-    async def decode(self, job: Job, latents: asyncio.Queue, emit: Emit) -> None:
+    async def decode(self, job: Job, route: ModelRoute, latents: asyncio.Queue, emit: Emit) -> None:
         request = job.request
         stage = self.stages["vae"]
-        temporal = stage.info.limits.temporal_factor if stage.info else 4
-        num_latent_frames = (request.num_frames - 1) // temporal + 1
+        # The DiT's checkpoint and the VAE replica's hold the same VAE, so the DiT's limits say its factor.
+        num_latent_frames = (request.num_frames - 1) // (route.info.limits.temporal_factor or 4) + 1
 
-        async def requests() -> AsyncIterator[stages_pb2.DecodeRequest]:
+        async def requests(model: str) -> AsyncIterator[stages_pb2.DecodeRequest]:
             yield stages_pb2.DecodeRequest(
-                params=stages_pb2.DecodeParams(
-                    model=self.checkpoint_model(request), num_latent_frames=num_latent_frames
-                )
+                params=stages_pb2.DecodeParams(model=model, num_latent_frames=num_latent_frames)
             )
             while (chunk := await latents.get()) is not END:
                 yield stages_pb2.DecodeRequest(tensor=chunk)
 
         started = None
         decoded = 0
-        async with stage.call() as replica:
-            async for response in replica.vae.Decode(requests(), timeout=self.remaining(job)):
+        async with stage.call(route.accepts("vae", "decode"), route.model) as replica:
+            call = replica.vae.Decode(requests(route.model_for(replica.info)), timeout=self.remaining(job))
+            async for response in call:
                 if started is None:
                     started = time.perf_counter()
                     job.current_stage = "vae"
@@ -253,7 +247,7 @@ class StageCalls:
                     )
         job.timings["vae"] = time.perf_counter() - (started or time.perf_counter())
 
-    async def interpolate(self, job: Job, frames: asyncio.Queue, emit: Emit) -> None:
+    async def interpolate(self, job: Job, route: ModelRoute, frames: asyncio.Queue, emit: Emit) -> None:
         request = job.request
         stage = self.stages["interp"]
         total = (request.num_frames - 1) * 2**request.interpolation.exp + 1
@@ -271,7 +265,7 @@ class StageCalls:
 
         started = None
         sent = 0
-        async with stage.call() as replica:
+        async with stage.call(route.accepts("interp"), route.model) as replica:
             async for response in replica.interpolator.Interpolate(requests(), timeout=self.remaining(job)):
                 if started is None:
                     started = time.perf_counter()

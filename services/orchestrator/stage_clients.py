@@ -1,10 +1,12 @@
 """Channels to the stages, each a pool of interchangeable replicas, and how failures reach users.
 
 The orchestrator has endpoints for the stage kinds it was given (services/stage_table.py lists every kind);
-which of them a request needs is the served family's chain (services/orchestrator/chain.py).
+which of them a request needs is its model's family's chain (services/orchestrator/chain.py), and which
+replicas of each serve its model is its route (services/orchestrator/routes.py), learned from the DiT replicas
+after every round of probes.
 
-Stages are pure functions of their requests, so any replica of a stage can
-serve any call. A `Stage` picks, for every call, the healthy replica with the
+Stages are pure functions of their requests, so any replica of a stage that serves
+the call's model can take it. A `Stage` picks, for every call, the healthy such replica with the
 fewest calls in flight (ties go round robin), and `StagePool` probes every
 replica's grpc.health.v1 in the background: a replica whose call fails with
 UNAVAILABLE, or whose probe fails, is taken out of rotation at once; it rejoins
@@ -33,6 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.auth import cluster_secret_interceptors
 from services.metrics import OrchestratorMetrics
 from services.orchestrator.discovery import Lookup, StageSources, system_lookup
+from services.orchestrator.routes import Accepts, ModelRoutes, accept_any
 from services.server import GRPC_OPTIONS
 from services.stage_table import STAGES
 from services.tracing import client_interceptors as tracing_client_interceptors
@@ -216,13 +219,22 @@ class Stage:
 
     @property
     def info(self) -> stages_pb2.StageInfo | None:
-        """The StageInfo of a serving replica, else the last one fetched from any (replicas serve the same model)."""
-        known = [replica for replica in self.replicas if replica.info is not None]
+        """The StageInfo of a serving replica, else the last one fetched from any."""
+        return self.info_for(accept_any)
+
+    def info_for(self, accepts: Accepts) -> stages_pb2.StageInfo | None:
+        """The StageInfo of a serving replica that `accepts` takes, else the last one fetched from any it takes."""
+        known = [replica for replica in self.replicas if replica.info is not None and accepts(replica.info)]
         serving = [replica for replica in known if replica.serving]
         return (serving or known)[0].info if known else None
 
-    def serving(self) -> list[StageClient]:
-        return [replica for replica in self.replicas if replica.serving]
+    def serving(self, accepts: Accepts = accept_any) -> list[StageClient]:
+        """The serving replicas (of those `accepts` takes)."""
+        return [
+            replica
+            for replica in self.replicas
+            if replica.serving and replica.info is not None and accepts(replica.info)
+        ]
 
     @property
     def health(self) -> str:
@@ -240,13 +252,12 @@ class Stage:
             return self.replicas[0].detail
         return "; ".join(f"{replica.endpoint}: {replica.detail}" for replica in self.replicas)
 
-    def pick(self) -> StageClient | None:
-        """The serving replica with the fewest calls in flight; ties go round robin."""
+    def pick(self, accepts: Accepts = accept_any) -> StageClient | None:
+        """The serving replica (of those `accepts` takes) with the fewest calls in flight; ties go round robin."""
         count = len(self.replicas)
+        in_turn = (self.replicas[(self._next + offset) % count] for offset in range(count))
         candidates = [
-            self.replicas[(self._next + offset) % count]
-            for offset in range(count)
-            if self.replicas[(self._next + offset) % count].serving
+            replica for replica in in_turn if replica.serving and replica.info is not None and accepts(replica.info)
         ]
         if not candidates:
             return None
@@ -255,13 +266,14 @@ class Stage:
         return chosen
 
     @contextlib.asynccontextmanager
-    async def acquire(self) -> AsyncIterator[StageClient]:
-        """A replica for one call, counted in flight until the block ends.
+    async def acquire(self, accepts: Accepts = accept_any, model: str = "") -> AsyncIterator[StageClient]:
+        """A replica for one call (one that `accepts` takes: one serving `model`), counted in flight until the
+        block ends.
 
-        When no replica is serving, waits up to `replica_wait_s` for one to come
+        When no such replica is serving, waits up to `replica_wait_s` for one to come
         back (the job's own deadline still applies), then raises UNAVAILABLE.
         """
-        replica = self.pick() or await self._wait_for_replica()
+        replica = self.pick(accepts) or await self._wait_for_replica(accepts, model)
         replica.in_flight += 1
         replica.calls += 1
         try:
@@ -270,11 +282,11 @@ class Stage:
             replica.in_flight -= 1
 
     @contextlib.asynccontextmanager
-    async def call(self) -> AsyncIterator[StageClient]:
+    async def call(self, accepts: Accepts = accept_any, model: str = "") -> AsyncIterator[StageClient]:
         """`acquire`, and a failed call in the block raised as the StageError that `failed` makes of it."""
-        async with self.acquire() as replica:
+        async with self.acquire(accepts, model) as replica:
             timed = (
-                self.metrics.time_stage_call(self.name, replica.endpoint)
+                self.metrics.time_stage_call(self.name, replica.endpoint, model)
                 if self.metrics is not None
                 else contextlib.nullcontext()
             )
@@ -284,19 +296,18 @@ class Stage:
                 except grpc.aio.AioRpcError as error:
                     raise self.failed(replica, error) from None
 
-    async def _wait_for_replica(self) -> StageClient:
+    async def _wait_for_replica(self, accepts: Accepts, model: str) -> StageClient:
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + self.replica_wait_s
         async with self._changed:
-            while (replica := self.pick()) is None:
+            while (replica := self.pick(accepts)) is None:
                 remaining = give_up_at - loop.time()
                 if remaining <= 0:
-                    raise StageError(
-                        self.name,
-                        self.endpoint,
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"no replica came back within {self.replica_wait_s:g} s ({self.detail})",
-                    )
+                    if self.serving() and model:
+                        why = f"no replica serving model '{model}' came back within {self.replica_wait_s:g} s"
+                    else:
+                        why = f"no replica came back within {self.replica_wait_s:g} s ({self.detail})"
+                    raise StageError(self.name, self.endpoint, grpc.StatusCode.UNAVAILABLE, why)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), timeout=remaining)
         return replica
@@ -394,6 +405,8 @@ class StagePool:
         self.lookup = lookup
         self.probe_interval_s = probe_interval_s
         self._prober: asyncio.Task | None = None
+        # Every model a DiT replica has reported, kept when its replicas go (routes.py): its jobs wait for one.
+        self.routes = ModelRoutes()
 
     def __getitem__(self, name: str) -> Stage:
         return self.stages[name]
@@ -416,8 +429,11 @@ class StagePool:
             await stage.close_retired()
 
     async def probe_all(self) -> None:
-        """Checks every replica now (the background task does this every `probe_interval_s`)."""
+        """Checks every replica now (the background task does this every `probe_interval_s`), and learns the
+        models the DiT replicas serve."""
         await asyncio.gather(*(stage.probe(replica) for stage, replica in self.replicas()))
+        if "dit" in self.stages:
+            self.routes.learn(self.stages["dit"].replicas)
 
     def start_probing(self) -> None:
         if self._prober is None:

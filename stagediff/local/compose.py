@@ -97,6 +97,9 @@ class ComposeService:
     gpu_device_ids: list[str]
     container_port: int
     secret_files: list[tuple[str, str]] = field(default_factory=list)  # (secret name, host file)
+    # The compose file's service this one was made from for one of several models (stagediff/local/models.py),
+    # whose options it takes; empty for a service of the file.
+    origin: str = ""
 
     @property
     def is_entry(self) -> bool:
@@ -329,22 +332,23 @@ def replica_groups(services: dict[str, ComposeService]) -> dict[str, list[str]]:
     return groups
 
 
-def for_chain(services: dict[str, ComposeService], family: Family) -> dict[str, ComposeService]:
-    """The services that serve a model of `family`: the stages of its chain (an optional one where the file
+def for_chain(services: dict[str, ComposeService], *families: Family) -> dict[str, ComposeService]:
+    """The services that serve models of `families`: the stages of their chains (an optional one where the file
     has it), the orchestrator, and any service that runs no stage. References to the stages left out go
-    from every command (`--interp interp:50064`) and every depends_on. A stage the chain cannot do without
+    from every command (`--interp interp:50064`) and every depends_on. A stage a chain cannot do without
     and the file lacks is refused, naming it."""
     kinds = {service.stage_kind for service in services.values()}
-    missing = [stage for stage in family.required_stages() if stage not in kinds]
-    if missing:
-        raise ValueError(
-            f"{family.name} runs through the stages {' -> '.join(family.chain)}, but no service of the compose "
-            f"file runs {', '.join(f'`serve {stage}`' for stage in missing)}"
-        )
+    for family in families:
+        missing = [stage for stage in family.required_stages() if stage not in kinds]
+        if missing:
+            raise ValueError(
+                f"{family.name} runs through the stages {' -> '.join(family.chain)}, but no service of the compose "
+                f"file runs {', '.join(f'`serve {stage}`' for stage in missing)}"
+            )
     left_out = {
         name
         for name, service in services.items()
-        if service.stage_kind is not None and not family.uses_stage(service.stage_kind)
+        if service.stage_kind is not None and not any(family.uses_stage(service.stage_kind) for family in families)
     }
     references = {f"{name}:{services[name].container_port}" for name in left_out}
 

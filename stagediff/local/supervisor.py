@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
 import secrets
 import signal
@@ -20,13 +19,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from families.base import Family
-from families.registry import REGISTRY, family_for_index
 from services.launch_id import LAUNCH_ID_ENV
 from stagediff.local.compose import (
     DEFAULT_COMPOSE_FILE,
@@ -52,13 +49,13 @@ from stagediff.local.launch import (
     orchestrator_replicas,
     rewrite_command,
 )
+from stagediff.local.models import MODEL_MOUNT, for_models, local_models
 from stagediff.local.ownership import grpc_ready_as, http_ready_as, startup_problems
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_SECRET_ENV = "STAGEDIFF_CLUSTER_SECRET"  # read by every service (services/auth.py)
 CLUSTER_SECRET_FILE_ENV = "STAGEDIFF_CLUSTER_SECRET_FILE"  # --cluster-secret-file, from the environment
 OPTION_ENV_PREFIX = "STAGEDIFF_"  # every `stagediff serve` option can come from the environment
-MODEL_MOUNT = "/models/model"
 TLS_CERT_ENV = "STAGEDIFF_TLS_CERT"  # --tls-cert, from the environment
 READINESS_PATH = "/readyz"  # the HTTP gateway's: 200 once the orchestrator answers its health check
 LOG_TAIL_LINES = 40
@@ -78,25 +75,6 @@ def readiness_url(service: ComposeService, args: list[str], environment: dict[st
 # ---------------------------------------------------------------------------
 # The cluster
 # ---------------------------------------------------------------------------
-
-
-def checkpoint_family(model_dir: Path) -> Family:
-    """The family of the checkpoint in `model_dir` (its model_index.json), which decides the stages to run."""
-    index_file = model_dir / "model_index.json"
-    try:
-        index = json.loads(index_file.read_text())
-    except OSError as error:
-        raise ValueError(f"--model {model_dir}: {error.strerror or error} reading model_index.json") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"--model {model_dir}: model_index.json is not valid JSON ({error})") from None
-    family = family_for_index(index) if isinstance(index, dict) else None
-    if family is None:
-        pipeline = index.get("_class_name") if isinstance(index, dict) else None
-        raise ValueError(
-            f"--model {model_dir}: model_index.json names the pipeline {pipeline!r}, which this build does not "
-            f"serve; it serves {', '.join(REGISTRY)}"
-        )
-    return family
 
 
 @dataclass
@@ -156,7 +134,7 @@ class LocalCluster:
 
     def __init__(
         self,
-        model_dir: str | os.PathLike[str],
+        model_dir: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         compose_file: str | os.PathLike[str] = DEFAULT_COMPOSE_FILE,
         port: int = 0,
         host: str = "127.0.0.1",
@@ -171,7 +149,9 @@ class LocalCluster:
         orchestrators: int = 1,
     ) -> None:
         """Runs the services of `compose_file` that the chain of the model's family uses (families/): a Wan
-        model runs the interpolator when the file has one, an image model never does.
+        model runs the interpolator when the file has one, an image model never does. Several model directories
+        run behind one orchestrator, a DiT each and the other stages shared where the files are the same
+        (stagediff/local/models.py).
 
         `extra_args` go to the named service, or to every replica when it names a stage;
         `replicas` sets how many processes a stage runs (`{"dit": 2}`). `state_dir` holds the
@@ -181,7 +161,9 @@ class LocalCluster:
         own under `state_dir`, on a free port), which share a job database given in `extra_args["orchestrator"]`
         (`--store postgresql://...`); the gateway is given all of them.
         Every process gets the same cluster secret: $STAGEDIFF_CLUSTER_SECRET, else a new random one."""
-        self.model_dir = Path(model_dir).resolve()
+        dirs = [model_dir] if isinstance(model_dir, str | os.PathLike) else list(model_dir)
+        self.models = local_models([Path(path).resolve() for path in dirs])
+        self.model_dir = self.models[0].path
         self.compose_file = Path(compose_file).resolve()
         self.port = port
         self.http_port = http_port
@@ -192,12 +174,16 @@ class LocalCluster:
         self.env = dict(env or {})
         self.echo_logs = echo_logs
         self.state_dir = Path(state_dir) if state_dir is not None else Path(tempfile.mkdtemp(prefix="stagediff-state-"))
-        self.family = checkpoint_family(self.model_dir)
+        self.family = self.models[0].family
         if orchestrators < 1:
             raise ValueError(f"orchestrators: {orchestrators}; run at least 1")
         self.orchestrators = orchestrators
-        services = for_chain(load_compose(self.compose_file, {**os.environ, **self.env}), self.family)
-        self.compose = with_replicas(services, replicas or {})
+        services = for_chain(
+            load_compose(self.compose_file, {**os.environ, **self.env}), *(model.family for model in self.models)
+        )
+        if len(self.models) > 1 and replicas:
+            raise ValueError("--replicas: with several --model, each stage runs one process per pool of models")
+        self.compose = for_models(with_replicas(services, replicas or {}), self.models)
         self.cluster_secret = (
             _cluster_secret_of(self.compose)
             or self.env.get(CLUSTER_SECRET_ENV)
@@ -205,7 +191,7 @@ class LocalCluster:
             or secrets.token_urlsafe(32)
         )
         self.stage_of = {name: stage for stage, names in replica_groups(self.compose).items() for name in names}
-        unknown = set(self.extra_args) - set(self.compose)
+        unknown = set(self.extra_args) - set(self.compose) - {service.origin for service in self.compose.values()}
         if unknown:
             raise ValueError(
                 f"options for {', '.join(sorted(unknown))}, which this cluster does not run: it runs the services of "
@@ -242,6 +228,8 @@ class LocalCluster:
             stage = self.stage_of.get(name, name)
             if stage != name:
                 args += self.extra_args.get(stage, [])
+            if service.origin and service.origin != name:  # a model's own service, made from the file's
+                args += self.extra_args.get(service.origin, [])
             # Fixed metrics ports of the compose file would collide between local clusters: off unless asked for.
             args = ["0" if index > 0 and args[index - 1] == "--metrics-port" else arg for index, arg in enumerate(args)]
             if service.is_entry:

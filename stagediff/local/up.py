@@ -8,7 +8,9 @@ only once its answer carries the launch id given to that process, so another ser
 it; before anything starts, a taken --port, --http-port or stage port, or a --state-dir that another running
 cluster uses, ends `up` with one line each (exit code 2). `--model DIR` is
 mounted where the compose file mounts the model (/models/model), and decides the stages: those of its family's
-chain (families/). `--orchestrators N` replicas share the job database of `--store` (a PostgreSQL URL, or
+chain (families/). Several `--model` run behind one orchestrator (stagediff/local/models.py): a DiT each, and
+one text encoder and one VAE for the models whose components for them are the same files. `--orchestrators N`
+replicas share the job database of `--store` (a PostgreSQL URL, or
 `local-postgres`: `up` starts a throwaway one) and the blobs of `--blobs` (`local-s3`: a throwaway SeaweedFS).
 
 The stage options `up` takes (FORWARDED_OPTIONS) are declared by the stages themselves: each is found in
@@ -108,7 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Starts the services of a compose file that the model's chain uses as local processes, and "
         "prints 'ready HOST:PORT' once all are SERVING; SIGINT or SIGTERM stops them.",
     )
-    up.add_argument("--model", required=True, help="diffusers checkpoint directory (mounted at /models/model)")
+    up.add_argument(
+        "--model",
+        required=True,
+        action="append",
+        help="diffusers checkpoint directory (mounted at /models/model); repeat it to serve several models behind one "
+        "orchestrator: a DiT each, and one text encoder and VAE for the models whose components are the same files",
+    )
     up.add_argument("--port", type=int, default=DEFAULT_PORT, help="orchestrator port (0: a free port)")
     up.add_argument(
         "--http-port",

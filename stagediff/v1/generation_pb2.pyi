@@ -255,14 +255,23 @@ class ListJobsResponse(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
 
 class ModelDescription(_message.Message):
-    __slots__ = ("id", "family", "limits")
+    __slots__ = ("id", "family", "limits", "serving_replicas")
+    class ServingReplicasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     ID_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     id: str
     family: str
     limits: _stages_pb2.ModelLimits
-    def __init__(self, id: _Optional[str] = ..., family: _Optional[str] = ..., limits: _Optional[_Union[_stages_pb2.ModelLimits, _Mapping]] = ...) -> None: ...
+    serving_replicas: _containers.ScalarMap[str, int]
+    def __init__(self, id: _Optional[str] = ..., family: _Optional[str] = ..., limits: _Optional[_Union[_stages_pb2.ModelLimits, _Mapping]] = ..., serving_replicas: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

@@ -43,6 +43,8 @@ IMAGE_OVERRIDE = DEPLOY / "docker-compose.image.yml"
 COMMON_SERVICES = DEPLOY / "common-services.yml"
 VARIANTS = [GPU_COMPOSE_FILE, SINGLE_GPU_COMPOSE_FILE, CPU_COMPOSE_FILE]
 HA_COMPOSE_FILE = DEPLOY / "docker-compose.ha.yml"
+# Two models behind one orchestrator, a DiT each (tests/unit/test_compose_two_models.py checks its topology).
+TWO_MODELS_COMPOSE_FILE = DEPLOY / "docker-compose.two-models.yml"
 
 
 def _docker_compose() -> str:
@@ -75,7 +77,7 @@ def _resolved(*files: Path) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "files",
     [
-        *((file,) for file in [*VARIANTS, COMMON_SERVICES, HA_COMPOSE_FILE]),
+        *((file,) for file in [*VARIANTS, COMMON_SERVICES, HA_COMPOSE_FILE, TWO_MODELS_COMPOSE_FILE]),
         *((file, IMAGE_OVERRIDE) for file in VARIANTS),
     ],
     ids=lambda files: "+".join(file.name for file in files),
@@ -157,11 +159,13 @@ def test_the_gateway_health_check_command_passes_on_200_only(reply: int | None) 
     assert (result.returncode == 0) == (reply == 200), result.stderr
 
 
-@pytest.mark.parametrize("file", VARIANTS, ids=lambda f: f.name)
+@pytest.mark.parametrize("file", [*VARIANTS, TWO_MODELS_COMPOSE_FILE], ids=lambda f: f.name)
 def test_stagediff_up_reads_a_file_as_docker_compose_does(file: Path) -> None:
     resolved = _resolved(file)
     services = load_compose(file, {})
-    assert list(services) == [*STAGES, "orchestrator", GATEWAY]
+    assert set(services) == set(resolved)
+    if file in VARIANTS:
+        assert list(services) == [*STAGES, "orchestrator", GATEWAY]
     assert [name for name, service in services.items() if service.is_http] == [GATEWAY]
     assert services[GATEWAY].stage_kind is None and services[GATEWAY].container_port == GATEWAY_PORT
     for name, service in services.items():
@@ -172,6 +176,21 @@ def test_stagediff_up_reads_a_file_as_docker_compose_does(file: Path) -> None:
         assert service.gpu_device_ids == [gpu for device in devices for gpu in device["device_ids"]], name
         assert set(service.depends_on) == set(expected.get("depends_on") or {}), name
         assert [secret for secret, _ in service.secret_files] == [s["source"] for s in expected.get("secrets", [])]
+        mounts = [(host, target) for host, target in service.volumes if not target.startswith("/run/secrets/")]
+        assert sorted(mounts) == sorted(_bind_mounts(expected)), name
+
+
+def _bind_mounts(service: dict[str, Any]) -> list[tuple[str, str]]:
+    """(host path, container path) of each bind mount of a service, in either form docker-compose prints."""
+    mounts = []
+    for entry in service.get("volumes") or []:
+        if isinstance(entry, dict):  # {type, source, target[, read_only]}
+            if entry.get("type") == "bind":
+                mounts.append((entry["source"], entry["target"]))
+        elif entry.startswith("/"):  # "HOST:TARGET[:MODE]"; a named volume's source is a name
+            host, target = entry.split(":")[:2]
+            mounts.append((host, target))
+    return mounts
 
 
 def _published(service: dict[str, Any]) -> list[tuple[str, str]]:

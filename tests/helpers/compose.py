@@ -61,3 +61,18 @@ def readyz_server(status: int | None) -> Iterator[int]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def dit_world_size(args: Any) -> int:
+    """The ranks a DiT's parsed parallel flags ask for."""
+    from dit_svc.config import parallel_config
+
+    return parallel_config(
+        ulysses_degree=args.ulysses_degree,
+        ring_degree=args.ring_degree,
+        cfg_parallel_size=args.cfg_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        use_hsdp=args.use_hsdp,
+        hsdp_shard_size=args.hsdp_shard_size,
+        hsdp_replicate_size=args.hsdp_replicate_size,
+    ).total_ranks

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 
@@ -13,6 +14,7 @@ from services.metrics import OrchestratorMetrics
 from services.orchestrator.job import JobState
 from services.orchestrator.jobs import JobManager
 from services.orchestrator.request_bounds import RequestBoundsInterceptor
+from services.orchestrator.routes import ModelRoutes
 from services.orchestrator.scheduler import FairScheduler
 from services.orchestrator.service import PUBLIC_PORT_OPTIONS
 from services.orchestrator.servicer import GenerationServicer
@@ -57,6 +59,12 @@ class FakeStage:
         self.health = "SERVING"
         self.detail = ""
 
+    def info_for(self, accepts) -> stages_pb2.StageInfo:
+        return self.info
+
+    def serving(self, accepts=None) -> list[SimpleNamespace]:
+        return [SimpleNamespace(endpoint=self.endpoint, info=self.info, serving=True)]
+
 
 class FakeStagePool:
     """The stages as a servicer sees them; probing on a call would be a fan-out per GetClusterInfo."""
@@ -69,6 +77,12 @@ class FakeStagePool:
 
     async def probe_all(self) -> None:
         raise AssertionError("GetClusterInfo probed every replica for one call")
+
+    @property
+    def routes(self) -> ModelRoutes:
+        routes = ModelRoutes()
+        routes.learn(self.stages["dit"].serving())
+        return routes
 
 
 class Orchestrator:

@@ -3,12 +3,24 @@ orchestrator chain through them (no model runs)."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
 import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from services.orchestrator.jobs import JobManager
+from services.orchestrator.pipeline import Pipeline, restore_intermediates
+from services.orchestrator.scheduler import FairScheduler
+from services.orchestrator.servicer import GenerationServicer
+from services.orchestrator.stage_clients import StagePool
+from services.orchestrator.store import JobStore
+from services.orchestrator.tenant_auth import TenantAuthInterceptor
+from services.orchestrator.tenants import TenantRegistry
 from stagediff.tensor_codec import TensorAssembler, WireTensor, encode_tensor
 from stagediff.v1 import generation_pb2, generation_pb2_grpc, stages_pb2, stages_pb2_grpc, tensor_pb2
 
@@ -105,13 +117,18 @@ class FakeControl(stages_pb2_grpc.StageControlServicer):
 
 
 async def serve_stage(
-    name: str, servicer, limits: stages_pb2.ModelLimits = LIMITS, port: int = 0
+    name: str,
+    servicer,
+    limits: stages_pb2.ModelLimits = LIMITS,
+    port: int = 0,
+    info: stages_pb2.StageInfo | None = None,
 ) -> tuple[grpc.aio.Server, str]:
-    """Serves a fake stage on 127.0.0.1 (`port`, or a free one), SERVING at once; returns it and its endpoint."""
+    """Serves a fake stage on 127.0.0.1 (`port`, or a free one), SERVING at once; returns it and its endpoint.
+    `info`: what it reports (default: the one Wan model's)."""
     server = grpc.aio.server()
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    info = stages_pb2.StageInfo(stage=name, model=MODEL, family="wan-t2v", limits=limits)
+    info = info or stages_pb2.StageInfo(stage=name, model=MODEL, family="wan-t2v", limits=limits)
     stages_pb2_grpc.add_StageControlServicer_to_server(FakeControl(info), server)
     add = {
         "text-encoder": stages_pb2_grpc.add_TextEncoderServicer_to_server,
@@ -147,18 +164,56 @@ class FakeStages:
 
 
 def generate_request(**fields) -> generation_pb2.GenerateRequest:
-    return generation_pb2.GenerateRequest(
-        prompt="a fox", negative_prompt="blurry", height=32, width=32, num_frames=9, seed=1, **fields
-    )
+    base: dict = dict(prompt="a fox", negative_prompt="blurry", height=32, width=32, num_frames=9, seed=1)
+    return generation_pb2.GenerateRequest(**(base | fields))
 
 
-async def generate(endpoint: str, request: generation_pb2.GenerateRequest) -> list[generation_pb2.GenerateEvent]:
+async def generate(
+    endpoint: str, request: generation_pb2.GenerateRequest, metadata: Sequence[tuple[str, str]] = ()
+) -> list[generation_pb2.GenerateEvent]:
     async with grpc.aio.insecure_channel(endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        return [event async for event in stub.Generate(request, timeout=60)]
+        return [event async for event in stub.Generate(request, timeout=60, metadata=tuple(metadata))]
 
 
-async def refusal(endpoint: str, request: generation_pb2.GenerateRequest) -> grpc.aio.AioRpcError:
+async def refusal(
+    endpoint: str, request: generation_pb2.GenerateRequest, metadata: Sequence[tuple[str, str]] = ()
+) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await generate(endpoint, request)
+        await generate(endpoint, request, metadata)
     return caught.value
+
+
+class ChainOrchestrator:
+    """The orchestrator's servicer, pipeline, jobs and stage pool, served on 127.0.0.1."""
+
+    def __init__(
+        self,
+        endpoints: Mapping[str, str | list[str]],
+        state_dir: Path,
+        keep_outputs_after_s: float = 1.0,
+        tenants: TenantRegistry | None = None,
+        replica_wait_s: float = 5.0,
+    ) -> None:
+        self.pool = StagePool(endpoints, probe_interval_s=0.1, replica_wait_s=replica_wait_s)
+        self.store = JobStore.open(state_dir)
+        pipeline = Pipeline(
+            self.pool, retry_backoff_s=0.01, store=self.store, keep_outputs_after_s=keep_outputs_after_s
+        )
+        self.jobs = JobManager(pipeline.run, FairScheduler(), self.store, restore_job=restore_intermediates)
+        tenants = tenants or TenantRegistry.open()
+        self.servicer = GenerationServicer(self.pool, self.jobs, tenants)
+        self.server = grpc.aio.server(interceptors=[TenantAuthInterceptor(tenants)])
+        generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        self.endpoint = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        self.starting = asyncio.get_running_loop().create_task(self.servicer.start())
+
+    async def stop(self) -> None:
+        self.starting.cancel()
+        await self.server.stop(None)
+        await self.jobs.shutdown()
+        await self.pool.close()
+        self.store.close()

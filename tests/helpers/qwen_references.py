@@ -23,10 +23,12 @@ def qwen_reference(pipeline, *, prompt, negative_prompt, height, width, steps, g
     return (np.clip(images, 0, 1) * 255).round().astype(np.uint8)
 
 
-def generate(endpoint: str, case: dict) -> np.ndarray:
-    with Client(endpoint) as client:
+def generate(endpoint: str, case: dict, api_key: str | None = None, **extra) -> np.ndarray:
+    """The cluster's image for a case; `extra`: more request options (model=)."""
+    with Client(endpoint, api_key=api_key) as client:
         result = client.generate(
             case["prompt"],
+            **extra,
             negative_prompt=case["negative_prompt"],
             height=case["height"],
             width=case["width"],

@@ -18,7 +18,7 @@ import yaml
 
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.store_location import PostgresLocation, S3Location
-from tests.helpers.k8s_manifests import COMPONENTS, K8S_DIR, KUBERNETES_VERSION
+from tests.helpers.k8s_manifests import COMPONENTS, K8S_DIR, KUBERNETES_VERSION, _objects, with_component
 from tests.helpers.serving import parse_serve
 
 
@@ -56,6 +56,37 @@ def test_kustomize_builds(tmp_path: Path, components: list[str]) -> None:
     for secret in secrets:  # the generated names (with their hash) replaced every reference
         assert re.fullmatch(r"stagediff-(cluster-secret|tenants)-[a-z0-9]+", secret), secret
     assert "name: stagediff-cluster-secret\n" not in rendered and "secretName: stagediff-tenants\n" not in rendered
+
+
+def _pod_shapes(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each workload's containers (command, model and other mounts) and its volumes but Secrets, whose names
+    kustomize hashes."""
+    shapes = {}
+    for o in objects:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            pod = o["spec"]["template"]["spec"]
+            containers = [
+                (c["name"], c["args"], sorted(c.get("volumeMounts", []), key=lambda m: m["mountPath"]))
+                for c in pod["containers"]
+            ]
+            volumes = sorted((v for v in pod.get("volumes", []) if "secret" not in v), key=lambda v: v["name"])
+            shapes[o["metadata"]["name"]] = (containers, volumes, o["spec"]["template"]["metadata"]["labels"])
+    return shapes
+
+
+def test_the_two_models_component_builds_what_the_unit_tier_checks(tmp_path: Path) -> None:
+    """`components: [two-models]` built by kubectl: valid objects, and the same objects, commands, mounts, volumes and
+    flags as the patches applied by tests/helpers/k8s_manifests.py, which tests/unit/test_k8s_manifests.py checks."""
+    objects = _kustomize(tmp_path, ["two-models"])
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    expected = with_component(_objects(K8S_DIR), "two-models")
+    names = {(o["kind"], o["metadata"]["name"]) for o in objects if o["kind"] != "Secret"}
+    assert names == {(o["kind"], o["metadata"]["name"]) for o in expected}
+    assert _pod_shapes(objects) == _pod_shapes(expected)
+    (flags,) = [o["data"] for o in objects if o["kind"] == "ConfigMap"]
+    assert flags == next(o["data"] for o in expected if o["kind"] == "ConfigMap")
+    assert flags["DIT_ENDPOINTS"] == "dns:dit-pods:50062,dns:dit-i2v-pods:50062"
 
 
 def test_the_orchestrator_ha_component_runs_replicas_on_shared_storage(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ and each container's command line goes through the real argparse parser of the s
 
 from __future__ import annotations
 
-import argparse
 import re
 import shlex
 from pathlib import Path
@@ -16,9 +15,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from dit_svc.config import parallel_config
 from services.stage_table import STAGES as STAGE_KINDS
-from tests.helpers.compose import gateway_refusal
+from tests.helpers.compose import dit_world_size, gateway_refusal
 from tests.helpers.k8s_manifests import (
     COMPONENTS,
     K8S_DIR,
@@ -26,8 +24,10 @@ from tests.helpers.k8s_manifests import (
     MANIFEST_FILES,
     MULTINODE,
     REPLICAS,
+    TWO_MODELS,
     _objects,
     load,
+    with_component,
 )
 from tests.helpers.secure_defaults import startup_refusal
 from tests.helpers.serving import parse_serve
@@ -101,7 +101,7 @@ def test_secrets_come_from_git_ignored_files() -> None:
         for source in files:
             assert source.partition("=")[2].startswith("secrets/"), source
     assert (K8S_DIR / "secrets" / ".gitignore").read_text().splitlines()[-2:] == ["*", "!.gitignore"]
-    assert not any(o["kind"] == "Secret" for o in BASE + REPLICAS + MULTINODE), "a Secret is committed"
+    assert not any(o["kind"] == "Secret" for o in BASE + REPLICAS + MULTINODE + TWO_MODELS), "a Secret is committed"
 
 
 POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
@@ -157,6 +157,10 @@ def _containers(flags: dict[str, str], objects: list[dict[str, Any]]):
 
 CASES = [(None, BASE), ("dit-replicas", REPLICAS), ("dit-multinode", MULTINODE)]
 CASE_IDS = ["base", *COMPONENTS]
+# The two-models component changes the base's stages: the whole cluster it builds (test_two_models_* below).
+TWO_MODELS_BUILT = with_component(BASE, "two-models")
+WHOLE_CASES = [*CASES, ("two-models", TWO_MODELS_BUILT)]
+WHOLE_CASE_IDS = [*CASE_IDS, "two-models"]
 
 
 def test_each_stage_has_one_workload() -> None:
@@ -170,27 +174,14 @@ def _gpus(container: dict[str, Any]) -> int:
     return int(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
 
 
-def _world_size(args: argparse.Namespace) -> int:
-    """The ranks the DiT's parallel flags ask for."""
-    return parallel_config(
-        ulysses_degree=args.ulysses_degree,
-        ring_degree=args.ring_degree,
-        cfg_parallel_size=args.cfg_parallel_size,
-        tensor_parallel_size=args.tensor_parallel_size,
-        use_hsdp=args.use_hsdp,
-        hsdp_shard_size=args.hsdp_shard_size,
-        hsdp_replicate_size=args.hsdp_replicate_size,
-    ).total_ranks
-
-
-@pytest.mark.parametrize(("component", "objects"), CASES, ids=CASE_IDS)
+@pytest.mark.parametrize(("component", "objects"), WHOLE_CASES, ids=WHOLE_CASE_IDS)
 def test_gpus_match_each_stage_group(component: str | None, objects: list[dict[str, Any]]) -> None:
     for _, _, container, stage, args in _containers(_flags(component), objects):
         assert {"cpu", "memory"} <= set(container["resources"]["requests"]), stage
         if stage in ("orchestrator", GATEWAY):
             assert _gpus(container) == 0
         elif stage == "dit":  # the service spawns one rank per GPU of the pod, on each of its nodes
-            assert _gpus(container) * args.nnodes == _world_size(args)
+            assert _gpus(container) * args.nnodes == dit_world_size(args)
         elif stage == "vae":
             assert _gpus(container) == args.vae_patch_parallel_size
         else:
@@ -201,7 +192,7 @@ def test_gpu_check_can_fail() -> None:
     """A ConfigMap asking for a larger group than the pod's GPUs is caught."""
     flags = _flags() | {"DIT_ARGS": "--ulysses-degree 4 --cfg-parallel-size 2"}
     dit = next(c for c in _containers(flags, BASE) if c[3] == "dit")
-    assert _gpus(dit[2]) != _world_size(dit[4])
+    assert _gpus(dit[2]) != dit_world_size(dit[4])
 
 
 def test_unknown_flag_is_rejected() -> None:
@@ -209,7 +200,7 @@ def test_unknown_flag_is_rejected() -> None:
         parse_serve(["dit", "--model", MODEL_DIR, "--no-such-flag", "2"])
 
 
-@pytest.mark.parametrize(("component", "objects"), CASES, ids=CASE_IDS)
+@pytest.mark.parametrize(("component", "objects"), WHOLE_CASES, ids=WHOLE_CASE_IDS)
 def test_grpc_probes_on_the_serving_port(component: str | None, objects: list[dict[str, Any]]) -> None:
     for _, _, container, stage, args in _containers(_flags(component), objects):
         if stage == GATEWAY:  # HTTP: test_the_gateway_is_ready_when_its_orchestrator_answers
@@ -221,7 +212,7 @@ def test_grpc_probes_on_the_serving_port(component: str | None, objects: list[di
         assert startup["periodSeconds"] * startup["failureThreshold"] >= MIN_STARTUP_S, stage
 
 
-@pytest.mark.parametrize(("component", "objects"), CASES, ids=CASE_IDS)
+@pytest.mark.parametrize(("component", "objects"), WHOLE_CASES, ids=WHOLE_CASE_IDS)
 def test_a_stage_pod_outlives_its_drain(component: str | None, objects: list[dict[str, Any]]) -> None:
     """On SIGTERM a stage's calls in flight run on for its --drain-grace: the kubelet must wait longer before
     it kills the pod, or an upgrade cuts the calls it meant to let finish."""
@@ -252,7 +243,7 @@ def test_cluster_secret_model_and_shm(component: str | None, objects: list[dict[
             assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory", stage
 
 
-@pytest.mark.parametrize(("component", "objects"), CASES, ids=CASE_IDS)
+@pytest.mark.parametrize(("component", "objects"), WHOLE_CASES, ids=WHOLE_CASE_IDS)
 def test_every_container_binds_every_interface_and_starts_under_the_secure_defaults(
     component: str | None, objects: list[dict[str, Any]]
 ) -> None:
@@ -375,3 +366,75 @@ def test_a_multinode_group_has_one_pod_per_node_joined_through_pod_0() -> None:
     assert statefulset["spec"]["podManagementPolicy"] == "Parallel", "the nodes wait for each other: start together"
     anti_affinity = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert anti_affinity[0]["topologyKey"] == "kubernetes.io/hostname", "one node of the group per machine"
+
+
+# The two-models component: each model's checkpoint claim and where every container mounts it (its model id).
+TWO_MODEL_CLAIMS = {"/models/wan-t2v": "stagediff-models", "/models/wan-i2v": "stagediff-models-i2v"}
+
+
+def test_two_models_builds_valid_objects() -> None:
+    """The base as the component patches it, and the objects the component adds, in strict mode."""
+    for obj in TWO_MODELS_BUILT:
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']}: {error.message} at {list(error.path)}")
+    names = {(o["kind"], o["metadata"]["name"]) for o in TWO_MODELS_BUILT}
+    assert {("Deployment", "dit"), ("Deployment", "dit-i2v"), ("Service", "dit-i2v-pods")} <= names
+    assert ("Service", "dit") not in names, "the base DiT is found through its headless Service"
+    for claim in TWO_MODEL_CLAIMS.values():
+        assert _one(TWO_MODELS_BUILT, "PersistentVolumeClaim", claim)["spec"]["accessModes"] == ["ReadOnlyMany"]
+
+
+def test_two_models_share_one_text_encoder_and_one_vae() -> None:
+    """One text encoder and one VAE, each loading one model's checkpoint and serving the other's with --also-serve
+    (the VAE loads the image-to-video one: only its family encodes input images); a DiT per model."""
+    served: dict[str, list[tuple[str | None, list[str]]]] = {}
+    for _, _, _, stage, args in _containers(_flags("two-models"), TWO_MODELS_BUILT):
+        if stage in STAGE_KINDS:
+            served.setdefault(stage, []).append((args.model, list(getattr(args, "also_serve", []))))
+    assert served["text-encoder"] == [("/models/wan-t2v", ["/models/wan-i2v"])]
+    assert served["vae"] == [("/models/wan-i2v", ["/models/wan-t2v"])]
+    assert sorted(served["dit"]) == [("/models/wan-i2v", []), ("/models/wan-t2v", [])], "a DiT per model"
+    assert served["interp"] == [(None, [])], "the interpolator serves every model"
+
+
+def test_two_models_orchestrator_is_given_both_dits_by_their_headless_services() -> None:
+    """Every source the orchestrator's --dit names is a headless Service selecting the pods of one DiT workload,
+    and together they reach both; the other stages' endpoints are the base's."""
+    flags = _flags("two-models")
+    orchestrator = next(c[4] for c in _containers(flags, TWO_MODELS_BUILT) if c[3] == "orchestrator")
+    dits = {w["metadata"]["name"]: w for w, _, _, stage, _ in _containers(flags, TWO_MODELS_BUILT) if stage == "dit"}
+    reached = []
+    for source in orchestrator.dit.split(","):
+        assert source.startswith("dns:"), f"{source}: every ready pod of a DiT, however many"
+        name, _, port = source.removeprefix("dns:").rpartition(":")
+        service = _one(TWO_MODELS_BUILT, "Service", name)
+        assert service["spec"].get("clusterIP") == "None" and int(port) == 50062, source
+        selector = service["spec"]["selector"].items()
+        selected = [
+            workload["metadata"]["name"]
+            for workload in _workloads(TWO_MODELS_BUILT)
+            if selector <= workload["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        assert len(selected) == 1 and selected[0] in dits, f"{source} selects {selected}"
+        reached.extend(selected)
+    assert sorted(reached) == sorted(dits) == ["dit", "dit-i2v"]
+    for stage in ("text-encoder", "vae", "interp"):
+        assert getattr(orchestrator, stage.replace("-", "_")) == getattr(
+            next(c[4] for c in _containers(_flags(), BASE) if c[3] == "orchestrator"), stage.replace("-", "_")
+        )
+
+
+def test_two_models_mount_every_checkpoint_a_container_reads_read_only() -> None:
+    """Each stage mounts the checkpoints of its --model and --also-serve, read-only, each model's claim at that
+    model's path; no container mounts a checkpoint it does not read."""
+    for _, pod, container, stage, args in _containers(_flags("two-models"), TWO_MODELS_BUILT):
+        mounts = {m["mountPath"]: m for m in container.get("volumeMounts", [])}
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        read = [path for path in [getattr(args, "model", None), *getattr(args, "also_serve", [])] if path]
+        assert sorted(path for path in mounts if path.startswith("/models/")) == sorted(read), stage
+        for path in read:
+            assert mounts[path].get("readOnly") is True, f"{stage}: {path} is mounted writable"
+            claim = volumes[mounts[path]["name"]]["persistentVolumeClaim"]
+            assert claim == {"claimName": TWO_MODEL_CLAIMS[path], "readOnly": True}, f"{stage}: {path}"

@@ -24,6 +24,8 @@ COMPOSE_FILES = [
     DEPLOY / "docker-compose.single-gpu.yml",
     DEPLOY / "docker-compose.cpu.yml",
 ]
+# Two models behind one orchestrator: its own services (dit-t2v, dit-i2v), so the overrides do not apply.
+TWO_MODELS_COMPOSE_FILE = DEPLOY / "docker-compose.two-models.yml"
 # Replicated orchestrators beside servers that are not StageDiff's (a proxy, PostgreSQL, SeaweedFS).
 HA_COMPOSE_FILE = DEPLOY / "docker-compose.ha.yml"
 
@@ -111,7 +113,7 @@ def test_every_variable_of_the_deploy_files_is_an_option_of_each_service_that_re
     compose file: each STAGEDIFF_* name is an option of every service the file reaches."""
     readers: dict[Path, set[str]] = {}
     variables: dict[str, set[str]] = {}  # serve target -> the variables its services get
-    for file in COMPOSE_FILES:
+    for file in [*COMPOSE_FILES, TWO_MODELS_COMPOSE_FILE]:
         services = load_compose(file, {})
         target_of = {name: service.command[1] for name, service in services.items()}
         for name, service in services.items():
@@ -119,7 +121,7 @@ def test_every_variable_of_the_deploy_files_is_an_option_of_each_service_that_re
         for name, body in (yaml.safe_load(file.read_text())["services"]).items():
             for env_file in _env_files(body):
                 readers.setdefault((file.parent / env_file).resolve(), set()).add(target_of[name])
-        for override in OVERRIDES:
+        for override in OVERRIDES if file in COMPOSE_FILES else []:
             for name, body in (yaml.safe_load(override.read_text())["services"]).items():
                 variables.setdefault(target_of[name], set()).update(body.get("environment") or {})
     for body in (yaml.safe_load(HA_COMPOSE_FILE.read_text())["services"]).values():

@@ -15,52 +15,18 @@ import numpy as np
 from families.registry import family_named
 from services.orchestrator.chain import stages_for
 from services.orchestrator.job import JobState
-from services.orchestrator.jobs import JobManager
-from services.orchestrator.pipeline import Pipeline, restore_intermediates
-from services.orchestrator.scheduler import FairScheduler
-from services.orchestrator.servicer import GenerationServicer
-from services.orchestrator.stage_clients import StagePool
 from services.orchestrator.store import JobRecord, JobStore
-from services.orchestrator.tenant_auth import TenantAuthInterceptor
-from services.orchestrator.tenants import TenantRegistry
 from stagediff.tensor_codec import TensorAssembler, encode_tensor
 from stagediff.v1 import generation_pb2, generation_pb2_grpc, stages_pb2
 from tests.helpers.fake_stages import (
     MODEL,
+    ChainOrchestrator,
     FakeDenoiser,
     FakeStages,
     generate,
     generate_request,
     refusal,
 )
-
-
-class Orchestrator:
-    """The orchestrator's servicer, pipeline, jobs and stage pool, served on 127.0.0.1."""
-
-    def __init__(self, endpoints: dict[str, str], state_dir: Path, keep_outputs_after_s: float = 1.0) -> None:
-        self.pool = StagePool(endpoints, probe_interval_s=0.1)
-        self.store = JobStore.open(state_dir)
-        pipeline = Pipeline(
-            self.pool, retry_backoff_s=0.01, store=self.store, keep_outputs_after_s=keep_outputs_after_s
-        )
-        self.jobs = JobManager(pipeline.run, FairScheduler(), self.store, restore_job=restore_intermediates)
-        tenants = TenantRegistry.open()
-        self.servicer = GenerationServicer(self.pool, self.jobs, tenants)
-        self.server = grpc.aio.server(interceptors=[TenantAuthInterceptor(tenants)])
-        generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
-        self.endpoint = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
-
-    async def start(self) -> None:
-        await self.server.start()
-        self.starting = asyncio.get_running_loop().create_task(self.servicer.start())
-
-    async def stop(self) -> None:
-        self.starting.cancel()
-        await self.server.stop(None)
-        await self.jobs.shutdown()
-        await self.pool.close()
-        self.store.close()
 
 
 def _frames(events) -> list:
@@ -82,7 +48,7 @@ def test_stages_for_follows_the_chain_and_the_request() -> None:
 def test_without_an_interpolator_requests_run_without_interpolation_and_refuse_it(tmp_path: Path) -> None:
     async def scenario() -> None:
         stages = await FakeStages().start()
-        orchestrator = Orchestrator(stages.endpoints, tmp_path / "state")
+        orchestrator = ChainOrchestrator(stages.endpoints, tmp_path / "state")
         await orchestrator.start()
         try:
             await orchestrator.servicer.ready.wait()
@@ -125,7 +91,7 @@ def test_without_an_interpolator_requests_run_without_interpolation_and_refuse_i
 def test_a_stage_the_chain_needs_without_an_endpoint_refuses_requests_naming_its_flag(tmp_path: Path) -> None:
     async def scenario() -> None:
         stages = await FakeStages().start()
-        orchestrator = Orchestrator(
+        orchestrator = ChainOrchestrator(
             {"text-encoder": stages.endpoints["text-encoder"], "dit": stages.endpoints["dit"]}, tmp_path / "state"
         )
         await orchestrator.start()
@@ -176,7 +142,7 @@ def test_a_restarted_orchestrator_relays_the_stored_chunks_without_running_their
 
     async def scenario() -> None:
         stages = await FakeStages().start()
-        orchestrator = Orchestrator(stages.endpoints, tmp_path / "state")
+        orchestrator = ChainOrchestrator(stages.endpoints, tmp_path / "state")
         await orchestrator.start()
         try:
             await orchestrator.servicer.ready.wait()
@@ -224,7 +190,7 @@ def test_stage_outputs_are_stored_behind_the_job_and_when_it_stops_to_resume(tmp
         stages = FakeStages()
         stages.denoiser = denoiser = HeldDenoiser()
         await stages.start()
-        orchestrator = Orchestrator(stages.endpoints, tmp_path / "state", keep_outputs_after_s=3600)
+        orchestrator = ChainOrchestrator(stages.endpoints, tmp_path / "state", keep_outputs_after_s=3600)
         written: list[tuple[str, str]] = []
         mark_stage_done = orchestrator.store.mark_stage_done
 
@@ -251,7 +217,7 @@ def test_stage_outputs_are_stored_behind_the_job_and_when_it_stops_to_resume(tmp
         assert written == [(held.job_id, "text-encoder")]
         denoiser.held = False
         encoded = len(stages.text_encoder.sent)
-        orchestrator = Orchestrator(stages.endpoints, tmp_path / "state")
+        orchestrator = ChainOrchestrator(stages.endpoints, tmp_path / "state")
         await orchestrator.start()
         try:
             await orchestrator.servicer.ready.wait()

@@ -1,4 +1,5 @@
-"""The job scheduler: strict priority, weighted fair sharing, admission limits, positions, retry estimates."""
+"""The job scheduler: strict priority, weighted fair sharing, admission limits (per tenant and per model), positions,
+retry estimates."""
 
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from services.orchestrator.admission import queue_limits
 from services.orchestrator.scheduler import (
     PRIORITY_NAMES,
     AdmissionRefused,
     FairScheduler,
+    JobLimits,
     Priority,
     TenantCounts,
     TenantLimits,
 )
+from services.orchestrator.tenants import Quotas, Tenant
 
 
 class FakeClock:
@@ -51,6 +55,15 @@ def test_single_tenant_is_fifo() -> None:
     scheduler = FairScheduler()
     for i in range(5):
         scheduler.admit(f"j{i}", "acme")
+    assert scheduler.positions() == {f"j{i}": i for i in range(5)}
+    assert drain(scheduler) == [f"j{i}" for i in range(5)]
+
+
+def test_a_tenants_jobs_on_several_models_are_fifo() -> None:
+    scheduler = FairScheduler()
+    limits = TenantLimits(per_model={"A": JobLimits(max_running=2)})  # never reached: one job runs at a time
+    for i, model in enumerate("ABBAB"):
+        scheduler.admit(f"j{i}", "acme", limits=limits, model=model)
     assert scheduler.positions() == {f"j{i}": i for i in range(5)}
     assert drain(scheduler) == [f"j{i}" for i in range(5)]
 
@@ -99,6 +112,86 @@ def test_tenant_at_running_limit_is_skipped_not_blocking() -> None:
     assert scheduler.counts("a") == TenantCounts(queued=1, running=1)
     scheduler.finished("a1")
     assert scheduler.next_runnable() == "a2"
+
+
+def test_a_tenant_at_its_running_limit_on_one_model_starts_its_jobs_on_another() -> None:
+    scheduler = FairScheduler()
+    limits = TenantLimits(per_model={"A": JobLimits(max_running=1)})
+    scheduler.admit("a1", "acme", limits=limits, model="A")
+    scheduler.admit("a2", "acme", limits=limits, model="A")
+    scheduler.admit("b1", "acme", limits=limits, model="B")
+    assert scheduler.next_runnable() == "a1"
+    # a2 is first in line, but acme runs its one job on A already: its job on B starts instead of nothing.
+    assert scheduler.next_runnable() == "b1"
+    assert scheduler.next_runnable() is None
+    assert scheduler.counts("acme", "A") == TenantCounts(queued=1, running=1)
+    assert scheduler.counts("acme", "B") == TenantCounts(queued=0, running=1)
+    assert scheduler.counts("acme") == TenantCounts(queued=1, running=2)
+    scheduler.finished("b1")
+    assert scheduler.next_runnable() is None  # a job ending on B frees nothing on A
+    scheduler.finished("a1")
+    assert scheduler.next_runnable() == "a2"
+
+
+def test_a_model_limit_changes_which_of_a_tenants_jobs_starts_never_its_share() -> None:
+    scheduler = FairScheduler()
+    limits = TenantLimits(per_model={"A": JobLimits(max_running=1)})
+    for job_id, model in (("a1", "A"), ("a2", "A"), ("b1", "B"), ("b2", "B")):
+        scheduler.admit(job_id, "x", limits=limits, model=model)
+    for i in range(1, 4):
+        scheduler.admit(f"y{i}", "y", model="A")  # y has no limit on A
+    # x and y alternate: x's jobs on B take the turns its held job on A cannot, and y's turns are its own.
+    order = [scheduler.next_runnable() for _ in range(7)]
+    assert order == ["a1", "y1", "b1", "y2", "b2", "y3", None]
+    scheduler.finished("a1")
+    assert scheduler.next_runnable() == "a2"
+
+
+def test_a_full_share_on_one_model_refuses_that_models_jobs_only() -> None:
+    clock = FakeClock()
+    scheduler = FairScheduler(clock=clock, default_job_seconds=30.0)
+    limits = TenantLimits(max_queued=10, per_model={"A": JobLimits(max_queued=2)})
+    scheduler.admit("a1", "acme", limits=limits, model="A")
+    scheduler.admit("a2", "acme", limits=limits, model="A")
+    with pytest.raises(AdmissionRefused) as refused:
+        scheduler.admit("a3", "acme", limits=limits, model="A")
+    assert refused.value.scope == "model" and refused.value.model == "A" and refused.value.tenant == "acme"
+    assert "tenant 'acme' has 2 queued jobs on model 'A'" in str(refused.value)
+    assert refused.value.retry_after_s == pytest.approx(30.0)  # a1 at position 0, one slot (none running)
+    assert scheduler.counts("acme", "A") == TenantCounts(queued=2, running=0)
+    # The tenant's other models, its jobs without a model and other tenants' jobs on A are still admitted.
+    scheduler.admit("b1", "acme", limits=limits, model="B")
+    scheduler.admit("none", "acme", limits=limits)
+    scheduler.admit("other", "beta", model="A")
+    assert scheduler.next_runnable() == "a1"  # a place on A is free again once a1 starts
+    scheduler.admit("a3", "acme", limits=limits, model="A")
+    # Recovery re-admits regardless of the model's limit.
+    scheduler.admit("r1", "acme", limits=limits, model="A", check_limits=False)
+    assert scheduler.counts("acme", "A") == TenantCounts(queued=3, running=1)
+
+
+def test_per_model_limits_are_checked() -> None:
+    with pytest.raises(ValueError, match="max_running"):
+        JobLimits(max_running=0)
+    with pytest.raises(ValueError, match="per_model"):
+        TenantLimits(per_model={"": JobLimits(max_running=1)})
+
+
+def test_queue_limits_are_the_tenants_quotas_and_its_model_quotas() -> None:
+    tenant = Tenant(
+        name="acme",
+        quotas=Quotas(max_running_jobs=4, max_queued_jobs=8),
+        model_quotas={"A": Quotas(max_running_jobs=1), "B": Quotas(max_height=64), "C": Quotas(max_queued_jobs=2)},
+    )
+    # B sets no job limit: it has none of its own (the tenant's hold for all its jobs).
+    expected = TenantLimits(
+        max_queued=8,
+        max_running=4,
+        per_model={"A": JobLimits(max_running=1), "C": JobLimits(max_queued=2)},
+    )
+    assert queue_limits(tenant) == expected
+    assert queue_limits(Tenant(name="solo")) == TenantLimits()
+    assert queue_limits(None) == TenantLimits()
 
 
 def test_global_running_limit() -> None:
@@ -269,6 +362,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 st.none() | st.integers(min_value=1, max_value=5),
                 st.none() | st.integers(min_value=1, max_value=3),
                 st.integers(min_value=1, max_value=5),
+                # Its limits on model "m0" (queued, running); "m1" and "" have none.
+                st.none() | st.integers(min_value=1, max_value=3),
+                st.none() | st.integers(min_value=1, max_value=2),
             ),
             min_size=1,
             max_size=4,
@@ -276,42 +372,55 @@ class SchedulerMachine(RuleBasedStateMachine):
     )
     def setup(self, max_queued, max_running, tenant_limits) -> None:
         self.scheduler = FairScheduler(max_queued=max_queued, max_running=max_running)
-        self.limits = [TenantLimits(q, r) for q, r, _ in tenant_limits]
-        self.weights = [w for _, _, w in tenant_limits]
-        self.queued: dict[str, tuple[int, Priority]] = {}
-        self.running: dict[str, int] = {}
+        self.limits = [TenantLimits(q, r, per_model={"m0": JobLimits(mq, mr)}) for q, r, _, mq, mr in tenant_limits]
+        self.weights = [w for _, _, w, _, _ in tenant_limits]
+        self.queued: dict[str, tuple[int, Priority, str]] = {}
+        self.running: dict[str, tuple[int, str]] = {}
         self.admitted: set[str] = set()
         self.removed: set[str] = set()
         self.started: list[str] = []
         self.counter = 0
 
-    @rule(tenant=st.integers(min_value=0, max_value=3), priority=st.sampled_from(list(Priority)))
-    def admit(self, tenant: int, priority: Priority) -> None:
+    def _model_limit(self, tenant: int, model: str) -> JobLimits:
+        return self.limits[tenant].per_model.get(model, JobLimits())
+
+    @rule(
+        tenant=st.integers(min_value=0, max_value=3),
+        priority=st.sampled_from(list(Priority)),
+        model=st.sampled_from(["", "m0", "m1"]),
+    )
+    def admit(self, tenant: int, priority: Priority, model: str) -> None:
         tenant %= len(self.limits)
         job_id = f"j{self.counter}"
         self.counter += 1
         full = self.scheduler.max_queued is not None and len(self.queued) >= self.scheduler.max_queued
-        mine = sum(1 for t, _ in self.queued.values() if t == tenant)
+        mine = sum(1 for t, _, _ in self.queued.values() if t == tenant)
         limit = self.limits[tenant].max_queued
+        mine_on = sum(1 for t, _, m in self.queued.values() if t == tenant and m == model)
+        limit_on = self._model_limit(tenant, model).max_queued
+        over = full or (limit is not None and mine >= limit) or (limit_on is not None and mine_on >= limit_on)
         try:
-            self.scheduler.admit(job_id, f"t{tenant}", priority, self.weights[tenant], self.limits[tenant])
+            self.scheduler.admit(job_id, f"t{tenant}", priority, self.weights[tenant], self.limits[tenant], model=model)
         except AdmissionRefused as refused:
-            assert full or (limit is not None and mine >= limit)
+            assert over
             assert refused.retry_after_s >= self.scheduler.min_retry_after_s
             return
-        assert not full and (limit is None or mine < limit)
-        self.queued[job_id] = (tenant, priority)
+        assert not over
+        self.queued[job_id] = (tenant, priority, model)
         self.admitted.add(job_id)
 
     def _eligible(self) -> list[tuple[str, int, Priority]]:
         if self.scheduler.max_running is not None and len(self.running) >= self.scheduler.max_running:
             return []
-        busy = Counter(self.running.values())
-        return [
-            (job_id, tenant, priority)
-            for job_id, (tenant, priority) in self.queued.items()
-            if self.limits[tenant].max_running is None or busy[tenant] < self.limits[tenant].max_running
-        ]
+        busy = Counter(tenant for tenant, _ in self.running.values())
+        busy_on = Counter(self.running.values())
+        eligible = []
+        for job_id, (tenant, priority, model) in self.queued.items():
+            limit = self.limits[tenant].max_running
+            limit_on = self._model_limit(tenant, model).max_running
+            if (limit is None or busy[tenant] < limit) and (limit_on is None or busy_on[tenant, model] < limit_on):
+                eligible.append((job_id, tenant, priority))
+        return eligible
 
     @rule()
     def start(self) -> None:
@@ -320,10 +429,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         if job_id is None:
             assert not eligible  # work-conserving: nothing startable is held back
             return
-        tenant, priority = self.queued.pop(job_id)
+        tenant, priority, model = self.queued.pop(job_id)
         assert job_id in {e[0] for e in eligible}
         assert all(p <= priority for _, _, p in eligible)  # strict priority
-        self.running[job_id] = tenant
+        self.running[job_id] = (tenant, model)
         self.started.append(job_id)
 
     @precondition(lambda self: self.running)
@@ -352,10 +461,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(self.queued) <= scheduler.max_queued
         for tenant, limits in enumerate(self.limits):
             counts = scheduler.counts(f"t{tenant}")
-            assert counts.queued == sum(1 for t, _ in self.queued.values() if t == tenant)
-            assert counts.running == sum(1 for t in self.running.values() if t == tenant)
+            assert counts.queued == sum(1 for t, _, _ in self.queued.values() if t == tenant)
+            assert counts.running == sum(1 for t, _ in self.running.values() if t == tenant)
             assert limits.max_running is None or counts.running <= limits.max_running
             assert limits.max_queued is None or counts.queued <= limits.max_queued
+            for model in ("", "m0", "m1"):
+                on_model = scheduler.counts(f"t{tenant}", model)
+                assert on_model.queued == sum(1 for t, _, m in self.queued.values() if (t, m) == (tenant, model))
+                assert on_model.running == sum(1 for job in self.running.values() if job == (tenant, model))
+                model_limits = self._model_limit(tenant, model)
+                assert model_limits.max_running is None or on_model.running <= model_limits.max_running
+                assert model_limits.max_queued is None or on_model.queued <= model_limits.max_queued
         assert sorted(scheduler.positions().values()) == list(range(len(self.queued)))
 
     def teardown(self) -> None:

@@ -1,4 +1,5 @@
-"""Tenants: the file format and its errors, API keys, per-request size limits and the rate limiter."""
+"""Tenants: the file format and its errors, API keys, the models a tenant may use, per-request size limits (per
+model too) and the rate limiter."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.orchestrator.refusals import REFUSABLE, refusal_for
 from services.orchestrator.tenants import (
     AuthenticationError,
     LimitExceeded,
+    ModelNotAllowed,
     PriorityClass,
+    Quotas,
     RateLimited,
     Tenant,
     TenantConfigError,
@@ -21,6 +25,7 @@ from services.orchestrator.tenants import (
     hash_api_key,
     main,
     new_api_key,
+    visible_models,
 )
 from stagediff.v1 import generation_pb2
 from tests.helpers.tenants import EXAMPLE
@@ -86,6 +91,11 @@ def test_the_example_file_loads_with_hashed_keys_only() -> None:
     assert registry.tenants["research"].quotas.bucket_capacity == 30  # default burst: a minute's worth
     assert registry.tenants["free-tier"].priority.rank > registry.tenants["research"].priority.rank
     assert not registry.is_open
+    research = registry.tenants["research"]
+    assert research.models == ("wan-t2v", "qwen-*") and research.may_use("qwen-image")
+    assert not research.may_use("wan-i2v") and studio.may_use("wan-i2v")  # studio lists none: every model
+    assert research.quotas_for("wan-t2v").max_running_jobs == 1 and research.quotas_for("qwen-image").max_frames == 1
+    assert research.quotas_for("wan-t2v").max_frames == 81  # not set for the model: the tenant's own
     for tenant in registry.tenants.values():
         assert tenant.api_keys and all(re.fullmatch(r"sha256:[0-9a-f]{64}", key) for key in tenant.api_keys)
 
@@ -118,6 +128,30 @@ def test_a_plaintext_key_in_the_file_is_refused_without_being_repeated() -> None
         (lambda d: d["tenants"][1].update(api_keys=[]), ["'solo'", "at least one key"]),
         (lambda d: d["tenants"][1].update(api_keys=[hash_api_key(KEY_ACME)]), ["'acme' and 'solo' share"]),
         (lambda d: d.update(tenants=[]), ["tenants", "at least 1"]),
+        (lambda d: d["tenants"][1].update(models=["m"] * 257), ["tenants[1] (solo).models", "at most 256"]),
+        (lambda d: d["tenants"][1].update(models=["m" * 130]), ["tenants[1] (solo).models[0]", "at most 129"]),
+        (lambda d: d["tenants"][1].update(models=[""]), ["tenants[1] (solo).models[0]", "at least 1"]),
+        (lambda d: d["tenants"][1].update(models="wan-*"), ["tenants[1] (solo).models", "tuple"]),
+        (
+            lambda d: d["tenants"][1].update(model_quotas={f"m{i}": {} for i in range(257)}),
+            ["tenants[1] (solo).model_quotas", "at most 256"],
+        ),
+        (
+            lambda d: d["tenants"][1].update(model_quotas={"m" * 129: {"max_height": 64}}),
+            ["tenants[1] (solo).model_quotas.<a key of 129 characters>", "at most 128"],
+        ),
+        (
+            lambda d: d["tenants"][1].update(model_quotas={"wan-t2v": {"max_height": 0}}),
+            ["tenants[1] (solo).model_quotas.wan-t2v.max_height", "greater than 0"],
+        ),
+        (
+            lambda d: d["tenants"][1].update(model_quotas={"wan-t2v": {"max_hieght": 64}}),
+            ["tenants[1] (solo).model_quotas.wan-t2v.max_hieght", "not permitted"],
+        ),
+        (
+            lambda d: d["tenants"][1].update(model_quotas={"wan-t2v": {"requests_per_minute": 6, "max_steps": 9}}),
+            ["tenants[1] (solo).model_quotas", "'wan-t2v': requests_per_minute", "set them in quotas"],
+        ),
     ],
 )
 def test_file_errors_name_the_field(change, words) -> None:
@@ -126,6 +160,20 @@ def test_file_errors_name_the_field(change, words) -> None:
     message = _config_error(data)
     for word in words:
         assert word in message, f"'{word}' not in: {message}"
+
+
+def test_a_long_model_id_in_model_quotas_is_not_repeated() -> None:
+    data = _data()
+    data["tenants"][1]["model_quotas"] = {"x" * 5000: {"max_height": 64}}
+    assert "x" * 200 not in _config_error(data)
+
+
+def test_model_quotas_may_name_models_no_stage_serves_yet() -> None:
+    data = _data()
+    data["tenants"][1]["model_quotas"] = {"not-served-yet": {"max_height": 64}}
+    data["tenants"][1]["models"] = ["not-served-*"]
+    solo = TenantRegistry.from_dict(data).tenants["solo"]
+    assert solo.quotas_for("not-served-yet").max_height == 64 and solo.may_use("not-served-yet")
 
 
 def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
@@ -186,6 +234,57 @@ def test_new_keys_are_random_and_their_hash_authenticates() -> None:
         registry.authenticate(_bearer(second))
 
 
+def test_a_tenant_uses_the_models_its_ids_and_patterns_name() -> None:
+    tenant = Tenant(name="acme", models=("wan-t2v", "qwen-*"))
+    assert tenant.may_use("wan-t2v") and tenant.may_use("qwen-image") and tenant.may_use("qwen-image-edit")
+    for model in ("wan-i2v", "wan-t2v-14b", "xwan-t2v", "QWEN-image", ""):
+        assert not tenant.may_use(model), model
+    # Without a `models` list, and for the open tenant: every model.
+    for anyone in (Tenant(name="solo"), TenantRegistry.open().open_tenant):
+        assert anyone.may_use("wan-i2v") and anyone.may_use("qwen-image")
+    models = ["wan-i2v", "qwen-image", "wan-t2v", "qwen-image-edit"]
+    assert visible_models(tenant, models) == ["qwen-image", "wan-t2v", "qwen-image-edit"]
+    assert visible_models(Tenant(name="solo"), models) == models
+
+
+def test_a_model_the_tenant_may_not_use_is_permission_denied_naming_only_its_own_models() -> None:
+    acme = Tenant(name="acme", models=("wan-t2v", "qwen-*"))
+    other = Tenant(name="beta", models=("secret-model-of-beta",))
+    registry = TenantRegistry([acme, other])
+    registry.check_model(acme, "wan-t2v")
+    registry.check_model(acme, "qwen-image")
+    with pytest.raises(ModelNotAllowed) as caught:
+        registry.check_model(acme, "wan-i2v")
+    error = caught.value
+    assert error.code == grpc.StatusCode.PERMISSION_DENIED and (error.tenant, error.model) == ("acme", "wan-i2v")
+    for word in ("tenant 'acme'", "model 'wan-i2v'", "wan-t2v, qwen-*"):
+        assert word in error.message, f"'{word}' not in: {error.message}"
+    assert "beta" not in error.message and "secret" not in error.message
+    # The servicer answers it like the other refusals, dropping the request's uploads (a retry would fail again).
+    assert isinstance(error, REFUSABLE)
+    refusal = refusal_for(error)
+    assert refusal.code == grpc.StatusCode.PERMISSION_DENIED and refusal.message == error.message
+    assert refusal.drops_uploads and refusal.retry_after_s is None
+
+
+def test_model_quotas_take_precedence_field_by_field() -> None:
+    tenant = Tenant(
+        name="acme",
+        quotas=Quotas(max_height=512, max_width=768, max_frames=33, max_running_jobs=2, requests_per_minute=60),
+        model_quotas={
+            "wan-t2v": Quotas(max_height=256, max_frames=None, max_output_frames=65),
+            "qwen-image": Quotas(max_running_jobs=1),
+        },
+    )
+    t2v = tenant.quotas_for("wan-t2v")
+    assert (t2v.max_height, t2v.max_frames, t2v.max_output_frames) == (256, None, 65)  # set, `null` lifts one
+    assert (t2v.max_width, t2v.max_running_jobs, t2v.requests_per_minute) == (768, 2, 60)  # unset: the tenant's
+    image = tenant.quotas_for("qwen-image")
+    assert image.max_running_jobs == 1 and image.max_height == 512 and image.max_output_frames == 1025
+    assert tenant.quotas_for("wan-i2v") == tenant.quotas and tenant.quotas_for("") == tenant.quotas
+    assert hash(tenant) == hash(tenant.model_copy())  # a tenant with model quotas can still be hashed
+
+
 def _request(**fields) -> generation_pb2.GenerateRequest:
     full = {"prompt": "p", "height": 512, "width": 512, "num_frames": 33, "num_inference_steps": 20}
     full.update(fields)
@@ -228,6 +327,27 @@ def test_requests_beyond_a_limit_name_the_field_and_the_limit(fields, field, wor
     assert error.field == field and error.tenant == "acme"
     for word in [*words, "tenant 'acme'"]:
         assert word in error.message, f"'{word}' not in: {error.message}"
+
+
+def test_request_limits_are_those_of_the_requests_model() -> None:
+    data = _data()  # acme: max_height 512, max_width 768, max_frames 33
+    data["tenants"][0]["model_quotas"] = {"wan-t2v": {"max_height": 256}, "qwen-image": {"max_height": 1024}}
+    registry = TenantRegistry.from_dict(data)
+    acme = registry.tenants["acme"]
+    with pytest.raises(LimitExceeded) as caught:
+        registry.check_request_limits(acme, _request(model="wan-t2v", height=512, width=256))
+    error = caught.value
+    assert error.message == "height: 512 exceeds tenant 'acme' limit of 256 for model 'wan-t2v'"
+    assert (error.field, error.limit, error.model) == ("height", 256, "wan-t2v")
+    registry.check_request_limits(acme, _request(model="qwen-image", height=1024, width=256))  # above the tenant's
+    # A limit the model's quotas leave unset is the tenant's own, and says so.
+    with pytest.raises(LimitExceeded) as caught:
+        registry.check_request_limits(acme, _request(model="wan-t2v", height=256, width=784))
+    assert caught.value.message == "width: 784 exceeds tenant 'acme' limit of 768" and caught.value.model == ""
+    # Other models, and a request without one, get the tenant's quotas.
+    for model in ("wan-i2v", ""):
+        with pytest.raises(LimitExceeded, match="limit of 512$"):
+            registry.check_request_limits(acme, _request(model=model, height=1024, width=256))
 
 
 def test_token_bucket_refills_at_the_rate_and_holds_at_most_burst() -> None:

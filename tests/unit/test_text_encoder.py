@@ -18,6 +18,7 @@ from services.checkpoint import read_checkpoint
 from services.orchestrator.cache_namespace import cache_namespace_key, tenant_cache_namespace
 from services.orchestrator.job import Job
 from services.orchestrator.pipeline import Pipeline
+from services.orchestrator.routes import ModelRoute
 from services.orchestrator.stage_clients import STAGE_ORDER, StagePool
 from services.stage import StageControlServicer, StageRuntime
 from services.torch_wire import to_torch
@@ -226,12 +227,14 @@ def test_service_bounds_fields_and_keeps_tenants_apart(tiny_model) -> None:
             await pool.probe_all()
             pipeline = Pipeline(pool, cluster_secret="cluster-secret")
             family = family_named(runtime.spec.family)
+            dit_info = stages_pb2.StageInfo(model=runtime.spec.model_id, family=family.name)
+            route = ModelRoute(runtime.spec.model_id, dit_info, family)
             request = generation_pb2.GenerateRequest(prompt="a hare", guidance_scale=1.0)
             hits, misses = cache.hits, cache.misses
             conditioning = {}
             for i, tenant in enumerate(("acme", "globex", "acme")):
                 job = Job(job_id=f"job-{i}", request=request, tenant=tenant)
-                await pipeline.calls.encode(job, family)
+                await pipeline.calls.encode(job, route)
                 conditioning[tenant] = job.intermediates["outputs"]["text-encoder"]
             assert (cache.hits - hits, cache.misses - misses) == (1, 2)  # only acme's second request hit
             assert conditioning["acme"] == conditioning["globex"]

@@ -1,4 +1,5 @@
-"""Tenants of the public API: who may call, how they are ranked, and how much they may ask for.
+"""Tenants of the public API: who may call, how they are ranked, which models they may use, and how much they may
+ask for.
 
 Tenants come from a YAML file (`--tenants FILE`, its format in deploy/tenants.example.yaml), read and
 validated by schema.py; without one the registry is open (registry.py). API keys are stored as their
@@ -8,7 +9,13 @@ with (errors.py).
 """
 
 from services.orchestrator.tenants.cli import main
-from services.orchestrator.tenants.errors import AuthenticationError, LimitExceeded, RateLimited, TenantError
+from services.orchestrator.tenants.errors import (
+    AuthenticationError,
+    LimitExceeded,
+    ModelNotAllowed,
+    RateLimited,
+    TenantError,
+)
 from services.orchestrator.tenants.keys import (
     AUTHORIZATION_METADATA_KEY,
     KEY_HASH_PREFIX,
@@ -18,7 +25,7 @@ from services.orchestrator.tenants.keys import (
     new_api_key,
 )
 from services.orchestrator.tenants.rate_limit import Clock, RateLimiter
-from services.orchestrator.tenants.registry import SizedRequest, TenantRegistry, output_frames
+from services.orchestrator.tenants.registry import SizedRequest, TenantRegistry, output_frames, visible_models
 from services.orchestrator.tenants.schema import (
     DEFAULT_MAX_OUTPUT_FRAMES,
     DEFAULT_MAX_OUTPUT_PIXELS,
@@ -26,6 +33,11 @@ from services.orchestrator.tenants.schema import (
     DEFAULT_TENANT_NAME,
     MAX_LORA_PATTERN_CHARS,
     MAX_LORA_PATTERNS,
+    MAX_MODEL_ID_CHARS,
+    MAX_MODEL_PATTERN_CHARS,
+    MAX_MODEL_PATTERNS,
+    MAX_MODEL_QUOTAS,
+    TENANT_WIDE_QUOTAS,
     PriorityClass,
     Quotas,
     Tenant,
@@ -42,9 +54,15 @@ __all__ = [
     "KEY_PREFIX",
     "MAX_LORA_PATTERNS",
     "MAX_LORA_PATTERN_CHARS",
+    "MAX_MODEL_ID_CHARS",
+    "MAX_MODEL_PATTERNS",
+    "MAX_MODEL_PATTERN_CHARS",
+    "MAX_MODEL_QUOTAS",
+    "TENANT_WIDE_QUOTAS",
     "AuthenticationError",
     "Clock",
     "LimitExceeded",
+    "ModelNotAllowed",
     "PriorityClass",
     "Quotas",
     "RateLimited",
@@ -59,4 +77,5 @@ __all__ = [
     "main",
     "new_api_key",
     "output_frames",
+    "visible_models",
 ]

@@ -1,8 +1,8 @@
 """Calls refused on a tenant's account, each carrying the status code a servicer answers with (`code`).
 
 UNAUTHENTICATED for a missing or wrong key, PERMISSION_DENIED for a request beyond one of its tenant's size
-limits (retrying cannot help, though another tenant could make it), and RESOURCE_EXHAUSTED with a retry
-delay for the rate limit (waiting helps).
+limits or for a model the tenant may not use (retrying cannot help, though another tenant could make it), and
+RESOURCE_EXHAUSTED with a retry delay for the rate limit (waiting helps).
 """
 
 from __future__ import annotations
@@ -27,16 +27,31 @@ class AuthenticationError(TenantError):
 
 
 class LimitExceeded(TenantError):
-    """A request beyond one of its tenant's size limits (PERMISSION_DENIED; retrying cannot help)."""
+    """A request beyond one of its tenant's size limits (PERMISSION_DENIED; retrying cannot help).
+
+    `model` is the model whose quota it is (the tenant's model_quotas), "" for the tenant's own quotas.
+    """
 
     code = grpc.StatusCode.PERMISSION_DENIED
 
-    def __init__(self, tenant: str, field: str, value: int, limit: int, message: str) -> None:
+    def __init__(self, tenant: str, field: str, value: int, limit: int, message: str, *, model: str = "") -> None:
         super().__init__(message)
         self.tenant = tenant
         self.field = field
         self.value = value
         self.limit = limit
+        self.model = model
+
+
+class ModelNotAllowed(TenantError):
+    """A request for a model its tenant's `models` do not list (PERMISSION_DENIED; retrying cannot help)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+    def __init__(self, tenant: str, model: str, message: str) -> None:
+        super().__init__(message)
+        self.tenant = tenant
+        self.model = model
 
 
 class RateLimited(TenantError):

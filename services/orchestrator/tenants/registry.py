@@ -1,9 +1,11 @@
 """The tenants a server knows, and the checks made on their behalf: who a call is, whether its tenant's
-rate allows it, and whether a request stays within its tenant's size limits.
+rate allows it, whether its tenant may use the model it names, and whether a request stays within its tenant's
+size limits for that model.
 
 Without a tenants file the registry is open: one tenant, "default", that every caller is, with no key, an
 operator's rights (admin) and only the default quotas on what a job produces (max_output_frames,
-max_output_pixels) and on open WatchJob streams (for local use); it may use every public LoRA adapter.
+max_output_pixels) and on open WatchJob streams (for local use); it may use every model and every public LoRA
+adapter.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from services.orchestrator.tenants.errors import AuthenticationError, LimitExceeded, RateLimited
+from services.orchestrator.tenants.errors import AuthenticationError, LimitExceeded, ModelNotAllowed, RateLimited
 from services.orchestrator.tenants.keys import bearer_token, hash_api_key
 from services.orchestrator.tenants.rate_limit import Clock, RateLimiter
 from services.orchestrator.tenants.schema import DEFAULT_TENANT_NAME, Tenant, parse_tenants, read_tenants_file
@@ -22,11 +24,17 @@ from services.orchestrator.tenants.schema import DEFAULT_TENANT_NAME, Tenant, pa
 class SizedRequest(Protocol):
     """What check_request_limits reads: a GenerateRequest with every default filled in."""
 
+    model: str
     height: int
     width: int
     num_frames: int
     num_inference_steps: int
     interpolation: Any  # InterpolationParams: enable, exp
+
+
+def visible_models(tenant: Tenant, models: Iterable[str]) -> list[str]:
+    """The ids of `models` the tenant may use, in their order (what ListModels shows it)."""
+    return [model for model in models if tenant.may_use(model)]
 
 
 def _interp_exp(request: SizedRequest) -> int:
@@ -82,37 +90,65 @@ class TenantRegistry:
             raise AuthenticationError("invalid API key: no tenant has this key (it may have been revoked)")
         return tenant
 
+    def check_model(self, tenant: Tenant, model: str) -> None:
+        """Raises ModelNotAllowed when the tenant's `models` do not list `model` (an id or a pattern matching it).
+
+        The message names the tenant, the model and the tenant's own patterns, nothing of another tenant's.
+        """
+        if tenant.may_use(model):
+            return
+        raise ModelNotAllowed(
+            tenant.name,
+            model,
+            f"model: tenant '{tenant.name}' may not use model '{model}'; it may use {', '.join(tenant.models)} "
+            "(ListModels shows the models it may use)",
+        )
+
     def check_request_limits(self, tenant: Tenant, request: SizedRequest) -> None:
-        """Raises LimitExceeded when a request exceeds its tenant's size, frame or step limits.
+        """Raises LimitExceeded when a request exceeds its tenant's size, frame or step limits for its model
+        (`Tenant.quotas_for`: the tenant's quotas, or its model_quotas for that model where they are set).
 
         Call it with the request completed with the model's defaults, so that an
         unset field is checked at the value that would really run.
         """
-        quotas = tenant.quotas
+        quotas = tenant.quotas_for(request.model)
+        per_model = tenant.model_quotas.get(request.model)
 
-        def refuse(field: str, value: int, limit: int, what: str) -> LimitExceeded:
+        def refuse(field: str, quota: str, value: int, limit: int, what: str) -> LimitExceeded:
+            model = request.model if per_model is not None and quota in per_model.model_fields_set else ""
+            scope = f" for model '{model}'" if model else ""
             return LimitExceeded(
-                tenant.name, field, value, limit, f"{field}: {what} exceeds tenant '{tenant.name}' limit of {limit}"
+                tenant.name,
+                field,
+                value,
+                limit,
+                f"{field}: {what} exceeds tenant '{tenant.name}' limit of {limit}{scope}",
+                model=model,
             )
 
         checks = (
-            ("height", request.height, quotas.max_height),
-            ("width", request.width, quotas.max_width),
-            ("num_frames", request.num_frames, quotas.max_frames),
-            ("num_inference_steps", request.num_inference_steps, quotas.max_steps),
+            ("height", "max_height", request.height, quotas.max_height),
+            ("width", "max_width", request.width, quotas.max_width),
+            ("num_frames", "max_frames", request.num_frames, quotas.max_frames),
+            ("num_inference_steps", "max_steps", request.num_inference_steps, quotas.max_steps),
         )
-        for field, value, limit in checks:
+        for field, quota, value, limit in checks:
             if limit is not None and value > limit:
-                raise refuse(field, value, limit, str(value))
+                raise refuse(field, quota, value, limit, str(value))
         pixels = request.height * request.width
         if quotas.max_pixels is not None and pixels > quotas.max_pixels:
             raise refuse(
-                "height*width", pixels, quotas.max_pixels, f"{request.height}x{request.width} = {pixels} pixels"
+                "height*width",
+                "max_pixels",
+                pixels,
+                quotas.max_pixels,
+                f"{request.height}x{request.width} = {pixels} pixels",
             )
         frames_out = output_frames(request)
         if quotas.max_output_frames is not None and frames_out > quotas.max_output_frames:
             raise refuse(
                 "output frames",
+                "max_output_frames",
                 frames_out,
                 quotas.max_output_frames,
                 f"{frames_out} ({request.num_frames} frames, interpolation.exp {_interp_exp(request)})",
@@ -121,6 +157,7 @@ class TenantRegistry:
         if quotas.max_output_pixels is not None and pixels_out > quotas.max_output_pixels:
             raise refuse(
                 "output pixels",
+                "max_output_pixels",
                 pixels_out,
                 quotas.max_output_pixels,
                 f"{frames_out} frames of {request.height}x{request.width} = {pixels_out} pixels",

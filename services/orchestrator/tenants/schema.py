@@ -1,9 +1,11 @@
-"""The tenants file: its schema (tenants, priority classes, quotas) and how it is read and validated.
+"""The tenants file: its schema (tenants, priority classes, quotas, models) and how it is read and validated.
 
 The file's format, with every field, is shown in deploy/tenants.example.yaml; `Quotas` says what each quota
-bounds and which have defaults. The file holds only the SHA-256 of each API key (`sha256:<hex>`, see
-keys.py), never a key. A file that cannot be read, is not YAML, or fails validation raises
-TenantConfigError with one line per problem, naming the field (and the tenant) without repeating any input.
+bounds and which have defaults. A tenant may be limited to some models (`models`, ids or fnmatch patterns) and
+given quotas per model (`model_quotas`, which take precedence over its `quotas` for that model's jobs). The file
+holds only the SHA-256 of each API key (`sha256:<hex>`, see keys.py), never a key. A file that cannot be read,
+is not YAML, or fails validation raises TenantConfigError with one line per problem, naming the field (and the
+tenant) without repeating any input.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import enum
 import math
 import re
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -28,6 +31,12 @@ DEFAULT_MAX_WATCH_STREAMS = 32
 # A tenant's LoRA allow-list: at most this many names or patterns, each at most this long.
 MAX_LORA_PATTERNS = 256
 MAX_LORA_PATTERN_CHARS = 129
+# A tenant's model allow-list, bounded the same way; and its per-model quotas, keyed by model ids (at most as long
+# as a request's model id, services/orchestrator/request_bounds.py).
+MAX_MODEL_PATTERNS = 256
+MAX_MODEL_PATTERN_CHARS = 129
+MAX_MODEL_QUOTAS = 256
+MAX_MODEL_ID_CHARS = 128
 
 
 class TenantConfigError(ValueError):
@@ -98,8 +107,21 @@ class Quotas(BaseModel):
         return self.burst if self.burst is not None else max(1, math.ceil(self.requests_per_minute))
 
 
+# Quotas that bound a tenant as a whole (its request rate, open streams, storage, adapter loads), not its jobs on
+# one model: `quotas` only, never `model_quotas`.
+TENANT_WIDE_QUOTAS = (
+    "requests_per_minute",
+    "burst",
+    "max_watch_streams",
+    "max_kept_jobs",
+    "max_stored_bytes",
+    "adapters_per_minute",
+)
+
+
 class Tenant(BaseModel):
-    """One tenant: its name, the hashes of its API keys, its priority class, weight and quotas."""
+    """One tenant: its name, the hashes of its API keys, its priority class, weight and quotas, and the models it
+    may use with their own quotas."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -118,6 +140,45 @@ class Tenant(BaseModel):
         tuple[Annotated[str, Field(min_length=1, max_length=MAX_LORA_PATTERN_CHARS)], ...],
         Field(max_length=MAX_LORA_PATTERNS),
     ] = ()
+    # Models it may use: ids or fnmatch patterns of the ids ListModels shows ("wan-*"). Empty: every model.
+    models: Annotated[
+        tuple[Annotated[str, Field(min_length=1, max_length=MAX_MODEL_PATTERN_CHARS)], ...],
+        Field(max_length=MAX_MODEL_PATTERNS),
+    ] = ()
+    # Quotas of its jobs on one model (model id -> Quotas): a field set there takes precedence over `quotas` for
+    # that model's jobs (`quotas_for`); a field left out falls back to `quotas`. An id no stage serves (yet) is
+    # allowed: models come and go at run time.
+    model_quotas: Annotated[
+        dict[Annotated[str, Field(min_length=1, max_length=MAX_MODEL_ID_CHARS)], Quotas],
+        Field(max_length=MAX_MODEL_QUOTAS),
+    ] = {}
+
+    # model_quotas is a dict, which cannot be hashed: equal tenants have equal names and keys.
+    def __hash__(self) -> int:
+        return hash((self.name, self.api_keys))
+
+    def may_use(self, model: str) -> bool:
+        """Whether the tenant may use the model with this id: every model without a `models` list."""
+        return not self.models or any(fnmatchcase(model, pattern) for pattern in self.models)
+
+    def quotas_for(self, model: str) -> Quotas:
+        """The quotas of the tenant's jobs on `model`: its `quotas`, with the fields set in `model_quotas[model]`
+        taking precedence (`null` there lifts a limit for that model)."""
+        override = self.model_quotas.get(model)
+        if override is None:
+            return self.quotas
+        return self.quotas.model_copy(update={name: getattr(override, name) for name in override.model_fields_set})
+
+    @field_validator("model_quotas")
+    @classmethod
+    def _per_model_quotas_only(cls, quotas: dict[str, Quotas]) -> dict[str, Quotas]:
+        for model, entry in quotas.items():
+            wide = [name for name in TENANT_WIDE_QUOTAS if name in entry.model_fields_set]
+            if wide:
+                raise ValueError(
+                    f"'{model}': {', '.join(wide)} bound the tenant as a whole, not one model; set them in quotas"
+                )
+        return quotas
 
     @field_validator("api_keys")
     @classmethod
@@ -182,6 +243,8 @@ def _describe(error: ValidationError, data: Any) -> str:
         for part in location:
             if isinstance(part, int) and parts:
                 parts[-1] += f"[{part}]"
+            elif isinstance(part, str) and len(part) > MAX_MODEL_ID_CHARS:  # a mapping's key, too long to repeat
+                parts.append(f"<a key of {len(part)} characters>")
             else:
                 parts.append(str(part))
         if location[:1] == ("tenants",) and len(location) > 1 and isinstance(location[1], int):
