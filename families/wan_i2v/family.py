@@ -46,7 +46,7 @@ _UNVERIFIED_TILING = Support(
 _VAE_PATCH_PARALLEL = Support(
     tests=(
         "tests/integration/test_vae_patch_parallel.py::test_patch_parallel_equals_untiled_decode",
-        "tests/e2e/test_e2e_models.py::test_each_model_equals_its_pipeline",
+        "tests/e2e/test_e2e_models.py::test_i2v_equals_its_pipeline_on_the_shared_text_encoder_and_vae",
     )
 )
 
@@ -126,7 +126,9 @@ WAN22_I2V_A14B = Family(
     defaults=RequestDefaults(),
     text_encoder="families.wan.encode:WanPromptEncoder",
     images=ImageInputs(roles=("first_frame", "last_frame"), required=("first_frame",), encoded_by=("vae",)),
-    features=_features("tests/e2e/test_e2e_models.py::test_each_model_equals_its_pipeline", "WanI2VA14B"),
+    features=_features(
+        "tests/e2e/test_e2e_models.py::test_i2v_equals_its_pipeline_on_the_shared_text_encoder_and_vae", "WanI2VA14B"
+    ),
     **_COMPUTE,
 )
 

@@ -113,6 +113,8 @@ def create_app(
                     "default_fps": model.limits.default_fps,
                     # Replicas serving the model at each stage of its chain now (0: it waits for one).
                     "serving_replicas": dict(model.serving_replicas),
+                    # "serving", or why not: scaled to zero (requests wait for a replica to start), unavailable.
+                    "status": model.status,
                 }
                 for model in models
             ],

@@ -162,4 +162,7 @@ async def _limits(orchestrator: Orchestrator, model: str, authorization: str | N
     for description in models:
         if description.id == model or (not model and len(models) == 1):
             return description.limits
+    if not model:
+        names = ", ".join(description.id for description in models)
+        raise ApiError(400, f"model: this cluster serves several models; name one of {names}", param="model")
     raise ApiError(404, f"model: {model!r} is not served here", param="model", type="not_found_error")

@@ -39,6 +39,7 @@ _LEAST = (
     ("adapters_per_minute", "--adapters-per-minute", 0),
 )
 MAX_DETACH_GRACE_S = 3600
+MAX_COLD_START_S = 24 * 3600  # a day: a pool that takes longer to start is not starting
 MAX_PRESIGN_S = 7 * 24 * 3600  # S3's longest presigned URL
 
 
@@ -56,6 +57,8 @@ class OrchestratorConfig:
     detach_grace_s: float
     health_interval_s: float
     replica_wait_s: float
+    # How long a call waits for a replica where none serves its model (a pool at zero); 0: replica_wait_s.
+    cold_start_timeout_s: float
     # The tenants YAML file; None: the open registry.
     tenants_file: str | None
     state_dir: str
@@ -105,6 +108,10 @@ class OrchestratorConfig:
             raise ValueError(f"--advertise '{self.advertise}': use HOST:PORT")
         if not (math.isfinite(self.keep_outputs_after_s) and 0 <= self.keep_outputs_after_s <= MAX_DETACH_GRACE_S):
             raise ValueError(f"--keep-outputs-after {self.keep_outputs_after_s}: use 0 to {MAX_DETACH_GRACE_S} seconds")
+        if not (math.isfinite(self.cold_start_timeout_s) and 0 <= self.cold_start_timeout_s <= MAX_COLD_START_S):
+            raise ValueError(
+                f"--cold-start-timeout {self.cold_start_timeout_s}: use 0 to {MAX_COLD_START_S:.0f} seconds"
+            )
         if not (math.isfinite(self.detach_grace_s) and 0 <= self.detach_grace_s <= MAX_DETACH_GRACE_S):
             raise ValueError(f"--detach-grace {self.detach_grace_s}: use 0 to {MAX_DETACH_GRACE_S} seconds")
 
@@ -128,6 +135,7 @@ class OrchestratorConfig:
             detach_grace_s=args.detach_grace,
             health_interval_s=args.health_interval,
             replica_wait_s=args.replica_wait,
+            cold_start_timeout_s=args.cold_start_timeout,
             tenants_file=args.tenants or None,
             state_dir=args.state_dir,
             store=store_location(args.store) if args.store else SqliteLocation(Path(args.state_dir)),

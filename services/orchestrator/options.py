@@ -95,6 +95,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=REPLICA_WAIT_S,
         help="seconds a call waits for a replica of its stage to serve again before failing (default: %(default)s)",
     )
+    parser.add_argument(
+        "--cold-start-timeout",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="where a stage has no replica serving a job's model (a pool scaled to zero, starting on demand), how "
+        "long the job waits for one, in order, before it fails UNAVAILABLE naming the stage; size it to the model's "
+        "load time (0, the default: --replica-wait)",
+    )
     parser.add_argument("--tenants", metavar="FILE", help="tenants YAML (API keys, priorities, quotas); default: open")
     parser.add_argument(
         "--state-dir",

@@ -116,16 +116,27 @@ class ModelRoutes:
             raise ModelNotFound(f"model '{model}' is not served here; available: {', '.join(visible)}")
         return route
 
-    def learn(self, replicas: Iterable[Reporting]) -> None:
+    def learn(self, replicas: Iterable[Reporting]) -> list[ModelRoute]:
         """Takes in what the DiT replicas report of their models (after each round of probes); the latest
-        StageInfo of each model wins, a serving replica's over one that is not."""
+        StageInfo of each model wins, a serving replica's over one that is not. Returns the routes of the models
+        serving replicas reported."""
         reporting = [replica for replica in replicas if replica.info is not None]
+        reported: dict[str, ModelRoute] = {}
         for replica in sorted(reporting, key=lambda replica: replica.serving):  # serving ones last: they win
             info = replica.info
             assert info is not None
-            family, known = FAMILIES.get(info.family), self._routes.get(info.model)
-            if family is None or (known is None and len(self._routes) >= MAX_MODELS):
-                continue
-            if known is None:
-                logger.info("model %s (%s) is served by the DiT at %s", info.model, info.family, replica.endpoint)
-            self._routes[info.model] = ModelRoute(info.model, info, family)
+            route = self.remember(info, f"the DiT at {replica.endpoint}")
+            if route is not None and replica.serving:
+                reported[route.model] = route
+        return list(reported.values())
+
+    def remember(self, info: stages_pb2.StageInfo, source: str) -> ModelRoute | None:
+        """Serves the model a DiT's StageInfo describes (from `source`: a replica, or the job store where it was
+        kept); None for a family this build does not know, or a model beyond MAX_MODELS."""
+        family, known = FAMILIES.get(info.family), self._routes.get(info.model)
+        if family is None or (known is None and len(self._routes) >= MAX_MODELS):
+            return None
+        if known is None:
+            logger.info("model %s (%s) is served, as %s says", info.model, info.family, source)
+        route = self._routes[info.model] = ModelRoute(info.model, info, family)
+        return route

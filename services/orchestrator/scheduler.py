@@ -340,6 +340,10 @@ class FairScheduler:
     def running_count(self) -> int:
         return len(self._running)
 
+    def queued_by_model(self) -> Counter[str]:
+        """Queued jobs per model (the autoscaling metrics read it at each scrape: O(queued))."""
+        return Counter(entry.model for entry in self._queued.values())
+
     def is_queued(self, job_id: str) -> bool:
         return job_id in self._queued
 

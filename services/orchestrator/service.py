@@ -29,9 +29,11 @@ from services.environment_options import parse_args
 from services.metrics import OrchestratorMetrics, ServerMetrics, start_metrics_server
 from services.orchestrator.adapter_rate import AdapterRate
 from services.orchestrator.config import OrchestratorConfig
+from services.orchestrator.demand import PoolDemandCollector
 from services.orchestrator.janitor import BlobJanitor
 from services.orchestrator.jobs import JobManager
 from services.orchestrator.membership import PostgresMembership
+from services.orchestrator.model_catalog import ModelCatalog
 from services.orchestrator.options import batch_per_tenant, build_parser
 from services.orchestrator.pipeline import Pipeline, restore_intermediates
 from services.orchestrator.relay import Relay
@@ -43,6 +45,7 @@ from services.orchestrator.store import JobStore
 from services.orchestrator.store_errors import StoreError
 from services.orchestrator.store_location import PostgresLocation, open_blobs, replica_owner
 from services.orchestrator.tenant_auth import TenantAuthInterceptor
+from services.orchestrator.tenant_usage import TenantUsageCollector
 from services.orchestrator.tenants import TenantConfigError, TenantRegistry
 from services.server import configure_logging, is_loopback, serve
 from services.server_config import ServerConfig
@@ -161,7 +164,15 @@ async def _serve(
         secret=secret,
         metrics=metrics,
         credentials=stage_credentials,
+        cold_start_s=config.cold_start_timeout_s,
     )
+    # The models the DiT replicas reported, kept in the store so that a model whose DiT pool is at zero stays served.
+    catalog = ModelCatalog(store, stages.routes)
+    try:
+        await catalog.load()
+    except StoreError as error:
+        logger.warning("the models kept in the job store could not be read (%s): the DiT replicas will say", error)
+    stages.on_models = catalog.saw
     pipeline = Pipeline(
         stages,
         stage_retries=config.stage_retries,
@@ -172,6 +183,8 @@ async def _serve(
         keep_outputs_after_s=config.keep_outputs_after_s,
     )
     scheduler = FairScheduler(max_queued=config.max_queued_jobs, max_running=config.max_running_jobs)
+    metrics.registry.register(PoolDemandCollector(stages, scheduler.queued_by_model))  # demand.py
+    metrics.registry.register(TenantUsageCollector(tenants.tenants, scheduler.tenants))
     jobs = JobManager(
         pipeline.run,
         scheduler,
@@ -217,6 +230,7 @@ async def _serve(
         await janitor.stop()
         await servicer.followers.close()
         await jobs.shutdown()
+        await catalog.close()
         await stages.close()
 
     await serve(

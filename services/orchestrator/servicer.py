@@ -30,8 +30,9 @@ from services.orchestrator.followers import JobFollowers, TooManyWatchers
 from services.orchestrator.image_uploads import UPLOADS_DIR, ImageUploads, UploadRefused
 from services.orchestrator.job import Job, JobState
 from services.orchestrator.jobs import JobManager
-from services.orchestrator.lora_access import check_loras, visible
+from services.orchestrator.lora_access import check_loras
 from services.orchestrator.membership import Membership
+from services.orchestrator.model_listing import list_models
 from services.orchestrator.options import DEFAULT_DETACH_GRACE_S
 from services.orchestrator.placement import Placement
 from services.orchestrator.refusals import (
@@ -134,8 +135,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """Why a served model's chain (`model`'s, or any one's) cannot run here (a stage without endpoints, a
         family this build does not know), or None."""
         dit = self.stages.stages.get("dit")
-        infos = [replica.info for replica in dit.replicas if replica.info is not None] if dit is not None else []
-        return chain_problem(self.stages.stages, [info for info in infos if info.model == model or not model])
+        reported = [replica.info for replica in dit.replicas if replica.info is not None] if dit is not None else []
+        infos = {
+            info.model: info for info in [*(route.info for route in self.stages.routes.models().values()), *reported]
+        }
+        return chain_problem(self.stages.stages, [info for name, info in infos.items() if name == model or not model])
 
     def _models(self) -> dict[str, stages_pb2.StageInfo]:
         """The served models (routes.py) and the StageInfo of a DiT replica of each."""
@@ -428,30 +432,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request: generation_pb2.ListModelsRequest,
         context: grpc.aio.ServicerContext[generation_pb2.ListModelsRequest, generation_pb2.ListModelsResponse],
     ) -> generation_pb2.ListModelsResponse:
-        tenant = current_tenant()
-        models = []
-        routes = self.stages.routes.models()
-        for model in visible_models(tenant, routes):
-            route = routes[model]
-            info = route.info
-            limits = stages_pb2.ModelLimits()
-            limits.CopyFrom(info.limits)
-            # Each tenant sees the adapters it may use, never another tenant's.
-            del limits.loras[:]
-            limits.loras.extend(visible(tenant, info.limits.loras))
-            models.append(
-                generation_pb2.ModelDescription(
-                    id=model,
-                    family=info.family,
-                    limits=limits,
-                    serving_replicas={
-                        stage: len(self.stages[stage].serving(route.accepts(stage)))
-                        for stage in route.family.chain
-                        if stage in self.stages.stages
-                    },
-                )
-            )
-        return generation_pb2.ListModelsResponse(models=models)
+        return generation_pb2.ListModelsResponse(models=list_models(self.stages, current_tenant()))
 
     async def UploadImage(
         self,

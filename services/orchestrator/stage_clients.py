@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,8 +34,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.auth import cluster_secret_interceptors
 from services.metrics import OrchestratorMetrics
+from services.orchestrator.demand import StageDemand
 from services.orchestrator.discovery import Lookup, StageSources, system_lookup
-from services.orchestrator.routes import Accepts, ModelRoutes, accept_any
+from services.orchestrator.routes import Accepts, ModelRoute, ModelRoutes, accept_any
 from services.server import GRPC_OPTIONS
 from services.stage_table import STAGES
 from services.tracing import client_interceptors as tracing_client_interceptors
@@ -157,9 +158,11 @@ class Stage:
         credentials: grpc.ChannelCredentials | None = None,
         *,
         looked_up: str = "",
+        cold_start_s: float = 0.0,
     ) -> None:
         """`looked_up`: the stage's flag when it names sources looked up later (discovery.py), whose endpoints
-        join through `reconcile`; the stage may then start with none."""
+        join through `reconcile`; the stage may then start with none. `cold_start_s`: how long a call waits
+        where no replica serves its model (--cold-start-timeout; 0: `replica_wait_s`)."""
         if not endpoints and not looked_up:
             raise ValueError(f"no endpoint for stage {name}")
         duplicates = sorted({endpoint for endpoint in endpoints if endpoints.count(endpoint) > 1})
@@ -169,6 +172,8 @@ class Stage:
         self.looked_up = looked_up
         self.secret, self.credentials = secret, credentials
         self.replica_wait_s = replica_wait_s
+        self.cold_start_s = cold_start_s
+        self.demand = StageDemand()  # its calls per model, for the autoscaling metrics (demand.py)
         self.metrics = metrics
         self.replicas: list[StageClient] = []
         self.retiring: list[StageClient] = []  # no longer listed, closed once their calls in flight end
@@ -248,6 +253,8 @@ class Stage:
         """Why the stage is not serving: each replica's reason (just the reason when there is one replica)."""
         if self.serving():
             return ""
+        if not self.replicas:
+            return f"no replica{self._scaled_to_zero()}"
         if len(self.replicas) == 1:
             return self.replicas[0].detail
         return "; ".join(f"{replica.endpoint}: {replica.detail}" for replica in self.replicas)
@@ -277,7 +284,8 @@ class Stage:
         replica.in_flight += 1
         replica.calls += 1
         try:
-            yield replica
+            with self.demand.calling(model):
+                yield replica
         finally:
             replica.in_flight -= 1
 
@@ -296,20 +304,31 @@ class Stage:
                 except grpc.aio.AioRpcError as error:
                     raise self.failed(replica, error) from None
 
+    def _scaled_to_zero(self) -> str:
+        if not self.cold_start_s:
+            return ""
+        return f": scaled to zero, a call waits up to {self.cold_start_s:g} s for one to start (--cold-start-timeout)"
+
     async def _wait_for_replica(self, accepts: Accepts, model: str) -> StageClient:
+        """A replica that `accepts` takes, once one serves: waits up to `cold_start_s` (a pool at zero starting
+        on demand), else `replica_wait_s`, in the order the calls came (the Condition wakes them in turn)."""
         loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + self.replica_wait_s
-        async with self._changed:
-            while (replica := self.pick(accepts)) is None:
-                remaining = give_up_at - loop.time()
-                if remaining <= 0:
-                    if self.serving() and model:
-                        why = f"no replica serving model '{model}' came back within {self.replica_wait_s:g} s"
-                    else:
-                        why = f"no replica came back within {self.replica_wait_s:g} s ({self.detail})"
-                    raise StageError(self.name, self.endpoint, grpc.StatusCode.UNAVAILABLE, why)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), timeout=remaining)
+        wait_s = self.cold_start_s or self.replica_wait_s
+        give_up_at = loop.time() + wait_s
+        if self.cold_start_s:
+            logger.info("stage %s: no replica serves model '%s'; a call waits for one to start", self.name, model)
+        with self.demand.waiting_for_replica(model):
+            async with self._changed:
+                while (replica := self.pick(accepts)) is None:
+                    remaining = give_up_at - loop.time()
+                    if remaining <= 0:
+                        if self.serving() and model:
+                            why = f"no replica serving model '{model}' came within {wait_s:g} s"
+                        else:
+                            why = f"no replica came within {wait_s:g} s ({self.detail})"
+                        raise StageError(self.name, self.endpoint, grpc.StatusCode.UNAVAILABLE, why)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), timeout=remaining)
         return replica
 
     async def wait_serving(self) -> None:
@@ -380,9 +399,11 @@ class StagePool:
         metrics: OrchestratorMetrics | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         lookup: Lookup = system_lookup,
+        cold_start_s: float = 0.0,
     ) -> None:
         """`endpoints`: each stage's sources (discovery.py: HOST:PORT and dns:NAME:PORT, comma-separated or a
-        list); `lookup` resolves the names, every probe interval."""
+        list); `lookup` resolves the names, every probe interval. `cold_start_s` > 0: stages may be at zero
+        (--cold-start-timeout): calls wait that long for a replica, and the pool is ready without any."""
         unknown = sorted(set(endpoints) - set(STAGE_ORDER))
         if unknown:
             raise ValueError(f"no stage kind named {', '.join(unknown)}; the kinds are {', '.join(STAGE_ORDER)}")
@@ -399,11 +420,15 @@ class StagePool:
                 metrics,
                 credentials,
                 looked_up=sources.flag if sources.names else "",
+                cold_start_s=cold_start_s,
             )
             for name, sources in self.sources.items()
         }
         self.lookup = lookup
         self.probe_interval_s = probe_interval_s
+        self.cold_start_s = cold_start_s
+        # Called with the routes the DiT replicas reported in each round of probes (model_catalog.py keeps them).
+        self.on_models: Callable[[list[ModelRoute]], None] | None = None
         self._prober: asyncio.Task | None = None
         # Every model a DiT replica has reported, kept when its replicas go (routes.py): its jobs wait for one.
         self.routes = ModelRoutes()
@@ -433,7 +458,9 @@ class StagePool:
         models the DiT replicas serve."""
         await asyncio.gather(*(stage.probe(replica) for stage, replica in self.replicas()))
         if "dit" in self.stages:
-            self.routes.learn(self.stages["dit"].replicas)
+            reported = self.routes.learn(self.stages["dit"].replicas)
+            if self.on_models is not None:
+                self.on_models(reported)
 
     def start_probing(self) -> None:
         if self._prober is None:
@@ -449,7 +476,13 @@ class StagePool:
             await asyncio.sleep(self.probe_interval_s)
 
     async def wait_until_serving(self) -> None:
-        """Starts the probes and waits until every stage has a serving replica (the others join when ready)."""
+        """Starts the probes and waits until every stage has a serving replica (the others join when ready); with
+        `cold_start_s`, only for the first round of lookups and probes (a stage may be at zero)."""
+        if self.cold_start_s:
+            await self.discover()
+            await self.probe_all()
+            self.start_probing()
+            return
         self.start_probing()
         for stage in self.stages.values():
             await stage.wait_serving()

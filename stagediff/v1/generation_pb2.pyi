@@ -255,7 +255,7 @@ class ListJobsResponse(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
 
 class ModelDescription(_message.Message):
-    __slots__ = ("id", "family", "limits", "serving_replicas")
+    __slots__ = ("id", "family", "limits", "serving_replicas", "status")
     class ServingReplicasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -267,11 +267,13 @@ class ModelDescription(_message.Message):
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     SERVING_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     id: str
     family: str
     limits: _stages_pb2.ModelLimits
     serving_replicas: _containers.ScalarMap[str, int]
-    def __init__(self, id: _Optional[str] = ..., family: _Optional[str] = ..., limits: _Optional[_Union[_stages_pb2.ModelLimits, _Mapping]] = ..., serving_replicas: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    status: str
+    def __init__(self, id: _Optional[str] = ..., family: _Optional[str] = ..., limits: _Optional[_Union[_stages_pb2.ModelLimits, _Mapping]] = ..., serving_replicas: _Optional[_Mapping[str, int]] = ..., status: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

@@ -5,24 +5,38 @@ checkpoint is given the text-to-video one's), and Qwen-Image has its own. One te
 models, one VAE process (loaded from the image-to-video checkpoint, whose family also encodes input images, and
 patch-parallel over two ranks) decodes both; each model's frames equal its diffusers pipeline's within one level.
 A tenant allowed only the Wan models is refused Qwen-Image with PERMISSION_DENIED and sees only its models.
-How the routing picks replicas, case by case, is in tests/unit/test_model_routes.py.
+
+Scale from zero: t2v's DiT is stopped after a warm run; a job for t2v then waits (--cold-start-timeout) while the
+other models' tests run, its DiT starts SCALED_TO_ZERO_S later, and the job makes the warm run's frames. How the
+routing picks replicas, and a job failing past the cold-start timeout, are in tests/unit/test_model_routes.py and
+tests/unit/test_cold_start.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 
 from families.init_model import init_model
+from families.qwen_image.init_model import DEFAULT_REQUESTS as QWEN_DEFAULT_REQUESTS
 from services.orchestrator.tenants import hash_api_key, new_api_key
 from stagediff import Client, StageDiffError
 from stagediff.local.supervisor import LocalCluster
+from stagediff.protocol import API_KEY_ENV
+from stagediff.v1 import generation_pb2
 from tests.helpers.image_to_video import PATCH_PARALLEL_VAE, check_cases, encoded
 from tests.helpers.qwen_references import QWEN_CASES, qwen_reference
 from tests.helpers.qwen_references import assert_close as assert_image_close
@@ -32,6 +46,8 @@ from tests.helpers.serving import THREADS_PER_STAGE
 from tests.helpers.wan_i2v import input_image
 
 SHARED = ("text_encoder", "tokenizer", "vae")  # the components the Wan models share
+COLD_START_TIMEOUT_S = 300  # how long a job waits for a DiT that starts on demand
+SCALED_TO_ZERO_S = 30.0  # how long t2v's DiT stays at zero with a job waiting for it
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +85,10 @@ def cluster(models, keys, tmp_path_factory) -> Iterator[LocalCluster]:
         [models["t2v"], models["i2v"], models["qwen"]],
         threads_per_stage=THREADS_PER_STAGE,
         log_dir=tmp_path_factory.mktemp("models-logs"),
-        extra_args={"vae": PATCH_PARALLEL_VAE, "orchestrator": ["--tenants", str(tenants)]},
+        extra_args={
+            "vae": PATCH_PARALLEL_VAE,
+            "orchestrator": ["--tenants", str(tenants), "--cold-start-timeout", str(COLD_START_TIMEOUT_S)],
+        },
     )
     local.start(timeout=300)
     try:
@@ -78,7 +97,55 @@ def cluster(models, keys, tmp_path_factory) -> Iterator[LocalCluster]:
         local.stop()
 
 
-def test_shared_stages_run_once_for_the_models_whose_files_they_hold(cluster: LocalCluster) -> None:
+@dataclass
+class Waiting:
+    """A t2v job submitted while t2v's DiT was at zero, and the warm run's frames of the same request."""
+
+    job_id: str
+    warm: np.ndarray
+    since: float  # time.monotonic() when it was submitted
+
+
+T2V_CASE = dict(
+    prompt="a red fox", negative_prompt="blurry", height=32, width=48, num_frames=5, steps=2, guidance=5.0, seed=3
+)
+T2V_REQUEST = dict(
+    model="t2v",
+    negative_prompt="blurry",
+    height=32,
+    width=48,
+    num_frames=5,
+    num_inference_steps=2,
+    guidance_scale=5.0,
+    seed=3,
+)
+
+
+@pytest.fixture(scope="module")
+def t2v_waiting(cluster: LocalCluster, models, keys) -> Waiting:
+    """t2v made warm (and equal to WanPipeline's), then its DiT stopped and a job submitted for it."""
+    from diffusers import WanPipeline
+
+    pipeline = WanPipeline.from_pretrained(models["t2v"])
+    pipeline.set_progress_bar_config(disable=True)
+    with Client(cluster.endpoint, api_key=keys["acme"]) as client:
+        warm = client.generate(T2V_CASE["prompt"], **T2V_REQUEST)
+        assert_image_close(warm.frames, reference_frames(pipeline, **T2V_CASE))
+        cluster.kill("dit.t2v", signal.SIGTERM)
+        _wait_for_status(client, "t2v", "scaled to zero at dit: starts on demand")
+        job = client.submit(T2V_CASE["prompt"], **T2V_REQUEST)
+    return Waiting(job.job_id, warm.frames, time.monotonic())
+
+
+def _wait_for_status(client: Client, model: str, status: str) -> None:
+    """Waits (bounded) until ListModels says `model`'s status begins with `status`."""
+    give_up_at = time.monotonic() + 60
+    while not any(m.id == model and m.status.startswith(status) for m in client.list_models()):
+        assert time.monotonic() < give_up_at, f"{model} never became: {status}; {client.list_models()}"
+        time.sleep(0.2)
+
+
+def test_shared_stages_run_once_for_the_models_whose_files_they_hold(cluster: LocalCluster, keys) -> None:
     stages = sorted(name for name, service in cluster.compose.items() if service.stage_kind is not None)
     assert stages == [
         "dit.i2v", "dit.qwen", "dit.t2v", "interp", "text-encoder.qwen", "text-encoder.t2v", "vae.i2v", "vae.qwen"
@@ -86,43 +153,26 @@ def test_shared_stages_run_once_for_the_models_whose_files_they_hold(cluster: Lo
     assert cluster.log_dir is not None
     log = (cluster.log_dir / "text-encoder.t2v.log").read_text()
     assert "one text-encoder for the models t2v, i2v: their text_encoder (sha256:" in log, log[-2000:]
-
-
-def test_each_model_equals_its_pipeline(cluster: LocalCluster, models, keys, qwen_pipeline) -> None:
-    endpoint = cluster.endpoint
-    with Client(endpoint, api_key=keys["acme"]) as client:
+    with Client(cluster.endpoint, api_key=keys["acme"]) as client:
         info = client.cluster_info()
-        models_listed = client.list_models()
+        listed = client.list_models()
     # The shared text encoder says which models it serves; ListModels counts it for both.
     text_encoders = next(stage for stage in info.stages if stage.info.stage == "text-encoder").replicas
     assert sorted(tuple(replica.info.models) for replica in text_encoders) == [("qwen",), ("t2v", "i2v")]
-    assert [(m.id, dict(m.serving_replicas)) for m in models_listed] == [
-        (model, {"text-encoder": 1, "dit": 1, "vae": 1, **({} if model == "qwen" else {"interp": 1})})
+    assert [(m.id, dict(m.serving_replicas), m.status) for m in listed] == [
+        (model, {"text-encoder": 1, "dit": 1, "vae": 1, **({} if model == "qwen" else {"interp": 1})}, "serving")
         for model in ("t2v", "i2v", "qwen")
     ]
 
-    t2v_case = dict(
-        prompt="a red fox", negative_prompt="blurry", height=32, width=48, num_frames=5, steps=2, guidance=5.0, seed=3
-    )
-    from diffusers import WanPipeline
 
-    t2v_pipeline = WanPipeline.from_pretrained(models["t2v"])
-    t2v_pipeline.set_progress_bar_config(disable=True)
-    with Client(endpoint, api_key=keys["acme"]) as client:
-        result = client.generate(
-            t2v_case["prompt"],
-            model="t2v",
-            negative_prompt=t2v_case["negative_prompt"],
-            height=t2v_case["height"],
-            width=t2v_case["width"],
-            num_frames=t2v_case["num_frames"],
-            num_inference_steps=t2v_case["steps"],
-            guidance_scale=t2v_case["guidance"],
-            seed=t2v_case["seed"],
-        )
-    assert_image_close(result.frames, reference_frames(t2v_pipeline, **t2v_case))
+def test_a_job_for_a_model_at_zero_waits_for_its_dit(cluster: LocalCluster, keys, t2v_waiting: Waiting) -> None:
+    with Client(cluster.endpoint, api_key=keys["acme"]) as client:
+        job = client.get_job(t2v_waiting.job_id)
+    assert job.state == generation_pb2.JOB_STATE_RUNNING and job.current_stage == "dit", job
 
-    # Wan2.2 I2V A14B, its VAE patch-parallel: the Encode whole on rank 0, the decode in bands.
+
+def test_i2v_equals_its_pipeline_on_the_shared_text_encoder_and_vae(cluster: LocalCluster, models, keys) -> None:
+    """Wan2.2 I2V A14B, its VAE patch-parallel: the Encode whole on rank 0, the decode in bands."""
     i2v_cases = [
         dict(
             prompt="a red fox runs",
@@ -148,9 +198,74 @@ def test_each_model_equals_its_pipeline(cluster: LocalCluster, models, keys, qwe
     ]
     check_cases(cluster, models["i2v"], i2v_cases, model="i2v", api_key=keys["acme"])
 
-    case = QWEN_CASES[0]
-    frames = generate_image(endpoint, case, model="qwen", api_key=keys["acme"])
+
+@pytest.mark.parametrize("case", QWEN_CASES, ids=[f"{c['height']}x{c['width']}-cfg{c['guidance']}" for c in QWEN_CASES])
+def test_qwen_cluster_equals_qwen_image_pipeline(cluster: LocalCluster, keys, qwen_pipeline, case) -> None:
+    frames = generate_image(cluster.endpoint, case, model="qwen", api_key=keys["acme"])
     assert_image_close(frames, qwen_reference(qwen_pipeline, **case))
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (dict(num_frames=5), ["num_frames", "single images", "use 1"]),
+        (dict(height=40), ["height", "multiple of 16"]),
+        (dict(width=72), ["width", "multiple of 16"]),
+        (dict(interp_exp=1), ["interpolation", "single images", "leave interpolation off"]),
+    ],
+)
+def test_qwen_refuses_what_the_pipeline_cannot_make(cluster: LocalCluster, keys, overrides, words) -> None:
+    arguments = dict(model="qwen", height=64, width=64, num_frames=1, num_inference_steps=2, guidance_scale=4.0, seed=0)
+    with Client(cluster.endpoint, api_key=keys["acme"]) as client, pytest.raises(StageDiffError) as raised:
+        client.generate("a fox", **{**arguments, **overrides})
+    assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT, raised.value
+    for word in words:
+        assert word in raised.value.message, raised.value.message
+
+
+def test_qwen_defaults_and_cli_png(cluster: LocalCluster, keys, qwen_pipeline, tmp_path: Path) -> None:
+    from PIL import Image
+
+    out = tmp_path / "fox.png"
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stagediff.cli",
+            "generate",
+            "--endpoint",
+            cluster.endpoint,
+            "--model",
+            "qwen",
+            "--prompt",
+            "a red fox",
+            "--negative-prompt",
+            "blurry",
+            "--seed",
+            "3",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, API_KEY_ENV: keys["acme"]},
+    )
+    assert completed.returncode == 0, completed.stderr
+    image = np.asarray(Image.open(out).convert("RGB"))[None]
+    defaults = QWEN_DEFAULT_REQUESTS["tiny"]
+    expected = qwen_reference(
+        qwen_pipeline,
+        prompt="a red fox",
+        negative_prompt="blurry",
+        height=defaults["height"],
+        width=defaults["width"],
+        steps=defaults["num_inference_steps"],
+        guidance=defaults["guidance_scale"],
+        seed=3,
+    )
+    assert_image_close(image, expected)
 
 
 def test_a_tenant_allowed_some_models_is_refused_the_others(cluster: LocalCluster, keys) -> None:
@@ -169,3 +284,13 @@ def test_a_tenant_allowed_some_models_is_refused_the_others(cluster: LocalCluste
         with urllib.request.urlopen(request, timeout=30) as response:
             listed = json.load(response)["data"]
         assert [model["id"] for model in listed] == expected
+
+
+def test_the_waiting_job_runs_once_its_dit_starts(cluster: LocalCluster, keys, t2v_waiting: Waiting) -> None:
+    """Last: the other tests ran while the job waited; the DiT starts SCALED_TO_ZERO_S after the job came."""
+    time.sleep(max(0.0, t2v_waiting.since + SCALED_TO_ZERO_S - time.monotonic()))
+    cluster.restart("dit.t2v")
+    with Client(cluster.endpoint, api_key=keys["acme"]) as client:
+        cold = client.wait(t2v_waiting.job_id)
+        assert [m.status for m in client.list_models()] == ["serving"] * 3
+    assert np.array_equal(cold.frames, t2v_waiting.warm), "the job that waited for its DiT made the warm run's frames"

@@ -1,25 +1,22 @@
 """Model families beyond Wan2.1 through the running cluster: Wan2.2-T2V-A14B (two experts) and Qwen-Image
-(text-to-image, true CFG) equal the in-process pipeline's frames within one level, each family on its default
-cluster, and Qwen-Image on one parallel cluster that combines the DiT layouts with a patch-parallel VAE (the image
-family and its own VAE; a parallel Wan cluster runs in tests/e2e/test_e2e_parallel.py). Each layout alone and
-combined is proven against one rank on gloo for both families in tests/integration/test_family_features.py (the
-ParallelLayouts classes, A14B's experts switching on every rank included), Qwen-Image's VAE in
-tests/integration/test_qwen_vae_patch_parallel.py and A14B's in tests/integration/test_family_a14b_features.py.
+(text-to-image, true CFG) equal the in-process pipeline's frames within one level: A14B on its default cluster,
+Qwen-Image beside two Wan models in tests/e2e/test_e2e_models.py, and here on one parallel cluster that combines
+the DiT layouts with a patch-parallel VAE (the image family and its own VAE; a parallel Wan cluster runs in
+tests/e2e/test_e2e_parallel.py). Each layout alone and combined is proven against one rank on gloo for both
+families in tests/integration/test_family_features.py (the ParallelLayouts classes, A14B's experts switching on
+every rank included), Qwen-Image's VAE in tests/integration/test_qwen_vae_patch_parallel.py and A14B's in
+tests/integration/test_family_a14b_features.py.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 
-from families.qwen_image.init_model import DEFAULT_REQUESTS as QWEN_DEFAULT_REQUESTS
-from stagediff import Client, StageDiffError
+from stagediff import Client
 from stagediff.local.supervisor import LocalCluster
 from tests.helpers.image_to_video import PATCH_PARALLEL_VAE, ULYSSES_CFG_HSDP
 from tests.helpers.qwen_references import QWEN_CASES, assert_close, generate, qwen_reference
@@ -37,81 +34,8 @@ def _cluster(model: Path, log_dir: Path, extra_args: dict[str, list[str]] | None
 
 
 @pytest.fixture(scope="module")
-def qwen_cluster(qwen_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    yield from _cluster(qwen_model, tmp_path_factory.mktemp("qwen-cluster-logs"))
-
-
-@pytest.fixture(scope="module")
 def a14b_cluster(a14b_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     yield from _cluster(a14b_model, tmp_path_factory.mktemp("a14b-cluster-logs"))
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("case", QWEN_CASES, ids=[f"{c['height']}x{c['width']}-cfg{c['guidance']}" for c in QWEN_CASES])
-def test_qwen_cluster_equals_qwen_image_pipeline(qwen_cluster, qwen_pipeline, case) -> None:
-    assert_close(generate(qwen_cluster.endpoint, case), qwen_reference(qwen_pipeline, **case))
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize(
-    "overrides, words",
-    [
-        (dict(num_frames=5), ["num_frames", "single images", "use 1"]),
-        (dict(height=40), ["height", "multiple of 16"]),
-        (dict(width=72), ["width", "multiple of 16"]),
-        (dict(interp_exp=1), ["interpolation", "single images", "leave interpolation off"]),
-    ],
-)
-def test_qwen_refuses_what_the_pipeline_cannot_make(qwen_cluster, overrides, words) -> None:
-    arguments = dict(height=64, width=64, num_frames=1, num_inference_steps=2, guidance_scale=4.0, seed=0)
-    with Client(qwen_cluster.endpoint) as client, pytest.raises(StageDiffError) as raised:
-        client.generate("a fox", **{**arguments, **overrides})
-    assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT, raised.value
-    for word in words:
-        assert word in raised.value.message, raised.value.message
-
-
-@pytest.mark.e2e
-def test_qwen_defaults_and_cli_png(qwen_cluster, qwen_pipeline, tmp_path: Path) -> None:
-    from PIL import Image
-
-    out = tmp_path / "fox.png"
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "stagediff.cli",
-            "generate",
-            "--endpoint",
-            qwen_cluster.endpoint,
-            "--prompt",
-            "a red fox",
-            "--negative-prompt",
-            "blurry",
-            "--seed",
-            "3",
-            "--out",
-            str(out),
-            "--quiet",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert completed.returncode == 0, completed.stderr
-    image = np.asarray(Image.open(out).convert("RGB"))[None]
-    defaults = QWEN_DEFAULT_REQUESTS["tiny"]
-    expected = qwen_reference(
-        qwen_pipeline,
-        prompt="a red fox",
-        negative_prompt="blurry",
-        height=defaults["height"],
-        width=defaults["width"],
-        steps=defaults["num_inference_steps"],
-        guidance=defaults["guidance_scale"],
-        seed=3,
-    )
-    assert_close(image, expected)
 
 
 @pytest.mark.e2e

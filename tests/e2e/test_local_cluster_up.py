@@ -45,6 +45,8 @@ VARIANTS = [GPU_COMPOSE_FILE, SINGLE_GPU_COMPOSE_FILE, CPU_COMPOSE_FILE]
 HA_COMPOSE_FILE = DEPLOY / "docker-compose.ha.yml"
 # Two models behind one orchestrator, a DiT each (tests/unit/test_compose_two_models.py checks its topology).
 TWO_MODELS_COMPOSE_FILE = DEPLOY / "docker-compose.two-models.yml"
+# Prometheus and Grafana over a cluster file (tests/unit/test_dashboards.py checks what they scrape and load).
+MONITORING_OVERRIDE = DEPLOY / "docker-compose.monitoring.yml"
 
 
 def _docker_compose() -> str:
@@ -79,6 +81,7 @@ def _resolved(*files: Path) -> dict[str, Any]:
     [
         *((file,) for file in [*VARIANTS, COMMON_SERVICES, HA_COMPOSE_FILE, TWO_MODELS_COMPOSE_FILE]),
         *((file, IMAGE_OVERRIDE) for file in VARIANTS),
+        *((file, MONITORING_OVERRIDE) for file in VARIANTS),
     ],
     ids=lambda files: "+".join(file.name for file in files),
 )

@@ -69,6 +69,8 @@ class FakeStage:
 class FakeStagePool:
     """The stages as a servicer sees them; probing on a call would be a fan-out per GetClusterInfo."""
 
+    cold_start_s = 0.0  # stages are never at zero here
+
     def __init__(self) -> None:
         self.stages = {name: FakeStage(name) for name in ("text-encoder", "dit", "vae", "interp")}
 

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from services.orchestrator.jobs import JobManager
+from services.orchestrator.model_catalog import ModelCatalog
 from services.orchestrator.pipeline import Pipeline, restore_intermediates
 from services.orchestrator.scheduler import FairScheduler
 from services.orchestrator.servicer import GenerationServicer
@@ -194,9 +195,11 @@ class ChainOrchestrator:
         keep_outputs_after_s: float = 1.0,
         tenants: TenantRegistry | None = None,
         replica_wait_s: float = 5.0,
+        cold_start_s: float = 0.0,
     ) -> None:
-        self.pool = StagePool(endpoints, probe_interval_s=0.1, replica_wait_s=replica_wait_s)
+        self.pool = StagePool(endpoints, probe_interval_s=0.1, replica_wait_s=replica_wait_s, cold_start_s=cold_start_s)
         self.store = JobStore.open(state_dir)
+        self.catalog = ModelCatalog(self.store, self.pool.routes)
         pipeline = Pipeline(
             self.pool, retry_backoff_s=0.01, store=self.store, keep_outputs_after_s=keep_outputs_after_s
         )
@@ -208,6 +211,8 @@ class ChainOrchestrator:
         self.endpoint = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
 
     async def start(self) -> None:
+        await self.catalog.load()
+        self.pool.on_models = self.catalog.saw
         await self.server.start()
         self.starting = asyncio.get_running_loop().create_task(self.servicer.start())
 
@@ -215,5 +220,6 @@ class ChainOrchestrator:
         self.starting.cancel()
         await self.server.stop(None)
         await self.jobs.shutdown()
+        await self.catalog.close()
         await self.pool.close()
         self.store.close()

@@ -41,7 +41,9 @@ def _merged(base: Any, patch: Any) -> Any:
         return patch
     merged = dict(base)
     for key, value in patch.items():
-        if key in _MERGE_KEYS and isinstance(value, list):
+        if value is None:  # `key: null` deletes the field
+            merged.pop(key, None)
+        elif key in _MERGE_KEYS and isinstance(value, list):
             items = list(merged.get(key, []))
             for item in value:
                 at = [i for i, old in enumerate(items) if old[_MERGE_KEYS[key]] == item[_MERGE_KEYS[key]]]
@@ -59,12 +61,30 @@ def _merged(base: Any, patch: Any) -> Any:
 
 
 def with_component(base: list[dict[str, Any]], component: str) -> list[dict[str, Any]]:
-    """The objects of the base with a component's resources added and its patches applied (deletions and strategic
-    merge patches; what `kubectl kustomize` builds, less the namespace and the secrets' hashed names)."""
-    kustomization = yaml.safe_load((K8S_DIR / component / "kustomization.yaml").read_text())
-    objects = copy.deepcopy([*base, *_objects(K8S_DIR / component)])
+    """The objects of the base with a component applied as kustomize applies it: its resources added, the components
+    it includes applied, its ConfigMaps generated and its patches applied (deletions and strategic merge patches;
+    what `kubectl kustomize` builds, less the namespace and the hashes in generated names)."""
+    directory = K8S_DIR / component
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    objects = copy.deepcopy([*base, *_objects(directory)])
+    for included in kustomization.get("components", []):
+        objects = with_component(objects, str((directory / included).resolve().relative_to(K8S_DIR)))
+    for generator in kustomization.get("configMapGenerator", []):
+        data = {}
+        for source in generator["files"]:
+            key, _, path = source.rpartition("=")
+            data[key or Path(path).name] = (directory / path).read_text()
+        objects.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": generator["name"]}, "data": data})
     for entry in kustomization.get("patches", []):
-        assert "target" not in entry, f"{component}: only patches naming their object are applied here"
+        if "target" in entry:  # a JSON patch (RFC 6902) of the object the target names
+            target = entry["target"]
+            assert set(target) == {"kind", "name"}, f"{component}: a target names one object here: {target}"
+            named = (target["kind"], target["name"])
+            at = [i for i, o in enumerate(objects) if (o["kind"], o["metadata"]["name"]) == named]
+            assert len(at) == 1, f"{component}: {target} is not one object"
+            for operation in yaml.safe_load(entry["patch"]):
+                _json_patch(objects[at[0]], operation)
+            continue
         patch = yaml.safe_load(entry["patch"])
         at = [
             i
@@ -77,3 +97,52 @@ def with_component(base: list[dict[str, Any]], component: str) -> list[dict[str,
         else:
             objects[at[0]] = _merged(objects[at[0]], patch)
     return objects
+
+
+def _json_patch(obj: dict[str, Any], operation: dict[str, Any]) -> None:
+    """One operation of a JSON patch: test, replace, add or remove at a JSON pointer."""
+    *parents, last = [part.replace("~1", "/").replace("~0", "~") for part in operation["path"].split("/")[1:]]
+    container: Any = obj
+    for part in parents:
+        container = container[int(part)] if isinstance(container, list) else container[part]
+    key: Any = last if isinstance(container, dict) else (len(container) if last == "-" else int(last))
+    op = operation["op"]
+    if op == "test":
+        assert container[key] == operation["value"], f"JSON patch test failed at {operation['path']}"
+    elif op == "replace":
+        assert isinstance(container, dict) and key in container or isinstance(container, list) and key < len(container)
+        container[key] = copy.deepcopy(operation["value"])
+    elif op == "add":
+        if isinstance(container, list):
+            container.insert(key, copy.deepcopy(operation["value"]))
+        else:
+            container[key] = copy.deepcopy(operation["value"])
+    elif op == "remove":
+        del container[key]
+    else:
+        raise AssertionError(f"JSON patch operation {op} is not applied here")
+
+
+def with_components(base: list[dict[str, Any]], components: list[str]) -> list[dict[str, Any]]:
+    """The base with `components` applied in order, as `components:` in deploy/k8s/kustomization.yaml lists them."""
+    for component in components:
+        base = with_component(base, component)
+    return base
+
+
+# Kinds whose schemas kubernetes-validate does not have (custom resources): tests/unit/test_k8s_manifests.py checks
+# them field by field.
+CUSTOM_KINDS = {"ScaledObject": "keda.sh/v1alpha1", "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1"}
+
+
+def is_custom(obj: dict[str, Any]) -> bool:
+    return obj["kind"] in CUSTOM_KINDS
+
+
+def pod_template(workload: dict[str, Any]) -> dict[str, Any]:
+    """The pod template of a Deployment, a StatefulSet or a LeaderWorkerSet (whose leaders use its worker template)."""
+    if workload["kind"] == "LeaderWorkerSet":
+        template = workload["spec"]["leaderWorkerTemplate"]
+        assert "leaderTemplate" not in template, "one template for leader and workers: the rank comes from LWS"
+        return template["workerTemplate"]
+    return workload["spec"]["template"]

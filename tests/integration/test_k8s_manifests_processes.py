@@ -16,9 +16,19 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from services.environment_options import options_module, parse_args
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.store_location import PostgresLocation, S3Location
-from tests.helpers.k8s_manifests import COMPONENTS, K8S_DIR, KUBERNETES_VERSION, _objects, with_component
+from tests.helpers.k8s_manifests import (
+    COMPONENTS,
+    K8S_DIR,
+    KUBERNETES_VERSION,
+    _objects,
+    is_custom,
+    pod_template,
+    with_component,
+    with_components,
+)
 from tests.helpers.serving import parse_serve
 
 
@@ -59,19 +69,51 @@ def test_kustomize_builds(tmp_path: Path, components: list[str]) -> None:
 
 
 def _pod_shapes(objects: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each workload's containers (command, model and other mounts) and its volumes but Secrets, whose names
-    kustomize hashes."""
+    """Each workload's containers (command, environment, model and other mounts) and its volumes but Secrets,
+    whose names kustomize hashes (and generated ConfigMaps' names, without their hash)."""
+    generated = _generated_config_maps(objects)
     shapes = {}
     for o in objects:
-        if o["kind"] in ("Deployment", "StatefulSet"):
-            pod = o["spec"]["template"]["spec"]
+        if o["kind"] in ("Deployment", "StatefulSet", "LeaderWorkerSet"):
+            template = pod_template(o)
+            pod = template["spec"]
             containers = [
-                (c["name"], c["args"], sorted(c.get("volumeMounts", []), key=lambda m: m["mountPath"]))
+                (
+                    c["name"],
+                    c["args"],
+                    # By name: kustomize puts the entries a patch adds first, which matters only to $(VAR).
+                    sorted(
+                        (e for e in c.get("env", []) if "secretKeyRef" not in e.get("valueFrom", {})),
+                        key=lambda e: e["name"],
+                    ),
+                    sorted(c.get("volumeMounts", []), key=lambda m: m["mountPath"]),
+                )
                 for c in pod["containers"]
             ]
-            volumes = sorted((v for v in pod.get("volumes", []) if "secret" not in v), key=lambda v: v["name"])
-            shapes[o["metadata"]["name"]] = (containers, volumes, o["spec"]["template"]["metadata"]["labels"])
+            volumes = []
+            for volume in sorted((v for v in pod.get("volumes", []) if "secret" not in v), key=lambda v: v["name"]):
+                if "configMap" in volume:
+                    name = volume["configMap"]["name"]
+                    volume = volume | {"configMap": volume["configMap"] | {"name": generated.get(name, name)}}
+                volumes.append(volume)
+            labels = template["metadata"]["labels"]
+            shapes[o["metadata"]["name"]] = (containers, volumes, labels, "replicas" in o["spec"])
     return shapes
+
+
+def _generated_config_maps(objects: list[dict[str, Any]]) -> dict[str, str]:
+    """The names kustomize generated for ConfigMaps (NAME-HASH) -> NAME."""
+    return {
+        o["metadata"]["name"]: o["metadata"]["name"].rsplit("-", 1)[0]
+        for o in objects
+        if o["kind"] == "ConfigMap" and re.fullmatch(r"[a-z0-9-]+-[a-z0-9]{10}", o["metadata"]["name"])
+    }
+
+
+def _names(objects: list[dict[str, Any]]) -> set[tuple[str, str]]:
+    generated = _generated_config_maps(objects)
+    names = {(o["kind"], o["metadata"]["name"]) for o in objects if o["kind"] != "Secret"}
+    return {(kind, generated.get(name, name)) for kind, name in names}
 
 
 def test_the_two_models_component_builds_what_the_unit_tier_checks(tmp_path: Path) -> None:
@@ -148,3 +190,52 @@ def _shell_argv(container: dict[str, Any], objects: list[dict[str, Any]]) -> lis
     argv = printed.stdout.split("\0")[:-1]
     assert argv[0] == "serve"
     return argv[1:]
+
+
+@pytest.mark.parametrize(
+    "components",
+    [["autoscaling"], ["two-models", "autoscaling/two-models"], ["dit-lws"], ["dit-lws", "autoscaling/dit-lws"]],
+    ids="+".join,
+)
+def test_the_autoscaling_and_lws_components_build_what_the_unit_tier_checks(
+    tmp_path: Path, components: list[str]
+) -> None:
+    """Each way to enable autoscaling and LeaderWorkerSet groups, built by kubectl: valid objects (custom resources
+    aside: no schema here), and the same objects, pod templates, ConfigMaps and ScaledObjects as the components applied
+    by tests/helpers/k8s_manifests.py, which tests/unit/test_k8s_manifests.py checks."""
+    objects = _kustomize(tmp_path, components)
+    for obj in objects:
+        if not is_custom(obj):
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    expected = with_components(_objects(K8S_DIR), components)
+    assert _names(objects) == {(o["kind"], o["metadata"]["name"]) for o in expected}
+    assert _pod_shapes(objects) == _pod_shapes(expected)
+    generated = _generated_config_maps(objects)
+    for kind in ("ConfigMap", "ScaledObject", "LeaderWorkerSet"):
+        built = {generated.get(o["metadata"]["name"], o["metadata"]["name"]): o for o in objects if o["kind"] == kind}
+        wanted = {o["metadata"]["name"]: o for o in expected if o["kind"] == kind}
+        assert set(built) == set(wanted), kind
+        for name, obj in built.items():
+            field = "data" if kind == "ConfigMap" else "spec"
+            assert obj[field] == wanted[name][field], f"{kind}/{name}"
+
+
+def test_autoscaling_composes_with_replicated_orchestrators(tmp_path: Path) -> None:
+    """`components: [orchestrator-ha, autoscaling]`: the replicas' own command (orchestrator-ha's) with the cold-start
+    timeout of the autoscaling component's environment, as a real shell and the orchestrator's parser read them."""
+    objects = _kustomize(tmp_path, ["orchestrator-ha", "autoscaling"])
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "orchestrator"]
+    assert deployment["spec"]["replicas"] >= 2
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    argv = _shell_argv(container, objects)
+    maps = {o["metadata"]["name"]: o.get("data", {}) for o in objects if o["kind"] == "ConfigMap"}
+    environ = {
+        entry["name"]: maps[ref["name"]][ref["key"]]
+        for entry in container["env"]
+        if entry["name"].startswith("STAGEDIFF_") and (ref := entry.get("valueFrom", {}).get("configMapKeyRef"))
+    }
+    assert environ == {"STAGEDIFF_COLD_START_TIMEOUT": "1200"}
+    args = parse_args(options_module(argv[0]).build_parser(), argv[1:], environ)
+    config = OrchestratorConfig.from_options(args)
+    assert config.cold_start_timeout_s == 1200 and isinstance(config.store, PostgresLocation)
+    assert args.dit == "dns:dit-pods:50062"

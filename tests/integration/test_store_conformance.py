@@ -43,6 +43,7 @@ from tests.unit.test_store import (  # noqa: F401 - collected here with this mod
     test_recoverable_lists_unfinished_jobs_in_admission_order,
     test_request_ids_are_unique_per_tenant,
     test_result_round_trip_and_replay,
+    test_served_models_are_kept_until_no_dit_reports_them_for_a_week,
     test_state_transitions,
 )
 

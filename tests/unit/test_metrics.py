@@ -13,6 +13,7 @@ import prometheus_client
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
+from prometheus_client import CollectorRegistry
 
 from services.metrics import (
     MetricsServerInterceptor,
@@ -21,7 +22,10 @@ from services.metrics import (
     add_metrics_arguments,
     start_metrics_server,
 )
+from services.orchestrator.scheduler import TenantCounts
 from services.orchestrator.stage_clients import StageError
+from services.orchestrator.tenant_usage import TenantUsageCollector
+from services.orchestrator.tenants import Quotas, Tenant
 from services.tracing import server_interceptor as tracing_server_interceptor
 from stagediff.v1 import stages_pb2
 
@@ -259,3 +263,22 @@ def test_server_interceptor_records_latency_status_and_calls_in_flight() -> None
     assert in_flight("Run") == 0
     text = metrics.exposition().decode()
     assert "grpc.health.v1.Health" not in text  # probes are left out
+
+
+def test_each_tenants_jobs_are_exported_beside_its_quota() -> None:
+    limited = Tenant(name="acme", api_keys=(), quotas=Quotas(max_running_jobs=2, max_queued_jobs=8))
+    registry = CollectorRegistry()
+    counts = {"acme": TenantCounts(queued=3, running=2), "default": TenantCounts(queued=0, running=1)}
+    registry.register(TenantUsageCollector({"acme": limited, "free": Tenant(name="free")}, lambda: counts))
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    assert value("stagediff_tenant_jobs", tenant="acme", state="queued") == 3
+    assert value("stagediff_tenant_jobs", tenant="acme", state="running") == 2
+    assert value("stagediff_tenant_job_limit", tenant="acme", limit="max_running_jobs") == 2
+    assert value("stagediff_tenant_job_limit", tenant="acme", limit="max_queued_jobs") == 8
+    # A tenant without jobs shows none; one without limits has no limit series.
+    assert value("stagediff_tenant_jobs", tenant="free", state="running") == 0
+    assert value("stagediff_tenant_job_limit", tenant="free", limit="max_running_jobs") is None
+    assert value("stagediff_tenant_jobs", tenant="default", state="running") == 1

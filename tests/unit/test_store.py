@@ -28,6 +28,7 @@ from services.orchestrator.store import (
     Usage,
     parse_size,
 )
+from services.orchestrator.store.models import FORGET_AFTER_S
 from stagediff.tensor_codec import TensorAssembler, encode_tensor
 from stagediff.v1 import generation_pb2, tensor_pb2
 from tests.helpers.store import (
@@ -680,3 +681,16 @@ def test_version_5_jobs_gain_owners_and_leases(tmp_path: Path) -> None:
         row = connection.execute("SELECT owner, lease_epoch, lease_until FROM jobs WHERE job_id = 'queued'").fetchone()
         assert tuple(row) == ("", 0, None)
         assert store.get("queued").tenant == "acme"
+
+
+def test_served_models_are_kept_until_no_dit_reports_them_for_a_week(tmp_path: Path, open_store: OpenStore) -> None:
+    with open_store(tmp_path / "state") as store:
+        store.models.save("wan", b"first", 1000.0)
+        store.models.save("qwen", b"qwen", 1000.0)
+        store.models.save("wan", b"changed", 2000.0)  # a DiT reported it again, changed
+    with open_store(tmp_path / "state") as reopened:
+        assert [(m.model, m.info, m.seen_at) for m in reopened.models.load(2000.0)] == [
+            ("qwen", b"qwen", 1000.0),
+            ("wan", b"changed", 2000.0),
+        ]
+        assert [m.model for m in reopened.models.load(1000.0 + FORGET_AFTER_S + 1)] == ["wan"]

@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any
 
 import numpy as np
@@ -47,6 +46,7 @@ from services.orchestrator.store.database import (
 )
 from services.orchestrator.store.files import JOBS_DIR, JobFiles, check_frames, check_name, check_pieces
 from services.orchestrator.store.leases import HeldClaims, JobLeases
+from services.orchestrator.store.models import ModelRows
 from services.orchestrator.store.postgres import PostgresDatabase
 from services.orchestrator.store.records import TERMINAL_STATES, JobRecord, JobState, SavedImages, Usage
 from services.orchestrator.store.rows import JobRows
@@ -82,6 +82,7 @@ class JobStore:
         self.lease_ttl_s = lease_ttl_s
         self._db = database
         self._rows = JobRows(database)
+        self.models = ModelRows(database)  # the models DiT replicas reported (store/models.py)
         self._lock_file = lock_file
         self._leases = JobLeases(database, owner, lease_ttl_s)
         self._claims = HeldClaims(owner)  # the jobs this store moved to RUNNING and still runs
@@ -148,9 +149,7 @@ class JobStore:
     def __enter__(self) -> JobStore:
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def free_bytes(self) -> tuple[int, int]:

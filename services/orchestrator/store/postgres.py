@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from services.orchestrator.store.models import POSTGRES_TABLE as POSTGRES_MODELS_TABLE
 from services.orchestrator.store_errors import StoreError, StoreUnavailable
 
 SCHEMA_VERSION = 6
@@ -164,7 +165,7 @@ class PostgresDatabase:
         with database.transaction() as db:
             # Replicas starting together create the tables one at a time (CREATE ... IF NOT EXISTS races).
             db.execute("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK,))
-            for statement in SCHEMA.split(";"):
+            for statement in [*SCHEMA.split(";"), POSTGRES_MODELS_TABLE]:  # the models table: store/models.py
                 if statement.strip():
                     db.execute(statement)
             row = db.execute("SELECT version FROM schema_version").fetchone()

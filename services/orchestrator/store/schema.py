@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from services.orchestrator.store.database import Database
+from services.orchestrator.store.models import SQLITE_TABLE as MODELS_TABLE
 from services.orchestrator.store_errors import StoreError
 
 SCHEMA_VERSION = 6
@@ -135,6 +136,7 @@ def migrate(database: Database, path: Path, size_of: Callable[[str, str], int]) 
             _run_script(db, MIGRATE_5_TO_6)
         if version != SCHEMA_VERSION:
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        _run_script(db, MODELS_TABLE)  # additive, whatever the version (store/models.py)
 
 
 def _run_script(db: sqlite3.Connection, script: str) -> None:
