@@ -5,6 +5,8 @@ knowledge with it, and an orchestrator started (or a replica joined) while it is
 model does not exist instead of queueing its requests until a DiT starts. So every model a serving DiT reports is
 written to the job store (store/models.py) when its StageInfo changes, and again every REFRESH_S while it is
 served (its `seen_at`, after which a model no DiT reports any more is forgotten); `load` serves them at startup.
+The orchestrator keeps them only with --cold-start-timeout: without it every pool serves before the orchestrator
+does, and its DiT replicas say which models there are.
 
 Writes run on the store's threads, behind the probes (never on the event loop); a failed write is logged and
 tried again with the next round.

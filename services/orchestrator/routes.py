@@ -92,6 +92,7 @@ class ModelRoutes:
 
     def __init__(self) -> None:
         self._routes: dict[str, ModelRoute] = {}
+        self._reported: set[str] = set()  # the models a DiT replica reported (not only the job store)
 
     def models(self) -> dict[str, ModelRoute]:
         return dict(self._routes)
@@ -99,10 +100,13 @@ class ModelRoutes:
     def get(self, model: str) -> ModelRoute | None:
         return self._routes.get(model)
 
-    @staticmethod
-    def default(visible: Sequence[str]) -> str:
-        """The model a request that names none gets: the only one its tenant may use (`visible`), else none (the
-        request must name it)."""
+    def default(self, visible: Sequence[str]) -> str:
+        """The model a request that names none gets: the only one its tenant may use (`visible`) that a DiT replica
+        has reported (one known from the job store alone may be a model no longer deployed), else the only one it
+        may use, else none (the request must name it)."""
+        reported = [model for model in visible if model in self._reported]
+        if len(reported) == 1:
+            return reported[0]
         return visible[0] if len(visible) == 1 else ""
 
     def resolve(self, model: str, visible: Sequence[str]) -> ModelRoute:
@@ -126,8 +130,10 @@ class ModelRoutes:
             info = replica.info
             assert info is not None
             route = self.remember(info, f"the DiT at {replica.endpoint}")
-            if route is not None and replica.serving:
-                reported[route.model] = route
+            if route is not None:
+                self._reported.add(route.model)
+                if replica.serving:
+                    reported[route.model] = route
         return list(reported.values())
 
     def remember(self, info: stages_pb2.StageInfo, source: str) -> ModelRoute | None:

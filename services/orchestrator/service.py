@@ -166,13 +166,15 @@ async def _serve(
         credentials=stage_credentials,
         cold_start_s=config.cold_start_timeout_s,
     )
-    # The models the DiT replicas reported, kept in the store so that a model whose DiT pool is at zero stays served.
+    # With pools that may be at zero, the models the DiT replicas reported are kept in the store, so that a model
+    # whose DiT pool is at zero stays served; without, every pool serves at startup and says its models itself.
     catalog = ModelCatalog(store, stages.routes)
-    try:
-        await catalog.load()
-    except StoreError as error:
-        logger.warning("the models kept in the job store could not be read (%s): the DiT replicas will say", error)
-    stages.on_models = catalog.saw
+    if config.cold_start_timeout_s:
+        try:
+            await catalog.load()
+        except StoreError as error:
+            logger.warning("the models kept in the job store could not be read (%s): the DiT replicas will say", error)
+        stages.on_models = catalog.saw
     pipeline = Pipeline(
         stages,
         stage_retries=config.stage_retries,

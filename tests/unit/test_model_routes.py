@@ -256,3 +256,18 @@ def test_a_call_names_the_model_id_its_replica_serves(model: str) -> None:
     # A replica that also serves the model's id is named that id.
     text_encoder.models.append("t2v-b")
     assert route.model_for(text_encoder) == model
+
+
+def test_a_request_without_a_model_gets_the_one_a_dit_reported_not_one_known_from_the_store_alone() -> None:
+    from types import SimpleNamespace
+
+    from services.orchestrator.routes import ModelRoutes
+
+    cluster = Cluster()
+    routes = ModelRoutes()
+    routes.remember(cluster.infos["dit-qwen"], "the job store")  # a model deployed before, known from the store
+    assert routes.default(["qwen"]) == "qwen"  # the only one there is: its pool may be at zero
+    routes.learn([SimpleNamespace(endpoint="dit:1", info=cluster.infos["dit-t2v"], serving=True)])
+    assert routes.default(["qwen", "t2v"]) == "t2v"
+    routes.learn([SimpleNamespace(endpoint="dit:2", info=cluster.infos["dit-t2v-b"], serving=False)])
+    assert routes.default(["qwen", "t2v", "t2v-b"]) == ""  # two reported by DiTs: the request must name one
