@@ -5,22 +5,34 @@ tests/e2e/conftest.py."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from pathlib import Path
+import shutil
+import tempfile
 
-import pytest
+# No test reads or writes the user's own state dir (~/.local/state/stagediff, services/orchestrator/options.py):
+# set before anything imports the default, and inherited by every process a test starts.
+TEST_STATE_HOME = tempfile.mkdtemp(prefix="stagediff-test-state-")
+os.environ["XDG_STATE_HOME"] = TEST_STATE_HOME
 
-from families.init_model import init_model
-from services.auth import CLUSTER_SECRET_ENV
-from stagediff.local.servers import Postgres, S3Server, postgres, seaweedfs
-from tests.helpers.grpc_channels import CLUSTER_SECRET
-from tests.helpers.store import OpenStore, open_embedded
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from families.init_model import init_model  # noqa: E402
+from services.auth import CLUSTER_SECRET_ENV  # noqa: E402
+from stagediff.local.servers import Postgres, S3Server, postgres, seaweedfs  # noqa: E402
+from tests.helpers.grpc_channels import CLUSTER_SECRET  # noqa: E402
+from tests.helpers.store import OpenStore, open_embedded  # noqa: E402
 
 # The time each tier took, printed at the end of every run (tests/helpers/tier_times.py).
 pytest_plugins = ["tests.helpers.tier_times"]
 
 # Every stage a test starts demands the cluster secret (tests/helpers/grpc_channels.py).
 os.environ[CLUSTER_SECRET_ENV] = CLUSTER_SECRET
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(TEST_STATE_HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

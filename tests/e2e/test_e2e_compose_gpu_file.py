@@ -54,11 +54,12 @@ def gpu_file_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory)
     tenants = f"tenants:\n  - name: studio\n    admin: true\n    api_keys: ['{hash_api_key(api_key)}']\n"
     (secrets_dir / "tenants.yaml").write_text(tenants)
     log_dir = tmp_path_factory.mktemp("gpu-file-logs")
+    state_dir = tmp_path_factory.mktemp("gpu-file-state")
     environment = {**os.environ, "STAGEDIFF_SECRETS_DIR": str(secrets_dir)}
     up = subprocess.Popen(
         [sys.executable, "-m", "stagediff.cli", "up", "-f", str(GPU_COMPOSE_FILE), "--model", str(tiny_model),
          "--port", "0", "--http-port", "0", "--threads-per-stage", "1", "--log-dir", str(log_dir),
-         "--startup-timeout", str(STARTUP_TIMEOUT)],
+         "--state-dir", str(state_dir), "--startup-timeout", str(STARTUP_TIMEOUT)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
         cwd=tmp_path_factory.getbasetemp(),
     )  # fmt: skip
