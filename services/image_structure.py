@@ -67,6 +67,8 @@ def _check_jpeg(data: bytes, field: str, limits: Limits) -> None:
     while position + 4 <= len(data):
         while position + 1 < len(data) and data[position + 1] == 0xFF:  # fill bytes before a marker
             position += 1
+        if position + 4 > len(data):
+            return  # fill bytes ran up to the end: no room for a marker and its length, Pillow refuses the file
         if data[position] != 0xFF:
             return  # not a marker where one must be: Pillow refuses the file
         marker = data[position + 1]

@@ -4,6 +4,7 @@ and the decodes that do run stop when their caller gives up or their deadline pa
 from __future__ import annotations
 
 import asyncio
+import re
 import struct
 import threading
 import time
@@ -61,6 +62,17 @@ def test_a_png_of_tiny_idat_chunks_is_refused() -> None:
     pixels = zlib_stream(data)
     idats = b"".join(png_chunk(b"IDAT", pixels[i : i + 1]) for i in range(len(pixels)))
     assert "4096 chunks" in refusal(signature_and_header + idats + png_chunk(b"IEND"))
+
+
+@pytest.mark.parametrize("fill", [1, 4, 5])
+def test_fill_bytes_up_to_the_end_of_a_jpeg_are_left_to_pillow(fill: int) -> None:
+    """Fill bytes (0xFF) that run to the file's last byte or two leave no room for a segment's length: the walk
+    stops there, and the decoder refuses the file naming the field (not a struct.error)."""
+    for tail in (b"", b"\xc0", b"\xc0\x00"):
+        data = b"\xff\xd8" + b"\xff" * fill + tail
+        check_structure(data, FIELD)
+        with pytest.raises(RequestError, match=f"^{re.escape(FIELD)}: "):
+            decode_image(data, FIELD)
 
 
 def test_a_jpeg_with_too_many_header_bytes_is_refused() -> None:
