@@ -33,6 +33,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from services.orchestrator import notices as job_notices
 from services.orchestrator.blobs.protocol import BlobStore
 from services.orchestrator.result_files import EncodedWriter, ResultWriter, StoredResult, check_shape
 from services.orchestrator.store import retention
@@ -52,7 +53,7 @@ from services.orchestrator.store.records import TERMINAL_STATES, JobRecord, JobS
 from services.orchestrator.store.rows import JobRows
 from services.orchestrator.store.schema import migrate
 from services.orchestrator.store_errors import InvalidTransition, StoreError, io_error
-from stagediff.v1 import image_pb2, tensor_pb2
+from stagediff.v1 import image_pb2, stages_pb2, tensor_pb2
 
 RUNNING = (JobState.JOB_STATE_RUNNING,)
 EMBEDDED_OWNER = "embedded"  # the owner of every job a lone orchestrator claims
@@ -325,6 +326,11 @@ class JobStore:
         if not kept:
             self.files.unlink(job_id, [file])
         return kept
+
+    def set_notices(self, job_id: str, notices: Iterable[stages_pb2.Notice]) -> bool:
+        """Replaces the job's notices (services/orchestrator/notices.py) while it runs; blocking, use to_thread.
+        Returns False (and changes nothing) if the job finished meanwhile or another replica claimed it."""
+        return self._rows.set_notices(job_id, job_notices.to_json(notices), self._claims.fence(job_id))
 
     def load_intermediates(self, job_id: str) -> dict[str, list[tensor_pb2.TensorChunk]]:
         """{stage: the chunks it sent} of every saved stage, in the order they finished; blocking."""
