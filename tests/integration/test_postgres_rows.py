@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from services.orchestrator.notices import to_json
 from services.orchestrator.store.postgres import PostgresDatabase
 from services.orchestrator.store.records import JobRecord, JobState
 from services.orchestrator.store.rows import JobRows
@@ -108,7 +107,7 @@ def test_a_version_6_database_gains_notices_and_keeps_its_jobs(server: Postgres)
         assert rows.get(job.job_id).notices == []
         rows.update_state(job.job_id, JobState.JOB_STATE_RUNNING, {"started_at": 2.0})
         notice = stages_pb2.Notice(field="prompt", given="721 tokens", used="512 tokens", source="text-encoder")
-        assert rows.set_notices(job.job_id, to_json([notice]))
+        assert rows.set_notices(job.job_id, [notice])
         assert rows.get(job.job_id).notices == [notice]
     finally:
         database.close()

@@ -1,11 +1,10 @@
 """`JobStore`: durable job records (rows) and their files (a state directory, or blobs).
 
-It composes the rows (rows.py: SQLite in the state directory, or PostgreSQL) and the files (files.py: the
-directory, or a BlobStore such as S3); every operation that touches both follows one rule: a file is complete
-before the row that names it is committed, and a row's files are deleted only after the transaction that drops
-the row. So a row always points at a complete file, and a file without a row (a crash between the two, a result
-still being written, a fenced-out owner's upload) is never read as a result: `open` sweeps the directory, and
-`collect_garbage` the blob store.
+It composes the rows (rows.py: SQLite in the state directory, or PostgreSQL) and the files (files.py: the directory, or
+a BlobStore such as S3); every operation that touches both follows one rule: a file is complete before the row that
+names it is committed, and a row's files are deleted only after the transaction that drops the row. So a row always
+points at a complete file, and a file without a row (a crash between the two, a result still being written, a fenced-out
+owner's upload) is never read as a result: `open` sweeps the directory, and `collect_garbage` the blob store.
 
 Durability. SQLite runs in WAL mode with `synchronous=NORMAL` by default: a committed transaction survives a
 crash or SIGKILL of the process; only a power loss or kernel crash can lose the last transactions (never
@@ -33,7 +32,6 @@ from typing import IO, Any
 
 import numpy as np
 
-from services.orchestrator import notices as job_notices
 from services.orchestrator.blobs.protocol import BlobStore
 from services.orchestrator.result_files import EncodedWriter, ResultWriter, StoredResult, check_shape
 from services.orchestrator.store import retention
@@ -179,9 +177,7 @@ class JobStore:
 
     def find_by_request_id(self, tenant: str, request_id: str) -> JobRecord | None:
         """The tenant's job with this client-chosen id (idempotent resubmission), if any."""
-        if not request_id:
-            return None
-        return self._rows.find_by_request_id(tenant, request_id)
+        return self._rows.find_by_request_id(tenant, request_id) if request_id else None
 
     def update_state(
         self,
@@ -328,9 +324,8 @@ class JobStore:
         return kept
 
     def set_notices(self, job_id: str, notices: Iterable[stages_pb2.Notice]) -> bool:
-        """Replaces the job's notices (services/orchestrator/notices.py) while it runs; blocking, use to_thread.
-        Returns False (and changes nothing) if the job finished meanwhile or another replica claimed it."""
-        return self._rows.set_notices(job_id, job_notices.to_json(notices), self._claims.fence(job_id))
+        """Replaces a running job's notices; blocking. False (nothing changed) if it finished or was claimed again."""
+        return self._rows.set_notices(job_id, notices, self._claims.fence(job_id))
 
     def load_intermediates(self, job_id: str) -> dict[str, list[tensor_pb2.TensorChunk]]:
         """{stage: the chunks it sent} of every saved stage, in the order they finished; blocking."""

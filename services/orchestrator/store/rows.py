@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,6 +32,7 @@ from services.orchestrator.store.records import (
     record_from_row,
 )
 from services.orchestrator.store_errors import DuplicateRequestId, InvalidTransition, LeaseLost, StoreError, UnknownJob
+from stagediff.v1 import stages_pb2
 
 
 @dataclass(frozen=True)
@@ -251,8 +252,8 @@ class JobRows:
                 )
             return True
 
-    def set_notices(self, job_id: str, notices: str, fence: Fence | None = None) -> bool:
-        """Replaces the job's notices (JSON, as notices.py writes them) unless the job finished meanwhile or
+    def set_notices(self, job_id: str, notices: Iterable[stages_pb2.Notice], fence: Fence | None = None) -> bool:
+        """Replaces the job's notices (services/orchestrator/notices.py) unless the job finished meanwhile or
         `fence` no longer holds; returns whether they were written."""
         with self.database.transaction() as db:
             try:
@@ -260,7 +261,7 @@ class JobRows:
                     return False
             except LeaseLost:
                 return False
-            db.execute("UPDATE jobs SET notices = ? WHERE job_id = ?", (notices, job_id))
+            db.execute("UPDATE jobs SET notices = ? WHERE job_id = ?", (job_notices.to_json(notices), job_id))
             return True
 
     def stage_files(self, job_id: str) -> list[tuple[str, str]]:
