@@ -30,22 +30,46 @@ MAX_LORA_SCALE = 10.0
 MAX_LORAS_PER_REQUEST = 16
 
 
+def nearest_allowed(value: int, first: int, step: int, last: int) -> list[int]:
+    """The allowed values nearest `value` on either side, among first, first + step, ... up to last (at most two,
+    in order); [] when none is allowed (last < first)."""
+    if last < first:
+        return []
+    top = first + (last - first) // step * step
+    below = first + (value - first) // step * step
+    candidates = {min(max(below, first), top), min(max(below + step, first), top)}
+    return sorted(candidates - {value})
+
+
+def _nearest_phrase(values: list[int]) -> str:
+    """ "; the nearest allowed are 9 and 13" (or "is 81"), for a refusal's message."""
+    if not values:
+        return ""
+    if len(values) == 1:
+        return f"; the nearest allowed is {values[0]}"
+    return f"; the nearest allowed are {values[0]} and {values[1]}"
+
+
 def validate_size(limits: stages_pb2.ModelLimits, height: int, width: int, num_frames: int) -> None:
+    """Refuses a size or frame count the model cannot make, naming the field, the rule and the nearest values
+    the rule allows: nothing is rounded, as diffusers' pipelines round silently."""
     for field, value, multiple, largest in (
         ("height", height, limits.height_multiple, limits.max_height),
         ("width", width, limits.width_multiple, limits.max_width),
     ):
         if value <= 0 or value % multiple != 0 or value > largest:
+            nearest = _nearest_phrase(nearest_allowed(value, multiple, multiple, largest))
             raise RequestError(
-                f"{field}: {value} is not allowed; use a positive multiple of {multiple} up to {largest}"
+                f"{field}: {value} is not allowed; use a positive multiple of {multiple} up to {largest}{nearest}"
             )
     if limits.max_frames == 1 and num_frames != 1:
         raise RequestError(f"num_frames: {num_frames} is not allowed; this model makes single images, use 1")
     factor = limits.temporal_factor
     if num_frames < 1 or (num_frames - 1) % factor != 0 or num_frames > limits.max_frames:
+        nearest = _nearest_phrase(nearest_allowed(num_frames, 1, factor, limits.max_frames))
         raise RequestError(
             f"num_frames: {num_frames} is not allowed; the VAE takes {factor}*k+1 frames "
-            f"(1, {factor + 1}, {2 * factor + 1}, ...) up to {limits.max_frames}"
+            f"(1, {factor + 1}, {2 * factor + 1}, ...) up to {limits.max_frames}{nearest}"
         )
 
 

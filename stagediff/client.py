@@ -40,7 +40,7 @@ from stagediff.errors import (
     Unavailable,
 )
 from stagediff.request import RequestOptions, build_request
-from stagediff.results import BytesReceived, Event, FramesReceived, GenerationResult, Progress, Queued
+from stagediff.results import BytesReceived, Event, FramesReceived, GenerationResult, Notice, Progress, Queued
 from stagediff.retries import RetryPolicy
 from stagediff.v1 import generation_pb2
 
@@ -58,6 +58,7 @@ __all__ = [
     "InternalError",
     "InvalidArgument",
     "NotFound",
+    "Notice",
     "PermissionDenied",
     "Progress",
     "Queued",

@@ -8,10 +8,11 @@ to stderr (stagediff/progress.py) and its result to stdout as JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TypeVar
@@ -19,11 +20,11 @@ from typing import TypeVar
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from stagediff.client import Client, Event, GenerationResult, RetryPolicy, StageDiffError
+from stagediff.client import Client, Event, GenerationResult, Notice, RetryPolicy, StageDiffError
 from stagediff.media import MEDIA_TYPE_EXTENSIONS, SUPPORTED_EXTENSIONS
 from stagediff.progress import progress_display
 from stagediff.protocol import OUTPUT_FORMATS, RAW_OUTPUT_FORMAT
-from stagediff.v1 import generation_pb2
+from stagediff.v1 import generation_pb2, stages_pb2
 
 # The output format each --out extension asks the server for when --format is not given: the server encodes the
 # file (.npz: raw frames, written here).
@@ -96,6 +97,8 @@ def _summary(result: GenerationResult, out: Path | None, started: float) -> dict
     summary["fps"] = result.fps
     summary["timings"] = result.timings
     summary["transformer_passes"] = {"run": result.passes_run, "skipped": result.passes_skipped}
+    if result.notices:
+        summary["notices"] = [dataclasses.asdict(notice) for notice in result.notices]
     summary["wall_seconds"] = round(time.perf_counter() - started, 3)
     return summary
 
@@ -119,7 +122,15 @@ def _follow_job(
         return 2
 
 
+def print_notices(notices: Iterable[Notice | stages_pb2.Notice]) -> None:
+    """Each change made to the request that its caller did not ask for (a truncated prompt), as a `note:` line on
+    stderr: a result's notices, or a job's."""
+    for notice in notices:
+        print(f"note: {notice.message}", file=sys.stderr)
+
+
 def _save(result: GenerationResult, out: Path | None, started: float) -> int:
+    print_notices(result.notices)
     try:
         path = result.save(out) if out is not None else None
     except ValueError as error:

@@ -1,5 +1,6 @@
 """What a generate call gives back: the events of a job's stream (`Queued`, `Progress`, `FramesReceived`,
-`BytesReceived`), its `GenerationResult`, and the `ResultBuilder` that turns the stream's messages into them.
+`BytesReceived`), its `GenerationResult` with the `Notice`s of what was changed in the request, and the
+`ResultBuilder` that turns the stream's messages into them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 from stagediff.errors import InternalError
 from stagediff.media import MEDIA_TYPE_EXTENSIONS, SUPPORTED_EXTENSIONS, decode_media
 from stagediff.tensor_codec import TensorAssembler
-from stagediff.v1 import generation_pb2
+from stagediff.v1 import generation_pb2, stages_pb2
 
 
 @dataclass
@@ -52,6 +53,24 @@ class BytesReceived:
     count: int
 
 
+@dataclass(frozen=True)
+class Notice:
+    """A change made to the request that its caller did not ask for, e.g. the prompt truncated to the tokens the
+    text encoder takes: the request `field`, what was `given` and what was `used` instead (each with its unit,
+    "721 tokens"), a sentence for a person (`message`) and who made the change (`source`: "text-encoder",
+    "orchestrator", or a front end such as "http")."""
+
+    field: str
+    given: str
+    used: str
+    message: str
+    source: str
+
+    @classmethod
+    def from_proto(cls, notice: stages_pb2.Notice) -> Notice:
+        return cls(notice.field, notice.given, notice.used, notice.message, notice.source)
+
+
 class GenerationResult:
     """A finished job's result: its frames, or the file the server encoded, or both.
 
@@ -74,6 +93,7 @@ class GenerationResult:
         media_type: str = "",
         seed: int | None = None,
         num_frames: int | None = None,
+        notices: list[Notice] | None = None,
     ) -> None:
         """`frames` or `data` (with its `media_type`) or both; `num_frames` defaults to the frames' count."""
         if frames is None and data is None:
@@ -91,6 +111,8 @@ class GenerationResult:
         self.seed = seed
         # The number of frames the server reported.
         self.num_frames = num_frames if num_frames is not None else len(frames) if frames is not None else 0
+        # What was changed in the request without the caller asking (a truncated prompt), in the order it was made.
+        self.notices = list(notices or [])
 
     @property
     def frames(self) -> np.ndarray:
@@ -216,4 +238,5 @@ class ResultBuilder:
             media_type=(completed.media_type or self.media_type) if data is not None else "",
             seed=completed.seed,
             num_frames=completed.num_frames,
+            notices=[Notice.from_proto(notice) for notice in completed.notices],
         )

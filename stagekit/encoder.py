@@ -21,6 +21,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -92,6 +93,15 @@ class EmbeddingCache:
         return len(self._entries)
 
 
+@dataclass(frozen=True)
+class Truncation:
+    """A text its family's pipeline cuts: the tokens it has and the tokens the embedding keeps, as the
+    pipeline counts them (special tokens, and a chat template's, included)."""
+
+    given: int
+    kept: int
+
+
 class Tokenizer(Protocol):
     """A Hugging Face tokenizer as the encoders call it: a batch of texts in, a BatchEncoding out."""
 
@@ -133,6 +143,14 @@ class PromptEncoder(ABC):
     @abstractmethod
     def batch(self, embeddings: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors the stage sends for the request's texts, batched over them."""
+
+    def truncation(self, text: str, max_sequence_length: int) -> Truncation | None:
+        """How the family's pipeline cuts `text` at `max_sequence_length`, or None when it keeps every token.
+
+        The default is for a family whose pipeline cuts no text; one that truncates counts the text's tokens
+        as its tokenizer call does, without the cut (the stage reports the cut to the caller).
+        """
+        return None
 
     # The name the image embedding travels under, for families whose encoder sees the input images.
     image_tensor_name = "image_embeds"

@@ -14,6 +14,10 @@ tensors ("image_embeds": Wan2.1 image-to-video's CLIP vision), or, for an encode
 together with the images (`PromptEncoder.texts_see_images`: Qwen2.5-VL of Qwen-Image-Edit), the texts'
 tensors are made with them and nothing else is sent. A family whose encoder does not see images refuses them.
 
+A text the family's pipeline cuts to the tokens it takes (Wan's UMT5 at max_sequence_length, 512 by default)
+is cut here as there, and reported: the first response carries a `Notice` per cut text (field "prompt" or
+"negative_prompt", given and used in tokens), which the orchestrator adds to the job.
+
 Embeddings are cached per `cache_namespace` (stagekit/encoder.py says why), within
 `--embedding-cache-bytes` and `--embedding-cache-size` entries. Every field of a request is bounded
 before it is used, and a field out of bounds is refused with INVALID_ARGUMENT naming it.
@@ -36,7 +40,7 @@ from services.stage_config import StageConfig
 from services.stage_main import StageServicer, run_stage
 from services.torch_wire import encode_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
-from stagekit.encoder import PromptEncoder
+from stagekit.encoder import PromptEncoder, Truncation
 from stagekit.images import DecodedImage
 from text_encoder_svc.config import EmbeddingCacheConfig, TextEncoderConfig
 from text_encoder_svc.options import build_parser
@@ -49,6 +53,18 @@ MAX_TEXTS = len(TEXT_ROLES)
 MAX_MODEL_CHARS = 256
 # The orchestrator's namespaces are 32-byte HMAC-SHA256 digests.
 MAX_CACHE_NAMESPACE_BYTES = 64
+
+
+def truncation_notice(role: str, cut: Truncation) -> stages_pb2.Notice:
+    """The notice of a text (`role`: "prompt" or "negative_prompt") cut to the tokens the model takes."""
+    return stages_pb2.Notice(
+        field=role,
+        given=f"{cut.given} tokens",
+        used=f"{cut.kept} tokens",
+        message=f"the {role.replace('_', ' ')} was truncated to {cut.kept} tokens ({cut.given} given); "
+        f"the text encoder takes at most {cut.kept}",
+        source="text-encoder",
+    )
 
 
 class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
@@ -119,6 +135,16 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
             )
         return decode_stage_images(request.images, spec, stop)
 
+    def _truncation_notices(self, texts: list[str], length: int) -> list[stages_pb2.Notice]:
+        """A notice for each text the family's pipeline cuts at `length` tokens."""
+        assert self.encoder is not None  # Encode answers only once the model is loaded
+        notices = []
+        for role, text in zip(TEXT_ROLES, texts, strict=False):
+            cut = self.encoder.truncation(text, length)
+            if cut is not None:
+                notices.append(truncation_notice(role, cut))
+        return notices
+
     async def Encode(
         self,
         request: stages_pb2.EncodeRequest,
@@ -148,6 +174,7 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
                     namespace,
                 )
                 cache_hit = cache_hit and images_hit
+            notices = await self.runtime.run(self._truncation_notices, texts, length)
         except Exception as error:
             await abort_for(error, context, self.runtime.stage)
         first = True
@@ -156,7 +183,9 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
         for i, role in enumerate(TEXT_ROLES[: len(texts)]):
             for name, tensor in batched.items():
                 for chunk in encode_tensor(f"{role}_{name}", tensor[i : i + 1]):
-                    yield stages_pb2.EncodeResponse(tensor=chunk, cache_hit=cache_hit and first)
+                    yield stages_pb2.EncodeResponse(
+                        tensor=chunk, cache_hit=cache_hit and first, notices=notices if first else ()
+                    )
                     first = False
         if image_embeds is not None:
             for chunk in encode_tensor(self.encoder.image_tensor_name, image_embeds):

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from stagekit.cache_defaults import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES
-from stagekit.encoder import PromptEncoder
+from stagekit.encoder import PromptEncoder, Truncation
 from stagekit.weights import load_pretrained
 
 # QwenImagePipeline's prompt template and prompt_template_encode_start_idx.
@@ -79,6 +79,13 @@ class QwenPromptEncoder(PromptEncoder):
         # A copy of its own, so that the cache holds (and counts) these rows only, not the template's and
         # the truncated ones that share the view's storage.
         return hidden[:max_sequence_length].to(self.text_encoder.dtype).cpu().clone()
+
+    def truncation(self, text: str, max_sequence_length: int) -> Truncation | None:
+        """The text's tokens after the template's system message (the template's closing tokens included)
+        beyond the TOKENIZER_MAX_LENGTH and `max_sequence_length` that `embed_uncached` keeps."""
+        tokens = self.tokenizer([PROMPT_TEMPLATE.format(text)], verbose=False).input_ids[0]
+        count, kept = len(tokens) - DROP_IDX, min(TOKENIZER_MAX_LENGTH, max_sequence_length)
+        return Truncation(given=count, kept=kept) if count > kept else None
 
     def batch(self, embeddings: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """{"embeds": [N, L, dim] zero-padded to the longest text, "embeds_mask": [N, L] (int64, 1 = token)}."""

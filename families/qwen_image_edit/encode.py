@@ -33,6 +33,7 @@ from families.qwen_image.encode import QwenPromptEncoder
 from families.qwen_image_edit.family import IMAGE_SIDE_MULTIPLE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS, VAE_IMAGE_AREA
 from families.registry import family_for_index
 from stagekit.cache_defaults import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES
+from stagekit.encoder import Truncation
 from stagekit.errors import RequestError
 
 # The edit pipelines' prompt_template_encode, split where the user's turn starts: the prefix is what their
@@ -120,6 +121,10 @@ class QwenImageEditPromptEncoder(QwenPromptEncoder):
 
     def embed_uncached(self, text: str, max_sequence_length: int) -> torch.Tensor:
         raise RequestError("images: the edit pipelines encode each prompt with the input image; send it in images")
+
+    def truncation(self, text: str, max_sequence_length: int) -> Truncation | None:
+        """None: the edit pipelines cut no text."""
+        return None
 
     def condition_image(self, image: Image.Image) -> Image.Image:
         """An input image resized as the pipeline resizes it before the VL sees it."""

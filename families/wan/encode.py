@@ -9,7 +9,7 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from transformers import AutoTokenizer, UMT5EncoderModel
 
 from stagekit.cache_defaults import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES
-from stagekit.encoder import PromptEncoder
+from stagekit.encoder import PromptEncoder, Truncation
 from stagekit.weights import load_pretrained
 
 
@@ -59,6 +59,12 @@ class WanPromptEncoder(PromptEncoder):
         mask = inputs.attention_mask
         hidden = self.text_encoder(inputs.input_ids.to(self.device), mask.to(self.device)).last_hidden_state
         return (hidden * mask.to(hidden.device, hidden.dtype).unsqueeze(-1)).cpu()
+
+    def truncation(self, text: str, max_sequence_length: int) -> Truncation | None:
+        """The text's tokens (its end token included) beyond `max_sequence_length`, which `embed_many` cuts."""
+        # verbose=False: no warning that the text is longer than the tokenizer's model_max_length.
+        count = len(self.tokenizer(prompt_clean(text), add_special_tokens=True, verbose=False).input_ids)
+        return Truncation(given=count, kept=max_sequence_length) if count > max_sequence_length else None
 
     def batch(self, embeddings: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """{"embeds": [N, max_sequence_length, dim]}: every text has the same length."""

@@ -14,7 +14,13 @@ from services.gateway.bodies import read_body
 from services.gateway.errors import ApiError, invalid
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.request_ids import request_id
-from services.gateway.schemas import ImageEdit, ImageGenerate, generate_request
+from services.gateway.schemas import (
+    ImageEdit,
+    ImageGenerate,
+    generate_request,
+    notice_objects,
+    quality_for_compression,
+)
 from stagediff.errors import StageDiffError
 from stagediff.v1 import image_pb2
 
@@ -57,7 +63,9 @@ async def _images(
             grpc_request.num_frames = 1
             grpc_request.output_format = body.output_format
             if body.output_compression is not None and body.output_format != "png":
-                grpc_request.output_quality = max(1, 100 - body.output_compression)
+                grpc_request.output_quality, notice = quality_for_compression(body.output_compression)
+                if notice is not None:
+                    grpc_request.notices.append(notice)
             if body.seed is not None:
                 grpc_request.seed = body.seed + index
             for position, data in enumerate(images):
@@ -87,6 +95,8 @@ async def _images(
         "output_format": body.output_format,
         "size": f"{first.request.width}x{first.request.height}",
         "job_ids": jobs,
+        # What was changed in the request without the caller asking (the same for each image's job).
+        "notices": notice_objects(first.notices),
     }
 
 

@@ -10,12 +10,18 @@ Every field is bounded here (docs/http_api.md lists the bounds): strings and lis
 finite values, and every number to what the orchestrator allows or, where that depends on the model (a size,
 a frame or step count), to its GenerateRequest field's int32 range, so that no value fails as a protobuf
 overflow. The orchestrator checks the values against the model's limits.
+
+Where a field of OpenAI's has no exact counterpart (`seconds` becomes a frame count the model makes, clamped
+to the most it makes; `output_compression` 100 a quality of 1), the change is sent with the request as a
+notice (GenerateRequest.notices, source "http"): the job reports it, and every answer about the job lists its
+notices (`notices` of the video object and of the images answer).
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from typing import Annotated, Literal
 
 import grpc
@@ -212,13 +218,60 @@ def generate_request(body: Diffusion, request_id: str) -> generation_pb2.Generat
     return request
 
 
-def frames_for_seconds(seconds: float, fps: float, temporal_factor: int, max_frames: int) -> int:
-    """The frame count of a clip of `seconds` at `fps` that the model makes: temporal_factor * k + 1 frames."""
+def duration_text(frames: int, fps: float) -> str:
+    """A clip's seconds as the video object gives them: "1.12" for 9 frames at 8 fps, "4" for 64 at 16."""
+    return f"{frames / fps:.2f}".rstrip("0").rstrip(".") if fps else "0"
+
+
+def frames_for_seconds(
+    seconds: float, fps: float, temporal_factor: int, max_frames: int
+) -> tuple[int, stages_pb2.Notice | None]:
+    """The frame count of a clip of `seconds` at `fps` that the model makes (temporal_factor * k + 1 frames, at
+    most `max_frames`), and the notice of the change when the clip is not `seconds` long."""
     factor = max(1, temporal_factor)
-    steps = max(1, round(seconds * fps / factor))
-    if max_frames:
-        steps = min(steps, (max_frames - 1) // factor)
-    return factor * steps + 1
+    wanted = round(seconds * fps / factor)
+    longest = (max_frames - 1) // factor if max_frames else max(1, wanted)
+    steps = min(max(1, wanted), longest)
+    frames = factor * steps + 1
+    if math.isclose(frames, seconds * fps):
+        return frames, None
+    given, used = f"{seconds:g}", duration_text(frames, fps)
+    if wanted > steps:
+        why = f"the model makes at most {max_frames} frames ({frames} at {fps:g} fps)"
+    elif wanted < steps:
+        why = f"the model makes at least {frames} frames ({fps:g} fps)"
+    else:
+        why = f"the model makes {factor}*k+1 frames, and {frames} at {fps:g} fps are the nearest"
+    return frames, stages_pb2.Notice(
+        field="seconds",
+        given=f"{given} s",
+        used=f"{used} s",
+        message=f"the video is {used} s long, not {given} s: {why}",
+        source="http",
+    )
+
+
+def quality_for_compression(compression: int) -> tuple[int, stages_pb2.Notice | None]:
+    """The encoder's quality (1-100) for OpenAI's `output_compression` (0-100), and the notice of the change
+    when there is no quality 100 - compression (compression 100)."""
+    quality = 100 - compression
+    if quality >= 1:
+        return quality, None
+    return 1, stages_pb2.Notice(
+        field="output_compression",
+        given=str(compression),
+        used="99",
+        message=f"output_compression {compression} is taken as 99: the encoder's quality is 100 - "
+        "output_compression, from 1 to 100",
+        source="http",
+    )
+
+
+def notice_objects(notices: Iterable[stages_pb2.Notice]) -> list[dict[str, str]]:
+    """A job's notices as the HTTP answers list them."""
+    return [
+        {"field": n.field, "given": n.given, "used": n.used, "message": n.message, "source": n.source} for n in notices
+    ]
 
 
 _STATUS = {
@@ -245,7 +298,7 @@ def video_object(job: generation_pb2.Job) -> dict:
         "completed_at": job.finished_at.seconds if job.HasField("finished_at") else None,
         "expires_at": None,
         "prompt": request.prompt,
-        "seconds": f"{frames / fps:.2f}".rstrip("0").rstrip(".") if fps else "0",
+        "seconds": duration_text(frames, fps),
         "size": f"{request.width}x{request.height}",
         "error": None,
         "remixed_from_video_id": None,
@@ -258,6 +311,8 @@ def video_object(job: generation_pb2.Job) -> dict:
         "output_format": request.output_format,
         "queue_position": job.queue_position if job.state == generation_pb2.JOB_STATE_QUEUED else None,
         "current_stage": job.current_stage or None,
+        # What was changed in the request without the caller asking (a truncated prompt, seconds clamped).
+        "notices": notice_objects(job.notices),
     }
     if job.state == generation_pb2.JOB_STATE_CANCELLED:
         video["error"] = {"code": "cancelled", "message": job.error.message or "the job was cancelled"}

@@ -45,7 +45,10 @@ def video_routes(orchestrator: Orchestrator, downloads: DownloadSlots) -> APIRou
         elif body.seconds is not None:
             limits = await _limits(orchestrator, body.model, authorization)
             fps = body.fps or limits.default_fps
-            grpc_request.num_frames = frames_for_seconds(body.seconds, fps, limits.temporal_factor, limits.max_frames)
+            frames, notice = frames_for_seconds(body.seconds, fps, limits.temporal_factor, limits.max_frames)
+            grpc_request.num_frames = frames
+            if notice is not None:
+                grpc_request.notices.append(notice)
         if body.enable_frame_interpolation:
             grpc_request.interpolation.enable = True
             grpc_request.interpolation.exp = body.frame_interpolation_exp

@@ -112,6 +112,8 @@ class Job:
     fps_out: float = 0.0
     # The passes the DiT ran and its step cache skipped, once it has finished.
     transformer_passes: stages_pb2.TransformerPasses = field(default_factory=stages_pb2.TransformerPasses)
+    # The changes made to the request that its caller did not ask for (services/orchestrator/notices.py).
+    notices: list[stages_pb2.Notice] = field(default_factory=list)
     # Absolute event-loop time after which the job is cancelled with DEADLINE_EXCEEDED.
     deadline: float | None = None
     # Results of finished stages, kept so that a failed later stage can be retried from them.
@@ -312,6 +314,7 @@ class Job:
             fps_out=self.fps_out,
             transformer_passes=self.transformer_passes,
             progress_percent=self.progress_percent(),
+            notices=self.notices,
         )
         if self.state == JobState.JOB_STATE_SUCCEEDED:
             job.media_type = output_format(self.request.output_format).media_type
@@ -340,6 +343,7 @@ class Job:
             num_frames_out=record.num_frames_out,
             fps_out=record.fps_out,
             transformer_passes=stages_pb2.TransformerPasses(run=record.passes_run, skipped=record.passes_skipped),
+            notices=list(record.notices),
             priority=record.priority,
         )
         if record.error_code is not None:

@@ -36,6 +36,7 @@ from services.orchestrator.admission import StorageLimits, queue_limits, result_
 from services.orchestrator.blobs.protocol import PresignsDownloads
 from services.orchestrator.dispatch import MOVED, Dispatcher, RunJob
 from services.orchestrator.job import Job, JobState, JobTable
+from services.orchestrator.notices import take_request_notices
 from services.orchestrator.pruning import Pruner
 from services.orchestrator.recovery import Recovery, RestoreJob
 from services.orchestrator.scheduler import FairScheduler
@@ -197,7 +198,11 @@ class JobManager:
                 await asyncio.to_thread(self.store.discard_saved_images, job_id, saved)
             raise
         deadline_at = None if deadline is None else time.time() + (deadline - asyncio.get_running_loop().time())
-        record = JobRecord.new(job_id, tenant.name, request, priority=tenant.priority.value, deadline_at=deadline_at)
+        # The front end's notices are the job's; the request it stores and echoes keeps none.
+        request, notices = take_request_notices(request)
+        record = JobRecord.new(
+            job_id, tenant.name, request, priority=tenant.priority.value, deadline_at=deadline_at, notices=notices
+        )
         try:
             record = await asyncio.to_thread(self.store.insert, record, saved)
         except StoreFull as error:
@@ -214,6 +219,7 @@ class JobManager:
             deadline=deadline,
             priority=tenant.priority.value,
             trace_context=otel_context.get_current(),
+            notices=notices,
         )
         self.table.remember(job)
         # Watchers replay the log from the start, so the first event needs no notification.

@@ -172,6 +172,7 @@ class Pipeline:
                     media_type=job.encoded.media_type if job.encoded is not None else "",
                     encoded_bytes=job.encoded.size if job.encoded is not None else 0,
                     seed=job.request.seed,
+                    notices=job.notices,
                 )
             )
         )

@@ -41,6 +41,10 @@ MAX_CACHE_METHOD_CHARS = 32  # the longest step cache name is 11
 MAX_LORAS = MAX_LORAS_PER_REQUEST  # above any DiT's --max-loras-per-request
 MAX_OUTPUT_FORMAT_CHARS = 16  # the longest name in services/orchestrator/encoding.py OUTPUT_FORMATS, and room
 MAX_LORA_NAME_CHARS = 129  # TENANT/NAME, 64 characters each (services/validation.py LORA_NAME)
+# A front end's notices of what it changed (GenerateRequest.notices): a few, each a field, values and a sentence.
+MAX_REQUEST_NOTICES = 8
+MAX_NOTICE_PART_CHARS = 64
+MAX_NOTICE_MESSAGE_CHARS = 512
 
 # Full message name -> field name -> the most characters (strings), bytes (bytes) or entries (repeated).
 FIELD_LIMITS: dict[str, dict[str, int]] = {
@@ -52,6 +56,14 @@ FIELD_LIMITS: dict[str, dict[str, int]] = {
         "images": MAX_IMAGES,
         "loras": MAX_LORAS,
         "output_format": MAX_OUTPUT_FORMAT_CHARS,
+        "notices": MAX_REQUEST_NOTICES,
+    },
+    "stagediff.v1.Notice": {
+        "field": MAX_NOTICE_PART_CHARS,
+        "given": MAX_NOTICE_PART_CHARS,
+        "used": MAX_NOTICE_PART_CHARS,
+        "message": MAX_NOTICE_MESSAGE_CHARS,
+        "source": MAX_NOTICE_PART_CHARS,
     },
     "stagediff.v1.LoraAdapter": {"name": MAX_LORA_NAME_CHARS},
     # Each image at most all of a request's image bytes; the model's own limits are checked once it is known.

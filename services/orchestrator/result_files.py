@@ -20,7 +20,7 @@ import io
 import os
 import threading
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Self
 
@@ -384,6 +384,7 @@ class StoredResult:
     pieces: list[tuple[int, int]]  # (first frame, count) of each published tensor, in order
     timings: dict[str, float]
     transformer_passes: tuple[int, int] = (0, 0)  # (run, skipped) by the DiT
+    notices: list[stages_pb2.Notice] = field(default_factory=list)  # the job's (services/orchestrator/notices.py)
     media_type: str = ""  # of the encoded file; "" for a raw result
     encoded_path: Path | None = None
     encoded_bytes: int = 0
@@ -440,6 +441,7 @@ class StoredResult:
                 media_type=self.media_type,
                 encoded_bytes=self.encoded_bytes,
                 seed=seed,
+                notices=self.notices,
             ),
         )
 

@@ -27,6 +27,7 @@ import grpc
 from families.base import Family
 from services.input_images import ROLE_NAMES
 from services.metrics import OrchestratorMetrics
+from services.orchestrator import notices as job_notices
 from services.orchestrator.cache_namespace import tenant_cache_namespace
 from services.orchestrator.job import Job
 from services.orchestrator.kept_outputs import DEFAULT_AFTER_S, PendingWrite
@@ -100,6 +101,15 @@ class StageCalls:
             pending = PendingWrite(write, self.keep_outputs_after_s, name=f"save-{job.job_id}-{stage}")
             job.intermediates.setdefault("saving", []).append(pending)
 
+    async def add_notices(self, job: Job, notices: list[stages_pb2.Notice]) -> None:
+        """Adds a stage's notices to the job (those it has already, from an earlier run, once) and to its row."""
+        merged = job_notices.merge(job.notices, notices)
+        if merged == job.notices:
+            return
+        job.notices = merged
+        if self.store is not None:
+            await store_call(self.store.set_notices, job.job_id, merged)
+
     def remaining(self, job: Job) -> float | None:
         if job.deadline is None:
             return None
@@ -133,10 +143,13 @@ class StageCalls:
                 ),
                 timeout=self.remaining(job),
             )
+            notices: list[stages_pb2.Notice] = []
             async for response in call:
                 chunks.append(response.tensor)
+                notices.extend(response.notices)
         check_sent(family, request, "text-encoder", replica.endpoint, chunks)
         job.timings["text-encoder"] = time.perf_counter() - started
+        await self.add_notices(job, notices)
         await self.keep_output(job, "text-encoder", chunks)
         await job.publish(
             generation_pb2.GenerateEvent(progress=generation_pb2.StageProgress(stage="text-encoder", step=1, total=1))

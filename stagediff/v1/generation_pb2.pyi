@@ -41,7 +41,7 @@ class InterpolationParams(_message.Message):
     def __init__(self, enable: _Optional[bool] = ..., exp: _Optional[int] = ..., scale: _Optional[float] = ..., model_path: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps", "interpolation", "request_id", "images", "cache", "loras", "output_format", "output_quality", "keep_raw_frames")
+    __slots__ = ("model", "prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps", "interpolation", "request_id", "images", "cache", "loras", "output_format", "output_quality", "keep_raw_frames", "notices")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class GenerateRequest(_message.Message):
     OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_QUALITY_FIELD_NUMBER: _ClassVar[int]
     KEEP_RAW_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    NOTICES_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     negative_prompt: str
@@ -78,7 +79,8 @@ class GenerateRequest(_message.Message):
     output_format: str
     output_quality: int
     keep_raw_frames: bool
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., fps: _Optional[float] = ..., interpolation: _Optional[_Union[InterpolationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_image_pb2.InputImage, _Mapping]]] = ..., cache: _Optional[_Union[_stages_pb2.StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_stages_pb2.LoraAdapter, _Mapping]]] = ..., output_format: _Optional[str] = ..., output_quality: _Optional[int] = ..., keep_raw_frames: _Optional[bool] = ...) -> None: ...
+    notices: _containers.RepeatedCompositeFieldContainer[_stages_pb2.Notice]
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., fps: _Optional[float] = ..., interpolation: _Optional[_Union[InterpolationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_image_pb2.InputImage, _Mapping]]] = ..., cache: _Optional[_Union[_stages_pb2.StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_stages_pb2.LoraAdapter, _Mapping]]] = ..., output_format: _Optional[str] = ..., output_quality: _Optional[int] = ..., keep_raw_frames: _Optional[bool] = ..., notices: _Optional[_Iterable[_Union[_stages_pb2.Notice, _Mapping]]] = ...) -> None: ...
 
 class JobError(_message.Message):
     __slots__ = ("code", "message")
@@ -89,7 +91,7 @@ class JobError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "state", "request", "created_at", "finished_at", "queue_position", "current_stage", "error", "timings", "num_frames_out", "fps_out", "transformer_passes", "progress", "progress_percent", "media_type", "download_url")
+    __slots__ = ("job_id", "state", "request", "created_at", "finished_at", "queue_position", "current_stage", "error", "timings", "num_frames_out", "fps_out", "transformer_passes", "progress", "progress_percent", "media_type", "download_url", "notices")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +115,7 @@ class Job(_message.Message):
     PROGRESS_PERCENT_FIELD_NUMBER: _ClassVar[int]
     MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
     DOWNLOAD_URL_FIELD_NUMBER: _ClassVar[int]
+    NOTICES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     request: GenerateRequest
@@ -129,7 +132,8 @@ class Job(_message.Message):
     progress_percent: float
     media_type: str
     download_url: str
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., queue_position: _Optional[int] = ..., current_stage: _Optional[str] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., timings: _Optional[_Mapping[str, float]] = ..., num_frames_out: _Optional[int] = ..., fps_out: _Optional[float] = ..., transformer_passes: _Optional[_Union[_stages_pb2.TransformerPasses, _Mapping]] = ..., progress: _Optional[_Union[StageProgress, _Mapping]] = ..., progress_percent: _Optional[float] = ..., media_type: _Optional[str] = ..., download_url: _Optional[str] = ...) -> None: ...
+    notices: _containers.RepeatedCompositeFieldContainer[_stages_pb2.Notice]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., queue_position: _Optional[int] = ..., current_stage: _Optional[str] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., timings: _Optional[_Mapping[str, float]] = ..., num_frames_out: _Optional[int] = ..., fps_out: _Optional[float] = ..., transformer_passes: _Optional[_Union[_stages_pb2.TransformerPasses, _Mapping]] = ..., progress: _Optional[_Union[StageProgress, _Mapping]] = ..., progress_percent: _Optional[float] = ..., media_type: _Optional[str] = ..., download_url: _Optional[str] = ..., notices: _Optional[_Iterable[_Union[_stages_pb2.Notice, _Mapping]]] = ...) -> None: ...
 
 class JobQueued(_message.Message):
     __slots__ = ("position",)
@@ -170,7 +174,7 @@ class ResultChunk(_message.Message):
     def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., fps: _Optional[float] = ..., encoded: _Optional[_Union[EncodedChunk, _Mapping]] = ...) -> None: ...
 
 class JobCompleted(_message.Message):
-    __slots__ = ("timings", "num_frames", "fps", "transformer_passes", "media_type", "encoded_bytes", "seed")
+    __slots__ = ("timings", "num_frames", "fps", "transformer_passes", "media_type", "encoded_bytes", "seed", "notices")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +189,7 @@ class JobCompleted(_message.Message):
     MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
     ENCODED_BYTES_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    NOTICES_FIELD_NUMBER: _ClassVar[int]
     timings: _containers.ScalarMap[str, float]
     num_frames: int
     fps: float
@@ -192,7 +197,8 @@ class JobCompleted(_message.Message):
     media_type: str
     encoded_bytes: int
     seed: int
-    def __init__(self, timings: _Optional[_Mapping[str, float]] = ..., num_frames: _Optional[int] = ..., fps: _Optional[float] = ..., transformer_passes: _Optional[_Union[_stages_pb2.TransformerPasses, _Mapping]] = ..., media_type: _Optional[str] = ..., encoded_bytes: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    notices: _containers.RepeatedCompositeFieldContainer[_stages_pb2.Notice]
+    def __init__(self, timings: _Optional[_Mapping[str, float]] = ..., num_frames: _Optional[int] = ..., fps: _Optional[float] = ..., transformer_passes: _Optional[_Union[_stages_pb2.TransformerPasses, _Mapping]] = ..., media_type: _Optional[str] = ..., encoded_bytes: _Optional[int] = ..., seed: _Optional[int] = ..., notices: _Optional[_Iterable[_Union[_stages_pb2.Notice, _Mapping]]] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("job_id", "queued", "progress", "result", "completed")

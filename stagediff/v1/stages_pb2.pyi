@@ -158,6 +158,20 @@ class TransformerPasses(_message.Message):
     skipped: int
     def __init__(self, run: _Optional[int] = ..., skipped: _Optional[int] = ...) -> None: ...
 
+class Notice(_message.Message):
+    __slots__ = ("field", "given", "used", "message", "source")
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    GIVEN_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    field: str
+    given: str
+    used: str
+    message: str
+    source: str
+    def __init__(self, field: _Optional[str] = ..., given: _Optional[str] = ..., used: _Optional[str] = ..., message: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+
 class GetStageInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -177,12 +191,14 @@ class EncodeRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., max_sequence_length: _Optional[int] = ..., cache_namespace: _Optional[bytes] = ..., images: _Optional[_Iterable[_Union[_image_pb2.InputImage, _Mapping]]] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
-    __slots__ = ("tensor", "cache_hit")
+    __slots__ = ("tensor", "cache_hit", "notices")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    NOTICES_FIELD_NUMBER: _ClassVar[int]
     tensor: _tensor_pb2.TensorChunk
     cache_hit: bool
-    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
+    notices: _containers.RepeatedCompositeFieldContainer[Notice]
+    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., notices: _Optional[_Iterable[_Union[Notice, _Mapping]]] = ...) -> None: ...
 
 class DenoiseParams(_message.Message):
     __slots__ = ("model", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "image_roles", "image_sizes", "cache", "loras", "batch_group")

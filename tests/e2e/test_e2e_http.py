@@ -79,13 +79,22 @@ def test_openai_videos_create_retrieve_download_and_delete(cluster) -> None:
 
 def test_a_grpc_job_is_a_video_over_http(cluster) -> None:
     """A job submitted over gRPC for raw frames is retrieved over HTTP (progress 100, its size); its content is
-    not encoded on every download: a 409 says to read the frames over gRPC or to submit for MP4."""
+    not encoded on every download: a 409 says to read the frames over gRPC or to submit for MP4. Its prompt is
+    longer than the text encoder takes: the result, the job and the video object say it was truncated."""
+    prompt = "a red circle " + "moving right and growing slowly " * 50
     with Client(cluster.endpoint) as grpc_client:
-        job = grpc_client.submit("a red circle", height=64, width=64, **VIDEO)
-        grpc_client.wait(job.job_id)
+        job = grpc_client.submit(prompt, height=64, width=64, **VIDEO)
+        result = grpc_client.wait(job.job_id)
+        notices = list(grpc_client.get_job(job.job_id).notices)
+    assert [(notice.field, notice.used, notice.source) for notice in notices] == [
+        ("prompt", "512 tokens", "text-encoder")
+    ]
+    assert notices[0].message.startswith("the prompt was truncated to 512 tokens (")
+    assert [notice.message for notice in result.notices] == [notices[0].message]
     client = _openai(cluster)
     video = _wait_completed(client, job.job_id)
     assert (video.progress, video.size) == (100, "64x64")
+    assert [notice["message"] for notice in video.model_dump()["notices"]] == [notices[0].message]
     with pytest.raises(openai.ConflictError) as refused:
         client.videos.download_content(job.job_id)
     assert refused.value.body["code"] == "raw_result" and "output_format mp4" in refused.value.body["message"]

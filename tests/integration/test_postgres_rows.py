@@ -14,6 +14,7 @@ from services.orchestrator.store.records import JobRecord, JobState
 from services.orchestrator.store.rows import JobRows
 from services.orchestrator.store_errors import DuplicateRequestId, StoreError
 from stagediff.local.servers import Postgres
+from stagediff.v1 import stages_pb2
 
 
 @pytest.fixture
@@ -84,3 +85,29 @@ def test_a_newer_schema_is_refused_and_replicas_starting_together_create_it_once
         connection.execute("UPDATE schema_version SET version = %s", (SCHEMA_VERSION + 1,))
     with pytest.raises(StoreError, match=f"schema version {SCHEMA_VERSION + 1}; this version reads {SCHEMA_VERSION}"):
         PostgresDatabase.connect(server.dsn)
+
+
+def test_a_version_6_database_gains_notices_and_keeps_its_jobs(server: Postgres) -> None:
+    """Version 6 had no notices column: connecting adds it (its jobs have none) and the version becomes 7; a
+    running job's notices are then written and read back as SQLite's are."""
+    import psycopg
+
+    from services.orchestrator.store.postgres import SCHEMA_VERSION
+
+    database = PostgresDatabase.connect(server.dsn)
+    job = JobRows(database).insert(_record("a"), None)
+    database.close()
+    with psycopg.connect(server.dsn, autocommit=True) as connection:
+        connection.execute("ALTER TABLE jobs DROP COLUMN notices")
+        connection.execute("UPDATE schema_version SET version = 6")
+    database = PostgresDatabase.connect(server.dsn)
+    try:
+        rows = JobRows(database)
+        assert database.fetchone("SELECT version FROM schema_version", ())[0] == SCHEMA_VERSION == 7
+        assert rows.get(job.job_id).notices == []
+        rows.update_state(job.job_id, JobState.JOB_STATE_RUNNING, {"started_at": 2.0})
+        notice = stages_pb2.Notice(field="prompt", given="721 tokens", used="512 tokens", source="text-encoder")
+        assert rows.set_notices(job.job_id, [notice])
+        assert rows.get(job.job_id).notices == [notice]
+    finally:
+        database.close()

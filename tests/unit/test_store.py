@@ -30,7 +30,7 @@ from services.orchestrator.store import (
 )
 from services.orchestrator.store.models import FORGET_AFTER_S
 from stagediff.tensor_codec import TensorAssembler, encode_tensor
-from stagediff.v1 import generation_pb2, tensor_pb2
+from stagediff.v1 import generation_pb2, stages_pb2, tensor_pb2
 from tests.helpers.store import (
     CANCELLED,
     FAILED,
@@ -454,10 +454,17 @@ def _drop_encoded_results(db: sqlite3.Connection) -> None:
 
 
 def _drop_leases(db: sqlite3.Connection) -> None:
-    """The tables as versions 1 to 5 had them: jobs without owners and leases, stage outputs without positions."""
+    """The tables as versions 1 to 5 had them: jobs without owners and leases, stage outputs without positions
+    (and jobs as before 7)."""
     for column in ("owner", "lease_epoch", "lease_until"):
         db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
     db.execute("ALTER TABLE intermediates DROP COLUMN position")
+    _drop_notices(db)
+
+
+def _drop_notices(db: sqlite3.Connection) -> None:
+    """The jobs table as versions 1 to 6 had it, without notices."""
+    db.execute("ALTER TABLE jobs DROP COLUMN notices")
 
 
 def test_version_3_gains_pass_counts_and_keeps_stage_outputs(tmp_path: Path) -> None:
@@ -677,10 +684,45 @@ def test_version_5_jobs_gain_owners_and_leases(tmp_path: Path) -> None:
         db.execute("PRAGMA user_version = 5")
     with JobStore.open(tmp_path) as store:
         connection = store._connection()
-        assert connection.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+        assert connection.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         row = connection.execute("SELECT owner, lease_epoch, lease_until FROM jobs WHERE job_id = 'queued'").fetchone()
         assert tuple(row) == ("", 0, None)
         assert store.get("queued").tenant == "acme"
+
+
+TRUNCATED = stages_pb2.Notice(
+    field="prompt", given="721 tokens", used="512 tokens", message="the prompt was truncated", source="text-encoder"
+)
+CLAMPED = stages_pb2.Notice(field="seconds", given="100 s", used="16.06 s", message="clamped", source="http")
+
+
+def test_notices_are_kept_with_the_job_and_its_result(store: JobStore, clock: FakeClock) -> None:
+    """A job's notices: those it was admitted with, then a stage's while it runs (never once it has finished),
+    read back with the job and replayed with its stored result."""
+    _add(store, "job", notices=[CLAMPED])
+    assert store.get("job").notices == [CLAMPED]
+    store.update_state("job", RUNNING)
+    assert store.set_notices("job", [CLAMPED, TRUNCATED])
+    clock.now += 1
+    store.save_result("job", _frames(1), 8.0)
+    assert store.get("job").notices == [CLAMPED, TRUNCATED]
+    assert not store.set_notices("job", [])
+    *_, completed = store.load_result("job").events("job")
+    assert list(completed.completed.notices) == [CLAMPED, TRUNCATED]
+
+
+def test_version_6_jobs_gain_notices(tmp_path: Path) -> None:
+    """Version 6 had no notices: its jobs have none, and a running one takes a stage's."""
+    with JobStore.open(tmp_path) as store:
+        _add(store, "running", "acme")
+        store.update_state("running", RUNNING)
+    with sqlite3.connect(tmp_path / "jobs.sqlite3") as db:
+        _drop_notices(db)
+        db.execute("PRAGMA user_version = 6")
+    with JobStore.open(tmp_path) as store:
+        assert store._connection().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
+        assert store.get("running").notices == []
+        assert store.set_notices("running", [TRUNCATED]) and store.get("running").notices == [TRUNCATED]
 
 
 def test_served_models_are_kept_until_no_dit_reports_them_for_a_week(tmp_path: Path, open_store: OpenStore) -> None:

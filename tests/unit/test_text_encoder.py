@@ -12,6 +12,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from families.qwen_image.encode import QwenPromptEncoder
 from families.registry import family_named
 from families.wan.encode import WanPromptEncoder
 from services.checkpoint import read_checkpoint
@@ -247,6 +248,79 @@ def test_service_bounds_fields_and_keeps_tenants_apart(tiny_model) -> None:
         asyncio.run(scenario())
     finally:
         runtime.executor.shutdown(wait=False)
+
+
+LONG_PROMPT = "a red fox runs through the snow at dawn, " * 40
+
+
+def test_wan_truncation_counts_the_tokens_the_pipeline_cuts(tiny_model) -> None:
+    """The count is the text's whole token sequence, of which WanPipeline's tokenizer call keeps the first
+    max_sequence_length; a text that fits is not cut."""
+    encoder = WanPromptEncoder(tiny_model, "tiny", torch.device("cpu"), torch.float32)
+    cut = encoder.truncation(LONG_PROMPT, 64)
+    assert cut is not None and cut.kept == 64
+    whole = encoder.embed_many([LONG_PROMPT], cut.given + 100, pad_to_longest=True)
+    assert whole.shape[1] == cut.given  # every token, the end token included
+    assert encoder.truncation(LONG_PROMPT, cut.given) is None and encoder.truncation("a fox", 64) is None
+
+
+def test_qwen_truncation_counts_the_tokens_the_pipeline_cuts(qwen_model) -> None:
+    encoder = QwenPromptEncoder(qwen_model, "qwen", torch.device("cpu"), torch.float32)
+    cut = encoder.truncation(LONG_PROMPT, 32)
+    assert cut is not None and cut.kept == 32 and encoder.embed_uncached(LONG_PROMPT, 32).shape[0] == 32
+    assert encoder.embed_uncached(LONG_PROMPT, cut.given + 100).shape[0] == cut.given
+    assert encoder.truncation(LONG_PROMPT, cut.given) is None
+
+
+def test_a_cut_text_is_reported_and_becomes_the_jobs_notice(tiny_model) -> None:
+    """The stage's first response names each text it cut; the orchestrator adds them to the job once, however
+    often the stage runs for it."""
+    runtime = StageRuntime("text-encoder", read_checkpoint(tiny_model), torch.device("cpu"), torch.float32)
+    servicer = TextEncoderServicer(EmbeddingCacheConfig(max_bytes=0, max_entries=0), runtime)
+    servicer.load()
+
+    async def scenario() -> Job:
+        server = grpc.aio.server()
+        health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        stages_pb2_grpc.add_StageControlServicer_to_server(StageControlServicer(runtime), server)
+        servicer.add_to_server(server)
+        endpoint = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        pool = StagePool({stage: endpoint for stage in STAGE_ORDER})
+        try:
+            async with grpc.aio.insecure_channel(endpoint) as channel:
+                stub = stages_pb2_grpc.TextEncoderStub(channel)
+                short = [response async for response in stub.Encode(stages_pb2.EncodeRequest(texts=["a fox"]))]
+                assert not any(response.notices for response in short)
+            await pool.probe_all()
+            pipeline = Pipeline(pool, cluster_secret="cluster-secret")
+            route = ModelRoute(
+                runtime.spec.model_id,
+                stages_pb2.StageInfo(model=runtime.spec.model_id, family=runtime.spec.family),
+                family_named(runtime.spec.family),
+            )
+            request = generation_pb2.GenerateRequest(prompt=LONG_PROMPT, negative_prompt=LONG_PROMPT, guidance_scale=5)
+            job = Job(job_id="job", request=request)
+            for _ in range(2):  # a retry of the stage reports the same cuts
+                await pipeline.calls.encode(job, route)
+            return job
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    try:
+        job = asyncio.run(scenario())
+    finally:
+        runtime.executor.shutdown(wait=False)
+    given = servicer.encoder.truncation(LONG_PROMPT, 512).given
+    assert [(n.field, n.given, n.used, n.source) for n in job.notices] == [
+        ("prompt", f"{given} tokens", "512 tokens", "text-encoder"),
+        ("negative_prompt", f"{given} tokens", "512 tokens", "text-encoder"),
+    ]
+    assert job.notices[0].message.startswith(f"the prompt was truncated to 512 tokens ({given} given)")
+    assert list(job.to_proto().notices) == job.notices
 
 
 def test_qwen_texts_answer_with_their_masks(qwen_model) -> None:

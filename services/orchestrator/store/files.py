@@ -42,6 +42,7 @@ import numpy as np
 from google.protobuf import proto
 from google.protobuf.message import DecodeError
 
+from services.orchestrator import notices as job_notices
 from services.orchestrator.blobs.protocol import BlobError, BlobStore
 from services.orchestrator.result_files import (
     ENCODED_FILE,
@@ -413,6 +414,7 @@ class JobFiles:
             pieces=[(first, count) for first, count in json.loads(row["pieces"])],
             timings=json.loads(row["timings"]),
             transformer_passes=(row["passes_run"], row["passes_skipped"]),
+            notices=job_notices.from_json(row["notices"]),
         )
 
     # --------------------------------------------------------------- sweep --

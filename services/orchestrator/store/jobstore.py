@@ -1,11 +1,10 @@
 """`JobStore`: durable job records (rows) and their files (a state directory, or blobs).
 
-It composes the rows (rows.py: SQLite in the state directory, or PostgreSQL) and the files (files.py: the
-directory, or a BlobStore such as S3); every operation that touches both follows one rule: a file is complete
-before the row that names it is committed, and a row's files are deleted only after the transaction that drops
-the row. So a row always points at a complete file, and a file without a row (a crash between the two, a result
-still being written, a fenced-out owner's upload) is never read as a result: `open` sweeps the directory, and
-`collect_garbage` the blob store.
+It composes the rows (rows.py: SQLite in the state directory, or PostgreSQL) and the files (files.py: the directory, or
+a BlobStore such as S3); every operation that touches both follows one rule: a file is complete before the row that
+names it is committed, and a row's files are deleted only after the transaction that drops the row. So a row always
+points at a complete file, and a file without a row (a crash between the two, a result still being written, a fenced-out
+owner's upload) is never read as a result: `open` sweeps the directory, and `collect_garbage` the blob store.
 
 Durability. SQLite runs in WAL mode with `synchronous=NORMAL` by default: a committed transaction survives a
 crash or SIGKILL of the process; only a power loss or kernel crash can lose the last transactions (never
@@ -52,7 +51,7 @@ from services.orchestrator.store.records import TERMINAL_STATES, JobRecord, JobS
 from services.orchestrator.store.rows import JobRows
 from services.orchestrator.store.schema import migrate
 from services.orchestrator.store_errors import InvalidTransition, StoreError, io_error
-from stagediff.v1 import image_pb2, tensor_pb2
+from stagediff.v1 import image_pb2, stages_pb2, tensor_pb2
 
 RUNNING = (JobState.JOB_STATE_RUNNING,)
 EMBEDDED_OWNER = "embedded"  # the owner of every job a lone orchestrator claims
@@ -178,9 +177,7 @@ class JobStore:
 
     def find_by_request_id(self, tenant: str, request_id: str) -> JobRecord | None:
         """The tenant's job with this client-chosen id (idempotent resubmission), if any."""
-        if not request_id:
-            return None
-        return self._rows.find_by_request_id(tenant, request_id)
+        return self._rows.find_by_request_id(tenant, request_id) if request_id else None
 
     def update_state(
         self,
@@ -325,6 +322,10 @@ class JobStore:
         if not kept:
             self.files.unlink(job_id, [file])
         return kept
+
+    def set_notices(self, job_id: str, notices: Iterable[stages_pb2.Notice]) -> bool:
+        """Replaces a running job's notices; blocking. False (nothing changed) if it finished or was claimed again."""
+        return self._rows.set_notices(job_id, notices, self._claims.fence(job_id))
 
     def load_intermediates(self, job_id: str) -> dict[str, list[tensor_pb2.TensorChunk]]:
         """{stage: the chunks it sent} of every saved stage, in the order they finished; blocking."""

@@ -16,7 +16,7 @@ from typing import Any
 from services.orchestrator.store.models import POSTGRES_TABLE as POSTGRES_MODELS_TABLE
 from services.orchestrator.store_errors import StoreError, StoreUnavailable
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -44,6 +44,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     owner TEXT NOT NULL DEFAULT '',         -- the replica running the job ('' while queued)
     lease_epoch BIGINT NOT NULL DEFAULT 0,  -- +1 per claim: fences a former owner's writes
     lease_until DOUBLE PRECISION,           -- the database's unix seconds the owner's lease lasts to
+    notices TEXT NOT NULL DEFAULT '[]',     -- JSON [Notice] (services/orchestrator/notices.py)
     UNIQUE (tenant, request_id)
 );
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, seq);
@@ -72,6 +73,11 @@ CREATE TABLE IF NOT EXISTS results (
 )
 """
 
+# What a database of an older version lacks, added to it (each statement a no-op on a newer one). Version 7
+# keeps each job's notices.
+MIGRATIONS = """
+ALTER TABLE jobs ADD COLUMN IF NOT EXISTS notices TEXT NOT NULL DEFAULT '[]'
+"""
 
 CONNECT_TIMEOUT_S = 5
 SCHEMA_LOCK = 0x5354414745444946  # the advisory lock under which replicas create the tables
@@ -173,6 +179,11 @@ class PostgresDatabase:
                 db.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
             elif row[0] > SCHEMA_VERSION:
                 raise StoreError(f"the job database has schema version {row[0]}; this version reads {SCHEMA_VERSION}")
+            elif row[0] < SCHEMA_VERSION:
+                for statement in MIGRATIONS.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
         return database
 
     def connection(self) -> Any:

@@ -7,10 +7,12 @@ They are plain values, the same whichever database holds the rows and wherever t
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from stagediff.v1 import generation_pb2
+from services.orchestrator import notices as job_notices
+from stagediff.v1 import generation_pb2, stages_pb2
 
 JobState = generation_pb2.JobState
 TERMINAL_STATES = (JobState.JOB_STATE_SUCCEEDED, JobState.JOB_STATE_FAILED, JobState.JOB_STATE_CANCELLED)
@@ -53,6 +55,8 @@ class JobRecord:
     lease_epoch: int = 0  # +1 per claim: the fencing token of the owner's writes
     passes_run: int = 0
     passes_skipped: int = 0
+    # The changes made to the request that its caller did not ask for (services/orchestrator/notices.py).
+    notices: list[stages_pb2.Notice] = field(default_factory=list)
     seq: int = 0
 
     @classmethod
@@ -64,6 +68,7 @@ class JobRecord:
         *,
         priority: str = "normal",
         deadline_at: float | None = None,
+        notices: Iterable[stages_pb2.Notice] = (),
     ) -> JobRecord:
         return cls(
             job_id=job_id,
@@ -72,6 +77,7 @@ class JobRecord:
             request_id=request.request_id,
             priority=priority,
             deadline_at=deadline_at,
+            notices=list(notices),
         )
 
     def parse_request(self) -> generation_pb2.GenerateRequest:
@@ -127,5 +133,6 @@ def record_from_row(row: Row) -> JobRecord:
         lease_epoch=row["lease_epoch"],
         passes_run=row["passes_run"],
         passes_skipped=row["passes_skipped"],
+        notices=job_notices.from_json(row["notices"]),
         seq=row["seq"],
     )

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from services.orchestrator import notices as job_notices
 from services.orchestrator.store.database import JobDatabase
 from services.orchestrator.store.postgres import UniqueViolation
 from services.orchestrator.store.records import (
@@ -31,6 +32,7 @@ from services.orchestrator.store.records import (
     record_from_row,
 )
 from services.orchestrator.store_errors import DuplicateRequestId, InvalidTransition, LeaseLost, StoreError, UnknownJob
+from stagediff.v1 import stages_pb2
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,8 @@ class JobRows:
                 cursor = db.execute(
                     "INSERT INTO jobs (job_id, tenant, request_id, priority, request, state, created_at, started_at,"
                     " finished_at, deadline_at, error_code, error_message, timings, num_frames_out, fps_out,"
-                    " last_stage, attempts) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING seq",
+                    " last_stage, attempts, notices) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    " RETURNING seq",
                     (
                         record.job_id,
                         record.tenant,
@@ -83,6 +86,7 @@ class JobRows:
                         record.fps_out,
                         record.last_stage,
                         record.attempts,
+                        job_notices.to_json(record.notices),
                     ),
                 )
                 seq = int(cursor.fetchone()[0])
@@ -248,6 +252,18 @@ class JobRows:
                 )
             return True
 
+    def set_notices(self, job_id: str, notices: Iterable[stages_pb2.Notice], fence: Fence | None = None) -> bool:
+        """Replaces the job's notices (services/orchestrator/notices.py) unless the job finished meanwhile or
+        `fence` no longer holds; returns whether they were written."""
+        with self.database.transaction() as db:
+            try:
+                if self._locked_state(db, job_id, fence) in TERMINAL_STATES:
+                    return False
+            except LeaseLost:
+                return False
+            db.execute("UPDATE jobs SET notices = ? WHERE job_id = ?", (job_notices.to_json(notices), job_id))
+            return True
+
     def stage_files(self, job_id: str) -> list[tuple[str, str]]:
         """(stage, file) of every saved stage output, in the order the stages finished."""
         rows = self.database.fetchall(
@@ -321,10 +337,11 @@ class JobRows:
         return record, files
 
     def result(self, job_id: str) -> Any:
-        """The job's results row (by column name), with its job's timings and pass counts; None without one."""
+        """The job's results row (by column name), with its job's timings, pass counts and notices; None without
+        one."""
         return self.database.fetchone(
-            "SELECT results.*, jobs.timings, jobs.passes_run, jobs.passes_skipped FROM results JOIN jobs"
-            " USING (job_id) WHERE job_id = ?",
+            "SELECT results.*, jobs.timings, jobs.passes_run, jobs.passes_skipped, jobs.notices FROM results"
+            " JOIN jobs USING (job_id) WHERE job_id = ?",
             (job_id,),
         )
 

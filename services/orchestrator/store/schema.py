@@ -15,7 +15,7 @@ from services.orchestrator.store.database import Database
 from services.orchestrator.store.models import SQLITE_TABLE as MODELS_TABLE
 from services.orchestrator.store_errors import StoreError
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 SCHEMA = """
 CREATE TABLE jobs (
@@ -42,6 +42,7 @@ CREATE TABLE jobs (
     owner TEXT NOT NULL DEFAULT '',         -- the replica running the job ('' while queued)
     lease_epoch INTEGER NOT NULL DEFAULT 0, -- +1 per claim: fences a former owner's writes
     lease_until REAL,                       -- until when the owner's lease lasts
+    notices TEXT NOT NULL DEFAULT '[]',     -- JSON [Notice]: changes made to the request (orchestrator/notices.py)
     UNIQUE (tenant, request_id)
 );
 CREATE INDEX jobs_by_state ON jobs (state, seq);
@@ -110,6 +111,12 @@ ALTER TABLE intermediates ADD COLUMN position INTEGER NOT NULL DEFAULT 0;
 UPDATE intermediates SET position = rowid;
 """
 
+# Version 7 keeps each job's notices, the changes made to its request that its caller did not ask for (a
+# truncated prompt); older jobs have none.
+MIGRATE_6_TO_7 = """
+ALTER TABLE jobs ADD COLUMN notices TEXT NOT NULL DEFAULT '[]';
+"""
+
 
 def migrate(database: Database, path: Path, size_of: Callable[[str, str], int]) -> None:
     """Brings the database at `path` to SCHEMA_VERSION. `size_of(job_id, file)`: a job file's size, 0 if absent."""
@@ -134,6 +141,8 @@ def migrate(database: Database, path: Path, size_of: Callable[[str, str], int]) 
             _run_script(db, MIGRATE_4_TO_5)
         if version in (1, 2, 3, 4, 5):
             _run_script(db, MIGRATE_5_TO_6)
+        if version in (1, 2, 3, 4, 5, 6):
+            _run_script(db, MIGRATE_6_TO_7)
         if version != SCHEMA_VERSION:
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         _run_script(db, MODELS_TABLE)  # additive, whatever the version (store/models.py)
