@@ -36,6 +36,7 @@ from services.gateway.image_routes import image_routes
 from services.gateway.key_check import KeyCheck, KeyFirst
 from services.gateway.options import DEFAULT_MAX_DOWNLOADS_PER_KEY
 from services.gateway.orchestrator import Orchestrator
+from services.gateway.schemas import model_object
 from services.gateway.video_routes import video_routes
 from services.launch_id import launch_id
 from stagediff.errors import StageDiffError
@@ -97,28 +98,7 @@ def create_app(
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:
         models = await orchestrator.list_models(request.headers.get("authorization"))
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model.id,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "stagediff",
-                    "family": model.family,
-                    "loras": [lora.name for lora in model.limits.loras],
-                    "image_roles": list(model.limits.image_roles),
-                    "default_size": f"{model.limits.default_width}x{model.limits.default_height}",
-                    "default_num_frames": model.limits.default_num_frames,
-                    "default_fps": model.limits.default_fps,
-                    # Replicas serving the model at each stage of its chain now (0: it waits for one).
-                    "serving_replicas": dict(model.serving_replicas),
-                    # "serving", or why not: scaled to zero (requests wait for a replica to start), unavailable.
-                    "status": model.status,
-                }
-                for model in models
-            ],
-        }
+        return {"object": "list", "data": [model_object(model) for model in models]}
 
     # ---------------------------------------------------------------- health --
 
