@@ -10,6 +10,7 @@
     POST   /v1/images/edits             the same from input images (multipart `image`), for editing models
     GET    /v1/models                   the models the caller may use
     GET    /healthz, /readyz            the process is up; the orchestrator answers
+    GET    /playground/                 the web playground (playground.py), unless --no-playground; / redirects there
 
 A video job is the orchestrator's job: its id works with the gRPC API too (WatchJob, GetJob, CancelJob), and
 the orchestrator's tenants, keys, quotas and durability apply unchanged. The gateway keeps no state of its own,
@@ -33,9 +34,11 @@ from services.gateway.downloads import DownloadSlots
 from services.gateway.errors import ApiError, from_http_exception, from_stagediff_error, validation_error
 from services.gateway.headers import AuthorizationCheck
 from services.gateway.image_routes import image_routes
-from services.gateway.key_check import KeyCheck, KeyFirst
+from services.gateway.key_check import OPEN_PATHS, KeyCheck, KeyFirst
 from services.gateway.options import DEFAULT_MAX_DOWNLOADS_PER_KEY
 from services.gateway.orchestrator import Orchestrator
+from services.gateway.playground import SecurityHeaders, add_playground, is_playground_path
+from services.gateway.schemas import model_object
 from services.gateway.video_routes import video_routes
 from services.launch_id import launch_id
 from stagediff.errors import StageDiffError
@@ -48,9 +51,11 @@ def create_app(
     image_wait_s: float,
     max_downloads_per_key: int = DEFAULT_MAX_DOWNLOADS_PER_KEY,
     openapi: bool = False,
+    playground: bool = True,
 ) -> FastAPI:
-    """The gateway's app. `openapi` serves /openapi.json (behind the key, as every route but /healthz and
-    /readyz); there is no /docs page, whose script would come from a CDN."""
+    """The gateway's app. `openapi` serves /openapi.json (behind the key, as every route but /healthz, /readyz
+    and the playground's files); there is no /docs page, whose script would come from a CDN. `playground` serves
+    the web playground at /playground/."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -85,40 +90,26 @@ def create_app(
 
     # The last added runs first: a declared Content-Length over the limit is 413 before the key is checked, and
     # the key is checked before the route reads a byte of the body.
-    app.add_middleware(KeyFirst, check=KeyCheck(orchestrator))
+    def is_open(path: str) -> bool:
+        return path in OPEN_PATHS or (playground and is_playground_path(path))
+
+    app.add_middleware(KeyFirst, check=KeyCheck(orchestrator), is_open=is_open)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    app.add_middleware(AuthorizationCheck)  # the outermost: before any body is read
+    app.add_middleware(AuthorizationCheck)  # before any body is read
+    if playground:
+        app.add_middleware(SecurityHeaders)  # the outermost: every answer on the playground's paths has them
 
     app.include_router(video_routes(orchestrator, downloads))
     app.include_router(image_routes(orchestrator, image_wait_s))
+    if playground:
+        add_playground(app)
 
     # ---------------------------------------------------------------- models --
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:
         models = await orchestrator.list_models(request.headers.get("authorization"))
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model.id,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "stagediff",
-                    "family": model.family,
-                    "loras": [lora.name for lora in model.limits.loras],
-                    "image_roles": list(model.limits.image_roles),
-                    "default_size": f"{model.limits.default_width}x{model.limits.default_height}",
-                    "default_num_frames": model.limits.default_num_frames,
-                    "default_fps": model.limits.default_fps,
-                    # Replicas serving the model at each stage of its chain now (0: it waits for one).
-                    "serving_replicas": dict(model.serving_replicas),
-                    # "serving", or why not: scaled to zero (requests wait for a replica to start), unavailable.
-                    "status": model.status,
-                }
-                for model in models
-            ],
-        }
+        return {"object": "list", "data": [model_object(model) for model in models]}
 
     # ---------------------------------------------------------------- health --
 

@@ -51,6 +51,8 @@ class GatewayConfig:
     """Time for a request's body to arrive after its headers (--body-timeout)."""
     openapi: bool
     """Serve /openapi.json to callers with an API key (--openapi)."""
+    playground: bool
+    """Serve the web playground at /playground/ and redirect / to it (--playground, --no-playground)."""
 
     def __post_init__(self) -> None:
         for flag, value in (
@@ -87,4 +89,5 @@ class GatewayConfig:
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,
             openapi=args.openapi,
+            playground=args.playground,
         )

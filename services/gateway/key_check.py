@@ -9,7 +9,8 @@ reached is a 503 before the body too (the request could not be served); one that
 (a fake without ListModels) lets the request go on, for the orchestrator to decide on its call.
 
 `KeyFirst` (ASGI middleware) answers 401 with `Connection: close` before the route runs, so the body is never
-read. Every path but OPEN_PATHS goes through it, /openapi.json included. Refusals are logged at a bounded rate.
+read. Every path but OPEN_PATHS (and those the app opens besides: the playground's static files) goes through it,
+/openapi.json included. Refusals are logged at a bounded rate.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -88,13 +90,14 @@ class KeyCheck:
 class KeyFirst:
     """ASGI middleware: a request without a key the orchestrator takes is answered 401 before its body is read."""
 
-    def __init__(self, app: ASGIApp, check: KeyCheck) -> None:
+    def __init__(self, app: ASGIApp, check: KeyCheck, is_open: Callable[[str], bool] = OPEN_PATHS.__contains__) -> None:
         self.app = app
         self.check = check
+        self.is_open = is_open
         self.refusals = RateLimitedLog(logger, logging.INFO)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or self.is_open(scope["path"]):
             await self.app(scope, receive, send)
             return
         # The first Authorization header, which the routes forward (starlette's Headers.get).

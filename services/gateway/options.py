@@ -101,6 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "no /docs page)",
     )
     parser.add_argument(
+        "--playground",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve the web playground, a page to try prompts on, at /playground/ and redirect / to it (default: "
+        "on; --no-playground, or STAGEDIFF_PLAYGROUND=false, leaves both paths unserved)",
+    )
+    parser.add_argument(
         "--image-wait",
         type=float,
         default=DEFAULT_IMAGE_WAIT_S,
@@ -123,7 +130,8 @@ def build_parser() -> OptionParser:
     parser = OptionParser(
         prog="stagediff serve http",
         description="The HTTP gateway: OpenAI-compatible /v1/videos, /v1/images and /v1/models in front of the "
-        "orchestrator, with the same tenants, keys, quotas and job ids as its gRPC API.",
+        "orchestrator, with the same tenants, keys, quotas and job ids as its gRPC API, and a web playground at "
+        "/playground/.",
     )
     add_arguments(parser)
     return parser

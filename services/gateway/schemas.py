@@ -323,3 +323,52 @@ def video_object(job: generation_pb2.Job) -> dict:
 
 def _code_name(value: int) -> str:
     return next((code.name.lower() for code in grpc.StatusCode if code.value[0] == value), "unknown")
+
+
+def _cache(cache: stages_pb2.StepCache) -> dict:
+    return {"method": cache.method or "none", "threshold": cache.threshold if cache.HasField("threshold") else None}
+
+
+def model_object(model: generation_pb2.ModelDescription) -> dict:
+    """A model as OpenAI's Model object, with what a request to it may ask (its defaults and limits) after
+    OpenAI's fields: enough for a client (the playground) to offer only the controls the model takes."""
+    limits = model.limits
+    return {
+        "id": model.id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "stagediff",
+        "family": model.family,
+        # What a request makes: a model that makes one frame makes images (POST /v1/images/...).
+        "output": "image" if limits.max_frames == 1 else "video",
+        "loras": [lora.name for lora in limits.loras],
+        "image_roles": list(limits.image_roles),
+        "default_size": f"{limits.default_width}x{limits.default_height}",
+        "default_num_frames": limits.default_num_frames,
+        "default_fps": limits.default_fps,
+        # Replicas serving the model at each stage of its chain now (0: it waits for one).
+        "serving_replicas": dict(model.serving_replicas),
+        # "serving", or why not: scaled to zero (requests wait for a replica to start), unavailable.
+        "status": model.status,
+        # The bounds the orchestrator checks a request against, and the defaults of the fields left unset.
+        "limits": {
+            "width_multiple": limits.width_multiple,
+            "height_multiple": limits.height_multiple,
+            "max_width": limits.max_width,
+            "max_height": limits.max_height,
+            "min_height": limits.min_height or limits.height_multiple,
+            "temporal_factor": limits.temporal_factor,
+            "max_frames": limits.max_frames,
+            "max_inference_steps": limits.max_inference_steps,
+            "default_num_inference_steps": limits.default_inference_steps,
+            "default_guidance_scale": limits.default_guidance_scale,
+            "max_prompt_chars": limits.max_prompt_chars,
+            "required_image_roles": list(limits.required_image_roles),
+            "max_images": limits.max_images,
+            "max_image_bytes": limits.max_image_bytes,
+            # Step caches besides "none" (always allowed), each with the threshold it gets unless one is sent.
+            "cache_methods": [_cache(cache) for cache in limits.cache_methods],
+            "default_cache": _cache(limits.default_cache),
+            "max_loras": limits.max_loras,
+        },
+    }

@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         image_wait_s=config.image_wait_s,
         max_downloads_per_key=config.max_downloads_per_key,
         openapi=config.openapi,
+        playground=config.playground,
     )
     tls: dict[str, Any] = {}
     if config.tls.cert_file is not None:

@@ -1,50 +1,26 @@
 """The trained demo model through the local cluster: frame for frame as diffusers makes it, and its colour-swapping
-adapter for one tenant among interleaved requests. One cluster serves both: its DiT serves the adapters folder,
-and a request without adapters gets the base model's frames (tests/integration/test_lora.py)."""
+adapter for one tenant among interleaved requests. One cluster serves both (`demo_cluster`, tests/e2e/conftest.py):
+its DiT serves the adapters folder, and a request without adapters gets the base model's frames
+(tests/integration/test_lora.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
-from shapeworld.demo_model import CHECKPOINT, DEFAULT_REQUEST
+from shapeworld.demo_model import DEFAULT_REQUEST
 from shapeworld.score import ATTRIBUTES, read_video, score
 from shapeworld.world import parse_prompt
 from stagediff.client import Client, StageDiffError
-from stagediff.local.supervisor import LocalCluster
 from tests.helpers.demo_model import PROMPTS, diffusers_frames
-from tests.helpers.serving import THREADS_PER_STAGE
-from tests.helpers.tenant_keys import tenants_file
 
 pytestmark = pytest.mark.e2e
 
-ADAPTER = Path(__file__).resolve().parents[2] / "shapeworld" / "adapters" / "red_to_blue.safetensors"
 DEMO_PROMPT = "a red circle moving right on a dark background"
-
-
-@pytest.fixture(scope="module")
-def demo_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, dict[str, str]]]:
-    """The demo model with its red_to_blue adapter allowed to acme only."""
-    lora_dir = tmp_path_factory.mktemp("demo-loras")
-    (lora_dir / "red_to_blue.safetensors").write_bytes(ADAPTER.read_bytes())
-    tenants, keys = tenants_file(tmp_path_factory.mktemp("demo-tenants"), {"acme": ["red_to_blue"], "globex": []})
-    cluster = LocalCluster(
-        CHECKPOINT,
-        threads_per_stage=THREADS_PER_STAGE,
-        log_dir=tmp_path_factory.mktemp("demo-logs"),
-        extra_args={"dit": ["--lora-dir", str(lora_dir)], "orchestrator": ["--tenants", str(tenants)]},
-    )
-    cluster.start(timeout=300)
-    try:
-        yield cluster, keys
-    finally:
-        cluster.stop()
 
 
 def test_cluster_serves_the_demo_model_as_diffusers_does(demo_cluster, demo_pipeline) -> None:

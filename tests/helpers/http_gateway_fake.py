@@ -25,14 +25,17 @@ MAX_BODY_BYTES = 64 << 20
 
 
 @contextlib.contextmanager
-def gateway(state_dir: Path, *, image_wait_s: float = 5.0) -> Iterator[tuple[TestClient, str]]:
+def gateway(state_dir: Path, *, image_wait_s: float = 5.0, playground: bool = True) -> Iterator[tuple[TestClient, str]]:
     """(client, a tenant's key): the gateway in front of an orchestrator with one tenant. The image routes wait
-    `image_wait_s` for jobs that never finish here, then answer 504."""
+    `image_wait_s` for jobs that never finish here, then answer 504; `playground` serves the web playground."""
     key = new_api_key()
     tenants = TenantRegistry.from_dict({"tenants": [{"name": "tenant", "api_keys": [hash_api_key(key)]}]})
     orchestrator = Orchestrator(state_dir, tenants)
     app = create_app(
-        GatewayOrchestrator(f"127.0.0.1:{orchestrator.port}"), max_body_bytes=MAX_BODY_BYTES, image_wait_s=image_wait_s
+        GatewayOrchestrator(f"127.0.0.1:{orchestrator.port}"),
+        max_body_bytes=MAX_BODY_BYTES,
+        image_wait_s=image_wait_s,
+        playground=playground,
     )
     try:
         with TestClient(app, raise_server_exceptions=False) as client:
