@@ -217,16 +217,13 @@ def _finished_note(job: generation_pb2.Job) -> str | None:
 
 
 def _hint(error: StageDiffError, args: argparse.Namespace) -> str:
-    """What the command's flags can do about a refusal the server words in the API's terms."""
-    image_out = getattr(args, "out", None) and OUTPUT_FORMATS.get(_requested_format(args), "").startswith("image/")
-    if isinstance(error, InvalidArgument) and error.field == "output_format" and image_out:
-        return f"; or add --num-frames 1 for the single image a {Path(args.out).suffix} file holds"
+    """What the command's flags can do about a refusal the server words in the API's terms: an image format
+    refused for a video's frames."""
+    output_format = getattr(args, "output_format", None) or ""
+    image = OUTPUT_FORMATS.get(output_format, "").startswith("image/")
+    if isinstance(error, InvalidArgument) and error.field == "output_format" and image:
+        return f"; or add --num-frames 1 for a single {output_format} image"
     return ""
-
-
-def _requested_format(args: argparse.Namespace) -> str:
-    """The output format generate asked for: --output-format, else the one --out's extension names."""
-    return args.output_format or FORMAT_OF_EXTENSION.get(Path(args.out).suffix.lower(), "")
 
 
 def _save(result: GenerationResult, out: Path | None, started: float) -> int:

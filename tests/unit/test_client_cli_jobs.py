@@ -180,6 +180,11 @@ def test_wait_on_a_finished_job_prints_its_result_once_without_replaying_its_eve
     assert json.loads(captured.out)["out"] == str(out) and captured.err == ""
 
 
+def test_wait_on_an_unknown_job_is_one_error_line(server, capsys, tmp_path: Path) -> None:
+    assert run(server, "wait", "job-lost", "--out", str(tmp_path / "lost.png")) == 1
+    assert capsys.readouterr().err == "error: NOT_FOUND: no job 'job-lost'\n"
+
+
 def test_cancel_and_delete(server, capsys) -> None:
     assert run(server, "cancel", "job-running") == 0
     captured = capsys.readouterr()
@@ -261,7 +266,7 @@ def test_an_image_from_a_video_model_is_refused_saying_num_frames_1_makes_one(se
     assert run(server, "generate", "--prompt", VIDEO_PROMPT, "--out", str(tmp_path / "tri.png")) == 1
     err = capsys.readouterr().err
     assert "output_format: png holds one image and this request makes 9 frames" in err
-    assert err.rstrip().endswith("or add --num-frames 1 for the single image a .png file holds")
+    assert err.rstrip().endswith("or add --num-frames 1 for a single png image")
 
 
 def test_connection_failures_are_one_line_naming_the_endpoint(capsys, tmp_path: Path) -> None:
