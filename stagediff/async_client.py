@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stagediff._tracing import trace_context_interceptors
 from stagediff.api_keys import resolve_api_key
-from stagediff.errors import InternalError, StageDiffError
+from stagediff.errors import InternalError, NotFound, StageDiffError, check_endpoint, connection_failure
 from stagediff.request import RequestOptions, build_request
 from stagediff.results import Event, GenerationResult, ResultBuilder
 from stagediff.retries import Retries, RetryPolicy
@@ -61,8 +61,9 @@ class AsyncClient:
         client_key: str | Path | None = None,
     ) -> None:
         """`endpoint` is HOST:PORT, or the addresses of several orchestrator replicas separated by commas (calls
-        go to the next one when one is UNAVAILABLE). `timeout` is every call's deadline in seconds (None: none);
-        `retry` when calls are tried again.
+        go to the next one when one is UNAVAILABLE); a URL (`http://...`) raises InvalidEndpoint. A call that
+        reaches no StageDiff server raises ConnectionFailed, saying what to do. `timeout` is every call's deadline
+        in seconds (None: none); `retry` when calls are tried again.
 
         The API key (`api_key`, else read from `api_key_file`, else as `resolve_api_key` finds one:
         $STAGEDIFF_API_KEY, $STAGEDIFF_API_KEY_FILE, ~/.config/stagediff/api-key) goes with every call as
@@ -73,6 +74,8 @@ class AsyncClient:
         self.endpoints = [part.strip() for part in endpoint.split(",") if part.strip()]
         if not self.endpoints:
             raise ValueError("endpoint: give HOST:PORT, or several separated by commas (orchestrator replicas)")
+        for address in self.endpoints:
+            check_endpoint(address)
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
         self.metadata = list(metadata or [])
@@ -106,6 +109,11 @@ class AsyncClient:
     def _stub(self) -> generation_pb2_grpc.GenerationStub:
         return self._stubs[self._current]
 
+    def _error(self, error: grpc.aio.AioRpcError) -> StageDiffError:
+        """The StageDiffError for a failed call: ConnectionFailed, naming the address and what to do, when it
+        reached no StageDiff server; otherwise the class its status code maps to."""
+        return connection_failure(error, self.endpoints[self._current]) or StageDiffError.from_rpc_error(error)
+
     def _after_failure(self, error: grpc.aio.AioRpcError) -> None:
         """Moves on to the next replica's address after an UNAVAILABLE one that did not say when to retry (a
         replica down or leaving); one that did (a takeover under way) answers, and is tried again."""
@@ -136,7 +144,7 @@ class AsyncClient:
             except grpc.aio.AioRpcError as error:
                 delay = retries.delay(error)
                 if delay is None:
-                    raise StageDiffError.from_rpc_error(error) from None
+                    raise self._error(error) from None
                 self._after_failure(error)
                 await asyncio.sleep(delay)
 
@@ -159,7 +167,7 @@ class AsyncClient:
             except grpc.aio.AioRpcError as error:
                 delay = retries.delay(error)
                 if delay is None:
-                    raise StageDiffError.from_rpc_error(error) from None
+                    raise self._error(error) from None
                 self._after_failure(error)
                 await asyncio.sleep(delay)
 
@@ -278,14 +286,18 @@ class AsyncClient:
         """The job: its state, the request with every default filled in, its progress, timings or error."""
         return await self._unary("GetJob", generation_pb2.GetJobRequest(job_id=job_id))
 
-    async def cancel(self, job_id: str) -> generation_pb2.Job:
-        """Cancels a queued or running job (a finished one is left as it is); returns the job."""
-        return await self._unary("CancelJob", generation_pb2.CancelJobRequest(job_id=job_id))
+    async def cancel(self, job_id: str, *, timeout: float | None = None) -> generation_pb2.Job:
+        """Cancels a queued or running job (a finished one is left as it is); returns the job. `timeout` is this
+        call's deadline in seconds (default: the client's)."""
+        return await self._unary("CancelJob", generation_pb2.CancelJobRequest(job_id=job_id), timeout)
 
     async def delete(self, job_id: str) -> bool:
         """Cancels the job if it is queued or running, then deletes it and its result on the server.
-        Returns False when the job was already gone."""
-        response = await self._unary("DeleteJob", generation_pb2.DeleteJobRequest(job_id=job_id))
+        Returns False when the job was already gone (the server knows no such job of the caller's tenant)."""
+        try:
+            response = await self._unary("DeleteJob", generation_pb2.DeleteJobRequest(job_id=job_id))
+        except NotFound:
+            return False
         return response.deleted
 
     async def list_jobs(self, state: int = 0, limit: int = 0) -> list[generation_pb2.Job]:

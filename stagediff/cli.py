@@ -1,19 +1,24 @@
-"""The `stagediff` command line: init-model, up, serve, calibrate-cache; generate, wait, jobs, cancel, delete, models,
-health, info.
+"""The `stagediff` command line: init-model, up, serve, calibrate-cache, tenants; generate, submit, wait, jobs, cancel,
+delete, models, health, info.
 
-The client commands (stagediff/client_cli.py: generate, wait, jobs, cancel, delete, models, health, info) and
-`--help` load the client alone. The server commands
-(init-model, up, serve, calibrate-cache) are declared here by name and help only; each imports its module,
+The client commands (stagediff/client_cli.py: generate, submit, wait, jobs, cancel, delete, models, health, info)
+and `--help` load the client alone. The server commands
+(init-model, up, serve, calibrate-cache, tenants) are declared here by name and help only; each imports its module,
 which brings torch and the server packages, and parses its own options once it is chosen.
+
+A client command ends quietly when its output's reader goes away (`stagediff info | head`: exit 141, as a
+command killed by SIGPIPE) and when Ctrl-C ends it (exit 130; a command following a job cancels it first and
+says so in one line).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
-from stagediff import client_cli
+from stagediff import client_cli, client_commands
 
 
 def _serve(argv: list[str]) -> int:
@@ -94,18 +99,27 @@ def _calibrate_cache(argv: list[str]) -> int:
     return calibrate(argv)
 
 
+def _tenants(argv: list[str]) -> int:
+    from services.orchestrator.tenants.cli import main as tenants
+
+    return tenants(argv, prog="stagediff tenants")
+
+
 # name -> (help, handler of the arguments after the name)
 SERVER_COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "init-model": ("write a random-weight checkpoint with the real classes, or copy a trained one", _init_model),
     "up": ("run the docker-compose topology as local processes", _up),
     "serve": ("run one service: the orchestrator or a stage (`stagediff serve` lists them)", _serve),
     "calibrate-cache": ("measure MagCache's ratios for a checkpoint (written into it)", _calibrate_cache),
+    "tenants": ("tenants files and API keys: new-key, list FILE, check FILE", _tenants),
 }
+# The exit code of a command whose output's reader went away (128 + SIGPIPE, as a shell reports it).
+BROKEN_PIPE = 141
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stagediff", description="Serve diffusion models as gRPC stage services.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=client_cli.CommandParser)
     for name, (help_text, _) in SERVER_COMMANDS.items():
         # Listed for --help only: main() hands these commands their arguments before this parser sees them.
         commands.add_parser(name, help=help_text, add_help=False)
@@ -126,7 +140,16 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a closed pipe can still be caught
+    except BrokenPipeError:
+        # Whatever is left to print goes nowhere, the interpreter's own flush at exit included.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE
+    except KeyboardInterrupt:
+        return client_commands.INTERRUPTED
+    return code
 
 
 if __name__ == "__main__":

@@ -29,16 +29,19 @@ from stagediff.async_client import CANCEL_TIMEOUT_S, AsyncClient
 from stagediff.errors import (
     AuthenticationError,
     Cancelled,
+    ConnectionFailed,
     DeadlineExceeded,
     FailedPrecondition,
     InternalError,
     InvalidArgument,
+    InvalidEndpoint,
     NotFound,
     PermissionDenied,
     RateLimitError,
     StageDiffError,
     Unavailable,
 )
+from stagediff.interrupts import interrupts_ignored
 from stagediff.request import RequestOptions, build_request
 from stagediff.results import BytesReceived, Event, FramesReceived, GenerationResult, Notice, Progress, Queued
 from stagediff.retries import RetryPolicy
@@ -50,6 +53,7 @@ __all__ = [
     "BytesReceived",
     "Cancelled",
     "Client",
+    "ConnectionFailed",
     "DeadlineExceeded",
     "Event",
     "FailedPrecondition",
@@ -57,6 +61,7 @@ __all__ = [
     "GenerationResult",
     "InternalError",
     "InvalidArgument",
+    "InvalidEndpoint",
     "NotFound",
     "Notice",
     "PermissionDenied",
@@ -92,8 +97,9 @@ class Client:
         return AsyncClient(endpoint, **options)
 
     def _call(self, coroutine: Any) -> Any:
-        """Runs `coroutine` on the client's loop; an interrupt (Ctrl-C) cancels it and waits for its cleanup,
-        so that a job the call started is cancelled on the server before the interrupt goes on."""
+        """Runs `coroutine` on the client's loop; an interrupt (Ctrl-C) cancels it and waits for its cleanup
+        (at most CANCEL_TIMEOUT_S, further interrupts ignored meanwhile), so that a job the call started is
+        cancelled on the server before the interrupt goes on."""
         finished = threading.Event()
 
         async def run() -> Any:
@@ -107,7 +113,9 @@ class Client:
             return future.result()
         except KeyboardInterrupt:
             future.cancel()
-            finished.wait(CANCEL_TIMEOUT_S)
+            # A second Ctrl-C must not abandon the cancel (the job would run on for the server's grace period).
+            with interrupts_ignored():
+                finished.wait(CANCEL_TIMEOUT_S)
             raise
 
     def _stop_loop(self) -> None:
@@ -178,8 +186,8 @@ class Client:
     def get_job(self, job_id: str) -> generation_pb2.Job:
         return self._call(self._async.get_job(job_id))
 
-    def cancel(self, job_id: str) -> generation_pb2.Job:
-        return self._call(self._async.cancel(job_id))
+    def cancel(self, job_id: str, *, timeout: float | None = None) -> generation_pb2.Job:
+        return self._call(self._async.cancel(job_id, timeout=timeout))
 
     def delete(self, job_id: str) -> bool:
         return self._call(self._async.delete(job_id))

@@ -1,8 +1,11 @@
-"""The client commands: generate, wait, jobs, cancel, delete, models, health, info, each a function of the parsed
-flags that returns the exit code (0 done, 1 the call or the job failed, 2 a bad argument).
+"""The client commands: generate, submit, wait, jobs, cancel, delete, models, health, info, each a function of the
+parsed flags that returns the exit code (0 done, 1 the call or the job failed, 2 a bad argument, 130 a job
+cancelled by Ctrl-C).
 
 Every command connects with the same flags (endpoint, API key, TLS); while it waits for a job its progress goes
-to stderr (stagediff/progress.py) and its result to stdout as JSON.
+to stderr (stagediff/progress.py) and its result to stdout as JSON. Ctrl-C while it waits cancels the job (a
+second Ctrl-C does not stop the cancel) and prints one line, `cancelled job ID`. An --out file goes into a
+directory that exists: a missing one is refused before the job starts, since it is more often a typo than a wish.
 """
 
 from __future__ import annotations
@@ -15,15 +18,18 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from stagediff.client import Client, Event, GenerationResult, Notice, RetryPolicy, StageDiffError
+from stagediff.async_client import CANCEL_TIMEOUT_S
+from stagediff.client import Client, Event, GenerationResult, InvalidArgument, Notice, RetryPolicy, StageDiffError
+from stagediff.interrupts import interrupts_ignored
 from stagediff.media import MEDIA_TYPE_EXTENSIONS, SUPPORTED_EXTENSIONS
-from stagediff.progress import progress_display
+from stagediff.progress import PlainProgress, RichProgress, progress_display
 from stagediff.protocol import OUTPUT_FORMATS, RAW_OUTPUT_FORMAT
+from stagediff.request import RequestOptions
 from stagediff.v1 import generation_pb2, stages_pb2
 
 # The output format each --out extension asks the server for when --format is not given: the server encodes the
@@ -42,6 +48,38 @@ JOB_STATES = {
     "failed": generation_pb2.JOB_STATE_FAILED,
     "cancelled": generation_pb2.JOB_STATE_CANCELLED,
 }
+# The RequestOptions keywords the request flags set, each the parsed name of its flag (request_id is the
+# SDK's own, the images are read from their files, and generate derives output_format from --out).
+REQUEST_FLAG_NAMES = (
+    "model",
+    "negative_prompt",
+    "height",
+    "width",
+    "num_frames",
+    "num_inference_steps",
+    "guidance_scale",
+    "seed",
+    "fps",
+    "cache",
+    "cache_threshold",
+    "loras",
+    "interp_exp",
+    "interp_scale",
+    "interp_model_path",
+    "image",
+    "last_image",
+    "reference_images",
+    "output_format",
+    "output_quality",
+    "keep_raw_frames",
+)
+
+# The states a job ends in; a finished job is neither cancelled again nor followed event by event.
+FINISHED_STATES = frozenset(
+    (generation_pb2.JOB_STATE_SUCCEEDED, generation_pb2.JOB_STATE_FAILED, generation_pb2.JOB_STATE_CANCELLED)
+)
+# The exit code of a command that Ctrl-C ended (128 + SIGINT, as a shell reports it).
+INTERRUPTED = 130
 
 
 def _retries(args: argparse.Namespace) -> int:
@@ -66,18 +104,28 @@ def _open_client(args: argparse.Namespace, attempts: int = 1) -> Client:
     )
 
 
+def _check_out(out: Path) -> None:
+    """Raises ValueError when --out names a file in a directory that does not exist: a typo, usually; refused
+    before the job runs rather than created."""
+    if not out.parent.is_dir():
+        raise ValueError(
+            f"--out {out}: the directory {out.parent} does not exist; create it first (mkdir -p {out.parent})"
+        )
+
+
 def _output_format(out: Path, chosen: str | None) -> str:
     """The output format to ask the server for: --format, else the one --out's extension names. Raises ValueError
     when --out cannot hold the result."""
     extension = out.suffix.lower()
     if extension not in FORMAT_OF_EXTENSION:
         raise ValueError(f"--out {out}: the extension must be one of {', '.join(FORMAT_OF_EXTENSION)}")
+    _check_out(out)
     output_format = chosen or FORMAT_OF_EXTENSION[extension]
     # .mp4, .png and .npz are written from frames as well; the other files only as the server encoded them.
     if extension not in SUPPORTED_EXTENSIONS and output_format != FORMAT_OF_EXTENSION[extension]:
         raise ValueError(
-            f"--format {output_format}: a {extension} file is written as the server encodes it; "
-            f"use --format {FORMAT_OF_EXTENSION[extension]} or leave --format out"
+            f"--output-format {output_format}: a {extension} file is written as the server encodes it; "
+            f"use --output-format {FORMAT_OF_EXTENSION[extension]} or leave it out"
         )
     return output_format
 
@@ -103,19 +151,40 @@ def _summary(result: GenerationResult, out: Path | None, started: float) -> dict
     return summary
 
 
+class _JobFollower:
+    """The on_progress of a followed job: shows each event on the display (if any) and remembers the job's id,
+    which Ctrl-C cancels."""
+
+    def __init__(self, job_id: str, display: PlainProgress | RichProgress | None) -> None:
+        self.job_id = job_id
+        self.display = display
+
+    def __call__(self, event: Event) -> None:
+        self.job_id = self.job_id or event.job_id
+        if self.display is not None:
+            self.display(event)
+
+
 def _follow_job(
-    args: argparse.Namespace, run: Callable[[Client, Callable[[Event], None] | None], GenerationResult]
+    args: argparse.Namespace,
+    run: Callable[[Client, Callable[[Event], None]], GenerationResult],
+    job_id: str = "",
 ) -> GenerationResult | int:
-    """Runs `run(client, on_progress)` with the progress display; returns the result, or the exit code on failure."""
+    """Runs `run(client, on_progress)` with the progress display; returns the result, or the exit code on failure.
+    Ctrl-C cancels the job (`job_id`, or the one the events name) and returns INTERRUPTED."""
     display = progress_display(args.quiet)
+    follower = _JobFollower(job_id, display)
     try:
         with _open_client(args, attempts=_retries(args) + 1) as client:
-            if display is None:
-                return run(client, None)
-            with display:
-                return run(client, display)
+            try:
+                if display is None:
+                    return run(client, follower)
+                with display:
+                    return run(client, follower)
+            except KeyboardInterrupt:
+                return _cancel_interrupted(client, follower.job_id)
     except StageDiffError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {error}{_hint(error, args)}", file=sys.stderr)
         return 1
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -129,6 +198,44 @@ def print_notices(notices: Iterable[Notice | stages_pb2.Notice]) -> None:
         print(f"note: {notice.message}", file=sys.stderr)
 
 
+def _cancel_interrupted(client: Client, job_id: str) -> int:
+    """After Ctrl-C: cancels the job, with further Ctrl-C ignored until the cancel is answered (within
+    CANCEL_TIMEOUT_S), and says in one line what became of it."""
+    if not job_id:
+        print("interrupted before the cluster named the job", file=sys.stderr)
+        return INTERRUPTED
+    with interrupts_ignored():
+        try:
+            job = client.cancel(job_id, timeout=CANCEL_TIMEOUT_S)
+        except StageDiffError as error:
+            print(f"interrupted; cancelling job {job_id} failed: {error}", file=sys.stderr)
+            return INTERRUPTED
+    print(_finished_note(job) or f"cancelled job {job_id}", file=sys.stderr)
+    return INTERRUPTED
+
+
+def _state_name(job: generation_pb2.Job) -> str:
+    """The job's state as the commands name it: queued, running, succeeded, failed, cancelled."""
+    return generation_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_").lower()
+
+
+def _finished_note(job: generation_pb2.Job) -> str | None:
+    """What a cancel answered with a job that had succeeded or failed before it says; None if it was cancelled."""
+    if job.state in (generation_pb2.JOB_STATE_SUCCEEDED, generation_pb2.JOB_STATE_FAILED):
+        return f"job {job.job_id} had already {_state_name(job)}: nothing to cancel"
+    return None
+
+
+def _hint(error: StageDiffError, args: argparse.Namespace) -> str:
+    """What the command's flags can do about a refusal the server words in the API's terms: an image format
+    refused for a video's frames."""
+    output_format = getattr(args, "output_format", None) or ""
+    image = OUTPUT_FORMATS.get(output_format, "").startswith("image/")
+    if isinstance(error, InvalidArgument) and error.field == "output_format" and image:
+        return f"; or add --num-frames 1 for a single {output_format} image"
+    return ""
+
+
 def _save(result: GenerationResult, out: Path | None, started: float) -> int:
     print_notices(result.notices)
     try:
@@ -140,47 +247,30 @@ def _save(result: GenerationResult, out: Path | None, started: float) -> int:
     return 0
 
 
+def _request_options(args: argparse.Namespace) -> RequestOptions:
+    """The request the flags ask for: each request flag's parsed name is its RequestOptions keyword. Raises
+    ValueError naming an input image flag whose file does not exist."""
+    for flag, path in (("--image", args.image), ("--last-image", args.last_image)) + tuple(
+        ("--reference-image", path) for path in args.reference_images
+    ):
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"{flag} {path}: no such file")
+    return cast(RequestOptions, {name: getattr(args, name) for name in REQUEST_FLAG_NAMES})
+
+
 def generate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
-        output_format = _output_format(out, args.format)
+        args.output_format = _output_format(out, args.output_format)
+        options = _request_options(args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    for flag, path in (("--image", args.image), ("--last-image", args.last_image)) + tuple(
-        ("--reference-image", path) for path in args.reference_image
-    ):
-        if path is not None and not Path(path).is_file():
-            print(f"error: {flag} {path}: no such file", file=sys.stderr)
-            return 2
     started = time.perf_counter()
     result = _follow_job(
         args,
         lambda client, on_progress: client.generate(
-            args.prompt,
-            model=args.model,
-            negative_prompt=args.negative_prompt,
-            height=args.height,
-            width=args.width,
-            num_frames=args.frames,
-            num_inference_steps=args.steps,
-            guidance_scale=args.guidance,
-            seed=args.seed,
-            fps=args.fps,
-            interp_exp=args.interp_exp,
-            interp_scale=args.interp_scale,
-            interp_model_path=args.interp_model_path,
-            image=args.image,
-            last_image=args.last_image,
-            reference_images=args.reference_image,
-            cache=args.cache,
-            cache_threshold=args.cache_threshold,
-            loras=args.lora,
-            output_format=output_format,
-            output_quality=args.quality,
-            keep_raw_frames=args.keep_raw_frames,
-            timeout=args.timeout,
-            on_progress=on_progress,
+            args.prompt, timeout=args.timeout, on_progress=on_progress, **options
         ),
     )
     if isinstance(result, int):
@@ -188,18 +278,42 @@ def generate(args: argparse.Namespace) -> int:
     return _save(result, out, started)
 
 
+def submit(args: argparse.Namespace) -> int:
+    """Queues the job and prints its id alone on stdout (for `JOB=$(stagediff submit ...)`)."""
+    try:
+        options = _request_options(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    job = _ask(args, lambda client: client.submit(args.prompt, **options))
+    if isinstance(job, int):
+        return job
+    print(job.job_id)
+    print(f"queued job {job.job_id}: `stagediff wait {job.job_id} --out FILE` follows it", file=sys.stderr)
+    return 0
+
+
 def wait(args: argparse.Namespace) -> int:
     out = None if args.out is None else Path(args.out)
-    if out is not None and out.suffix.lower() not in FORMAT_OF_EXTENSION:
-        print(f"error: --out {out}: the extension must be one of {', '.join(FORMAT_OF_EXTENSION)}", file=sys.stderr)
-        return 2
+    if out is not None:
+        try:
+            _output_format(out, None)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     started = time.perf_counter()
-    result = _follow_job(
-        args, lambda client, on_progress: client.wait(args.job_id, on_progress=on_progress, timeout=args.timeout)
-    )
+    result = _follow_job(args, lambda client, on_progress: _wait(client, args, on_progress), job_id=args.job_id)
     if isinstance(result, int):
         return result
     return _save(result, out, started)
+
+
+def _wait(client: Client, args: argparse.Namespace, on_progress: Callable[[Event], None]) -> GenerationResult:
+    """The job's result; its progress shown while it runs. A finished job's events would replay from its start:
+    its result (or its error) comes alone."""
+    if client.get_job(args.job_id).state in FINISHED_STATES:
+        return client.wait(args.job_id, timeout=args.timeout)
+    return client.wait(args.job_id, on_progress=on_progress, timeout=args.timeout)
 
 
 def health(args: argparse.Namespace) -> int:
@@ -257,7 +371,17 @@ def info(args: argparse.Namespace) -> int:
 
 
 def cancel(args: argparse.Namespace) -> int:
-    return _print_answer(args, lambda client: client.cancel(args.job_id))
+    """Prints the job as JSON; a job that had already succeeded or failed gets a note on stderr and exit code 1
+    (nothing was cancelled)."""
+    job = _ask(args, lambda client: client.cancel(args.job_id))
+    if isinstance(job, int):
+        return job
+    print(json.dumps(_as_json(job), indent=2))
+    note = _finished_note(job)
+    if note is None:
+        return 0
+    print(note, file=sys.stderr)
+    return 1
 
 
 def delete(args: argparse.Namespace) -> int:
@@ -270,14 +394,15 @@ def delete(args: argparse.Namespace) -> int:
 
 def _job_row(job: generation_pb2.Job) -> tuple[str, ...]:
     """A job as `stagediff jobs` lists it: id, state, created, progress, and what is going on."""
-    state = generation_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_").lower()
+    state = _state_name(job)
     created = _local_time(job) if job.HasField("created_at") else ""
     if job.state == generation_pb2.JOB_STATE_QUEUED:
         detail = f"position {job.queue_position}"
     elif job.state == generation_pb2.JOB_STATE_RUNNING:
         detail = job.current_stage
     elif job.state == generation_pb2.JOB_STATE_SUCCEEDED:
-        detail = f"{job.num_frames_out} frames {job.media_type}".strip()
+        frames = "frame" if job.num_frames_out == 1 else "frames"
+        detail = f"{job.num_frames_out} {frames} {job.media_type}".strip()
     else:
         detail = job.error.message
     return job.job_id, state, created, f"{job.progress_percent:.0f}%", detail

@@ -12,12 +12,18 @@
 Every class derives from `StageDiffError`, which keeps the status `code`, the server's `message` and its
 `retry_after`. `StageDiffError.from_rpc_error` reads a failed call, including the rich details the server
 may attach in its `grpc-status-details-bin` trailer (google.rpc.BadRequest, ErrorInfo, RetryInfo).
+
+A call that reached no StageDiff server at all (nothing listening, an unknown host, an HTTP server on that
+port) raises `ConnectionFailed`, an `Unavailable` whose message names the endpoint and says what to do
+(`connection_failure`); an endpoint written as a URL (`http://host:port`) is refused before any call with
+`InvalidEndpoint`, a ValueError.
 """
 
 from __future__ import annotations
 
 import re
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import grpc
 from google.protobuf.message import Message
@@ -34,6 +40,14 @@ _FIELD_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\[\d+\])*(?:\.[A-Za-z_][
 _STAGE_IN_MESSAGE = re.compile(r"\bstage '([^']+)'")
 # The ErrorInfo metadata key that names a stage, where a server sends one.
 STAGE_METADATA_KEY = "stage"
+# Where `stagediff up` serves by default: the gRPC API (the orchestrator) and the HTTP gateway.
+DEFAULT_ENDPOINT = "localhost:50051"
+DEFAULT_HTTP_PORT = 8000
+# What gRPC's own messages say when a call reached no server: nothing listening (or a host that does not
+# answer), a host name that does not resolve, and a server that answered in HTTP/1 (a web server).
+_NOTHING_LISTENING = ("failed to connect to all addresses", "Connection refused")
+_UNKNOWN_HOST = ("Domain name not found", "DNS resolution failed", "errors resolving")
+_HTTP1_SERVER = ("http1.x server", "Failed parsing HTTP/2")
 
 
 class StageDiffError(Exception):
@@ -122,6 +136,21 @@ class Unavailable(StageDiffError):
         return cls(code, message, _retry_after(status), stage)
 
 
+class ConnectionFailed(Unavailable):
+    """UNAVAILABLE before any StageDiff server answered: nothing listens at `endpoint`, its host is unknown, or
+    an HTTP server answered there (the HTTP gateway's port given for the gRPC API's). The message names the
+    endpoint and says what to do; `stage` is None."""
+
+    def __init__(self, message: str, endpoint: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+        self.endpoint = endpoint
+
+
+class InvalidEndpoint(ValueError):
+    """An endpoint that is not a gRPC target: a URL such as `http://host:port`. Raised by the clients'
+    constructors, before any call; the message says which HOST:PORT to give instead."""
+
+
 class DeadlineExceeded(StageDiffError):
     """DEADLINE_EXCEEDED: the call's timeout passed before the job finished (the job is cancelled)."""
 
@@ -178,3 +207,41 @@ def _detail(status: status_pb2.Status | None, kind: type[_Detail]) -> _Detail | 
             detail.Unpack(message)
             return message
     return None
+
+
+def connection_failure(error: grpc.RpcError, endpoint: str) -> ConnectionFailed | None:
+    """The ConnectionFailed for a call to `endpoint` that reached no StageDiff server, saying what to do; None
+    for any other failure (the server's own UNAVAILABLE, e.g. a stage it cannot reach, is left as it is)."""
+    if error.code() != grpc.StatusCode.UNAVAILABLE:
+        return None
+    details = error.details() or ""
+    if any(sign in details for sign in _HTTP1_SERVER):
+        message = (
+            f"{endpoint} answers HTTP/1, not gRPC: that is the HTTP gateway (default port {DEFAULT_HTTP_PORT}) or "
+            f"another web server; the gRPC API is on the orchestrator's port (default {DEFAULT_ENDPOINT})"
+        )
+    elif any(sign in details for sign in _UNKNOWN_HOST):
+        message = f"cannot resolve the host of {endpoint}: check --endpoint (HOST:PORT, default {DEFAULT_ENDPOINT})"
+    elif any(sign in details for sign in _NOTHING_LISTENING):
+        message = (
+            f"nothing answers at {endpoint}: start a cluster with `stagediff up --model DIR`, or check "
+            f"--endpoint (default {DEFAULT_ENDPOINT})"
+        )
+    else:
+        return None
+    return ConnectionFailed(message, endpoint)
+
+
+def check_endpoint(address: str) -> None:
+    """Raises InvalidEndpoint when `address` is an http:// or https:// URL rather than a gRPC target (HOST:PORT,
+    or a target URI such as unix:///path), naming the HOST:PORT to give instead."""
+    url = urlsplit(address)
+    if url.scheme not in ("http", "https"):
+        return
+    host_port = url.netloc or DEFAULT_ENDPOINT
+    tls = " with TLS (--tls, or tls=True)" if url.scheme == "https" else ""
+    raise InvalidEndpoint(
+        f"endpoint {address!r}: a gRPC endpoint is HOST:PORT, not a URL; try {host_port}{tls}. URLs are for the "
+        f"HTTP gateway (e.g. http://localhost:{DEFAULT_HTTP_PORT}/v1/models), on another port than the gRPC API "
+        f"(default {DEFAULT_ENDPOINT})"
+    )

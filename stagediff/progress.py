@@ -1,5 +1,6 @@
 """How a command shows a job's progress on stderr: a bar per stage with its ETA on a terminal, one plain line
-per event otherwise (a log, a pipe). rich is imported only when bars are drawn."""
+per event otherwise (a log, a pipe). rich is imported only when bars are drawn. Stages count steps (`3/20`),
+the raw frames count frames, an encoded result counts its size (`3.6 kB`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING, TextIO
 from stagediff.results import BytesReceived, Event, FramesReceived, Progress, Queued
 
 if TYPE_CHECKING:
-    from rich.progress import TaskID
+    from rich.progress import ProgressColumn, Task, TaskID
 
 
 class PlainProgress:
@@ -44,13 +45,13 @@ class RichProgress:
     def __init__(self, stream: TextIO) -> None:
         # Imported here: the other commands start without loading rich.
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
         from rich.progress import Progress as Bars
 
         self.bars = Bars(
             TextColumn("{task.description:<14}"),
             BarColumn(),
-            MofNCompleteColumn(),
+            _amount_column(),
             TimeElapsedColumn(),
             TextColumn("ETA"),
             TimeRemainingColumn(),
@@ -76,15 +77,36 @@ class RichProgress:
             self._bar("frames", None)
             self.bars.advance(self.tasks["frames"], event.count)
         elif isinstance(event, BytesReceived):
-            self._bar("result", None)
+            # The file's size is known only once it has all arrived: the bar counts bytes, with no total.
+            self._bar("result", None, unit="bytes")
             self.received = event.offset + event.count
-            self.bars.update(
-                self.tasks["result"], completed=self.received, description=f"result {self.received / 1e6:.1f} MB"
-            )
+            self.bars.update(self.tasks["result"], completed=self.received)
 
-    def _bar(self, name: str, total: int | None) -> None:
+    def _bar(self, name: str, total: int | None, unit: str = "") -> None:
         if name not in self.tasks:
-            self.tasks[name] = self.bars.add_task(name, total=total)
+            self.tasks[name] = self.bars.add_task(name, total=total, unit=unit)
+
+
+def _amount_column() -> ProgressColumn:
+    """The column that says how far a bar is: `3/20` steps, `9` frames, `3.6 kB` (or `3.6/7.2 kB`) of a file."""
+    from rich.filesize import decimal
+    from rich.progress import DownloadColumn, MofNCompleteColumn, ProgressColumn
+    from rich.text import Text
+
+    class AmountColumn(ProgressColumn):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts = MofNCompleteColumn()
+            self.sizes = DownloadColumn()
+
+        def render(self, task: Task) -> Text:
+            if task.fields.get("unit") != "bytes":
+                return self.counts.render(task) if task.total is not None else Text(f"{int(task.completed)}")
+            if task.total is None:
+                return Text(decimal(int(task.completed)))
+            return self.sizes.render(task)
+
+    return AmountColumn()
 
 
 def progress_display(quiet: bool, stream: TextIO | None = None) -> PlainProgress | RichProgress | None:

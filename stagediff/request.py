@@ -10,6 +10,7 @@ is refused (TypeError naming it) before anything is sent.
 
 from __future__ import annotations
 
+import difflib
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict, Unpack
@@ -69,15 +70,24 @@ class RequestOptions(TypedDict, total=False):
 OPTION_NAMES = frozenset(RequestOptions.__annotations__)
 
 
+def _unknown_keywords(unknown: list[str]) -> str:
+    """Why `unknown` keywords are refused: each with the close match it may be a typo of, then every keyword."""
+    named = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, OPTION_NAMES, n=1)
+        named.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    return (
+        f"unknown keyword{'s' if len(unknown) > 1 else ''} {', '.join(named)}; the request keywords are "
+        f"{', '.join(sorted(OPTION_NAMES))}"
+    )
+
+
 def build_request(prompt: str, **options: Unpack[RequestOptions]) -> generation_pb2.GenerateRequest:
     """The GenerateRequest for `prompt` and `options` (RequestOptions); options left out (or None) take the
     model's defaults on the server. An unknown keyword raises TypeError naming it."""
     unknown = sorted(set(options) - OPTION_NAMES)
     if unknown:
-        raise TypeError(
-            f"unknown keyword(s) {', '.join(unknown)}; the keywords are RequestOptions': "
-            f"{', '.join(sorted(OPTION_NAMES))}"
-        )
+        raise TypeError(_unknown_keywords(unknown))
     # The options set (None: left out); RequestOptions has typed them for the caller.
     given: dict[str, Any] = {name: value for name, value in options.items() if value is not None}
     request = generation_pb2.GenerateRequest(

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
+import os
+import signal
+import socket
+import threading
+import time
 
 import grpc
 import numpy as np
@@ -11,7 +17,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from stagediff import Client, StageDiffError
+from stagediff import Client, ConnectionFailed, InvalidEndpoint, StageDiffError, Unavailable
 from stagediff.client import AsyncClient, FramesReceived, GenerationResult, Progress, Queued, RetryPolicy
 from stagediff.tensor_codec import encode_tensor
 from stagediff.v1 import generation_pb2, generation_pb2_grpc
@@ -87,11 +93,78 @@ def test_async_client(fake) -> None:
     assert np.array_equal(result.frames, FRAMES) and result.timings == {"total": 1.0}
 
 
-def test_nothing_listening_is_unavailable() -> None:
+@pytest.fixture
+def closed_port():
+    """A port bound but not listening: a connection to it is refused."""
+    with socket.socket() as bound:
+        bound.bind(("127.0.0.1", 0))
+        yield bound.getsockname()[1]
+
+
+class QuietHandler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        """Not on the test's stderr."""
+
+
+@pytest.fixture
+def http_port():
+    """A plain HTTP/1 server's port, as the HTTP gateway's would be."""
+    server = http.server.HTTPServer(("127.0.0.1", 0), QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_nothing_listening_is_a_connection_failure_naming_the_endpoint_and_what_to_do(closed_port) -> None:
     retry = RetryPolicy(max_attempts=2, initial_backoff_s=0.01)
-    with Client("127.0.0.1:1", retry=retry) as client, pytest.raises(StageDiffError) as raised:
+    endpoint = f"127.0.0.1:{closed_port}"
+    with Client(endpoint, retry=retry) as client, pytest.raises(ConnectionFailed) as raised:
         client.generate("a fox", timeout=5)
-    assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+    error = raised.value
+    assert isinstance(error, Unavailable) and error.code == grpc.StatusCode.UNAVAILABLE and error.endpoint == endpoint
+    assert error.message.startswith(f"nothing answers at {endpoint}: start a cluster with `stagediff up")
+    assert "--endpoint" in error.message and "Connection refused" not in error.message
+
+
+def test_an_http_port_is_recognised_as_not_the_grpc_api(http_port) -> None:
+    client = Client(f"127.0.0.1:{http_port}", retry=RetryPolicy(max_attempts=1))
+    with client, pytest.raises(ConnectionFailed) as raised:
+        client.list_jobs()
+    assert f"127.0.0.1:{http_port} answers HTTP/1, not gRPC: that is the HTTP gateway" in raised.value.message
+    assert "the gRPC API is on the orchestrator's port (default localhost:50051)" in raised.value.message
+
+
+@pytest.mark.parametrize("url", ["http://localhost:50051", "https://gpu-host:443/"])
+def test_a_url_endpoint_is_refused_before_any_call(url: str) -> None:
+    with pytest.raises(InvalidEndpoint) as raised:
+        Client(url)
+    message = str(raised.value)
+    assert isinstance(raised.value, ValueError) and "a gRPC endpoint is HOST:PORT, not a URL" in message
+    assert ("try gpu-host:443 with TLS" in message) if url.startswith("https") else ("try localhost:50051." in message)
+
+
+class Deleted(generation_pb2_grpc.GenerationServicer):
+    """Knows no job, as the orchestrator answers for one already deleted."""
+
+    async def DeleteJob(self, request, context):
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"no job '{request.job_id}'")
+
+
+def test_deleting_a_job_already_gone_returns_false() -> None:
+    server = FakeServer(Deleted())
+
+    async def delete_async() -> bool:
+        async with AsyncClient(f"127.0.0.1:{server.port}") as client:
+            return await client.delete("gone")
+
+    try:
+        with Client(f"127.0.0.1:{server.port}") as client:
+            assert client.delete("gone") is False
+        assert asyncio.run(delete_async()) is False
+    finally:
+        server.stop()
 
 
 class SlowGeneration(generation_pb2_grpc.GenerationServicer):
@@ -120,6 +193,46 @@ def test_closing_a_stream_early_cancels_its_job() -> None:
             events.close()
             assert server.servicer.cancelled == ["slow"]
     finally:
+        server.stop()
+
+
+class HeldCancel(SlowGeneration):
+    """SlowGeneration whose CancelJob is answered (and recorded) only once `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrived = threading.Event()
+        self.release = threading.Event()
+
+    async def CancelJob(self, request, context):
+        self.arrived.set()
+        while not self.release.is_set():
+            await asyncio.sleep(0.01)
+        return await super().CancelJob(request, context)
+
+
+def test_a_second_interrupt_does_not_abandon_the_cancel_of_the_first() -> None:
+    """Ctrl-C during generate cancels its job; Ctrl-C again while that cancel is under way leaves it to finish."""
+    server = FakeServer(HeldCancel())
+    queued = threading.Event()
+
+    def press_ctrl_c_twice() -> None:
+        queued.wait(30)
+        os.kill(os.getpid(), signal.SIGINT)
+        server.servicer.arrived.wait(30)
+        os.kill(os.getpid(), signal.SIGINT)  # while the cancel is under way
+        time.sleep(0.2)  # lets the second interrupt reach the main thread before the cancel can be answered
+        server.servicer.release.set()
+
+    presser = threading.Thread(target=press_ctrl_c_twice)
+    presser.start()
+    try:
+        with Client(f"127.0.0.1:{server.port}") as client, pytest.raises(KeyboardInterrupt):
+            client.generate("a fox", on_progress=lambda event: queued.set())
+        assert server.servicer.cancelled == ["slow"]
+    finally:
+        server.servicer.release.set()
+        presser.join()
         server.stop()
 
 

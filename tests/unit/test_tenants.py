@@ -27,6 +27,7 @@ from services.orchestrator.tenants import (
     new_api_key,
     visible_models,
 )
+from stagediff.cli import main as stagediff_main
 from stagediff.v1 import generation_pb2
 from tests.helpers.tenants import EXAMPLE
 
@@ -412,3 +413,27 @@ def test_hash_key_reads_standard_input(capsys, monkeypatch) -> None:
     monkeypatch.setattr(sys, "stdin", io.StringIO(KEY_SOLO + "\n"))
     assert main(["hash-key"]) == 0
     assert capsys.readouterr().out.strip() == hash_api_key(KEY_SOLO)
+
+
+def test_stagediff_tenants_lists_a_files_tenants(capsys) -> None:
+    assert stagediff_main(["tenants", "list", str(EXAMPLE)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["NAME", "PRIORITY", "ADMIN", "KEYS", "MODELS", "QUOTAS"]
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert list(rows) == ["studio", "research", "free-tier", "ops"]
+    assert rows["studio"].split()[1:5] == ["high", "no", "2", "all"] and "max_running_jobs=4" in rows["studio"]
+    assert rows["research"].split()[4] == "wan-t2v,qwen-*" and "[qwen-image: max_frames=1]" in rows["research"]
+    assert rows["ops"].split() == ["ops", "low", "yes", "1", "all", "max_running_jobs=1"]
+
+
+def test_stagediff_tenants_check_prints_each_problem_with_its_path(capsys, tmp_path: Path) -> None:
+    assert stagediff_main(["tenants", "check", str(EXAMPLE)]) == 0
+    assert "4 tenant(s): studio, research, free-tier, ops" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tenants:\n  - name: x\n    api_keys: [sd_plain]\n    quotas: {max_frames: -1}\n")
+    assert stagediff_main(["tenants", "check", str(bad)]) == 1
+    problems = capsys.readouterr().err.splitlines()
+    assert len(problems) == 2 and "sd_plain" not in problems[0]
+    assert problems[0].startswith(f"{bad}: tenants[0] (x).api_keys: entry 0 is not a key hash")
+    assert "(stagediff tenants new-key prints one)" in problems[0]
+    assert problems[1] == f"{bad}: tenants[0] (x).quotas.max_frames: Input should be greater than 0"

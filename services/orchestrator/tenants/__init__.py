@@ -3,7 +3,7 @@ ask for.
 
 Tenants come from a YAML file (`--tenants FILE`, its format in deploy/tenants.example.yaml), read and
 validated by schema.py; without one the registry is open (registry.py). API keys are stored as their
-SHA-256 only (keys.py); `python -m services.orchestrator.tenants new-key` makes one (cli.py). Each
+SHA-256 only (keys.py); `stagediff tenants new-key` makes one (cli.py). Each
 tenant's request rate is a token bucket (rate_limit.py). Refusals carry the status code a servicer answers
 with (errors.py).
 """

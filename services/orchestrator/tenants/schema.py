@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import math
 import re
+from collections.abc import Sequence
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Annotated, Any
@@ -40,7 +41,12 @@ MAX_MODEL_ID_CHARS = 128
 
 
 class TenantConfigError(ValueError):
-    """The tenants file is missing, not YAML, or fails validation; the message names the field."""
+    """The tenants file is missing, not YAML, or fails validation; the message names the field. `problems` holds
+    each problem on its own, named by the file and the field's path (the message alone, when there is one)."""
+
+    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.problems = list(problems) or [message]
 
 
 class PriorityClass(enum.StrEnum):
@@ -188,7 +194,7 @@ class Tenant(BaseModel):
             if not _KEY_HASH.match(key):
                 raise ValueError(
                     f"entry {index} is not a key hash; store 'sha256:<64 lowercase hex digits>' "
-                    "(python -m services.orchestrator.tenants new-key prints one), never the key itself"
+                    "(stagediff tenants new-key prints one), never the key itself"
                 )
         return keys
 
@@ -230,11 +236,14 @@ def parse_tenants(data: Any, source: str) -> list[Tenant]:
     try:
         parsed = _TenantsFile.model_validate(data)
     except ValidationError as error:
-        raise TenantConfigError(f"{source}: " + _describe(error, data)) from None
+        problems = _describe(error, data)
+        raise TenantConfigError(
+            f"{source}: " + "; ".join(problems), [f"{source}: {problem}" for problem in problems]
+        ) from None
     return parsed.tenants
 
 
-def _describe(error: ValidationError, data: Any) -> str:
+def _describe(error: ValidationError, data: Any) -> list[str]:
     """One line per problem, naming the field (and the tenant) without repeating any input."""
     lines = []
     for problem in error.errors(include_input=False, include_url=False):
@@ -253,7 +262,7 @@ def _describe(error: ValidationError, data: Any) -> str:
                 parts[0] += f" ({name})"
         field = ".".join(parts) or "tenants"
         lines.append(f"{field}: {problem['msg'].removeprefix('Value error, ')}")
-    return "; ".join(lines)
+    return lines
 
 
 def _tenant_name(data: Any, index: int) -> str | None:
