@@ -139,6 +139,9 @@ def test_num_frames_the_vae_cannot_take_is_400_naming_the_nearest_values(http) -
 class NoticedJob(generation_pb2_grpc.GenerationServicer):
     """One finished job whose result reports a truncated prompt."""
 
+    async def GetJob(self, request, context):
+        return generation_pb2.Job(job_id=request.job_id, state=generation_pb2.JOB_STATE_SUCCEEDED)
+
     async def WatchJob(self, request, context):
         for event in encoded_events(png_bytes(), "image/png", notices=[TRUNCATED]):
             yield event
