@@ -2,9 +2,11 @@
 health, info.
 
 The client commands (stagediff/client_cli.py: generate, wait, jobs, cancel, delete, models, health, info) and
-`--help` load the client alone. The server commands
-(init-model, up, serve, calibrate-cache) are declared here by name and help only; each imports its module,
-which brings torch and the server packages, and parses its own options once it is chosen.
+`--help` load the client alone. The server commands (init-model, up, serve, calibrate-cache) are declared here by
+name and help only; each imports its module, which brings torch and the server packages, and parses its own
+options once it is chosen. `up` parses its options first (stagediff/up_options.py, on the client's side), so
+`stagediff up --help` reads the same from any install. Where the servers (the distribution stagediff-server) are
+not installed, a server command says in one line how to install them (exit code 2).
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ def _serve(argv: list[str]) -> int:
 
 
 def _up(argv: list[str]) -> int:
-    from stagediff.local.up import main as up
+    from stagediff.up_options import build_parser
 
-    return up(argv)
+    args = build_parser().parse_args(argv)  # --help and mistaken options are answered without the servers
+    from stagediff.local.up import run
+
+    return run(args)
 
 
 def _init_model(argv: list[str]) -> int:
@@ -94,6 +99,9 @@ def _calibrate_cache(argv: list[str]) -> int:
     return calibrate(argv)
 
 
+# How to install the servers, for a server command run where they are not installed.
+INSTALL_SERVERS = "from a checkout, pip install . ./server; from wheels, make wheel, then pip install dist/*.whl"
+
 # name -> (help, handler of the arguments after the name)
 SERVER_COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "init-model": ("write a random-weight checkpoint with the real classes, or copy a trained one", _init_model),
@@ -119,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return SERVER_COMMANDS[argv[0]][1](argv[1:])
         except ModuleNotFoundError as error:
-            # The plain install is the client alone; the server commands need the `server` extra.
+            # The plain install is the client alone; the server commands need the servers' distribution.
             print(
-                f"stagediff {argv[0]}: {error} (the server commands need pip install 'stagediff[server]')",
+                f"stagediff {argv[0]} needs the servers, which are not installed here ({error}): {INSTALL_SERVERS}",
                 file=sys.stderr,
             )
             return 2

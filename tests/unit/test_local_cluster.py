@@ -145,7 +145,7 @@ def test_up_routes_stage_flags_to_their_stage() -> None:
     args = up.build_parser().parse_args(
         ["--model", "m", "--embedding-cache-size", "16", "--usp", "2", "--use-hsdp", "--vae-use-tiling"]
     )
-    assert args.port == 50051 and args.file == str(DEFAULT_COMPOSE_FILE) and args.host == "127.0.0.1"
+    assert args.port == 50051 and args.file is None and args.host == "127.0.0.1"
     assert args.http_port == GATEWAY_PORT
     assert up.stage_flags(vars(args)) == {
         "text-encoder": ["--embedding-cache-size", "16"],
