@@ -20,27 +20,13 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from stagediff.client import Client, Event, GenerationResult, RetryPolicy, StageDiffError
-from stagediff.media import MEDIA_TYPE_EXTENSIONS, SUPPORTED_EXTENSIONS
+from stagediff.media import SUPPORTED_EXTENSIONS
 from stagediff.progress import progress_display
-from stagediff.protocol import OUTPUT_FORMATS, RAW_OUTPUT_FORMAT
+from stagediff.protocol import FORMAT_OF_EXTENSION, JOB_STATE_NAMES
 from stagediff.v1 import generation_pb2
 
-# The output format each --out extension asks the server for when --format is not given: the server encodes the
-# file (.npz: raw frames, written here).
-FORMAT_OF_EXTENSION = {
-    extension: name
-    for name, media_type in OUTPUT_FORMATS.items()
-    for extension in MEDIA_TYPE_EXTENSIONS.get(media_type, ())
-} | {".npz": RAW_OUTPUT_FORMAT}
-
 # `stagediff jobs --state` names and the JobState each stands for.
-JOB_STATES = {
-    "queued": generation_pb2.JOB_STATE_QUEUED,
-    "running": generation_pb2.JOB_STATE_RUNNING,
-    "succeeded": generation_pb2.JOB_STATE_SUCCEEDED,
-    "failed": generation_pb2.JOB_STATE_FAILED,
-    "cancelled": generation_pb2.JOB_STATE_CANCELLED,
-}
+JOB_STATES = {name: generation_pb2.JobState.Value(f"JOB_STATE_{name.upper()}") for name in JOB_STATE_NAMES}
 
 
 def _retries(args: argparse.Namespace) -> int:
