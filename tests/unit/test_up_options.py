@@ -12,7 +12,8 @@ import re
 
 from services.gateway.options import DEFAULT_PORT as GATEWAY_PORT
 from services.orchestrator.options import DEFAULT_PORT as ORCHESTRATOR_PORT
-from services.orchestrator.options import DEFAULT_STATE_DIR, build_parser as orchestrator_parser
+from services.orchestrator.options import DEFAULT_STATE_DIR
+from services.orchestrator.options import build_parser as orchestrator_parser
 from stagediff import up_options
 from stagediff.local.compose import DEFAULT_COMPOSE_FILE
 from stagediff.up_options import STAGE_OPTIONS, build_parser
@@ -34,7 +35,7 @@ def test_the_values_up_repeats_are_the_servers() -> None:
     assert up_options.DEFAULT_STATE_DIR == DEFAULT_STATE_DIR
     assert DEFAULT_COMPOSE_FILE.name == up_options.DEFAULT_COMPOSE_FILE_NAME and DEFAULT_COMPOSE_FILE.is_file()
     host = next(action for action in orchestrator_parser()._actions if "--host" in action.option_strings)
-    assert up_options.DEFAULT_HOST == host.default
+    assert host.default == up_options.DEFAULT_HOST
 
 
 def test_every_option_of_up_says_its_default() -> None:
