@@ -82,3 +82,38 @@ def test_no_install_hint_names_an_extra_that_does_not_exist() -> None:
     ]
     naming = [str(path.relative_to(REPOSITORY)) for path in readable if "stagediff[" in path.read_text()]
     assert naming == []
+
+
+def _folders() -> dict[str, Path]:
+    """Every package of the two distributions -> its folder in the tree."""
+    folders = {}
+    for project in (CLIENT, SERVERS):
+        setuptools = _read(project)["tool"]["setuptools"]
+        mapped = setuptools.get("package-dir", {})
+        for package in setuptools["packages"]:
+            folder = mapped.get(package) or f"{mapped.get('', '.')}/{package.replace('.', '/')}"
+            folders[package] = (project.parent / folder).resolve()
+    return folders
+
+
+def test_every_file_of_a_package_folder_ships_as_a_module_or_as_package_data() -> None:
+    """A file that is not Python, in a package's folder (or a data folder below it), is named by the package's
+    package-data, or an installed wheel would lack it. (deploy/, the folder of `stagediff.deploy`, ships a
+    selection: its compose and env files, checked above.)"""
+    folders = _folders()
+    data = {
+        **_read(CLIENT)["tool"]["setuptools"].get("package-data", {}),
+        **_read(SERVERS)["tool"]["setuptools"]["package-data"],
+    }
+    unshipped = []
+    for package, folder in folders.items():
+        if package == "stagediff.deploy":
+            continue
+        others = [other for other in folders.values() if other != folder and other.is_relative_to(folder)]
+        shipped = {path for pattern in data.get(package, []) for path in folder.glob(pattern)}
+        for path in folder.rglob("*"):
+            if any(path.is_relative_to(other) for other in others) or "__pycache__" in path.parts:
+                continue
+            if path.is_file() and path.suffix not in (".py", ".pyi", ".pyc") and path not in shipped:
+                unshipped.append(str(path.relative_to(REPOSITORY)))
+    assert unshipped == []
