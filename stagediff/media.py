@@ -18,6 +18,8 @@ import numpy as np
 from av.codec.codec import UnknownCodecError
 from PIL import Image
 
+from stagediff.protocol import MEDIA_TYPE_EXTENSIONS
+
 SUPPORTED_EXTENSIONS = (".mp4", ".png", ".npz")
 
 H264_ENCODERS = ("libx264", "libopenh264", "h264")
@@ -32,15 +34,6 @@ MP4_BITS_PER_PIXEL = 0.3
 
 MP4_MIN_BIT_RATE = 1_000_000
 
-# The file extensions of each media type of an encoded result: the files its bytes are written to as they are.
-MEDIA_TYPE_EXTENSIONS: dict[str, tuple[str, ...]] = {
-    "video/mp4": (".mp4",),
-    "video/webm": (".webm",),
-    "image/gif": (".gif",),
-    "image/png": (".png",),
-    "image/jpeg": (".jpg", ".jpeg"),
-    "image/webp": (".webp",),
-}
 # Media types decoded as video with PyAV (every frame); the others are single images, decoded with Pillow.
 VIDEO_MEDIA_TYPES = ("video/mp4", "video/webm", "image/gif")
 

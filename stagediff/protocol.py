@@ -25,3 +25,27 @@ OUTPUT_FORMATS = {
     "jpeg": "image/jpeg",
     "webp": "image/webp",
 }
+
+# The file extensions of each media type of an encoded result: the files its bytes are written to as they are.
+MEDIA_TYPE_EXTENSIONS: dict[str, tuple[str, ...]] = {
+    "video/mp4": (".mp4",),
+    "video/webm": (".webm",),
+    "image/gif": (".gif",),
+    "image/png": (".png",),
+    "image/jpeg": (".jpg", ".jpeg"),
+    "image/webp": (".webp",),
+}
+
+# The output format each result file's extension (the CLI's --out) asks the server for when no format is named:
+# the server encodes the file (.npz: raw frames, written by the client).
+FORMAT_OF_EXTENSION = {
+    extension: name
+    for name, media_type in OUTPUT_FORMATS.items()
+    for extension in MEDIA_TYPE_EXTENSIONS.get(media_type, ())
+} | {".npz": RAW_OUTPUT_FORMAT}
+
+# The job states by the names the CLI takes (`stagediff jobs --state`): JobState's JOB_STATE_<NAME>.
+JOB_STATE_NAMES = ("queued", "running", "succeeded", "failed", "cancelled")
+
+# The exit code of a client command that Ctrl-C ended (128 + SIGINT, as a shell reports it).
+INTERRUPTED = 130

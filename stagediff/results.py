@@ -12,7 +12,8 @@ import grpc
 import numpy as np
 
 from stagediff.errors import InternalError
-from stagediff.media import MEDIA_TYPE_EXTENSIONS, SUPPORTED_EXTENSIONS, decode_media
+from stagediff.media import SUPPORTED_EXTENSIONS, decode_media
+from stagediff.protocol import MEDIA_TYPE_EXTENSIONS
 from stagediff.tensor_codec import TensorAssembler
 from stagediff.v1 import generation_pb2, stages_pb2
 

@@ -11,7 +11,10 @@ from services.stage_options import add_stage_kind_arguments, stage_parser
 def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("decoding")
     group.add_argument(
-        "--vae-patch-parallel-size", type=int, default=1, help="ranks the rows of each frame are split over (exact)"
+        "--vae-patch-parallel-size",
+        type=int,
+        default=1,
+        help="ranks the rows of each frame are split over, exactly (default: %(default)s)",
     )
     group.add_argument(
         "--vae-use-tiling", action="store_true", help="decode in overlapping tiles on one device (approximate)"

@@ -26,6 +26,7 @@ import yaml
 
 from families.base import Family
 from services.stage_table import STAGES
+from stagediff.up_options import DEFAULT_COMPOSE_FILE_NAME
 
 ENTRY_COMMAND = ["serve", "orchestrator"]
 # The HTTP gateway: a client of the orchestrator's public port, ready once GET /readyz answers 200.
@@ -45,7 +46,7 @@ def shipped_compose_file(name: str) -> Path:
 
 
 # The CPU variant, which runs on any machine; `-f deploy/docker-compose.yml` runs the GPU topology instead.
-DEFAULT_COMPOSE_FILE = shipped_compose_file("docker-compose.cpu.yml")
+DEFAULT_COMPOSE_FILE = shipped_compose_file(DEFAULT_COMPOSE_FILE_NAME)
 
 _VARIABLE = re.compile(
     r"\$(?:(?P<dollar>\$)"  # $$

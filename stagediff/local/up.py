@@ -6,16 +6,16 @@ the file has a `serve http` service) and `ready HOST:PORT[,HOST:PORT...]` (the o
 gateway: once its GET /readyz answers 200), and `exited NAME code=N` for a service that ends. A service is ready
 only once its answer carries the launch id given to that process, so another server on its port never passes for
 it; before anything starts, a taken --port, --http-port or stage port, or a --state-dir that another running
-cluster uses, ends `up` with one line each (exit code 2). `--model DIR` is
-mounted where the compose file mounts the model (/models/model), and decides the stages: those of its family's
-chain (families/). Several `--model` run behind one orchestrator (stagediff/local/models.py): a DiT each, and
-one text encoder and one VAE for the models whose components for them are the same files. `--orchestrators N`
-replicas share the job database of `--store` (a PostgreSQL URL, or
-`local-postgres`: `up` starts a throwaway one) and the blobs of `--blobs` (`local-s3`: a throwaway SeaweedFS).
+cluster uses, ends `up` with one line each (exit code 2). `--model DIR` takes the place of the model the compose
+file mounts into its containers, and decides the stages: those of its family's chain (families/). Several
+`--model` run behind one orchestrator (stagediff/local/models.py): a DiT each, and one text encoder and one VAE
+for the models whose components for them are the same files. `--orchestrators N` replicas share the job database
+of `--store` (a PostgreSQL URL, or `local-postgres`: `up` starts a throwaway one) and the blobs of `--blobs`
+(`local-s3`: a throwaway SeaweedFS).
 
-The stage options `up` takes (FORWARDED_OPTIONS) are declared by the stages themselves: each is found in
-the one `stagediff serve` parser that declares it (its names, type, choices and help come from there) and
-passed to that stage's processes, over what the compose file's environment says.
+`up`'s options are declared on the client's side (stagediff/up_options.py), so that `stagediff up --help`
+reads the same where the servers are not installed; the stage options among them (STAGE_OPTIONS) are each
+passed to the processes of the stage that declares it, over what the compose file's environment says.
 """
 
 from __future__ import annotations
@@ -32,147 +32,11 @@ from typing import Any
 
 import yaml
 
-from services.environment_options import Declaration, declared_options
-from services.gateway.options import DEFAULT_PORT as DEFAULT_HTTP_PORT
-from services.orchestrator.options import DEFAULT_PORT, DEFAULT_STATE_DIR
-from services.stage_table import SERVE_TARGETS
 from stagediff.local.compose import DEFAULT_COMPOSE_FILE
 from stagediff.local.servers import ServerMissing, seaweedfs
 from stagediff.local.servers import postgres as local_postgres
 from stagediff.local.supervisor import LocalCluster, ServiceProcess, StartupConflict
-
-LOCAL_POSTGRES = "local-postgres"  # --store: a throwaway PostgreSQL started by `up`
-LOCAL_S3 = "local-s3"  # --blobs: a throwaway SeaweedFS started by `up`
-
-# Stage options `stagediff up` passes on, each to the stage whose parser declares it.
-FORWARDED_OPTIONS = (
-    "--embedding-cache-bytes",
-    "--embedding-cache-size",
-    "--ulysses-degree",
-    "--ring-degree",
-    "--cfg-parallel-size",
-    "--tensor-parallel-size",
-    "--use-hsdp",
-    "--hsdp-shard-size",
-    "--hsdp-replicate-size",
-    "--quantization",
-    "--ignored-layers",
-    "--enable-cpu-offload",
-    "--enable-layerwise-offload",
-    "--offload-blocks",
-    "--compile",
-    "--cache-backend",
-    "--cache-threshold",
-    "--max-batch-size",
-    "--batch-wait-ms",
-    "--lora-dir",
-    "--lora-cache-bytes",
-    "--lora-max-file-bytes",
-    "--max-loras-per-request",
-    "--lora",
-    "--vae-patch-parallel-size",
-    "--vae-use-tiling",
-    "--vae-tile-sample-min-height",
-    "--vae-tile-sample-min-width",
-    "--vae-tile-sample-stride-height",
-    "--vae-tile-sample-stride-width",
-    "--interp-model-path",
-)
-
-
-def forwarded_options() -> dict[str, tuple[str, Declaration]]:
-    """Each forwarded option -> (the serve target it goes to, its declaration there). An option that no
-    parser declares, or that several do, is a mistake in FORWARDED_OPTIONS: ValueError naming it."""
-    declared = {target: declared_options(target) for target in SERVE_TARGETS}
-    forwarded = {}
-    for option in FORWARDED_OPTIONS:
-        targets = [target for target, options in declared.items() if option in options]
-        if len(targets) != 1:
-            raise ValueError(f"`stagediff up {option}` must be declared by exactly one serve target, not {targets}")
-        forwarded[option] = (targets[0], declared[targets[0]][option])
-    return forwarded
-
-
-def parse_replicas(text: str) -> dict[str, int]:
-    """`text-encoder=1,dit=2` -> {"text-encoder": 1, "dit": 2}."""
-    counts: dict[str, int] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        stage, equals, count = item.partition("=")
-        if not equals or not count.strip().isdigit() or int(count) < 1:
-            raise argparse.ArgumentTypeError(f"{item!r}: use STAGE=COUNT with COUNT >= 1, e.g. dit=2")
-        counts[stage.strip()] = int(count)
-    return counts
-
-
-def build_parser() -> argparse.ArgumentParser:
-    up = argparse.ArgumentParser(
-        prog="stagediff up",
-        description="Starts the services of a compose file that the model's chain uses as local processes, and "
-        "prints 'ready HOST:PORT' once all are SERVING; SIGINT or SIGTERM stops them.",
-    )
-    up.add_argument(
-        "--model",
-        required=True,
-        action="append",
-        help="diffusers checkpoint directory (mounted at /models/model); repeat it to serve several models behind one "
-        "orchestrator: a DiT each, and one text encoder and VAE for the models whose components are the same files",
-    )
-    up.add_argument("--port", type=int, default=DEFAULT_PORT, help="orchestrator port (0: a free port)")
-    up.add_argument(
-        "--http-port",
-        type=int,
-        default=DEFAULT_HTTP_PORT,
-        help="the HTTP gateway's port, where the compose file has one (default: %(default)s; 0: a free port)",
-    )
-    up.add_argument("-f", "--file", default=str(DEFAULT_COMPOSE_FILE), help="compose file (default: %(default)s)")
-    up.add_argument("--host", default="127.0.0.1", help="address every service binds")
-    up.add_argument("--threads-per-stage", type=int, default=None, help="torch intra-op threads of each stage")
-    up.add_argument("--log-dir", default=None, help="where SERVICE.log files go (default: a new temporary directory)")
-    up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds until every service is SERVING")
-    up.add_argument("--echo-logs", action="store_true", help="also copy every service's log to stderr")
-    up.add_argument(
-        "--replicas",
-        type=parse_replicas,
-        default=None,
-        metavar="STAGE=N[,STAGE=N...]",
-        help="processes per stage, e.g. text-encoder=1,dit=2,vae=2,interp=1 (default: the compose file's "
-        "services; `<stage>-N` services are replicas of `<stage>`)",
-    )
-    up.add_argument(
-        "--state-dir",
-        default=str(DEFAULT_STATE_DIR),
-        help="the orchestrator's job store: jobs and results survive restarts of `up` (default: %(default)s)",
-    )
-    up.add_argument("--tenants", metavar="FILE", help="tenants YAML for the orchestrator (default: open, no keys)")
-    up.add_argument(
-        "--orchestrators",
-        type=int,
-        default=1,
-        metavar="N",
-        help="orchestrator replicas, sharing the job database of --store (default: %(default)s)",
-    )
-    up.add_argument(
-        "--store",
-        metavar=f"postgresql://...|{LOCAL_POSTGRES}",
-        help=f"the orchestrators' job database; {LOCAL_POSTGRES} starts a throwaway PostgreSQL for as long as `up` "
-        "runs (default: SQLite in --state-dir, one orchestrator)",
-    )
-    up.add_argument(
-        "--blobs",
-        metavar=f"s3://BUCKET[/PREFIX]|DIR|{LOCAL_S3}",
-        help=f"where results and stage outputs live; {LOCAL_S3} starts a throwaway SeaweedFS for as long as `up` "
-        "runs (default: --state-dir)",
-    )
-    up.add_argument("--blobs-endpoint", metavar="URL", help="the S3-compatible endpoint of --blobs s3://...")
-    groups = {}
-    for target, declaration in forwarded_options().values():
-        if target not in groups:
-            groups[target] = up.add_argument_group(f"{target} options", f"passed to the {target} stage")
-        options = {key: value for key, value in declaration.options.items() if key not in ("default", "required")}
-        if "help" in options:  # the stage's default, since here an option left out is not passed at all
-            options["help"] = options["help"].replace("%(default)s", str(declaration.options.get("default")))
-        groups[target].add_argument(*declaration.names, default=None, **options)
-    return up
+from stagediff.up_options import LOCAL_POSTGRES, LOCAL_S3, STAGE_OPTIONS, build_parser
 
 
 def stage_flags(options: Mapping[str, Any]) -> dict[str, list[str]]:
@@ -181,14 +45,15 @@ def stage_flags(options: Mapping[str, Any]) -> dict[str, list[str]]:
     extra: dict[str, list[str]] = {}
     if options.get("tenants"):
         extra["orchestrator"] = ["--tenants", str(Path(options["tenants"]).resolve())]
-    for option, (target, _) in forwarded_options().items():
-        value = options[option.lstrip("-").replace("-", "_")]
+    for option in STAGE_OPTIONS:
+        value = options[option.dest]
         if value is None or value is False or value == []:
             continue
+        flag, flags = option.flag, extra.setdefault(option.stage, [])
         if isinstance(value, list):  # a repeatable option (--lora NAME, ...): each value after its own flag
-            extra.setdefault(target, []).extend(item for entry in value for item in (option, str(entry)))
+            flags.extend(item for entry in value for item in (flag, str(entry)))
             continue
-        extra.setdefault(target, []).extend([option] if value is True else [option, str(value)])
+        flags.extend([flag] if value is True else [flag, str(value)])
     return extra
 
 
@@ -224,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             cluster = LocalCluster(
                 args.model,
-                compose_file=args.file,
+                compose_file=args.file or DEFAULT_COMPOSE_FILE,
                 port=args.port,
                 http_port=args.http_port,
                 host=args.host,

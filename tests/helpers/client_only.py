@@ -1,4 +1,4 @@
-"""A Python environment without the server packages: the client-only install, as the plain `pip install`
+"""A Python environment without the server packages: the client-only install, as the plain `pip install .`
 leaves it (packages listed here are made unimportable by a meta path finder written into the environment)."""
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ SERVER_PACKAGES = (
 )
 
 
-# stagediff's own package that runs a server command (`stagediff up`): the client never loads it.
+# stagediff's own package that runs a server command (`stagediff up`): the client never loads it, and the client's
+# distribution does not hold it.
 SERVER_COMMAND_MODULES = ("stagediff.local",)
 NOT_INSTALLED_FINDER = '''"""Makes the listed packages unimportable, as in an environment that does not have them."""
 import sys
@@ -45,7 +46,7 @@ NOT_INSTALLED = frozenset({names!r})
 
 class NotInstalled:
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in NOT_INSTALLED:
+        if any(name == missing or name.startswith(missing + ".") for missing in NOT_INSTALLED):
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
         return None
 
@@ -58,7 +59,7 @@ def client_only_environment(directory: Path) -> dict[str, str]:
     """The environment of a Python process that can import neither the server packages nor opentelemetry (which
     the plain install does not bring): a `sitecustomize` module, found first on PYTHONPATH, refuses them."""
     directory.mkdir(parents=True, exist_ok=True)
-    not_installed = sorted({*SERVER_PACKAGES, "opentelemetry"})
+    not_installed = sorted({*SERVER_PACKAGES, *SERVER_COMMAND_MODULES, "opentelemetry"})
     (directory / "sitecustomize.py").write_text(NOT_INSTALLED_FINDER.format(names=not_installed))
     path = [str(directory), str(REPOSITORY), *filter(None, [os.environ.get("PYTHONPATH")])]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}

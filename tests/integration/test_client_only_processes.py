@@ -1,4 +1,4 @@
-"""The client is only a client: `pip install stagediff` without extras runs the SDK and the client commands.
+"""The client is only a client: the client's distribution alone runs the SDK and the client commands.
 
 The SDK, `stagediff --help`, `health`, `info` and `generate` load neither torch nor any server package; every
 module they import is installed by the plain install (or, like opentelemetry, used only where it is installed).
@@ -71,9 +71,21 @@ def test_the_client_commands_run_without_the_server_packages(tmp_path: Path) -> 
     assert sdk.returncode == 0 and sdk.stdout.strip() == "[]", sdk.stderr
 
 
-def test_a_server_command_without_the_servers_installed_says_what_to_install(tmp_path: Path) -> None:
+def test_up_help_reads_the_same_without_the_servers(tmp_path: Path) -> None:
     env = client_only_environment(tmp_path)
-    for command in (["up", "--help"], ["serve", "dit", "--help"], ["init-model", "--help"]):
+    without = _run(["-m", "stagediff.cli", "up", "--help"], env)
+    assert without.returncode == 0, without.stderr
+    assert "--ulysses-degree" in without.stdout and "(default: 50051" in without.stdout
+    with_servers = _run(["-m", "stagediff.cli", "up", "--help"])
+    assert with_servers.returncode == 0 and with_servers.stdout == without.stdout
+
+
+def test_a_server_command_without_the_servers_installed_says_in_one_line_how_to_install_them(tmp_path: Path) -> None:
+    env = client_only_environment(tmp_path)
+    for command in (["up", "--model", "m"], ["serve", "dit", "--help"], ["init-model", "--help"]):
         result = _run(["-m", "stagediff.cli", *command], env)
         assert result.returncode == 2, (command, result.stderr)
-        assert "pip install 'stagediff[server]'" in result.stderr and "Traceback" not in result.stderr, command
+        assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr, (command, result.stderr)
+        assert "pip install . ./server" in result.stderr and "pip install dist/*.whl" in result.stderr, command
+    mistaken = _run(["-m", "stagediff.cli", "up", "--model", "m", "--port", "many"], env)
+    assert mistaken.returncode == 2 and "argument --port: invalid int value: 'many'" in mistaken.stderr

@@ -1,4 +1,4 @@
-"""The client is only a client: `pip install stagediff` without extras runs the SDK and the client commands.
+"""The client is only a client: its distribution alone (`pip install .`) runs the SDK and the client commands.
 
 The SDK, `stagediff --help`, `health`, `info` and `generate` load neither torch nor any server package; every
 module they import is installed by the plain install (or, like opentelemetry, used only where it is installed).
@@ -18,8 +18,17 @@ from packaging.utils import canonicalize_name
 from stagediff import cli
 from tests.helpers.client_only import REPOSITORY, SERVER_COMMAND_MODULES, SERVER_PACKAGES
 
-# The modules a plain install runs from: the SDK and the command line.
-CLIENT_ENTRY_MODULES = ("stagediff", "stagediff.client", "stagediff.client_cli", "stagediff.cli", "stagediff.media")
+# The modules a plain install runs from: the SDK and the command line (whose commands, in client_commands, are
+# imported when one runs).
+CLIENT_ENTRY_MODULES = (
+    "stagediff",
+    "stagediff.client",
+    "stagediff.client_cli",
+    "stagediff.client_commands",
+    "stagediff.cli",
+    "stagediff.media",
+    "stagediff.up_options",
+)
 
 
 def _installed_by_the_plain_install() -> set[str]:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import shlex
+import tomllib
 
 from tests.helpers.dockerfile import REPOSITORY, instructions
+
+# The two projects the image installs: the client (the root) and the servers.
+PROJECTS = (REPOSITORY / "pyproject.toml", REPOSITORY / "server" / "pyproject.toml")
 
 
 def test_dependencies_are_installed_before_the_source_is_copied() -> None:
@@ -12,12 +16,23 @@ def test_dependencies_are_installed_before_the_source_is_copied() -> None:
     steps = instructions()
     copies = [index for index, (name, _) in enumerate(steps) if name == "COPY"]
     dependency_install = next(i for i, (name, args) in enumerate(steps) if name == "RUN" and "requirements" in args)
-    assert steps[copies[0]][1] == "pyproject.toml ./", "only pyproject.toml comes before the dependency layer"
-    assert all(index > dependency_install for index in copies[1:])
+    before = [steps[index][1] for index in copies if index < dependency_install]
+    assert before == ["pyproject.toml ./", "server/pyproject.toml ./server/"], "only the pyproject files come first"
     torch_install = next(i for i, (name, args) in enumerate(steps) if name == "RUN" and "torch==" in args)
     assert torch_install < dependency_install, "torch first and pinned, so no dependency pulls another build"
-    project_install = [args for name, args in steps if name == "RUN" and "pip install --no-deps ." in args]
-    assert project_install, "the project itself installs without touching the dependency layer"
+    project_install = [args for name, args in steps if name == "RUN" and "pip install --no-deps . ./server" in args]
+    assert project_install, "the client and the servers install without touching the dependency layer"
+
+
+def test_the_image_copies_every_package_the_two_projects_build() -> None:
+    """`pip install . ./server` builds from what was copied: a package folder left out fails the build."""
+    copied = {args.split()[0].partition("/")[0] for name, args in instructions() if name == "COPY"}  # top folders
+    for project in PROJECTS:
+        setuptools = tomllib.loads(project.read_text())["tool"]["setuptools"]
+        mapped = {package: folder.removeprefix("../") for package, folder in setuptools.get("package-dir", {}).items()}
+        for package in setuptools["packages"]:
+            folder = mapped.get(package, package.replace(".", "/"))
+            assert folder.partition("/")[0] in copied, f"{package} ({folder}) is not copied"
 
 
 def test_the_image_runs_as_a_non_root_user_with_stagediff_as_entrypoint() -> None:

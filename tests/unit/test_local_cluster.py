@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import textwrap
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -19,11 +18,9 @@ from stagediff.local.launch import free_ports
 from stagediff.local.supervisor import LocalCluster, is_http_ready, wait_for_http_ready, wait_for_serving
 from tests.helpers.compose import (
     CPU_COMPOSE_FILE,
-    DEPLOY,
     GATEWAY,
     GATEWAY_PORT,
     GPU_COMPOSE_FILE,
-    REPOSITORY,
     REQUIRED_STAGES,
     STAGES,
     readyz_server,
@@ -43,23 +40,6 @@ def _checkpoint(directory: Path, pipeline: str = "WanPipeline") -> Path:
 
 def test_default_compose_file_is_the_cpu_variant() -> None:
     assert DEFAULT_COMPOSE_FILE.resolve() == CPU_COMPOSE_FILE
-
-
-def test_the_wheel_names_every_package_and_ships_the_compose_files() -> None:
-    """pyproject.toml lists the packages by name, so that deploy/ ships as the package `stagediff.deploy`
-    (`stagediff up` from an installed wheel): the list names every package of the tree, and the package
-    data every compose and env file."""
-    setuptools = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())["tool"]["setuptools"]
-    tree = {
-        ".".join(init.parent.relative_to(REPOSITORY).parts)
-        for top in REPOSITORY.iterdir()
-        if (top / "__init__.py").is_file() and top.name != "tests"
-        for init in top.rglob("__init__.py")
-    }
-    assert sorted(setuptools["packages"]) == sorted([*tree, "stagediff.deploy"])
-    assert setuptools["package-dir"] == {"stagediff.deploy": "deploy"}
-    shipped = {path for pattern in setuptools["package-data"]["stagediff.deploy"] for path in DEPLOY.glob(pattern)}
-    assert shipped == {*DEPLOY.glob("*.yml"), *DEPLOY.glob("env/*.env")}
 
 
 def test_gpu_reservations_become_cuda_visible_devices_and_secrets_host_paths(tmp_path: Path) -> None:
@@ -165,7 +145,7 @@ def test_up_routes_stage_flags_to_their_stage() -> None:
     args = up.build_parser().parse_args(
         ["--model", "m", "--embedding-cache-size", "16", "--usp", "2", "--use-hsdp", "--vae-use-tiling"]
     )
-    assert args.port == 50051 and args.file == str(DEFAULT_COMPOSE_FILE) and args.host == "127.0.0.1"
+    assert args.port == 50051 and args.file is None and args.host == "127.0.0.1"
     assert args.http_port == GATEWAY_PORT
     assert up.stage_flags(vars(args)) == {
         "text-encoder": ["--embedding-cache-size", "16"],

@@ -1,22 +1,32 @@
 """Every option is declared once, by the parser of the service that takes it.
 
-`stagediff up` takes stage options from the stages' own declarations, the deploy/env files set options by
-their variable, the orchestrator's endpoint flags follow the stage kinds: each must name an option of the
-parser it reaches, and that parser must be buildable without torch (the CLI, `up` and these tests read it).
+`stagediff up` repeats the stage options it passes on exactly as their stages declare them (it declares its
+options on the client's side, where the stages cannot be read), the deploy/env files set options by their
+variable, the orchestrator's endpoint flags follow the stage kinds: each must name an option of the parser it
+reaches, and that parser must be buildable without torch (the CLI, `up` and these tests read it).
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from services.environment_options import NOT_OPTIONS, declarations, declared_options, options_module, parse_args
+from services.environment_options import (
+    NOT_OPTIONS,
+    Declaration,
+    declarations,
+    declared_options,
+    options_module,
+    parse_args,
+)
 from services.stage_table import SERVE_TARGETS, STAGES
 from stagediff.local import up
 from stagediff.local.compose import load_compose
+from stagediff.up_options import STAGE_OPTIONS, StageOption
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 COMPOSE_FILES = [
@@ -53,13 +63,28 @@ def test_the_parser_a_service_runs_is_its_options_module(target: str) -> None:
     assert len(names) == len(set(names)), f"{target} declares an option twice"
 
 
-def test_every_option_up_forwards_is_declared_by_exactly_the_stage_it_goes_to() -> None:
-    forwarded = up.forwarded_options()
-    assert list(forwarded) == list(up.FORWARDED_OPTIONS)
-    for option, (target, _) in forwarded.items():
-        declaring = [name for name in SERVE_TARGETS if option in declared_options(name)]
-        assert declaring == [target], option
-        assert target in STAGES, f"{option} goes to {target}, which is not a stage"
+def _as_up_declares_it(declaration: Declaration) -> dict[str, Any]:
+    """A stage's declaration as `up` repeats it (stagediff/up_options.py): no default, which up leaves to the
+    stage, and the stage's default written into the help."""
+    options = {key: value for key, value in declaration.options.items() if key != "default"}
+    default = declaration.options.get("default")
+    if "%(default)s" in options.get("help", ""):
+        options["help"] = options["help"].replace("%(default)s", str(default))
+    elif "default" not in options.get("help", "") and default not in (None, False, "", []):
+        options["help"] = f"{options['help']} (default: {default})"
+    return options
+
+
+@pytest.mark.parametrize("option", STAGE_OPTIONS, ids=lambda option: option.flag)
+def test_every_stage_option_of_up_is_what_its_stage_declares(option: StageOption) -> None:
+    """`up` declares its options on the client's side, where the stages cannot be read: each stage option is
+    a copy of the one its stage declares, and only that stage declares it."""
+    declaring = [target for target in SERVE_TARGETS if option.flag in declared_options(target)]
+    assert declaring == [option.stage], f"{option.flag} is declared by {declaring}, not by {option.stage} alone"
+    assert option.stage in STAGES, f"{option.flag} goes to {option.stage}, which is not a stage"
+    declaration = declared_options(option.stage)[option.flag]
+    assert option.names == declaration.names
+    assert option.options == _as_up_declares_it(declaration), f"copy {option.flag} from its stage"
 
 
 def _a_value(options: dict) -> list[str]:
@@ -71,26 +96,15 @@ def _a_value(options: dict) -> list[str]:
     return [{int: "3", float: "0.25"}.get(options.get("type"), "a-value")]
 
 
-@pytest.mark.parametrize("option", up.FORWARDED_OPTIONS)
-def test_a_forwarded_option_means_in_up_what_it_means_to_its_stage(option: str) -> None:
-    target, declaration = up.forwarded_options()[option]
-    tokens = [option, *_a_value(dict(declaration.options))]
+@pytest.mark.parametrize("option", STAGE_OPTIONS, ids=lambda option: option.flag)
+def test_a_forwarded_option_means_in_up_what_it_means_to_its_stage(option: StageOption) -> None:
+    tokens = [option.flag, *_a_value(option.options)]
     args = up.build_parser().parse_args(["--model", "m", *tokens])
-    assert up.stage_flags(vars(args)) == {target: tokens}
-    dest = declaration.flag.lstrip("-").replace("-", "_")
-    stage = parse_args(options_module(target).build_parser(), ["--model", "m", *tokens], {})
-    assert getattr(stage, dest) == getattr(args, dest)
+    assert up.stage_flags(vars(args)) == {option.stage: tokens}
+    stage = parse_args(options_module(option.stage).build_parser(), ["--model", "m", *tokens], {})
+    assert getattr(stage, option.dest) == getattr(args, option.dest)
     # Left out, it is not passed at all: the compose file's environment decides.
     assert up.stage_flags(vars(up.build_parser().parse_args(["--model", "m"]))) == {}
-
-
-def test_an_option_of_several_parsers_cannot_be_forwarded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(up, "FORWARDED_OPTIONS", ("--num-weight-load-threads",))
-    with pytest.raises(ValueError, match=r"--num-weight-load-threads` must be declared by exactly one serve target"):
-        up.forwarded_options()
-    monkeypatch.setattr(up, "FORWARDED_OPTIONS", ("--no-such-option",))
-    with pytest.raises(ValueError, match=r"--no-such-option` must be declared by exactly one serve target, not \[\]"):
-        up.forwarded_options()
 
 
 def test_the_orchestrator_takes_one_optional_endpoint_flag_per_stage_kind() -> None:

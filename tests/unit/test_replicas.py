@@ -23,6 +23,7 @@ from stagediff.local import up
 from stagediff.local.compose import with_replicas
 from stagediff.local.supervisor import LocalCluster
 from stagediff.tensor_codec import encode_tensor
+from stagediff.up_options import parse_replicas
 from stagediff.v1 import generation_pb2, stages_pb2
 from tests.helpers.fake_replicas import SETTLE_S, eventually, replicas
 
@@ -241,7 +242,7 @@ def test_replicas_flag_and_dash_n_services_become_endpoint_lists(tmp_path) -> No
     assert args.replicas == {"text-encoder": 1, "dit": 2, "vae": 2, "interp": 1}
     for wrong in ("dit=0", "dit", "dit=two"):
         with pytest.raises(argparse.ArgumentTypeError, match="STAGE=COUNT"):
-            up.parse_replicas(wrong)
+            parse_replicas(wrong)
     (tmp_path / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
     compose = tmp_path / "compose.yml"
     compose.write_text(
