@@ -167,7 +167,7 @@ def test_every_control_of_the_page_has_a_label() -> None:
 
 
 def test_the_wheel_ships_every_file_of_the_page() -> None:
-    setuptools = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())["tool"]["setuptools"]
+    setuptools = tomllib.loads((REPOSITORY / "server" / "pyproject.toml").read_text())["tool"]["setuptools"]
     patterns = setuptools["package-data"]["services.gateway"]
     package = REPOSITORY / "services" / "gateway"
     shipped = {path for pattern in patterns for path in package.glob(pattern)}
