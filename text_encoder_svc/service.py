@@ -31,6 +31,7 @@ from services.image_work import ImageWorkers
 from services.images import Stop
 from services.input_images import decode_stage_images
 from services.memory_budget import WeightNeed, checkpoint_components, stage_need
+from services.model_source import resolve_stage_options
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
 from services.stage_config import StageConfig
 from services.stage_main import StageServicer, run_stage
@@ -165,7 +166,7 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parse_args(parser, argv)
+    args = resolve_stage_options("text-encoder", parse_args(parser, argv))
     try:
         cache = EmbeddingCacheConfig.from_options(args)
     except ValueError as error:

@@ -28,6 +28,7 @@ from services.image_work import ImageWorkers
 from services.images import Stop
 from services.input_images import decode_stage_images
 from services.memory_budget import WeightNeed, checkpoint_components, stage_need
+from services.model_source import resolve_stage_options
 from services.rank_group import GroupFailure
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
 from services.stage_main import StageServicer, run_stage
@@ -255,7 +256,7 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = VaeConfig.from_args(parse_args(build_parser(), argv))
+    config = VaeConfig.from_args(resolve_stage_options("vae", parse_args(build_parser(), argv)))
     run_stage(config.stage, functools.partial(VaeDecoderServicer, config))
 
 

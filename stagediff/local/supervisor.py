@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import IO
 
 from services.launch_id import LAUNCH_ID_ENV
+from services.model_source import resolve_model
+from services.stage_table import STAGES
 from stagediff.local.compose import (
     DEFAULT_COMPOSE_FILE,
     ComposeService,
@@ -148,7 +150,8 @@ class LocalCluster:
         http_port: int = 0,
         orchestrators: int = 1,
     ) -> None:
-        """Runs the services of `compose_file` that the chain of the model's family uses (families/): a Wan
+        """Runs the services of `compose_file` that the chain of the model's family uses (families/), for a model
+        directory or a Hugging Face Hub id (services/model_source.py): a Wan
         model runs the interpolator when the file has one, an image model never does. Several model directories
         run behind one orchestrator, a DiT each and the other stages shared where the files are the same
         (stagediff/local/models.py).
@@ -162,7 +165,8 @@ class LocalCluster:
         (`--store postgresql://...`); the gateway is given all of them.
         Every process gets the same cluster secret: $STAGEDIFF_CLUSTER_SECRET, else a new random one."""
         dirs = [model_dir] if isinstance(model_dir, str | os.PathLike) else list(model_dir)
-        self.models = local_models([Path(path).resolve() for path in dirs])
+        # A Hub id (ORG/NAME[@REVISION]) is fetched for every stage (services/model_source.py).
+        self.models = local_models([resolve_model(os.fspath(path), STAGES) for path in dirs])
         self.model_dir = self.models[0].path
         self.compose_file = Path(compose_file).resolve()
         self.port = port
