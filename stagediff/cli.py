@@ -13,12 +13,15 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from stagediff import client_cli
+from stagediff import client_cli, cluster_registry
 
 
 def _serve(argv: list[str]) -> int:
     # The orchestrator and every stage kind of services/stage_table.py (a server command: loaded when run).
     from services.stage_table import SERVE_TARGETS
+    from services.supervised import watch_supervisor
+
+    watch_supervisor()  # started by `stagediff up`: end with it
 
     if not argv or argv[0] not in SERVE_TARGETS:
         print(f"usage: stagediff serve {{{','.join(SERVE_TARGETS)}}} [options]", file=sys.stderr)
@@ -110,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         # Listed for --help only: main() hands these commands their arguments before this parser sees them.
         commands.add_parser(name, help=help_text, add_help=False)
     client_cli.add_parsers(commands)
+    cluster_registry.add_parsers(commands)  # ps, down: the clusters `up` runs on this machine
     return parser
 
 
