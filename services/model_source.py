@@ -1,7 +1,7 @@
 """Where `--model` comes from: a checkpoint directory on this machine, or a Hugging Face Hub id.
 
-`stagediff up`, `stagediff serve <stage>` and `stagediff init-model --config-from` take either, and resolve it here
-to the local directory they load:
+`stagediff up` and `stagediff serve <stage>` take either, and resolve it here to the local directory they load
+(`stagediff init-model --config-from`, to the configs alone: `resolve_configs`):
 
 - A path that exists wins: it must be a diffusers checkpoint directory (with model_index.json).
 - Otherwise `ORG/NAME[@REVISION]` (exactly one slash before the `@`, each part of the Hub's characters:
@@ -35,6 +35,8 @@ from services.component_identity import stage_components
 INDEX_FILE = "model_index.json"
 # Configs every stage reads before loading anything (services/checkpoint.py, the families' denoise and encode).
 SHARED_CONFIGS = ("scheduler/*", "transformer/config.json", "transformer_2/config.json", "vae/config.json")
+# What `init-model --config-from` reads of a checkpoint: no weights.
+CONFIG_PATTERNS = [INDEX_FILE, "scheduler/*", "*/config.json"]
 # The Hub's repository names: letters, digits, '-', '_' and '.', not starting or ending with '-' or '.'.
 _HUB_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
 _HUB_ID = re.compile(rf"(?P<org>{_HUB_PART})/(?P<name>{_HUB_PART})(?:@(?P<revision>[^\s@]+))?")
@@ -91,6 +93,18 @@ def resolve_model(text: str, stages: Iterable[str], *, flag: str = "--model") ->
             f"`{INIT_MODEL_HINT.format(path=text)}`, or give a Hugging Face Hub id ORG/NAME[@REVISION]"
         )
     return fetch(hub_id, stage_patterns_for(hub_id, stages, flag), flag)
+
+
+def resolve_configs(text: str, flag: str = "--config-from") -> Path:
+    """The checkpoint `text` names with (at least) its configs: a local directory as it is, a Hub id with only
+    model_index.json, the scheduler and each component's config.json fetched (for `init-model`'s config presets)."""
+    path = Path(text).expanduser()
+    if path.exists():
+        return checked_checkpoint(path, flag)
+    hub_id = parse_hub_id(text)
+    if hub_id is None:
+        raise ModelSourceError(f"{flag} {text}: no such directory, and not a Hugging Face Hub id ORG/NAME[@REVISION]")
+    return fetch(hub_id, CONFIG_PATTERNS, flag)
 
 
 def checked_checkpoint(path: Path, flag: str = "--model") -> Path:

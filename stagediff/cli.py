@@ -44,6 +44,7 @@ def _init_model(argv: list[str]) -> int:
     from families.gguf import WRITABLE_TYPES, convert_checkpoint, original_names
     from families.init_model import ALL_PRESETS, PRESETS, init_model
     from families.registry import FAMILIES, FAMILY_NAMES
+    from services.model_source import resolve_configs
 
     trained = "; ".join(
         f"{preset}: trained weights for {family.name}"
@@ -70,6 +71,13 @@ def _init_model(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, help="directory to write the checkpoint to")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--config-from",
+        metavar="DIR|ORG/NAME[@REVISION]",
+        default=None,
+        help="for a *-config preset: the components' configs of this checkpoint directory or Hugging Face Hub id "
+        "(only its configs are fetched), in place of the preset's own",
+    )
+    parser.add_argument(
         "--gguf",
         choices=WRITABLE_TYPES,
         default=None,
@@ -81,7 +89,8 @@ def _init_model(argv: list[str]) -> int:
     try:
         if args.gguf:
             original_names(FAMILIES[args.family])  # refuses a family with no GGUF layout before writing anything
-        out = init_model(args.family, args.preset, args.out, seed=args.seed)
+        config_from = None if args.config_from is None else resolve_configs(args.config_from)
+        out = init_model(args.family, args.preset, args.out, seed=args.seed, config_from=config_from)
         if args.gguf:
             convert_checkpoint(out, FAMILIES[args.family], args.gguf)
         print(out)

@@ -5,18 +5,22 @@ saying what to run."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import huggingface_hub
 import pytest
 from huggingface_hub.utils import filter_repo_objects
 
+from families.init_model import init_model
 from services.checkpoint import read_checkpoint
 from services.model_source import (
+    CONFIG_PATTERNS,
     HubId,
     ModelSourceError,
     model_id_of,
     parse_hub_id,
+    resolve_configs,
     resolve_model,
     resolve_stage_options,
     stage_patterns,
@@ -139,8 +143,6 @@ def test_a_hub_snapshot_serves_under_its_repository_name(cached_model: Path) -> 
 
 def _fetched(checkpoint: Path, stages: tuple[str, ...]) -> set[str]:
     """The files of `checkpoint` that snapshot_download fetches for `stages` (the library's own filter)."""
-    import json
-
     files = [path.relative_to(checkpoint).as_posix() for path in checkpoint.rglob("*") if path.is_file()]
     patterns = stage_patterns(json.loads((checkpoint / "model_index.json").read_text()), stages)
     return set(filter_repo_objects(items=files, allow_patterns=patterns))
@@ -185,3 +187,41 @@ def test_serve_resolves_model_and_also_serve_for_its_stage_and_exits_with_one_li
     assert "\n" not in str(raised.value)
     with pytest.raises(SystemExit, match="^stagediff serve vae: --also-serve .*no model_index.json"):
         resolve_stage_options("vae", argparse.Namespace(model=None, also_serve=[str(tmp_path)]))
+
+
+def test_a_config_preset_takes_its_configs_from_a_hub_id_fetching_no_weights(
+    cached_model: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    source = resolve_configs(f"{REPO}@v1")
+    assert source == cached_model
+    out = init_model("wan-t2v", "wan2.1-1.3b-config", tmp_path / "out", config_from=source)
+    for component in ("transformer", "vae"):
+        written = json.loads((out / component / "config.json").read_text())
+        tiny = json.loads((tiny_model / component / "config.json").read_text())
+        assert {key: written[key] for key in tiny if not key.startswith("_")} == {
+            key: value for key, value in tiny.items() if not key.startswith("_")
+        }, component
+    assert (
+        json.loads((out / "text_encoder" / "config.json").read_text())["d_model"]
+        == json.loads((tiny_model / "text_encoder" / "config.json").read_text())["d_model"]
+    )
+    with pytest.raises(ValueError, match="only a config preset takes the configs of another checkpoint; wan-t2v's: "):
+        init_model("wan-t2v", "tiny", tmp_path / "other", config_from=source)
+
+
+def test_config_from_fetches_only_configs() -> None:
+    files = [
+        "model_index.json",
+        "scheduler/scheduler_config.json",
+        "transformer/config.json",
+        "transformer/diffusion_pytorch_model.safetensors",
+        "text_encoder/config.json",
+        "text_encoder/model-00001-of-00005.safetensors",
+        "tokenizer/tokenizer.json",
+    ]
+    assert list(filter_repo_objects(items=files, allow_patterns=CONFIG_PATTERNS)) == [
+        "model_index.json",
+        "scheduler/scheduler_config.json",
+        "transformer/config.json",
+        "text_encoder/config.json",
+    ]
