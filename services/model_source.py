@@ -22,7 +22,6 @@ a Hub id is resolved.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from collections.abc import Iterable
@@ -181,14 +180,12 @@ def fetch(hub_id: HubId, patterns: list[str], flag: str = "--model") -> Path:
     return Path(folder)
 
 
-def resolve_stage_options(stage: str, args: argparse.Namespace) -> argparse.Namespace:
-    """The parsed options of `stagediff serve <stage>` with --model and each --also-serve made the local
-    directories they name (fetched for `stage` where they are Hub ids); a problem exits with one line."""
+def stage_model(stage: str, text: str | None, flag: str = "--model") -> str | None:
+    """`--model` (or an `--also-serve`) of `stagediff serve <stage>` as the local directory it names, fetched for
+    `stage` where it is a Hub id; None stays None (a stage that reads no checkpoint). A problem exits in one line."""
+    if text is None:
+        return None
     try:
-        if args.model is not None:
-            args.model = str(resolve_model(args.model, (stage,)))
-        if getattr(args, "also_serve", None):
-            args.also_serve = [str(resolve_model(text, (stage,), flag="--also-serve")) for text in args.also_serve]
+        return str(resolve_model(text, (stage,), flag=flag))
     except ModelSourceError as error:
         raise SystemExit(f"stagediff serve {stage}: {error}") from None
-    return args

@@ -4,7 +4,6 @@ saying what to run."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from services.model_source import (
     parse_hub_id,
     resolve_configs,
     resolve_model,
-    resolve_stage_options,
+    stage_model,
     stage_patterns,
 )
 from stagediff.local.models import local_models
@@ -175,18 +174,15 @@ def test_stagediff_up_with_a_missing_model_directory_exits_with_one_line(
     ]
 
 
-def test_serve_resolves_model_and_also_serve_for_its_stage_and_exits_with_one_line(
-    cached_model: Path, tmp_path: Path
-) -> None:
-    args = argparse.Namespace(model=f"{REPO}@v1", also_serve=[str(cached_model)])
-    assert resolve_stage_options("vae", args) is args
-    assert args.model == str(cached_model) and args.also_serve == [str(cached_model)]
+def test_serve_resolves_its_model_for_its_stage_and_exits_with_one_line(cached_model: Path, tmp_path: Path) -> None:
+    assert stage_model("vae", f"{REPO}@v1") == str(cached_model)
+    assert stage_model("interp", None) is None
     with pytest.raises(SystemExit) as raised:
-        resolve_stage_options("dit", argparse.Namespace(model="Wan-AI/nope"))
+        stage_model("dit", "Wan-AI/nope")
     assert str(raised.value).startswith("stagediff serve dit: --model Wan-AI/nope: no such directory, and the Hugging")
     assert "\n" not in str(raised.value)
     with pytest.raises(SystemExit, match="^stagediff serve vae: --also-serve .*no model_index.json"):
-        resolve_stage_options("vae", argparse.Namespace(model=None, also_serve=[str(tmp_path)]))
+        stage_model("vae", str(tmp_path), "--also-serve")
 
 
 def test_a_config_preset_takes_its_configs_from_a_hub_id_fetching_no_weights(
