@@ -27,6 +27,7 @@ from services.auth import TLSConfigError, server_credentials_for
 from services.checkpoint import CheckpointSpec
 from services.environment_options import parse_args
 from services.memory_budget import WeightNeed, checkpoint_components, stage_need
+from services.model_source import stage_model
 from services.rank_group import GroupFailure
 from services.stage import RequestError, StageRuntime, abort_for
 from services.stage_config import StageConfig
@@ -392,6 +393,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(build_parser(), argv)
+    args.model = stage_model("dit", args.model)
     config = DitConfig.from_args(args)
     stage = StageConfig.from_args("dit", args, config.checkpoint.spec)
     if config.node_rank > 0:  # a follower machine of a multi-node group: node 0 serves the stage

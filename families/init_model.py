@@ -47,6 +47,9 @@ OWN_PRESETS = tuple(sorted({preset for family in FAMILIES.values() for preset in
 # Presets with trained weights that some family ships (`Family.trained_presets`): copied, not written.
 TRAINED_PRESETS = tuple(sorted({preset for family in FAMILIES.values() for preset in family.trained_presets}))
 ALL_PRESETS = PRESETS + OWN_PRESETS + TRAINED_PRESETS
+# A family's own preset of a published checkpoint's configs (random weights) ends so; it may take the configs from
+# another checkpoint (`config_from`), which its writer is then given as `config_from=<directory>`.
+CONFIG_PRESET_SUFFIX = "-config"
 
 
 def init_model(
@@ -55,6 +58,7 @@ def init_model(
     out_dir: str | Path,
     seed: int = 0,
     shard_size: int | None = None,
+    config_from: Path | None = None,
 ) -> Path:
     """Write a random-weight `family` checkpoint of size `preset` to `out_dir` and return its path.
 
@@ -62,6 +66,8 @@ def init_model(
     into shards, as big real checkpoints are; a family's own preset (`Family.own_presets`) has the shard
     layout of the checkpoint it stands for unless `shard_size` is given. A trained preset of the family
     (`Family.trained_presets`) is copied to `out_dir` instead; seed and shard_size do not apply to it.
+    `config_from` (a checkpoint directory, of which the configs are read) gives a config preset
+    (`*-config`, e.g. "wan2.1-1.3b-config") the components' configs in place of the ones it has built in.
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; allowed: {', '.join(FAMILY_NAMES)}")
@@ -76,15 +82,22 @@ def init_model(
     if preset not in PRESETS and preset not in own:
         allowed = ", ".join((*PRESETS, *own, *trained))
         raise ValueError(f"unknown preset {preset!r} for {family}; allowed: {allowed}")
+    if config_from is not None and not preset.endswith(CONFIG_PRESET_SUFFIX):
+        config_presets = [name for name in own if name.endswith(CONFIG_PRESET_SUFFIX)]
+        raise ValueError(
+            f"--config-from: only a config preset takes the configs of another checkpoint; {family}'s: "
+            f"{', '.join(config_presets) or 'none'}"
+        )
     import torch
 
     write_checkpoint = FAMILIES[family].load("writer")
+    configs: dict[str, Path] = {} if config_from is None else {"config_from": Path(config_from)}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_kwargs: dict[str, Any] = {} if shard_size is None else {"max_shard_size": shard_size}
     logger.info("writing %s/%s checkpoint (seed %d) to %s", family, preset, seed, out)
     with torch.random.fork_rng(devices=[]), _default_dtype(torch.float32):
-        write_checkpoint(FAMILIES[family], out, preset, seed, save_kwargs)
+        write_checkpoint(FAMILIES[family], out, preset, seed, save_kwargs, **configs)
     logger.info("checkpoint written to %s", out)
     return out
 

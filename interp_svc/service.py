@@ -13,6 +13,7 @@ from interp_svc.options import build_parser
 from interp_svc.rife import SUPPORTED_SCALES, IFNet, StreamingRifeInterpolator, load_rife
 from services.checkpoint import CheckpointSpec
 from services.environment_options import parse_args
+from services.model_source import stage_model
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
 from services.stage_main import StageServicer, run_stage
 from services.torch_wire import encode_tensor
@@ -116,7 +117,9 @@ class InterpolatorServicer(stages_pb2_grpc.InterpolatorServicer, StageServicer):
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = InterpConfig.from_args(parse_args(build_parser(), argv))
+    args = parse_args(build_parser(), argv)
+    args.model = stage_model("interp", args.model)
+    config = InterpConfig.from_args(args)
     run_stage(config.stage, functools.partial(InterpolatorServicer, config.model_path))
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from families.base import DEFAULTS_FILE, Family, RequestDefaults
 from families.registry import REGISTRY, family_for_index, family_named
 from services.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
+from services.model_source import model_id_of
 from stagediff.v1 import stages_pb2
 
 
@@ -127,7 +128,7 @@ def read_checkpoint(path: str | Path, model_id: str | None = None) -> Checkpoint
     }
     return CheckpointSpec(
         path=root,
-        model_id=model_id or root.name,
+        model_id=model_id or model_id_of(root),
         family=family.name,
         num_train_timesteps=configs["scheduler"].get("num_train_timesteps", 1000),
         defaults=defaults,

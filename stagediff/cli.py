@@ -20,13 +20,16 @@ import os
 import sys
 from collections.abc import Callable
 
-from stagediff import client_cli
+from stagediff import client_cli, cluster_registry
 from stagediff.protocol import INTERRUPTED
 
 
 def _serve(argv: list[str]) -> int:
     # The orchestrator and every stage kind of services/stage_table.py (a server command: loaded when run).
     from services.stage_table import SERVE_TARGETS
+    from services.supervised import watch_supervisor
+
+    watch_supervisor()  # started by `stagediff up`: end with it
 
     if not argv or argv[0] not in SERVE_TARGETS:
         print(f"usage: stagediff serve {{{','.join(SERVE_TARGETS)}}} [options]", file=sys.stderr)
@@ -52,6 +55,7 @@ def _init_model(argv: list[str]) -> int:
     from families.gguf import WRITABLE_TYPES, convert_checkpoint, original_names
     from families.init_model import ALL_PRESETS, PRESETS, init_model
     from families.registry import FAMILIES, FAMILY_NAMES
+    from services.model_source import resolve_configs
 
     trained = "; ".join(
         f"{preset}: trained weights for {family.name}"
@@ -78,6 +82,13 @@ def _init_model(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, help="directory to write the checkpoint to")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--config-from",
+        metavar="DIR|ORG/NAME[@REVISION]",
+        default=None,
+        help="for a *-config preset: the components' configs of this checkpoint directory or Hugging Face Hub id "
+        "(only its configs are fetched), in place of the preset's own",
+    )
+    parser.add_argument(
         "--gguf",
         choices=WRITABLE_TYPES,
         default=None,
@@ -89,7 +100,8 @@ def _init_model(argv: list[str]) -> int:
     try:
         if args.gguf:
             original_names(FAMILIES[args.family])  # refuses a family with no GGUF layout before writing anything
-        out = init_model(args.family, args.preset, args.out, seed=args.seed)
+        config_from = None if args.config_from is None else resolve_configs(args.config_from)
+        out = init_model(args.family, args.preset, args.out, seed=args.seed, config_from=config_from)
         if args.gguf:
             convert_checkpoint(out, FAMILIES[args.family], args.gguf)
         print(out)
@@ -133,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         # Listed for --help only: main() hands these commands their arguments before this parser sees them.
         commands.add_parser(name, help=help_text, add_help=False)
     client_cli.add_parsers(commands)
+    cluster_registry.add_parsers(commands)  # ps, down: the clusters `up` runs on this machine
     return parser
 
 

@@ -191,9 +191,10 @@ def _add_cluster_arguments(up: argparse.ArgumentParser) -> None:
         "--model",
         required=True,
         action="append",
-        metavar="DIR",
+        metavar="DIR|ORG/NAME[@REVISION]",
         help="a diffusers checkpoint directory (model_index.json and its component folders; `stagediff "
-        "init-model` writes one); repeat it to serve several models behind one orchestrator: a DiT each, and one "
+        "init-model` writes one) or a Hugging Face Hub id (fetched through huggingface_hub's cache, only the "
+        "files the stages load; HF_HUB_OFFLINE=1 uses the cache alone); repeat it to serve several models behind one orchestrator: a DiT each, and one "
         "text encoder and VAE for the models whose components are the same files",
     )
     up.add_argument(

@@ -8,10 +8,12 @@ import os
 import shutil
 import tempfile
 
-# No test reads or writes the user's own state dir (~/.local/state/stagediff, services/orchestrator/options.py):
-# set before anything imports the default, and inherited by every process a test starts.
+# No test reads or writes the user's own state dir (~/.local/state/stagediff, services/orchestrator/options.py)
+# or the registry of the clusters `up` runs ($XDG_RUNTIME_DIR/stagediff, stagediff/cluster_registry.py): set
+# before anything imports the defaults, and inherited by every process a test starts.
 TEST_STATE_HOME = tempfile.mkdtemp(prefix="stagediff-test-state-")
 os.environ["XDG_STATE_HOME"] = TEST_STATE_HOME
+os.environ["XDG_RUNTIME_DIR"] = TEST_STATE_HOME
 
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -35,6 +35,7 @@ from services.image_work import ImageWorkers
 from services.images import Stop
 from services.input_images import decode_stage_images
 from services.memory_budget import WeightNeed, checkpoint_components, stage_need
+from services.model_source import stage_model
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
 from services.stage_config import StageConfig
 from services.stage_main import StageServicer, run_stage
@@ -199,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
         cache = EmbeddingCacheConfig.from_options(args)
     except ValueError as error:
         parser.error(str(error))
+    args.model = stage_model("text-encoder", args.model)
+    args.also_serve = [stage_model("text-encoder", path, "--also-serve") for path in args.also_serve]
     config = TextEncoderConfig(stage=StageConfig.from_args("text-encoder", args), cache=cache)
     run_stage(config.stage, functools.partial(TextEncoderServicer, config.cache))
 

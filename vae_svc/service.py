@@ -28,6 +28,7 @@ from services.image_work import ImageWorkers
 from services.images import Stop
 from services.input_images import decode_stage_images
 from services.memory_budget import WeightNeed, checkpoint_components, stage_need
+from services.model_source import stage_model
 from services.rank_group import GroupFailure
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
 from services.stage_main import StageServicer, run_stage
@@ -255,7 +256,10 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = VaeConfig.from_args(parse_args(build_parser(), argv))
+    args = parse_args(build_parser(), argv)
+    args.model = stage_model("vae", args.model)
+    args.also_serve = [stage_model("vae", path, "--also-serve") for path in args.also_serve]
+    config = VaeConfig.from_args(args)
     run_stage(config.stage, functools.partial(VaeDecoderServicer, config))
 
 

@@ -10,7 +10,8 @@ that requires the `transformer_2` component gets the second expert, and one that
 by components.py.
 
 wan-t2v also declares the preset "wan2.1-1.3b-config" (`Family.own_presets`): the published
-Wan2.1-T2V-1.3B-Diffusers configs and shard layout with random bf16 weights, written by real_size.py.
+Wan2.1-T2V-1.3B-Diffusers configs and shard layout with random bf16 weights, written by real_size.py; given
+`config_from` (`stagediff init-model --config-from DIR|ORG/NAME`), another checkpoint's configs.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from families.wan.presets import (
 from families.wan.real_size import REAL_SIZE_PRESET, write_real_size_checkpoint
 
 
-def write_checkpoint(family: Family, out: Path, preset: str, seed: int, save_kwargs: dict[str, Any]) -> None:
+def write_checkpoint(
+    family: Family, out: Path, preset: str, seed: int, save_kwargs: dict[str, Any], config_from: Path | None = None
+) -> None:
     """Tokenizer, UMT5 text encoder, transformer(s), VAE, scheduler, model_index.json and defaults file.
 
     model_index.json is as in the published Wan2.1 (or, with two experts, Wan2.2-T2V-A14B) diffusers
@@ -41,7 +44,7 @@ def write_checkpoint(family: Family, out: Path, preset: str, seed: int, save_kwa
     so they sit next to the components in model_index.json.
     """
     if preset == REAL_SIZE_PRESET:
-        write_real_size_checkpoint(family, out, seed, save_kwargs)
+        write_real_size_checkpoint(family, out, seed, save_kwargs, config_from)
         return
     tokenizer = build_tokenizer(**TOKENIZER_CONFIGS[preset])
     save_tokenizer(tokenizer, out)

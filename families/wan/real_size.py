@@ -92,13 +92,16 @@ REAL_SIZE_DTYPE = torch.bfloat16
 REAL_SIZE_WEIGHT_STD = 0.02
 
 
-def write_real_size_checkpoint(family: Family, out: Path, seed: int, save_kwargs: dict[str, Any]) -> None:
+def write_real_size_checkpoint(
+    family: Family, out: Path, seed: int, save_kwargs: dict[str, Any], config_from: Path | None = None
+) -> None:
     """The "wan2.1-1.3b-config" checkpoint: published configs and shard layout, random bf16 weights.
 
     One component at a time is built on the meta device, materialised in bf16, filled and saved, then
     dropped; the largest (the 11.4 GB text encoder) is the peak. The tokenizer is the "small" preset's
     locally trained one. No defaults file is written: like a downloaded checkpoint, it gets the family's
-    reference request defaults.
+    reference request defaults. `config_from` (a checkpoint directory) gives the text encoder's, transformer's,
+    VAE's and scheduler's configs in place of the published 1.3B ones.
     """
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
@@ -106,22 +109,34 @@ def write_real_size_checkpoint(family: Family, out: Path, seed: int, save_kwargs
     save_kwargs = {"max_shard_size": REAL_SIZE_SHARD_BYTES, **save_kwargs}
     save_tokenizer(build_tokenizer(**TOKENIZER_CONFIGS["small"]), out)
 
+    text_encoder_config, transformer_config, vae_config = (
+        REAL_TEXT_ENCODER_CONFIG,
+        REAL_TRANSFORMER_CONFIG,
+        REAL_VAE_CONFIG,
+    )
+    if config_from is not None:
+        text_encoder_config = UMT5Config.from_pretrained(config_from / "text_encoder").to_dict()
+        transformer_config = dict(WanTransformer3DModel.load_config(config_from / "transformer"))
+        vae_config = dict(AutoencoderKLWan.load_config(config_from / "vae"))
     with torch.device("meta"):
-        text_encoder = UMT5EncoderModel(UMT5Config(**REAL_TEXT_ENCODER_CONFIG))
+        text_encoder = UMT5EncoderModel(UMT5Config(**text_encoder_config))
     save_component(random_bf16(text_encoder, seed).eval(), out, "text_encoder", save_kwargs)
     del text_encoder
 
     with torch.device("meta"):
-        transformer = WanTransformer3DModel(**REAL_TRANSFORMER_CONFIG)
+        transformer = WanTransformer3DModel.from_config(transformer_config)
     save_component(random_bf16(transformer, seed).eval(), out, "transformer", save_kwargs)
     del transformer
 
     with torch.device("meta"):
-        vae = AutoencoderKLWan(**REAL_VAE_CONFIG)
+        vae = AutoencoderKLWan.from_config(vae_config)
     save_component(random_bf16(vae, seed).eval(), out, "vae", save_kwargs)
     del vae
 
-    build_scheduler().save_pretrained(out / "scheduler")
+    scheduler = build_scheduler()
+    if config_from is not None:
+        scheduler = type(scheduler).from_pretrained(config_from / "scheduler")
+    scheduler.save_pretrained(out / "scheduler")
     write_model_index(out, family, dict(COMPONENT_CLASSES))
 
 

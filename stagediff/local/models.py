@@ -27,6 +27,7 @@ from pathlib import Path
 from families.base import Family
 from families.registry import REGISTRY, family_for_index
 from services.component_identity import IdentityError, Served, identify_stage
+from services.model_source import model_id_of
 from services.stage_table import STAGES
 from stagediff.local.compose import ComposeService, replica_groups
 
@@ -71,8 +72,9 @@ def checkpoint_family(model_dir: Path) -> Family:
 
 
 def local_models(dirs: list[Path]) -> list[LocalModel]:
-    """The models of `--model` directories: each one's id is the directory's name, so no two may share one."""
-    models = [LocalModel(path.name, path, checkpoint_family(path)) for path in dirs]
+    """The models of `--model` directories: each one's id is the directory's name (a Hub snapshot's: its
+    repository's name), so no two may share one."""
+    models = [LocalModel(model_id_of(path), path, checkpoint_family(path)) for path in dirs]
     ids = [model.model_id for model in models]
     repeated = sorted({model_id for model_id in ids if ids.count(model_id) > 1})
     if repeated:

@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import IO
 
 from services.launch_id import LAUNCH_ID_ENV
+from services.model_source import resolve_model
+from services.stage_table import STAGES
+from services.supervised import SUPERVISOR_FD_ENV, SUPERVISOR_PID_ENV
 from stagediff.local.compose import (
     DEFAULT_COMPOSE_FILE,
     ComposeService,
@@ -148,7 +151,8 @@ class LocalCluster:
         http_port: int = 0,
         orchestrators: int = 1,
     ) -> None:
-        """Runs the services of `compose_file` that the chain of the model's family uses (families/): a Wan
+        """Runs the services of `compose_file` that the chain of the model's family uses (families/), for a model
+        directory or a Hugging Face Hub id (services/model_source.py): a Wan
         model runs the interpolator when the file has one, an image model never does. Several model directories
         run behind one orchestrator, a DiT each and the other stages shared where the files are the same
         (stagediff/local/models.py).
@@ -162,7 +166,8 @@ class LocalCluster:
         (`--store postgresql://...`); the gateway is given all of them.
         Every process gets the same cluster secret: $STAGEDIFF_CLUSTER_SECRET, else a new random one."""
         dirs = [model_dir] if isinstance(model_dir, str | os.PathLike) else list(model_dir)
-        self.models = local_models([Path(path).resolve() for path in dirs])
+        # A Hub id (ORG/NAME[@REVISION]) is fetched for every stage (services/model_source.py).
+        self.models = local_models([resolve_model(os.fspath(path), STAGES) for path in dirs])
         self.model_dir = self.models[0].path
         self.compose_file = Path(compose_file).resolve()
         self.port = port
@@ -200,6 +205,9 @@ class LocalCluster:
         self._services: dict[str, ServiceProcess] = {}
         self._plans: dict[str, LaunchSpec] = {}
         self._lock = threading.Lock()
+        # While started: a pipe whose read end every service watches, to end once this process does
+        # (services/supervised.py). Neither end is inherited by anything else.
+        self._watch_pipe: tuple[int, int] | None = None
 
     # -- planning -------------------------------------------------------
 
@@ -301,6 +309,7 @@ class LocalCluster:
             self.log_dir = Path(tempfile.mkdtemp(prefix="stagediff-cluster-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         atexit.register(self.stop)
+        self._watch_pipe = os.pipe()
         try:
             plans = self._plans = self.plan()
             self._check_free(plans)
@@ -360,6 +369,10 @@ class LocalCluster:
         # Children import stagediff from the same tree as this process, whatever their cwd.
         environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), environment.get("PYTHONPATH")]))
         launch_id = environment[LAUNCH_ID_ENV] = secrets.token_hex(16)
+        assert self._watch_pipe is not None
+        environment[SUPERVISOR_FD_ENV] = str(self._watch_pipe[0])
+        if threading.current_thread() is threading.main_thread():  # the death signal follows the forking thread
+            environment[SUPERVISOR_PID_ENV] = str(os.getpid())
         log_file = log_path.open(log_mode)
         process = subprocess.Popen(
             [sys.executable, "-m", "stagediff.cli", *plan.args],
@@ -368,6 +381,7 @@ class LocalCluster:
             stderr=subprocess.STDOUT,
             env=environment,
             start_new_session=True,
+            pass_fds=(self._watch_pipe[0],),
         )
         service = ServiceProcess(
             plan.name, plan.args, plan.port, plan.endpoint, log_path, process, launch_id=launch_id, _log_file=log_file
@@ -437,6 +451,10 @@ class LocalCluster:
             remaining = [service for service in remaining if service not in wave]
         for service in self._services.values():
             _close_log(service)
+        if self._watch_pipe is not None:
+            for fd in self._watch_pipe:
+                os.close(fd)
+            self._watch_pipe = None
         atexit.unregister(self.stop)
 
     def __enter__(self) -> LocalCluster:

@@ -6,7 +6,9 @@ the file has a `serve http` service) and `ready HOST:PORT[,HOST:PORT...]` (the o
 gateway: once its GET /readyz answers 200), and `exited NAME code=N` for a service that ends. A service is ready
 only once its answer carries the launch id given to that process, so another server on its port never passes for
 it; before anything starts, a taken --port, --http-port or stage port, or a --state-dir that another running
-cluster uses, ends `up` with one line each (exit code 2). `--model DIR` takes the place of the model the compose
+cluster uses, ends `up` with one line each (exit code 2). `up` records itself for `stagediff ps` and `stagediff down`
+(stagediff/cluster_registry.py) once ready, and its services end when it does, however it ends
+(services/supervised.py). `--model DIR` (or a Hub id ORG/NAME[@REVISION]) takes the place of the model the compose
 file mounts into its containers, and decides the stages: those of its family's chain (families/). Several
 `--model` run behind one orchestrator (stagediff/local/models.py): a DiT each, and one text encoder and one VAE
 for the models whose components for them are the same files. `--orchestrators N` replicas share the job database
@@ -32,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from stagediff.cluster_registry import ClusterRecord, register, unregister
 from stagediff.local.compose import DEFAULT_COMPOSE_FILE
 from stagediff.local.servers import ServerMissing, seaweedfs
 from stagediff.local.servers import postgres as local_postgres
@@ -154,6 +157,7 @@ def _serve_cluster(cluster: LocalCluster, startup_timeout: float) -> int:
         if cluster.http_url is not None:
             print(f"http {cluster.http_url}", flush=True)
         print(f"ready {cluster.endpoints}", flush=True)
+        _register(cluster)  # for `stagediff ps` and `stagediff down`, until this process exits
         exited: set[str] = set()
         while True:
             for name, service in cluster.services.items():
@@ -168,9 +172,25 @@ def _serve_cluster(cluster: LocalCluster, startup_timeout: float) -> int:
         # A second signal must not interrupt the stop itself; stop is bounded by its grace period.
         for sig in previous:
             signal.signal(sig, signal.SIG_IGN)
+        unregister()
         cluster.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _register(cluster: LocalCluster) -> None:
+    """Records the running cluster in this user's registry (stagediff/cluster_registry.py)."""
+    record = ClusterRecord.of_this_process(
+        endpoint=cluster.endpoints,
+        state_dir=str(Path(cluster.state_dir).resolve()),
+        log_dir=str(cluster.log_dir),
+        models=[model.model_id for model in cluster.models],
+        http_url=cluster.http_url,
+    )
+    try:
+        register(record)
+    except OSError as error:
+        print(f"stagediff up: not listed by `stagediff ps`: {error}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str]) -> int:

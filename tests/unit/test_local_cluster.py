@@ -204,7 +204,10 @@ def test_a_chain_the_compose_file_cannot_run_and_a_directory_that_is_no_checkpoi
     )
     with pytest.raises(ValueError, match=r"wan-t2v runs through .* no service of the compose file runs `serve vae`"):
         LocalCluster(_checkpoint(tmp_path / "wan"), compose_file=compose)
-    with pytest.raises(ValueError, match=r"--model .*empty.*model_index.json"):
+    with pytest.raises(ValueError, match=r"--model .*missing: no such directory; .*stagediff init-model"):
+        LocalCluster(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"--model .*empty: the directory has no model_index.json"):
         LocalCluster(tmp_path / "empty")
     with pytest.raises(ValueError, match=r"names the pipeline 'FluxPipeline', which this build does not serve"):
         LocalCluster(_checkpoint(tmp_path / "flux", "FluxPipeline"))
