@@ -194,7 +194,8 @@ def _add_cluster_arguments(up: argparse.ArgumentParser) -> None:
         metavar="DIR|ORG/NAME[@REVISION]",
         help="a diffusers checkpoint directory (model_index.json and its component folders; `stagediff "
         "init-model` writes one) or a Hugging Face Hub id (fetched through huggingface_hub's cache, only the "
-        "files the stages load; HF_HUB_OFFLINE=1 uses the cache alone); repeat it to serve several models behind one orchestrator: a DiT each, and one "
+        "files the stages load; HF_HUB_OFFLINE=1 uses the cache alone); repeat it to serve several models "
+        "behind one orchestrator: a DiT each, and one "
         "text encoder and VAE for the models whose components are the same files",
     )
     up.add_argument(
