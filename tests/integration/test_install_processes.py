@@ -131,3 +131,13 @@ def test_the_servers_wheel_holds_every_server_package_and_the_demo_model(checkou
     demo = {f"shapeworld/{path.relative_to(checkpoint.parent)}" for path in checkpoint.rglob("*") if path.is_file()}
     assert demo and demo <= names
     assert "Requires-Dist: stagediff==0.1.0" in metadata.splitlines()
+
+
+def test_make_demo_installs_the_servers_without_the_development_tools() -> None:
+    """`make demo` on a fresh checkout (every target remade: -B; printed, not run: -n) installs torch, the client
+    and the servers, and none of the test tools of `./server[dev]`; `make venv` adds them."""
+    demo = subprocess.run(["make", "-n", "-B", "demo"], cwd=REPOSITORY, capture_output=True, text=True, check=True)
+    installs = [line for line in demo.stdout.splitlines() if " install " in line]
+    assert installs == [".venv/bin/pip install torch==2.13.0", ".venv/bin/pip install -e . -e ./server"], installs
+    venv_target = subprocess.run(["make", "-n", "-B", "venv"], cwd=REPOSITORY, capture_output=True, text=True)
+    assert ".venv/bin/pip install -e . -e './server[dev]'" in venv_target.stdout.splitlines()
