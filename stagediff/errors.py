@@ -215,6 +215,8 @@ def connection_failure(error: grpc.RpcError, endpoint: str) -> ConnectionFailed 
     if error.code() != grpc.StatusCode.UNAVAILABLE:
         return None
     details = error.details() or ""
+    if _STAGE_IN_MESSAGE.search(details):
+        return None  # the orchestrator answered: one of its stages is unreachable, which its message names
     if any(sign in details for sign in _HTTP1_SERVER):
         message = (
             f"{endpoint} answers HTTP/1, not gRPC: that is the HTTP gateway (default port {DEFAULT_HTTP_PORT}) or "

@@ -89,7 +89,14 @@ def test_ctrl_c_cancels_the_job_once_in_one_line_and_a_second_one_does_not_aband
 ) -> None:
     endpoint = f"127.0.0.1:{orchestrator.port}"
     command = [*CLI, "generate", "--endpoint", endpoint, "--prompt", "a fox", "--out", str(tmp_path / "fox.mp4")]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as on a terminal: a test run that a shell started in the background passes it on ignored.
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         lines = Lines(process.stderr)
         job_id = lines.starting("queued job ").split()[2]

@@ -9,6 +9,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -145,6 +146,29 @@ def test_a_url_endpoint_is_refused_before_any_call(url: str) -> None:
     assert ("try gpu-host:443 with TLS" in message) if url.startswith("https") else ("try localhost:50051." in message)
 
 
+class StageDown(generation_pb2_grpc.GenerationServicer):
+    """An orchestrator whose DiT is down: its own UNAVAILABLE quotes gRPC's words for the stage it cannot reach."""
+
+    async def ListJobs(self, request, context):
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            "stage 'dit' at 127.0.0.1:1: failed to connect to all addresses; last error: UNKNOWN: "
+            "ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused",
+        )
+
+
+def test_a_stage_the_cluster_cannot_reach_is_not_a_connection_failure_of_the_client() -> None:
+    server = FakeServer(StageDown())
+    try:
+        client = Client(f"127.0.0.1:{server.port}", retry=RetryPolicy(max_attempts=1))
+        with client, pytest.raises(Unavailable) as raised:
+            client.list_jobs()
+    finally:
+        server.stop()
+    assert not isinstance(raised.value, ConnectionFailed)
+    assert raised.value.message.startswith("stage 'dit' at 127.0.0.1:1:")
+
+
 class Deleted(generation_pb2_grpc.GenerationServicer):
     """Knows no job, as the orchestrator answers for one already deleted."""
 
@@ -211,7 +235,16 @@ class HeldCancel(SlowGeneration):
         return await super().CancelJob(request, context)
 
 
-def test_a_second_interrupt_does_not_abandon_the_cancel_of_the_first() -> None:
+@pytest.fixture
+def ctrl_c_raises() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt, as on a terminal: a test run that a shell started in the background
+    inherits SIGINT ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_second_interrupt_does_not_abandon_the_cancel_of_the_first(ctrl_c_raises) -> None:
     """Ctrl-C during generate cancels its job; Ctrl-C again while that cancel is under way leaves it to finish."""
     server = FakeServer(HeldCancel())
     queued = threading.Event()
