@@ -34,31 +34,9 @@ from stagediff.v1 import generation_pb2, stages_pb2
 
 # `stagediff jobs --state` names and the JobState each stands for.
 JOB_STATES = {name: generation_pb2.JobState.Value(f"JOB_STATE_{name.upper()}") for name in JOB_STATE_NAMES}
-# The RequestOptions keywords the request flags set, each the parsed name of its flag (request_id is the
-# SDK's own, the images are read from their files, and generate derives output_format from --out).
-REQUEST_FLAG_NAMES = (
-    "model",
-    "negative_prompt",
-    "height",
-    "width",
-    "num_frames",
-    "num_inference_steps",
-    "guidance_scale",
-    "seed",
-    "fps",
-    "cache",
-    "cache_threshold",
-    "loras",
-    "interp_exp",
-    "interp_scale",
-    "interp_model_path",
-    "image",
-    "last_image",
-    "reference_images",
-    "output_format",
-    "output_quality",
-    "keep_raw_frames",
-)
+# The RequestOptions keywords the request flags set, each the parsed name of its flag: all but request_id, the
+# SDK's own (the images are read from their files, and generate derives output_format from --out).
+REQUEST_FLAG_NAMES = tuple(name for name in RequestOptions.__annotations__ if name != "request_id")
 
 # The states a job ends in; a finished job is neither cancelled again nor followed event by event.
 FINISHED_STATES = frozenset(

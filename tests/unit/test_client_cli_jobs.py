@@ -15,7 +15,6 @@ import pytest
 
 from stagediff.cli import build_parser, main
 from stagediff.client import BytesReceived, Progress, Queued
-from stagediff.client_commands import REQUEST_FLAG_NAMES
 from stagediff.progress import PlainProgress, RichProgress, progress_display
 from stagediff.protocol import API_KEY_ENV, API_KEY_FILE_ENV
 from stagediff.request import RequestOptions
@@ -222,7 +221,6 @@ def test_generate_and_submit_take_the_sdk_names_and_the_old_ones(server, capsys,
 def test_every_request_keyword_but_the_request_id_has_a_flag_of_its_name() -> None:
     options = {action.dest for action in _command_parser("generate")._actions}
     assert set(RequestOptions.__annotations__) - {"request_id"} <= options
-    assert set(REQUEST_FLAG_NAMES) == set(RequestOptions.__annotations__) - {"request_id"}
 
 
 def _command_parser(name: str) -> argparse.ArgumentParser:
