@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import AsyncIterator, Callable
+from typing import cast
 
 import grpc
 import torch
@@ -36,7 +37,7 @@ from services.torch_wire import encode_tensor, to_torch
 from services.validation import resolve_cache, resolve_loras, validate_sampling, validate_seed, validate_size
 from stagediff.tensor_codec import TensorAssembler, WireError, WireTensor, expect_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
-from stagekit.denoise import CacheSpec, Denoiser, DenoiseSpec, takes_images
+from stagekit.denoise import CacheSpec, Denoiser, DenoiseSpec, PooledTextDenoiser, takes_images
 from stagekit.gguf import gguf_file
 from stagekit.parallel.hsdp import local_parameter_bytes
 
@@ -202,7 +203,10 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         self.runtime.check_model(params.model)
         limits = self.runtime.info().limits
         validate_size(limits, params.height, params.width, params.num_frames)
-        validate_sampling(limits, params.num_inference_steps, params.guidance_scale)
+        embedded = params.embedded_guidance_scale if params.HasField("embedded_guidance_scale") else None
+        if embedded is None and limits.HasField("default_embedded_guidance_scale"):
+            embedded = limits.default_embedded_guidance_scale
+        validate_sampling(limits, params.num_inference_steps, params.guidance_scale, embedded)
         validate_seed(params.seed)
         cache = resolve_cache(limits, params.cache if params.HasField("cache") else None)
         loras = resolve_loras(limits, list(params.loras))
@@ -212,6 +216,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
             num_frames=params.num_frames,
             num_inference_steps=params.num_inference_steps,
             guidance_scale=params.guidance_scale,
+            embedded_guidance_scale=embedded,
             seed=params.seed,
             cache=CacheSpec(cache.method, cache.threshold),
             loras=tuple((lora.name, lora.scale) for lora in loras),
@@ -293,6 +298,14 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
                 raise WireError(
                     f"tensor '{tensor.name}': shape {list(tensor.shape)} is not allowed; "
                     f"expected [1, L, {text_dim}] with 1 <= L <= {max_length}"
+                )
+            return
+        if slot.kind == "pooled":
+            # Only a family that declares pooled slots has them, and its denoiser says their width.
+            pooled_dim = cast(PooledTextDenoiser, self._rank0_denoiser).pooled_dim
+            if list(tensor.shape) != [1, pooled_dim]:
+                raise WireError(
+                    f"tensor '{tensor.name}': shape {list(tensor.shape)} is not allowed; expected [1, {pooled_dim}]"
                 )
             return
         batch, length = tensor.shape

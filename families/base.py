@@ -171,7 +171,8 @@ IMAGE_ROLES = ("first_frame", "last_frame", "reference")
 class TensorSlot:
     """A conditioning tensor the DiT takes, by the name it travels under from the stage that makes it.
 
-    `kind`: "embeds" [1, L, dim]; "mask" [1, L] of embeddings named by `of` (its length must match them);
+    `kind`: "embeds" [1, L, dim]; "pooled" [1, dim], one vector per text (FLUX's CLIP pooled output, of the
+    denoiser's `pooled_dim`); "mask" [1, L] of embeddings named by `of` (its length must match them);
     "latents" [1, C, T, h, w]; "packed" [1, N, channels], latents packed into a token sequence (Qwen-Image's
     2x2 patches), several images' tokens one after another. `needed`: "always"; "cfg" (only when
     guidance_scale > 1); "image" (when the request sends input images); "optional". `source`: the stage
@@ -180,7 +181,7 @@ class TensorSlot:
     """
 
     name: str
-    kind: Literal["embeds", "mask", "latents", "packed"]
+    kind: Literal["embeds", "pooled", "mask", "latents", "packed"]
     needed: Literal["always", "cfg", "image", "optional"]
     of: str | None = None
     source: Literal["text-encoder", "vae"] = "text-encoder"
@@ -193,7 +194,7 @@ class TensorSlot:
 
     @property
     def ndim(self) -> int:
-        return {"embeds": 3, "mask": 2, "latents": 5, "packed": 3}[self.kind]
+        return {"embeds": 3, "pooled": 2, "mask": 2, "latents": 5, "packed": 3}[self.kind]
 
     def is_needed(self, guidance: bool, images: bool) -> bool:
         return self.needed == "always" or (self.needed == "cfg" and guidance) or (self.needed == "image" and images)
@@ -252,6 +253,9 @@ class RequestDefaults:
     num_inference_steps: int = 50
     guidance_scale: float = 5.0
     fps: float = 16.0
+    # The guidance a guidance-distilled transformer takes as an input (FLUX.1-dev's guidance embedding);
+    # None for a model without one.
+    embedded_guidance_scale: float | None = None
 
 
 # The parts of a Family named by import path, the argument of `Family.load`.

@@ -21,6 +21,7 @@ _FAMILY_MODULES = (
     "families.qwen_image.family",
     "families.wan_i2v.family",
     "families.qwen_image_edit.family",
+    "families.flux.family",
 )
 
 FAMILIES: dict[str, Family] = {

@@ -50,6 +50,9 @@ class CheckpointSpec:
     required_image_roles: tuple[str, ...] = ()
     max_image_bytes: int = MAX_IMAGE_BYTES
     max_image_pixels: int = MAX_IMAGE_PIXELS
+    # Whether the transformer takes the guidance scale as an input (FLUX.1-dev), the request's
+    # embedded_guidance_scale; a request naming it for any other model is refused.
+    embedded_guidance: bool = False
 
     @property
     def traits(self) -> Family:
@@ -66,6 +69,9 @@ class CheckpointSpec:
 
     def limits(self) -> stages_pb2.ModelLimits:
         d = self.defaults
+        embedded = d.embedded_guidance_scale if self.embedded_guidance else None
+        if self.embedded_guidance and embedded is None:
+            raise CheckpointError(f"{self.path}: a guidance-distilled model needs a default embedded_guidance_scale")
         return stages_pb2.ModelLimits(
             height_multiple=self.height_multiple,
             width_multiple=self.width_multiple,
@@ -88,6 +94,7 @@ class CheckpointSpec:
             max_images=len(self.image_roles),
             max_image_bytes=self.max_image_bytes if self.image_roles else 0,
             max_image_pixels=self.max_image_pixels if self.image_roles else 0,
+            default_embedded_guidance_scale=embedded,
         )
 
 
@@ -116,16 +123,17 @@ def read_checkpoint(path: str | Path, model_id: str | None = None) -> Checkpoint
         "transformer": _read_json(root / "transformer" / "config.json"),
         "scheduler": _read_json(root / "scheduler" / "scheduler_config.json"),
     }
-    defaults = family.defaults
-    defaults_path = root / DEFAULTS_FILE
-    if defaults_path.exists():
-        defaults = RequestDefaults(**_read_json(defaults_path).get("default_request", {}))
-    # The family reads its geometry (VAE and patch factors, latent channels, its limits) from the configs.
+    # The family reads its geometry (VAE and patch factors, latent channels, its limits) from the configs, and
+    # may choose defaults by variant (FLUX.1-dev's and schnell's).
     geometry = {
         "image_roles": family.images.roles,
         "required_image_roles": family.images.required,
         **family.load("checkpoint_reader")(configs),
     }
+    defaults = geometry.pop("defaults", family.defaults)
+    defaults_path = root / DEFAULTS_FILE
+    if defaults_path.exists():
+        defaults = RequestDefaults(**_read_json(defaults_path).get("default_request", {}))
     return CheckpointSpec(
         path=root,
         model_id=model_id or model_id_of(root),

@@ -73,7 +73,13 @@ def validate_size(limits: stages_pb2.ModelLimits, height: int, width: int, num_f
         )
 
 
-def validate_sampling(limits: stages_pb2.ModelLimits, num_inference_steps: int, guidance_scale: float) -> None:
+def validate_sampling(
+    limits: stages_pb2.ModelLimits,
+    num_inference_steps: int,
+    guidance_scale: float,
+    embedded_guidance_scale: float | None = None,
+) -> None:
+    """Steps, the CFG scale and, for a guidance-distilled model only, the guidance its transformer embeds."""
     if not 1 <= num_inference_steps <= limits.max_inference_steps:
         raise RequestError(
             f"num_inference_steps: {num_inference_steps} is not allowed; use 1 to {limits.max_inference_steps}"
@@ -81,6 +87,17 @@ def validate_sampling(limits: stages_pb2.ModelLimits, num_inference_steps: int, 
     if not math.isfinite(guidance_scale) or not 0.0 <= guidance_scale <= MAX_GUIDANCE_SCALE:
         raise RequestError(
             f"guidance_scale: {guidance_scale} is not allowed; use 0 to {MAX_GUIDANCE_SCALE:g} (above 1 enables CFG)"
+        )
+    if embedded_guidance_scale is None:
+        return
+    if not limits.HasField("default_embedded_guidance_scale"):
+        raise RequestError(
+            "embedded_guidance_scale: this model has no guidance embedding (only guidance-distilled models such as "
+            "FLUX.1-dev take one); leave it unset, and use guidance_scale for CFG"
+        )
+    if not math.isfinite(embedded_guidance_scale) or not 0.0 <= embedded_guidance_scale <= MAX_GUIDANCE_SCALE:
+        raise RequestError(
+            f"embedded_guidance_scale: {embedded_guidance_scale} is not allowed; use 0 to {MAX_GUIDANCE_SCALE:g}"
         )
 
 

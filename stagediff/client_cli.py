@@ -172,7 +172,14 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
         "--guidance-scale",
         "--guidance",
         type=float,
-        help="CFG scale (true_cfg_scale for qwen-image); above 1 uses the negative prompt (default: the model's)",
+        help="CFG scale (true_cfg_scale for qwen-image and flux); above 1 uses the negative prompt (default: the "
+        "model's)",
+    )
+    parser.add_argument(
+        "--embedded-guidance-scale",
+        type=float,
+        help="the guidance a guidance-distilled model embeds (FLUX.1-dev: FluxPipeline's guidance_scale; refused by "
+        "other models; default: the model's)",
     )
     parser.add_argument("--seed", type=int, help="the noise's seed (default: the server picks one and reports it)")
     parser.add_argument("--fps", type=float, help="the output's frame rate (default: the model's)")

@@ -32,8 +32,11 @@ class RequestOptions(TypedDict, total=False):
     # Frames to make (Wan: 4k+1; 1 for an image model).
     num_frames: int
     num_inference_steps: int
-    # The CFG scale (qwen-image's true_cfg_scale).
+    # The CFG scale with the negative prompt (qwen-image's and flux's true_cfg_scale).
     guidance_scale: float
+    # The guidance a guidance-distilled model embeds (FLUX.1-dev's, FluxPipeline's guidance_scale); refused by
+    # every other model.
+    embedded_guidance_scale: float
     # The initial noise's seed; unset, the server picks one (GenerationResult.seed reports it).
     seed: int
     # The output's frame rate.
@@ -111,6 +114,7 @@ def build_request(prompt: str, **options: Unpack[RequestOptions]) -> generation_
         "num_frames",
         "num_inference_steps",
         "guidance_scale",
+        "embedded_guidance_scale",
         "seed",
         "fps",
         "output_quality",

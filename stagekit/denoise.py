@@ -43,6 +43,8 @@ class DenoiseSpec:
     num_inference_steps: int
     guidance_scale: float
     seed: int
+    # The guidance a guidance-distilled transformer takes as an input (FLUX.1-dev's embedding); None otherwise.
+    embedded_guidance_scale: float | None = None
     # Roles of the input images whose tensors condition the request (families/base.py IMAGE_ROLES), in the
     # model's role order, and the decoded size (width, height) of each, () when the caller sent none.
     image_roles: tuple[str, ...] = ()
@@ -89,6 +91,16 @@ class Denoiser(Protocol):
 
         `conditioning` holds the tensors the family declares (families/base.py TensorSlot), by name.
         """
+        ...
+
+
+class PooledTextDenoiser(Denoiser, Protocol):
+    """The denoiser of a family that takes one pooled vector per text beside its sequence (a TensorSlot of kind
+    "pooled": FLUX's CLIP output)."""
+
+    @property
+    def pooled_dim(self) -> int:
+        """The width of the pooled vectors the transformer takes."""
         ...
 
 

@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import torch
 from PIL import Image
@@ -39,15 +39,22 @@ CacheKey = tuple[bytes, str, str, int] | tuple[bytes, str, str, int, str]
 IMAGE_KEY_LENGTH = -1
 
 
-def entry_bytes(key: CacheKey, value: torch.Tensor) -> int:
-    """What an entry holds: its tensor's whole storage (a view keeps all of it alive) and its key's bytes."""
+# One text's embedding: a tensor, or, for a family with several text encoders, their tensors by name (FLUX's
+# T5 sequence and CLIP pooled vector).
+Embedding: TypeAlias = torch.Tensor | dict[str, torch.Tensor]
+
+
+def entry_bytes(key: CacheKey, value: Embedding) -> int:
+    """What an entry holds: its tensors' whole storages (a view keeps all of it alive) and its key's bytes."""
     namespace, model, text = key[:3]
     digests = sum(len(part.encode()) for part in key[4:])
-    return value.untyped_storage().nbytes() + len(namespace) + len(model.encode()) + len(text.encode()) + digests
+    tensors = value.values() if isinstance(value, dict) else (value,)
+    stored = sum(tensor.untyped_storage().nbytes() for tensor in tensors)
+    return stored + len(namespace) + len(model.encode()) + len(text.encode()) + digests
 
 
 class EmbeddingCache:
-    """A thread-safe LRU map from a `CacheKey` to an embedding tensor, bounded in bytes and in entries.
+    """A thread-safe LRU map from a `CacheKey` to an embedding, bounded in bytes and in entries.
 
     Putting an entry evicts the least recently used ones until the total of `entry_bytes` fits in
     `max_bytes` and at most `max_entries` remain; an entry larger than `max_bytes` by itself is not kept.
@@ -59,13 +66,13 @@ class EmbeddingCache:
             raise ValueError(f"max_bytes {max_bytes}, max_entries {max_entries}: use 0 or more")
         self.max_bytes = max_bytes
         self.max_entries = max_entries
-        self._entries: OrderedDict[CacheKey, tuple[torch.Tensor, int]] = OrderedDict()
+        self._entries: OrderedDict[CacheKey, tuple[Embedding, int]] = OrderedDict()
         self._lock = threading.Lock()
         self.total_bytes = 0
         self.hits = 0
         self.misses = 0
 
-    def get(self, key: CacheKey) -> torch.Tensor | None:
+    def get(self, key: CacheKey) -> Embedding | None:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -75,7 +82,7 @@ class EmbeddingCache:
             self.hits += 1
             return entry[0]
 
-    def put(self, key: CacheKey, value: torch.Tensor) -> None:
+    def put(self, key: CacheKey, value: Embedding) -> None:
         size = entry_bytes(key, value)
         if self.max_bytes == 0 or self.max_entries == 0 or size > self.max_bytes:
             return
@@ -100,6 +107,9 @@ class Truncation:
 
     given: int
     kept: int
+    # Which of the family's text encoders cuts it, for a family with several (FLUX's CLIP beside T5); "" for
+    # the one that makes the sequence.
+    encoder: str = ""
 
 
 class Tokenizer(Protocol):
@@ -137,11 +147,11 @@ class PromptEncoder(ABC):
         return {"text_encoder": self.text_encoder}
 
     @abstractmethod
-    def embed_uncached(self, text: str, max_sequence_length: int) -> torch.Tensor:
+    def embed_uncached(self, text: str, max_sequence_length: int) -> Embedding:
         """One text's embedding, exactly as the family's pipeline encodes it."""
 
     @abstractmethod
-    def batch(self, embeddings: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def batch(self, embeddings: list[Any]) -> dict[str, torch.Tensor]:
         """The tensors the stage sends for the request's texts, batched over them."""
 
     def truncation(self, text: str, max_sequence_length: int) -> Truncation | None:
@@ -194,7 +204,7 @@ class PromptEncoder(ABC):
         namespace: bytes = b"",
         images: Sequence[Image.Image] = (),
         digests: Sequence[str] = (),
-    ) -> tuple[torch.Tensor, bool]:
+    ) -> tuple[Embedding, bool]:
         """Returns one text's embedding and whether it was cached; only an entry put with the same
         `namespace` is a hit. With `images` (and their SHA-256 `digests`), the text is embedded together with
         them (`texts_see_images`), and cached on the digests too."""

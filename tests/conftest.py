@@ -54,6 +54,28 @@ def qwen_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def flux_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """FLUX.1-dev's kind (a guidance embedding), tiny."""
+    return init_model("flux", "tiny", tmp_path_factory.mktemp("models") / "flux-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def flux_schnell_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """FLUX.1-schnell's kind (no guidance embedding, a fixed shift), tiny; its text encoders and VAE are
+    flux_model's (the same seed and sizes)."""
+    return init_model("flux", "tiny-schnell", tmp_path_factory.mktemp("models") / "flux-schnell-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def flux_pipeline(flux_model: Path):
+    from diffusers import FluxPipeline
+
+    pipeline = FluxPipeline.from_pretrained(flux_model)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+@pytest.fixture(scope="session")
 def a14b_pipeline(a14b_model: Path):
     from diffusers import WanPipeline
 

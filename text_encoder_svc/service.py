@@ -63,7 +63,7 @@ def truncation_notice(role: str, cut: Truncation) -> stages_pb2.Notice:
         given=f"{cut.given} tokens",
         used=f"{cut.kept} tokens",
         message=f"the {role.replace('_', ' ')} was truncated to {cut.kept} tokens ({cut.given} given); "
-        f"the text encoder takes at most {cut.kept}",
+        f"the {cut.encoder or 'text'} encoder takes at most {cut.kept}",
         source="text-encoder",
     )
 

@@ -80,11 +80,17 @@ def registered_class(block: nn.Module) -> type:
 
 
 def transformer_blocks(transformer: nn.Module) -> list[nn.Module]:
-    """The transformer's blocks, in order (the ModuleList diffusers' caches hook)."""
-    for name, child in transformer.named_children():
-        if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, nn.ModuleList):
-            return list(child)
-    raise ValueError(f"{type(transformer).__name__} has no transformer blocks the step caches know")
+    """The transformer's blocks, in order: every ModuleList of blocks diffusers' caches hook, one after another
+    (FLUX's double-stream blocks, then its single-stream ones), as `apply_first_block_cache` collects them."""
+    blocks = [
+        block
+        for name, child in transformer.named_children()
+        if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, nn.ModuleList)
+        for block in child
+    ]
+    if not blocks:
+        raise ValueError(f"{type(transformer).__name__} has no transformer blocks the step caches know")
+    return blocks
 
 
 def register_hook(block: nn.Module, hook: ModelHook, name: str) -> None:

@@ -2,9 +2,10 @@
 
 Field names are OpenAI's where OpenAI has the field (`prompt`, `size`, `seconds`, `n`, `response_format`,
 `output_format`, `output_compression`, `input_reference`) and the diffusion serving convention's elsewhere
-(`negative_prompt`, `width`, `height`, `num_frames`, `fps`, `num_inference_steps`, `guidance_scale`, `seed`,
-`lora`), so that a body written for vLLM-Omni's or SGLang-Diffusion's /v1/videos works here. Unknown fields
-are refused (400 naming the field): a misspelled `num_inference_step` must not silently take the default.
+(`negative_prompt`, `width`, `height`, `num_frames`, `fps`, `num_inference_steps`, `guidance_scale`,
+`embedded_guidance_scale`, `seed`, `lora`), so that a body written for vLLM-Omni's or SGLang-Diffusion's
+/v1/videos works here. Unknown fields are refused (400 naming the field): a misspelled `num_inference_step` must
+not silently take the default.
 
 Every field is bounded here (docs/http_api.md lists the bounds): strings and lists by length, floats to
 finite values, and every number to what the orchestrator allows or, where that depends on the model (a size,
@@ -96,6 +97,8 @@ class Diffusion(BaseModel):
     height: Side | None = None
     num_inference_steps: Side | None = None
     guidance_scale: GuidanceScale | None = None
+    # A guidance-distilled model's (FLUX.1-dev's) embedded guidance; refused by every other model.
+    embedded_guidance_scale: GuidanceScale | None = None
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     lora: LoraValue | None = None
     # The DiT's step cache: "none" or a method the model lists (GET /v1/models), and its threshold.
@@ -206,7 +209,7 @@ def generate_request(body: Diffusion, request_id: str) -> generation_pb2.Generat
         value = explicit if explicit is not None else from_size
         if value is not None:
             setattr(request, name, value)
-    for name in ("num_inference_steps", "guidance_scale", "seed"):
+    for name in ("num_inference_steps", "guidance_scale", "embedded_guidance_scale", "seed"):
         value = getattr(body, name)
         if value is not None:
             setattr(request, name, value)
@@ -362,6 +365,10 @@ def model_object(model: generation_pb2.ModelDescription) -> dict:
             "max_inference_steps": limits.max_inference_steps,
             "default_num_inference_steps": limits.default_inference_steps,
             "default_guidance_scale": limits.default_guidance_scale,
+            # Set for a guidance-distilled model only (FLUX.1-dev): the guidance its transformer embeds.
+            "default_embedded_guidance_scale": (
+                limits.default_embedded_guidance_scale if limits.HasField("default_embedded_guidance_scale") else None
+            ),
             "max_prompt_chars": limits.max_prompt_chars,
             "required_image_roles": list(limits.required_image_roles),
             "max_images": limits.max_images,

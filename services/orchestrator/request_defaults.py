@@ -164,7 +164,10 @@ def complete_request(
             f"images[{index}]: the output size {width}x{height} made from this {image.width}x{image.height} "
             f"image is not allowed ({error}); send height and width"
         ) from None
-    validate_sampling(limits, full.num_inference_steps, full.guidance_scale)
+    if limits.HasField("default_embedded_guidance_scale") and not full.HasField("embedded_guidance_scale"):
+        full.embedded_guidance_scale = limits.default_embedded_guidance_scale
+    embedded = full.embedded_guidance_scale if full.HasField("embedded_guidance_scale") else None
+    validate_sampling(limits, full.num_inference_steps, full.guidance_scale, embedded)
     validate_seed(full.seed)
     # The job records the cache it ran with, the model's default filled in.
     full.cache.CopyFrom(resolve_cache(limits, request.cache if request.HasField("cache") else None))

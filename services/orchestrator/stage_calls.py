@@ -138,6 +138,9 @@ class StageCalls:
                 stages_pb2.EncodeRequest(
                     model=route.model_for(replica.info),
                     texts=texts,
+                    # The model's, which a text encoder shared with another model (FLUX.1-schnell's 256 beside
+                    # FLUX.1-dev's 512 T5 tokens) does not know.
+                    max_sequence_length=route.info.limits.max_sequence_length,
                     cache_namespace=tenant_cache_namespace(self.cache_namespace_key, job.tenant),
                     images=images,
                 ),
@@ -195,6 +198,9 @@ class StageCalls:
                     num_frames=request.num_frames,
                     num_inference_steps=request.num_inference_steps,
                     guidance_scale=request.guidance_scale,
+                    embedded_guidance_scale=(
+                        request.embedded_guidance_scale if request.HasField("embedded_guidance_scale") else None
+                    ),
                     seed=request.seed,
                     cache=request.cache,
                     loras=request.loras,

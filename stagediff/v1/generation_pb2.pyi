@@ -41,7 +41,7 @@ class InterpolationParams(_message.Message):
     def __init__(self, enable: _Optional[bool] = ..., exp: _Optional[int] = ..., scale: _Optional[float] = ..., model_path: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps", "interpolation", "request_id", "images", "cache", "loras", "output_format", "output_quality", "keep_raw_frames", "notices")
+    __slots__ = ("model", "prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps", "interpolation", "request_id", "images", "cache", "loras", "output_format", "output_quality", "keep_raw_frames", "notices", "embedded_guidance_scale")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class GenerateRequest(_message.Message):
     OUTPUT_QUALITY_FIELD_NUMBER: _ClassVar[int]
     KEEP_RAW_FRAMES_FIELD_NUMBER: _ClassVar[int]
     NOTICES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDED_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     negative_prompt: str
@@ -80,7 +81,8 @@ class GenerateRequest(_message.Message):
     output_quality: int
     keep_raw_frames: bool
     notices: _containers.RepeatedCompositeFieldContainer[_stages_pb2.Notice]
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., fps: _Optional[float] = ..., interpolation: _Optional[_Union[InterpolationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_image_pb2.InputImage, _Mapping]]] = ..., cache: _Optional[_Union[_stages_pb2.StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_stages_pb2.LoraAdapter, _Mapping]]] = ..., output_format: _Optional[str] = ..., output_quality: _Optional[int] = ..., keep_raw_frames: _Optional[bool] = ..., notices: _Optional[_Iterable[_Union[_stages_pb2.Notice, _Mapping]]] = ...) -> None: ...
+    embedded_guidance_scale: float
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., fps: _Optional[float] = ..., interpolation: _Optional[_Union[InterpolationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_image_pb2.InputImage, _Mapping]]] = ..., cache: _Optional[_Union[_stages_pb2.StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_stages_pb2.LoraAdapter, _Mapping]]] = ..., output_format: _Optional[str] = ..., output_quality: _Optional[int] = ..., keep_raw_frames: _Optional[bool] = ..., notices: _Optional[_Iterable[_Union[_stages_pb2.Notice, _Mapping]]] = ..., embedded_guidance_scale: _Optional[float] = ...) -> None: ...
 
 class JobError(_message.Message):
     __slots__ = ("code", "message")

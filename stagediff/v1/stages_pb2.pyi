@@ -67,7 +67,7 @@ class StageInfo(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., device: _Optional[str] = ..., parallel_config: _Optional[_Mapping[str, str]] = ..., parameter_bytes: _Optional[_Mapping[str, int]] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., version: _Optional[str] = ..., weights_path: _Optional[str] = ..., base_model: _Optional[str] = ..., components: _Optional[_Mapping[str, str]] = ..., model_components: _Optional[_Mapping[str, str]] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelLimits(_message.Message):
-    __slots__ = ("height_multiple", "width_multiple", "temporal_factor", "max_height", "max_width", "max_frames", "max_inference_steps", "max_sequence_length", "max_prompt_chars", "default_height", "default_width", "default_num_frames", "default_inference_steps", "default_guidance_scale", "default_fps", "min_height", "image_roles", "required_image_roles", "max_images", "max_image_bytes", "max_image_pixels", "cache_methods", "default_cache", "loras", "max_loras", "fused_loras", "lora_cache_bytes")
+    __slots__ = ("height_multiple", "width_multiple", "temporal_factor", "max_height", "max_width", "max_frames", "max_inference_steps", "max_sequence_length", "max_prompt_chars", "default_height", "default_width", "default_num_frames", "default_inference_steps", "default_guidance_scale", "default_fps", "min_height", "image_roles", "required_image_roles", "max_images", "max_image_bytes", "max_image_pixels", "cache_methods", "default_cache", "loras", "max_loras", "fused_loras", "lora_cache_bytes", "default_embedded_guidance_scale")
     HEIGHT_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
     WIDTH_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
     TEMPORAL_FACTOR_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class ModelLimits(_message.Message):
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     FUSED_LORAS_FIELD_NUMBER: _ClassVar[int]
     LORA_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_EMBEDDED_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     height_multiple: int
     width_multiple: int
     temporal_factor: int
@@ -122,7 +123,8 @@ class ModelLimits(_message.Message):
     max_loras: int
     fused_loras: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
     lora_cache_bytes: int
-    def __init__(self, height_multiple: _Optional[int] = ..., width_multiple: _Optional[int] = ..., temporal_factor: _Optional[int] = ..., max_height: _Optional[int] = ..., max_width: _Optional[int] = ..., max_frames: _Optional[int] = ..., max_inference_steps: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., default_height: _Optional[int] = ..., default_width: _Optional[int] = ..., default_num_frames: _Optional[int] = ..., default_inference_steps: _Optional[int] = ..., default_guidance_scale: _Optional[float] = ..., default_fps: _Optional[float] = ..., min_height: _Optional[int] = ..., image_roles: _Optional[_Iterable[str]] = ..., required_image_roles: _Optional[_Iterable[str]] = ..., max_images: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., cache_methods: _Optional[_Iterable[_Union[StepCache, _Mapping]]] = ..., default_cache: _Optional[_Union[StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[LoraInfo, _Mapping]]] = ..., max_loras: _Optional[int] = ..., fused_loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., lora_cache_bytes: _Optional[int] = ...) -> None: ...
+    default_embedded_guidance_scale: float
+    def __init__(self, height_multiple: _Optional[int] = ..., width_multiple: _Optional[int] = ..., temporal_factor: _Optional[int] = ..., max_height: _Optional[int] = ..., max_width: _Optional[int] = ..., max_frames: _Optional[int] = ..., max_inference_steps: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., default_height: _Optional[int] = ..., default_width: _Optional[int] = ..., default_num_frames: _Optional[int] = ..., default_inference_steps: _Optional[int] = ..., default_guidance_scale: _Optional[float] = ..., default_fps: _Optional[float] = ..., min_height: _Optional[int] = ..., image_roles: _Optional[_Iterable[str]] = ..., required_image_roles: _Optional[_Iterable[str]] = ..., max_images: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., cache_methods: _Optional[_Iterable[_Union[StepCache, _Mapping]]] = ..., default_cache: _Optional[_Union[StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[LoraInfo, _Mapping]]] = ..., max_loras: _Optional[int] = ..., fused_loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., lora_cache_bytes: _Optional[int] = ..., default_embedded_guidance_scale: _Optional[float] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "scale")
@@ -201,7 +203,7 @@ class EncodeResponse(_message.Message):
     def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., notices: _Optional[_Iterable[_Union[Notice, _Mapping]]] = ...) -> None: ...
 
 class DenoiseParams(_message.Message):
-    __slots__ = ("model", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "image_roles", "image_sizes", "cache", "loras", "batch_group")
+    __slots__ = ("model", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "image_roles", "image_sizes", "cache", "loras", "batch_group", "embedded_guidance_scale")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +216,7 @@ class DenoiseParams(_message.Message):
     CACHE_FIELD_NUMBER: _ClassVar[int]
     LORAS_FIELD_NUMBER: _ClassVar[int]
     BATCH_GROUP_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDED_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     model: str
     height: int
     width: int
@@ -226,7 +229,8 @@ class DenoiseParams(_message.Message):
     cache: StepCache
     loras: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
     batch_group: bytes
-    def __init__(self, model: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., image_roles: _Optional[_Iterable[str]] = ..., image_sizes: _Optional[_Iterable[_Union[_image_pb2.ImageSize, _Mapping]]] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., batch_group: _Optional[bytes] = ...) -> None: ...
+    embedded_guidance_scale: float
+    def __init__(self, model: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., image_roles: _Optional[_Iterable[str]] = ..., image_sizes: _Optional[_Iterable[_Union[_image_pb2.ImageSize, _Mapping]]] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., batch_group: _Optional[bytes] = ..., embedded_guidance_scale: _Optional[float] = ...) -> None: ...
 
 class DenoiseRequest(_message.Message):
     __slots__ = ("params", "tensor")

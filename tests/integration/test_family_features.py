@@ -12,6 +12,7 @@ from __future__ import annotations
 from tests.helpers.feature_mixins import (
     BatchingTesterMixin,
     CompileTesterMixin,
+    FluxTesterConfig,
     GGUFTesterMixin,
     LayerwiseOffloadTesterMixin,
     LoadingTesterMixin,
@@ -232,4 +233,28 @@ class TestQwenImageEditPlusLoading(QwenImageEditPlusTesterConfig, LoadingTesterM
 
 
 class TestQwenImageEditPlusParallelLayouts(QwenImageEditPlusTesterConfig, ParallelLayoutsTesterMixin):
+    pass
+
+
+class TestFluxModuleOffload(FluxTesterConfig, ModuleOffloadTesterMixin):
+    pass
+
+
+class TestFluxLayerwiseOffload(FluxTesterConfig, LayerwiseOffloadTesterMixin):
+    pass
+
+
+class TestFluxQuantization(FluxTesterConfig, QuantizationTesterMixin):
+    pass
+
+
+class TestFluxLoading(FluxTesterConfig, LoadingTesterMixin):
+    pass
+
+
+class TestFluxParallelLayouts(FluxTesterConfig, ParallelLayoutsTesterMixin):
+    pass
+
+
+class TestFluxStepCache(FluxTesterConfig, StepCacheTesterMixin):
     pass

@@ -209,8 +209,10 @@ def test_a_chain_the_compose_file_cannot_run_and_a_directory_that_is_no_checkpoi
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"--model .*empty: the directory has no model_index.json"):
         LocalCluster(tmp_path / "empty")
-    with pytest.raises(ValueError, match=r"names the pipeline 'FluxPipeline', which this build does not serve"):
-        LocalCluster(_checkpoint(tmp_path / "flux", "FluxPipeline"))
+    with pytest.raises(
+        ValueError, match=r"names the pipeline 'StableDiffusionXLPipeline', which this build does not serve"
+    ):
+        LocalCluster(_checkpoint(tmp_path / "sdxl", "StableDiffusionXLPipeline"))
 
 
 def _write(path: Path, text: str) -> Path:

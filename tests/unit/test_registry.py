@@ -82,7 +82,12 @@ def test_family_for_index(index: dict, expected: str) -> None:
 
 @pytest.mark.parametrize(
     "index",
-    [{"_class_name": "FluxPipeline"}, {"_class_name": ""}, {}, {**WAN_INDEX, "_class_name": "wanpipeline"}],
+    [
+        {"_class_name": "StableDiffusionXLPipeline"},
+        {"_class_name": ""},
+        {},
+        {**WAN_INDEX, "_class_name": "wanpipeline"},
+    ],
     ids=["another-pipeline", "empty-class-name", "no-class-name", "case-differs"],
 )
 def test_an_unknown_pipeline_has_no_family(index: dict) -> None:

@@ -27,6 +27,7 @@ from tests.helpers.feature_mixins.batching import BatchingTesterMixin
 from tests.helpers.feature_mixins.compile import CompileTesterMixin
 from tests.helpers.feature_mixins.configs import (
     TESTER_CONFIGS,
+    FluxTesterConfig,
     QwenImageEditPlusTesterConfig,
     QwenImageEditTesterConfig,
     QwenImageTesterConfig,
@@ -73,6 +74,7 @@ __all__ = [
     "FEATURE_MIXINS",
     "TESTER_CONFIGS",
     "FamilyTesterConfig",
+    "FluxTesterConfig",
     "GGUFTesterMixin",
     "LayerwiseOffloadTesterMixin",
     "LoRATesterMixin",

@@ -55,6 +55,8 @@ class FamilyTesterConfig:
     transformer_class: ClassVar[type[torch.nn.Module]]
     blocks_attribute: ClassVar[str]
     """The ModuleList of each expert's transformer blocks."""
+    more_block_lists: ClassVar[tuple[str, ...]] = ()
+    """Further ModuleLists of blocks each expert runs after those (FLUX's single-stream blocks)."""
     ignored_layers: ClassVar[tuple[str, ...]]
     """`--ignored-layers` patterns the quantization checks pass."""
     ignored_prefixes: ClassVar[tuple[str, ...]]

@@ -1,0 +1,212 @@
+"""The FLUX.1 denoising loop, step for step as FluxPipeline runs it.
+
+Latents are packed into 2x2 patches (a [1, h/2 * w/2, 4C] sequence) with their (0, row, column) position ids,
+the text's ids are zeros, the scheduler's sigmas are the pipeline's linspace with the shift `mu` computed from
+the sequence length (dynamic shifting; FLUX.1-schnell's scheduler config turns it off and the same calls apply
+its fixed shift), and the transformer gets `timestep / 1000`. The noise is drawn from the seed exactly as the
+pipeline draws it, so the latents equal what the in-process pipeline computes for the same arguments.
+
+Two guidances, as in FluxPipeline:
+- `embedded_guidance_scale` is the pipeline's `guidance_scale`: FLUX.1-dev is guidance-distilled and takes it as an
+  input of the transformer (one pass per step); FLUX.1-schnell has no guidance embedding and takes none.
+- `guidance_scale` is the pipeline's `true_cfg_scale` with the negative prompt: above 1 both branches run (the
+  orchestrator then always sends the negative prompt's embeddings) and are combined as
+  `negative + scale * (positive - negative)`, without Qwen-Image's rescale.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+from diffusers.utils.torch_utils import randn_tensor
+
+from families.flux.family import FLUX
+from families.flux.parallel import parallelize
+from stagekit.denoise import DenoiseSpec, guidance_predictions, stop_if_cancelled
+from stagekit.model_options import TransformerOptions
+from stagekit.parallel import ParallelConfig, build_mesh
+from stagekit.parallel.mesh import device_type_for, refuse_unsupported_methods
+from stagekit.weights import load_pretrained
+
+
+class FluxText:
+    """One text's conditioning as the transformer takes it: T5's sequence [1, L, dim], CLIP's pooled
+    vector [1, pooled_dim] and the text's position ids (zeros [L, 3])."""
+
+    def __init__(self, embeds: torch.Tensor, pooled: torch.Tensor) -> None:
+        self.embeds = embeds
+        self.pooled = pooled
+        self.ids = torch.zeros(embeds.shape[1], 3, device=embeds.device, dtype=embeds.dtype)
+
+    @classmethod
+    def from_conditioning(
+        cls, conditioning: dict[str, torch.Tensor], role: str, device: torch.device, dtype: torch.dtype
+    ) -> FluxText:
+        """`role` "prompt" or "negative_prompt": its "<role>_embeds" and "<role>_pooled_embeds"."""
+        return cls(
+            conditioning[f"{role}_embeds"].to(device, dtype), conditioning[f"{role}_pooled_embeds"].to(device, dtype)
+        )
+
+
+class FluxDenoiser:
+    """The denoising loop on one rank; with a parallel layout, every rank of the group runs it in step."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        parallel: ParallelConfig | None = None,
+        options: TransformerOptions | None = None,
+        load_threads: int = 4,
+    ) -> None:
+        model_dir = Path(model_dir)
+        self.device = device
+        self.parallel = parallel if parallel is not None and parallel.total_ranks > 1 else None
+        mesh = None
+        if self.parallel is not None:
+            refuse_unsupported_methods(self.parallel, FLUX)  # before reading any weight
+            mesh = build_mesh(self.parallel, device_type_for(device))
+        load = partial(load_pretrained, device=device, dtype=dtype, num_threads=load_threads)
+        if self.parallel is not None and self.parallel.shards_weights:
+            # HSDP is applied to the empty model, so that each rank reads only its shards.
+            load = partial(load, shard_model=partial(parallelize, config=self.parallel, mesh=mesh, device=device))
+        self.transformer = load(FluxTransformer2DModel, model_dir / "transformer").eval()
+        if options is not None:
+            options.apply([self.transformer], device, load_threads)
+        self.scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model_dir / "scheduler")
+        vae_config = json.loads((model_dir / "vae" / "config.json").read_text())
+        # FluxPipeline: 2 ** (len(block_out_channels) - 1), and 2x2 packing on top.
+        self.vae_scale_factor = 2 ** (len(vae_config.get("block_out_channels", [128, 256, 512, 512])) - 1)
+        self.cfg_group = None
+        if self.parallel is not None:
+            assert mesh is not None  # built whenever parallel is set
+            if not self.parallel.shards_weights:
+                parallelize(self.transformer, self.parallel, mesh, device)
+            if self.parallel.cfg_degree > 1:
+                self.cfg_group = mesh["cfg"].get_group()
+
+    @property
+    def experts(self) -> list[FluxTransformer2DModel]:
+        return [self.transformer]
+
+    @property
+    def text_dim(self) -> int:
+        return self.transformer.config.joint_attention_dim
+
+    @property
+    def pooled_dim(self) -> int:
+        return self.transformer.config.pooled_projection_dim
+
+    @property
+    def latent_channels(self) -> int:
+        return self.transformer.config.in_channels // 4
+
+    @property
+    def guidance_distilled(self) -> bool:
+        return bool(self.transformer.config.guidance_embeds)
+
+    def latent_size(self, spec: DenoiseSpec) -> tuple[int, int]:
+        """Latent rows and columns, as FluxPipeline.prepare_latents computes them."""
+        return 2 * (spec.height // (self.vae_scale_factor * 2)), 2 * (spec.width // (self.vae_scale_factor * 2))
+
+    def initial_noise(self, spec: DenoiseSpec, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The seed's packed noise [1, h/2 * w/2, 4C], drawn as FluxPipeline draws it with
+        generator=torch.Generator('cpu').manual_seed(seed), and the image tokens' position ids [h/2 * w/2, 3]."""
+        height, width = self.latent_size(spec)
+        generator = torch.Generator("cpu").manual_seed(spec.seed)
+        shape = (1, self.latent_channels, height, width)
+        latents = randn_tensor(shape, generator=generator, device=self.device, dtype=dtype)
+        packed = FluxPipeline._pack_latents(latents, 1, self.latent_channels, height, width)
+        ids = FluxPipeline._prepare_latent_image_ids(1, height // 2, width // 2, self.device, dtype)
+        return packed, ids
+
+    def timesteps(self, spec: DenoiseSpec, image_tokens: int) -> tuple[FlowMatchEulerDiscreteScheduler, torch.Tensor]:
+        """A fresh scheduler set to the request's steps, with FluxPipeline's sigmas and shift."""
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+        steps = spec.num_inference_steps
+        sigmas = None if scheduler.config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
+        mu = calculate_shift(
+            image_tokens,
+            scheduler.config.get("base_image_seq_len", 256),
+            scheduler.config.get("max_image_seq_len", 4096),
+            scheduler.config.get("base_shift", 0.5),
+            scheduler.config.get("max_shift", 1.15),
+        )
+        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        return scheduler, timesteps
+
+    def _predict(
+        self,
+        latents: torch.Tensor,
+        image_ids: torch.Tensor,
+        timestep: torch.Tensor,
+        guidance: torch.Tensor | None,
+        text: FluxText,
+        branch: str,
+    ) -> torch.Tensor:
+        # A cache context per branch, as FluxPipeline keeps one (diffusers' cache hooks key on it).
+        with self.transformer.cache_context(branch):
+            return self.transformer(
+                hidden_states=latents,
+                timestep=timestep / 1000,
+                guidance=guidance,
+                pooled_projections=text.pooled,
+                encoder_hidden_states=text.embeds,
+                txt_ids=text.ids,
+                img_ids=image_ids,
+                joint_attention_kwargs={},
+                return_dict=False,
+            )[0]
+
+    @torch.no_grad()
+    def denoise(
+        self,
+        spec: DenoiseSpec,
+        conditioning: dict[str, torch.Tensor],
+        on_step: Callable[[int, int], None],
+        cancelled: Callable[[], bool],
+    ) -> torch.Tensor:
+        """Runs every step and returns the latents unpacked to [1, C, 1, h, w]; on_step(step, total) after each.
+
+        `conditioning`: "prompt_embeds" [1, L, dim] and "prompt_pooled_embeds" [1, pooled_dim]; with
+        guidance_scale > 1 also the negative prompt's.
+        """
+        dtype = self.transformer.dtype
+        prompt = FluxText.from_conditioning(conditioning, "prompt", self.device, dtype)
+        do_true_cfg = spec.do_classifier_free_guidance
+        negative = None
+        if do_true_cfg:
+            if conditioning.get("negative_prompt_embeds") is None:
+                raise ValueError("negative_prompt_embeds are required when guidance_scale (true CFG) > 1")
+            negative = FluxText.from_conditioning(conditioning, "negative_prompt", self.device, dtype)
+
+        latents, image_ids = self.initial_noise(spec, dtype)
+        scheduler, timesteps = self.timesteps(spec, latents.shape[1])
+        guidance = None
+        if self.guidance_distilled:
+            if spec.embedded_guidance_scale is None:
+                raise ValueError("embedded_guidance_scale is required: this transformer is guidance-distilled")
+            guidance = torch.full([1], spec.embedded_guidance_scale, device=self.device, dtype=torch.float32)
+
+        for i, t in enumerate(timesteps):
+            stop_if_cancelled(cancelled, self.parallel, self.device)
+            timestep = t.expand(latents.shape[0]).to(latents.dtype)
+            predict = partial(self._predict, latents, image_ids, timestep, guidance)
+            if not do_true_cfg:
+                noise_pred = predict(prompt, "cond")
+            else:
+                noise_pred, neg_noise_pred = guidance_predictions(predict, prompt, negative, self.cfg_group)
+                noise_pred = neg_noise_pred + spec.guidance_scale * (noise_pred - neg_noise_pred)
+            latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+            on_step(i + 1, len(timesteps))
+        return FluxPipeline._unpack_latents(latents, spec.height, spec.width, self.vae_scale_factor).unsqueeze(2)

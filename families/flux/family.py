@@ -1,0 +1,79 @@
+"""FLUX.1 text-to-image (FLUX.1-dev and FLUX.1-schnell): CLIP + T5 text encoders, FluxTransformer2DModel, AutoencoderKL.
+
+Declarations only (no torch); the compute is beside this file: encode.py, denoise.py, parallel.py (Ulysses, Ring
+and HSDP of the double- and single-stream DiT), decode.py, checkpoint.py and init_model.py. The two published
+checkpoints are one family: they share FluxPipeline and every config key but the transformer's `guidance_embeds`
+(checkpoint.py chooses the defaults from it).
+"""
+
+from __future__ import annotations
+
+from families.base import Family, RequestDefaults, Support, TensorSlot
+
+_FLUX = "tests/integration/test_family_flux.py::"
+# Test classes of a tester config and a feature mixin (tests/helpers/feature_mixins/).
+_FEATURE_CLASSES = "tests/integration/test_family_features.py::TestFlux"
+_CLUSTER = "tests/e2e/test_image_families_cluster.py::test_flux_cluster_equals_pipeline"
+_LATENTS_PARALLEL = _FEATURE_CLASSES + "ParallelLayouts"
+_QUANTIZATION = (_FEATURE_CLASSES + "Quantization",)
+
+FLUX = Family(
+    name="flux",
+    pipeline="FluxPipeline",
+    description="FLUX.1-dev and FLUX.1-schnell text-to-image (CLIP and T5 text encoders, FluxTransformer2DModel, "
+    "AutoencoderKL); the request's guidance_scale is FluxPipeline's true_cfg_scale, its embedded_guidance_scale "
+    "the pipeline's guidance_scale (FLUX.1-dev's guidance embedding)",
+    class_name="FluxPipeline",
+    requires=(),
+    output="image",
+    chain=("text-encoder", "dit", "vae"),
+    optional_stages=(),
+    # Each text: T5's sequence (max_sequence_length rows, padding attended as FluxPipeline does) and CLIP's
+    # pooled vector.
+    conditioning=(
+        TensorSlot("prompt_embeds", "embeds", "always"),
+        TensorSlot("prompt_pooled_embeds", "pooled", "always"),
+        TensorSlot("negative_prompt_embeds", "embeds", "cfg"),
+        TensorSlot("negative_prompt_pooled_embeds", "pooled", "cfg"),
+    ),
+    # FLUX.1-dev's; FLUX.1-schnell's come from its checkpoint (checkpoint.py).
+    defaults=RequestDefaults(
+        height=1024, width=1024, num_frames=1, num_inference_steps=28, guidance_scale=1.0, embedded_guidance_scale=3.5
+    ),
+    checkpoint_reader="families.flux.checkpoint:read_geometry",
+    text_encoder="families.flux.encode:FluxPromptEncoder",
+    denoiser="families.flux.denoise:FluxDenoiser",
+    decoder="families.flux.decode:FluxDecoder",
+    writer="families.flux.init_model:write_checkpoint",
+    own_presets={"tiny-schnell": "FLUX.1-schnell's kind at the tiny size: no guidance embedding, a fixed shift"},
+    features={
+        "ulysses": Support(tests=(_LATENTS_PARALLEL, _CLUSTER)),
+        "ring": Support(tests=(_LATENTS_PARALLEL,)),
+        "cfg_parallel": Support(tests=(_LATENTS_PARALLEL,)),
+        "tensor_parallel": Support(
+            reason="not built yet: the single-stream blocks' proj_out takes the attention and MLP outputs side by "
+            "side, two column-split streams that need a packed row-wise split; use Ulysses, Ring or HSDP"
+        ),
+        "hsdp": Support(tests=(_LATENTS_PARALLEL,)),
+        "vae_patch_parallel": Support(
+            reason="not built yet: AutoencoderKL's GroupNorms reduce over the whole image, so bands would have to "
+            "share their statistics; the image is decoded whole on one device"
+        ),
+        "vae_tiling": Support(
+            reason="tiled decode is implemented for the Wan VAE only; AutoencoderKL decodes each image whole"
+        ),
+        "cpu_offload": Support(tests=(_FEATURE_CLASSES + "ModuleOffload",)),
+        "layerwise_offload": Support(tests=(_FEATURE_CLASSES + "LayerwiseOffload",)),
+        "fp8": Support(tests=_QUANTIZATION),
+        "int8": Support(tests=_QUANTIZATION),
+        "multithread_loading": Support(tests=(_FEATURE_CLASSES + "Loading",)),
+        "interpolation": Support(
+            reason="single images: nothing to interpolate; a request asking for it is refused with INVALID_ARGUMENT"
+        ),
+        "first_block_cache": Support(tests=(_FEATURE_CLASSES + "StepCache",)),
+        "teacache": Support(reason="TeaCache's rescaling polynomials are published for Wan2.1 only"),
+        "batching": Support(reason="not built yet for FLUX"),
+    },
+)
+
+FAMILIES = (FLUX,)
