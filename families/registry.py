@@ -22,6 +22,7 @@ _FAMILY_MODULES = (
     "families.wan_i2v.family",
     "families.qwen_image_edit.family",
     "families.flux.family",
+    "families.z_image.family",
 )
 
 FAMILIES: dict[str, Family] = {

@@ -76,6 +76,20 @@ def flux_pipeline(flux_model: Path):
 
 
 @pytest.fixture(scope="session")
+def z_image_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model("z-image", "tiny", tmp_path_factory.mktemp("models") / "z-image-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def z_image_pipeline(z_image_model: Path):
+    from diffusers import ZImagePipeline
+
+    pipeline = ZImagePipeline.from_pretrained(z_image_model)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+@pytest.fixture(scope="session")
 def a14b_pipeline(a14b_model: Path):
     from diffusers import WanPipeline
 

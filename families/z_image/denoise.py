@@ -1,0 +1,211 @@
+"""The Z-Image denoising loop, step for step as ZImagePipeline runs it.
+
+The latents are [1, C, h, w] in float32 throughout, drawn from the seed as the pipeline draws them; the
+transformer takes them as a list of one [C, 1, h, w] image and the text as a list of one [L, dim] embedding
+(its mask's positions only: the pipeline's embeddings have each text's own length). The sigmas are the
+pipeline's linspace(1, 1/steps), the shift `mu` is computed from the image's 2x2 patch count (used only when the
+scheduler shifts dynamically; the published schedulers apply their fixed shift), the transformer gets
+`(1000 - t) / 1000` and its prediction is negated before the scheduler's step.
+
+Guidance, as ZImagePipeline's `guidance_scale`: `positive + scale * (positive - negative)`, in float32, with the
+pipeline's `cfg_truncation` (steps whose normalised time `(1000 - t) / 1000` exceeds it run the positive branch
+alone) and `cfg_normalization` (the guided prediction's norm capped at that many times the positive one's), both
+at the pipeline's defaults (1.0: no step is truncated; off). The pipeline runs both branches as one batch of
+two; here each branch runs alone (one per CFG rank group under CFG-parallel), which equals the batch within
+float32 rounding. The pipeline guides any scale above 0, but StageDiff sends the negative prompt only above 1:
+a scale in (0, 1] is refused rather than run differently.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+from diffusers.pipelines.z_image.pipeline_z_image import (
+    calculate_shift,
+    get_default_z_image_sigmas,
+    retrieve_timesteps,
+)
+from diffusers.utils.torch_utils import randn_tensor
+
+from families.z_image.family import Z_IMAGE
+from families.z_image.parallel import parallelize
+from stagekit.denoise import DenoiseSpec, guidance_predictions, stop_if_cancelled
+from stagekit.errors import RequestError
+from stagekit.model_options import TransformerOptions
+from stagekit.parallel import ParallelConfig, build_mesh
+from stagekit.parallel.mesh import device_type_for, refuse_unsupported_methods
+from stagekit.weights import load_pretrained
+
+# ZImagePipeline.__call__'s defaults, which no request changes.
+CFG_TRUNCATION = 1.0
+CFG_NORMALIZATION = 0.0
+
+
+def text_from_wire(embeds: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """One text's [L, dim] embedding as the pipeline hands it to the transformer: the rows its mask marks.
+
+    The text encoder pads each text to the longest of its request; the pipeline keeps each text's own rows.
+    """
+    if mask is None:
+        return embeds[0]
+    keep = mask[0].to(torch.bool)
+    if not bool(keep.any()):
+        raise ValueError("the embeddings' mask marks no token")
+    return embeds[0][keep.to(embeds.device)]
+
+
+class ZImageDenoiser:
+    """The denoising loop on one rank; with a parallel layout, every rank of the group runs it in step."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        parallel: ParallelConfig | None = None,
+        options: TransformerOptions | None = None,
+        load_threads: int = 4,
+    ) -> None:
+        model_dir = Path(model_dir)
+        self.device = device
+        self.parallel = parallel if parallel is not None and parallel.total_ranks > 1 else None
+        mesh = None
+        if self.parallel is not None:
+            refuse_unsupported_methods(self.parallel, Z_IMAGE)  # before reading any weight
+            mesh = build_mesh(self.parallel, device_type_for(device))
+        load = partial(load_pretrained, device=device, dtype=dtype, num_threads=load_threads)
+        if self.parallel is not None and self.parallel.shards_weights:
+            # HSDP is applied to the empty model, so that each rank reads only its shards.
+            load = partial(load, shard_model=partial(parallelize, config=self.parallel, mesh=mesh, device=device))
+        self.transformer = load(ZImageTransformer2DModel, model_dir / "transformer").eval()
+        if options is not None:
+            options.apply([self.transformer], device, load_threads)
+        self.scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model_dir / "scheduler")
+        vae_config = json.loads((model_dir / "vae" / "config.json").read_text())
+        # ZImagePipeline: 2 ** (len(block_out_channels) - 1), and 2x2 patches on top.
+        self.vae_scale_factor = 2 ** (len(vae_config.get("block_out_channels", [128, 256, 512, 512])) - 1)
+        self.cfg_truncation = CFG_TRUNCATION
+        self.cfg_normalization = CFG_NORMALIZATION
+        self.cfg_group = None
+        if self.parallel is not None:
+            assert mesh is not None  # built whenever parallel is set
+            if not self.parallel.shards_weights:
+                parallelize(self.transformer, self.parallel, mesh, device)
+            if self.parallel.cfg_degree > 1:
+                self.cfg_group = mesh["cfg"].get_group()
+
+    @property
+    def experts(self) -> list[ZImageTransformer2DModel]:
+        return [self.transformer]
+
+    @property
+    def text_dim(self) -> int:
+        return self.transformer.config.cap_feat_dim
+
+    @property
+    def latent_channels(self) -> int:
+        return self.transformer.config.in_channels
+
+    def latent_size(self, spec: DenoiseSpec) -> tuple[int, int]:
+        """Latent rows and columns, as ZImagePipeline.prepare_latents computes them."""
+        return 2 * (spec.height // (self.vae_scale_factor * 2)), 2 * (spec.width // (self.vae_scale_factor * 2))
+
+    def initial_noise(self, spec: DenoiseSpec) -> torch.Tensor:
+        """The seed's float32 noise [1, C, h, w], drawn as ZImagePipeline draws it with
+        generator=torch.Generator('cpu').manual_seed(seed)."""
+        height, width = self.latent_size(spec)
+        generator = torch.Generator("cpu").manual_seed(spec.seed)
+        shape = (1, self.latent_channels, height, width)
+        return randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32)
+
+    def timesteps(self, spec: DenoiseSpec, image_tokens: int) -> tuple[FlowMatchEulerDiscreteScheduler, torch.Tensor]:
+        """A fresh scheduler set to the request's steps, with ZImagePipeline's sigmas and shift."""
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+        mu = calculate_shift(
+            image_tokens,
+            scheduler.config.get("base_image_seq_len", 256),
+            scheduler.config.get("max_image_seq_len", 4096),
+            scheduler.config.get("base_shift", 0.5),
+            scheduler.config.get("max_shift", 1.15),
+        )
+        sigmas = get_default_z_image_sigmas(spec.num_inference_steps)
+        timesteps, _ = retrieve_timesteps(scheduler, spec.num_inference_steps, self.device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        return scheduler, timesteps
+
+    def _predict(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor, branch: str) -> torch.Tensor:
+        """The transformer's output [1, C, 1, h, w] (float32) for one text; `latents` [1, C, h, w]. `branch`
+        ("cond", "uncond") names no cache context: ZImageTransformer2DModel has none (no step cache is offered)."""
+        image = latents.to(self.transformer.dtype).unsqueeze(2)[0]
+        output = self.transformer([image], timestep, [text], return_dict=False)[0]
+        return output[0].float().unsqueeze(0)
+
+    def _guided(self, positive: torch.Tensor, negative: torch.Tensor, scale: float) -> torch.Tensor:
+        """ZImagePipeline's guidance of one image's predictions, with its renormalization."""
+        prediction = positive + scale * (positive - negative)
+        if self.cfg_normalization and float(self.cfg_normalization) > 0.0:
+            positive_norm = torch.linalg.vector_norm(positive)
+            guided_norm = torch.linalg.vector_norm(prediction)
+            max_norm = positive_norm * float(self.cfg_normalization)
+            if guided_norm > max_norm:
+                prediction = prediction * (max_norm / guided_norm)
+        return prediction
+
+    @torch.no_grad()
+    def denoise(
+        self,
+        spec: DenoiseSpec,
+        conditioning: dict[str, torch.Tensor],
+        on_step: Callable[[int, int], None],
+        cancelled: Callable[[], bool],
+    ) -> torch.Tensor:
+        """Runs every step and returns the latents as [1, C, 1, h, w]; on_step(step, total) after each.
+
+        `conditioning`: "prompt_embeds" [1, L, dim] with, optionally, "prompt_embeds_mask" [1, L]; with
+        guidance_scale > 1 also "negative_prompt_embeds" (and its mask).
+        """
+        if 0.0 < spec.guidance_scale <= 1.0:
+            raise RequestError(
+                f"guidance_scale: {spec.guidance_scale:g} is not served for Z-Image: ZImagePipeline guides any "
+                "scale above 0 with the negative prompt, which is sent only above 1; use 0 (no guidance) or above 1"
+            )
+        dtype = self.transformer.dtype
+        prompt = text_from_wire(conditioning["prompt_embeds"], conditioning.get("prompt_embeds_mask"))
+        prompt = prompt.to(self.device, dtype)
+        do_cfg = spec.do_classifier_free_guidance
+        negative = None
+        if do_cfg:
+            if conditioning.get("negative_prompt_embeds") is None:
+                raise ValueError("negative_prompt_embeds are required when guidance_scale > 1")
+            negative = text_from_wire(
+                conditioning["negative_prompt_embeds"], conditioning.get("negative_prompt_embeds_mask")
+            ).to(self.device, dtype)
+
+        latents = self.initial_noise(spec)
+        scheduler, timesteps = self.timesteps(spec, (latents.shape[2] // 2) * (latents.shape[3] // 2))
+        truncation_norms = None
+        if do_cfg and self.cfg_truncation is not None and float(self.cfg_truncation) <= 1:
+            truncation_norms = ((1000 - timesteps.float()) / 1000).tolist()
+
+        for i, t in enumerate(timesteps):
+            stop_if_cancelled(cancelled, self.parallel, self.device)
+            timestep = (1000 - t.expand(latents.shape[0])) / 1000
+            scale = spec.guidance_scale
+            if truncation_norms is not None and truncation_norms[i] > self.cfg_truncation:
+                scale = 0.0
+            predict = partial(self._predict, latents, timestep)
+            if do_cfg and scale > 0:
+                positive, negative_prediction = guidance_predictions(predict, prompt, negative, self.cfg_group)
+                noise_pred = self._guided(positive, negative_prediction, scale)
+            else:
+                noise_pred = predict(prompt, "cond")
+            noise_pred = -noise_pred.squeeze(2)
+            latents = scheduler.step(noise_pred.to(torch.float32), t, latents, return_dict=False)[0]
+            on_step(i + 1, len(timesteps))
+        return latents.unsqueeze(2)

@@ -1,0 +1,85 @@
+"""Z-Image text-to-image (Z-Image and Z-Image-Turbo): Qwen3 text encoder, ZImageTransformer2DModel, AutoencoderKL.
+
+Declarations only (no torch); the compute is beside this file: encode.py, denoise.py, parallel.py (Ulysses, Ring
+and HSDP of the single-stream DiT), checkpoint.py and init_model.py. The VAE stage is FLUX.1's decoder
+(families/flux/decode.py): ZImagePipeline decodes exactly as FluxPipeline does, with the same AutoencoderKL and
+its scale and shift. The two published checkpoints are one family: they share ZImagePipeline and every config
+but the scheduler's shift (checkpoint.py chooses the defaults from it).
+
+The request's guidance_scale is ZImagePipeline's: it steers with `positive + scale * (positive - negative)`.
+The pipeline runs CFG for any scale above 0; StageDiff sends the negative prompt only above 1, so a scale in
+(0, 1] is refused (denoise.py) rather than run without the guidance the pipeline would apply.
+"""
+
+from __future__ import annotations
+
+from families.base import Family, RequestDefaults, Support, TensorSlot
+
+_Z_IMAGE = "tests/integration/test_family_z_image.py::"
+# Test classes of a tester config and a feature mixin (tests/helpers/feature_mixins/).
+_FEATURE_CLASSES = "tests/integration/test_family_features.py::TestZImage"
+_LATENTS_PARALLEL = _FEATURE_CLASSES + "ParallelLayouts"
+_QUANTIZATION = (_FEATURE_CLASSES + "Quantization",)
+
+Z_IMAGE = Family(
+    name="z-image",
+    pipeline="ZImagePipeline",
+    description="Z-Image and Z-Image-Turbo text-to-image (Qwen3 text encoder, single-stream "
+    "ZImageTransformer2DModel, AutoencoderKL); the request's guidance_scale is ZImagePipeline's, refused in "
+    "(0, 1], where the pipeline would guide without the negative prompt StageDiff sends only above 1",
+    class_name="ZImagePipeline",
+    requires=(),
+    output="image",
+    chain=("text-encoder", "dit", "vae"),
+    optional_stages=(),
+    # Each text has its own length (the chat-templated prompt's tokens): padded to the longest with a mask.
+    conditioning=(
+        TensorSlot("prompt_embeds", "embeds", "always"),
+        TensorSlot("prompt_embeds_mask", "mask", "optional", of="prompt_embeds"),
+        TensorSlot("negative_prompt_embeds", "embeds", "cfg"),
+        TensorSlot("negative_prompt_embeds_mask", "mask", "optional", of="negative_prompt_embeds"),
+    ),
+    # ZImagePipeline's defaults (Z-Image); Z-Image-Turbo's come from its checkpoint (checkpoint.py).
+    defaults=RequestDefaults(height=1024, width=1024, num_frames=1, num_inference_steps=50, guidance_scale=5.0),
+    checkpoint_reader="families.z_image.checkpoint:read_geometry",
+    text_encoder="families.z_image.encode:ZImagePromptEncoder",
+    denoiser="families.z_image.denoise:ZImageDenoiser",
+    decoder="families.flux.decode:FluxDecoder",
+    writer="families.z_image.init_model:write_checkpoint",
+    own_presets={"tiny-turbo": "Z-Image-Turbo's kind at the tiny size: its scheduler's shift, 8 steps, no CFG"},
+    features={
+        "ulysses": Support(tests=(_LATENTS_PARALLEL,)),
+        "ring": Support(tests=(_LATENTS_PARALLEL,)),
+        "cfg_parallel": Support(tests=(_LATENTS_PARALLEL,)),
+        "tensor_parallel": Support(
+            reason="not built yet: the blocks' heads and SwiGLU would have to be split like Qwen-Image's; use "
+            "Ulysses, Ring or HSDP"
+        ),
+        "hsdp": Support(tests=(_LATENTS_PARALLEL,)),
+        "vae_patch_parallel": Support(
+            reason="not built yet: AutoencoderKL's GroupNorms reduce over the whole image, so bands would have to "
+            "share their statistics; the image is decoded whole on one device"
+        ),
+        "vae_tiling": Support(
+            reason="tiled decode is implemented for the Wan VAE only; AutoencoderKL decodes each image whole"
+        ),
+        "cpu_offload": Support(tests=(_FEATURE_CLASSES + "ModuleOffload",)),
+        "layerwise_offload": Support(tests=(_FEATURE_CLASSES + "LayerwiseOffload",)),
+        "fp8": Support(tests=_QUANTIZATION),
+        "int8": Support(tests=_QUANTIZATION),
+        "multithread_loading": Support(tests=(_FEATURE_CLASSES + "Loading",)),
+        "interpolation": Support(
+            reason="single images: nothing to interpolate; a request asking for it is refused with INVALID_ARGUMENT"
+        ),
+        "first_block_cache": Support(
+            reason="diffusers' FirstBlockCache hook reads each block's `hidden_states` argument, which "
+            "ZImageTransformerBlock names `x` (diffusers 0.42.1), so the reference the cache is checked against "
+            "fails on this model"
+        ),
+        "mag_cache": Support(reason="as for the first-block cache: diffusers' MagCache hook reads `hidden_states`"),
+        "teacache": Support(reason="TeaCache's rescaling polynomials are published for Wan2.1 only"),
+        "batching": Support(reason="not built yet for Z-Image"),
+    },
+)
+
+FAMILIES = (Z_IMAGE,)
