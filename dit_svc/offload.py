@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from diffusers.hooks import apply_group_offloading
@@ -272,6 +273,7 @@ class ResidencyCounter:
         self._blocks_in = {id(u): sum(id(m) in block_ids for m in u.modules) for u in self.units}
         self._bytes_in = {id(u): parameter_bytes(_unit_tensors(u)) for u in self.units}
         self._handles = []
+        self._unit_onloads: dict[int, int] = {}
         for unit in self.units:
             if self._is_onloaded(unit):
                 self.onloaded.add(id(unit))
@@ -279,7 +281,12 @@ class ResidencyCounter:
             for module in unit.modules:
                 for name, leaf in module.named_modules():
                     if next(leaf.children(), None) is None and _tensors(leaf):
-                        self._handles.append(leaf.register_forward_pre_hook(self._leaf_check(unit, leaf, name)))
+                        if leaf is module:
+                            # A group's module that is itself a leaf (a Sequential's layer) is onloaded by its
+                            # own wrapped forward, after any pre-hook: checked once that forward has run.
+                            self._handles.append(leaf.register_forward_hook(self._leaf_check(unit, leaf, name)))
+                        else:
+                            self._handles.append(leaf.register_forward_pre_hook(self._leaf_check(unit, leaf, name)))
         self._note()
 
     def _is_onloaded(self, unit: ModuleGroup) -> bool:
@@ -291,6 +298,7 @@ class ResidencyCounter:
         def counted_onload() -> None:
             onload()
             self.onloads += 1
+            self._unit_onloads[id(unit)] = self._unit_onloads.get(id(unit), 0) + 1
             self.onloaded.add(id(unit))
             self._note()
 
@@ -313,12 +321,19 @@ class ResidencyCounter:
     def resident_bytes(self) -> int:
         return sum(self._bytes_in[i] for i in self.onloaded)
 
-    def _leaf_check(self, unit: ModuleGroup, leaf: nn.Module, name: str) -> Callable[[nn.Module, tuple], None]:
-        def check(module: nn.Module, args: tuple) -> None:
+    def _leaf_check(self, unit: ModuleGroup, leaf: nn.Module, name: str) -> Callable[..., None]:
+        onloads_before = [0]
+
+        def check(module: nn.Module, args: tuple, *output: Any) -> None:
             self.leaf_calls += 1
-            if id(unit) not in self.onloaded:
+            if output:  # after the forward: its group was onloaded during it, or stays onloaded
+                onloaded = id(unit) in self.onloaded or self._unit_onloads.get(id(unit), 0) > onloads_before[0]
+                onloads_before[0] = self._unit_onloads.get(id(unit), 0)
+            else:
+                onloaded = id(unit) in self.onloaded
+            if not onloaded:
                 self.violations.append(f"{name} computed while its group was offloaded")
-            elif any(t.device != self.onload_device for t in _tensors(leaf)):
+            elif id(unit) in self.onloaded and any(t.device != self.onload_device for t in _tensors(leaf)):
                 self.violations.append(f"{name} computed with tensors off {self.onload_device}")
 
         return check

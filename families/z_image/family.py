@@ -15,11 +15,16 @@ from __future__ import annotations
 
 from families.base import Family, RequestDefaults, Support, TensorSlot
 
-_Z_IMAGE = "tests/integration/test_family_z_image.py::"
 # Test classes of a tester config and a feature mixin (tests/helpers/feature_mixins/).
 _FEATURE_CLASSES = "tests/integration/test_family_features.py::TestZImage"
 _LATENTS_PARALLEL = _FEATURE_CLASSES + "ParallelLayouts"
-_QUANTIZATION = (_FEATURE_CLASSES + "Quantization",)
+# The quantization check (tests/helpers/feature_mixins/quantization.py) fails on the tiny checkpoint: FP8 of every
+# linear moves the two-step update by 6.3% of its size, above the 5% it allows.
+_QUANTIZATION_UNVERIFIED = (
+    "not verified yet: on the tiny checkpoint FP8 of every linear moves the update by 6.3% of its size, above the "
+    "check's 5%; which layers Z-Image must keep in bf16 (its t_embedder and cap_embedder, diffusers' "
+    "precision-sensitive ones) is not settled"
+)
 
 Z_IMAGE = Family(
     name="z-image",
@@ -65,8 +70,8 @@ Z_IMAGE = Family(
         ),
         "cpu_offload": Support(tests=(_FEATURE_CLASSES + "ModuleOffload",)),
         "layerwise_offload": Support(tests=(_FEATURE_CLASSES + "LayerwiseOffload",)),
-        "fp8": Support(tests=_QUANTIZATION),
-        "int8": Support(tests=_QUANTIZATION),
+        "fp8": Support(reason=_QUANTIZATION_UNVERIFIED),
+        "int8": Support(reason=_QUANTIZATION_UNVERIFIED),
         "multithread_loading": Support(tests=(_FEATURE_CLASSES + "Loading",)),
         "interpolation": Support(
             reason="single images: nothing to interpolate; a request asking for it is refused with INVALID_ARGUMENT"

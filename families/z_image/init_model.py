@@ -61,7 +61,12 @@ TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
 # Qwen3Model: hidden_size is the transformer's cap_feat_dim; ZImagePipeline takes the second-to-last hidden state.
 TEXT_ENCODER_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": dict(
-        hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
     ),
     "small": dict(
         hidden_size=128,

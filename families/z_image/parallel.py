@@ -82,7 +82,8 @@ class ZImageSequenceParallelAttnProcessor:
         if attention_mask is not None:
             raise ValueError("the Z-Image sequence-parallel processor runs one image per forward, without a mask")
         query, key, value = (
-            projection(hidden_states).unflatten(-1, (attn.heads, -1)) for projection in (attn.to_q, attn.to_k, attn.to_v)
+            projection(hidden_states).unflatten(-1, (attn.heads, -1))
+            for projection in (attn.to_q, attn.to_k, attn.to_v)
         )
         if attn.norm_q is not None:
             query = attn.norm_q(query)

@@ -29,6 +29,7 @@ from tests.helpers.feature_mixins import (
     WanI2VTesterConfig,
     WanT2VTesterConfig,
     WanTI2VTesterConfig,
+    ZImageTesterConfig,
 )
 
 
@@ -257,4 +258,20 @@ class TestFluxParallelLayouts(FluxTesterConfig, ParallelLayoutsTesterMixin):
 
 
 class TestFluxStepCache(FluxTesterConfig, StepCacheTesterMixin):
+    pass
+
+
+class TestZImageModuleOffload(ZImageTesterConfig, ModuleOffloadTesterMixin):
+    pass
+
+
+class TestZImageLayerwiseOffload(ZImageTesterConfig, LayerwiseOffloadTesterMixin):
+    pass
+
+
+class TestZImageLoading(ZImageTesterConfig, LoadingTesterMixin):
+    pass
+
+
+class TestZImageParallelLayouts(ZImageTesterConfig, ParallelLayoutsTesterMixin):
     pass

@@ -124,7 +124,9 @@ def test_denoiser_latents_equal_pipeline(
     spec = DenoiseSpec(**{**SPEC.__dict__, "guidance_scale": guidance_scale})
     expected = _pipeline_latents(z_image_pipeline, conditioning, spec, **options)
     if options:
-        assert not torch.equal(expected, _pipeline_latents(z_image_pipeline, conditioning, spec)), "options had no effect"
+        assert not torch.equal(expected, _pipeline_latents(z_image_pipeline, conditioning, spec)), (
+            "options had no effect"
+        )
     denoiser.cfg_truncation = options.get("cfg_truncation", 1.0)
     denoiser.cfg_normalization = options.get("cfg_normalization", 0.0)
     try:
@@ -171,9 +173,7 @@ def test_checkpoint_reader_tells_turbo_by_its_scheduler(z_image_model: Path, tmp
     """The base model's scheduler gives ZImagePipeline's defaults, Z-Image-Turbo's shift its card's."""
     from families.z_image.init_model import build_scheduler
 
-    configs = {
-        name: json.loads((z_image_model / name / "config.json").read_text()) for name in ("vae", "transformer")
-    }
+    configs = {name: json.loads((z_image_model / name / "config.json").read_text()) for name in ("vae", "transformer")}
     for kind, defaults in (("base", BASE_DEFAULTS), ("turbo", TURBO_DEFAULTS)):
         build_scheduler(kind).save_pretrained(tmp_path / kind)
         scheduler = json.loads((tmp_path / kind / "scheduler_config.json").read_text())

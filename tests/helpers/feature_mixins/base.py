@@ -137,6 +137,12 @@ class FamilyTesterConfig:
         """The seed's noise in the layout of the denoiser's final latents."""
         raise NotImplementedError
 
+    def offloaded_block_lists(self, expert: torch.nn.Module) -> list[list[torch.nn.Module]]:
+        """The lists of blocks diffusers' block-level group offloading makes groups of (each ModuleList or
+        Sequential child of the expert): the expert's `blocks_attribute` and `more_block_lists` unless the family
+        says otherwise."""
+        return [list(getattr(expert, name)) for name in (self.blocks_attribute, *self.more_block_lists)]
+
     def is_ignored(self, name: str) -> bool:
         return name == "proj_out" or name.startswith(self.ignored_prefixes)
 

@@ -22,13 +22,12 @@ class LayerwiseOffloadTesterMixin:
     ) -> None:
         options = ModelOptions(offload="layerwise", offload_blocks=blocks)
         denoiser = self.build_denoiser(model_dir, torch.float32, options)
-        lists = (self.blocks_attribute, *self.more_block_lists)
-        expert_lists = [[list(getattr(expert, name)) for name in lists] for expert in denoiser.experts]
+        expert_lists = [self.offloaded_block_lists(expert) for expert in denoiser.experts]
+        expert_blocks = [[block for blocks_list in lists for block in blocks_list] for lists in expert_lists]
         units = [group_offload_units(expert) for expert in denoiser.experts]
-        for expert_units, own_lists in zip(units, expert_lists, strict=True):
-            # One group per `blocks` transformer blocks of each list, plus the parameters outside them.
-            assert len(expert_units) == sum(math.ceil(len(own) / blocks) for own in own_lists) + 1
-        expert_blocks = [[block for own in own_lists for block in own] for own_lists in expert_lists]
+        for expert_units, lists in zip(units, expert_lists, strict=True):
+            # One group per `blocks` blocks of each list, plus the parameters outside them.
+            assert len(expert_units) == sum(math.ceil(len(blocks_list) / blocks) for blocks_list in lists) + 1
         all_blocks = [block for own_blocks in expert_blocks for block in own_blocks]
         counter = ResidencyCounter([unit for expert_units in units for unit in expert_units], all_blocks, CPU)
         assert counter.onloaded == set()
@@ -42,7 +41,7 @@ class LayerwiseOffloadTesterMixin:
         assert calls == self.forwards_per_expert and torch.equal(latents, reference.latents)
         assert counter.violations == [] and counter.leaf_calls > 0
         # Across all experts at once.
-        longest = max(len(own) for own_lists in expert_lists for own in own_lists)
+        longest = max(len(blocks_list) for lists in expert_lists for blocks_list in lists)
         assert counter.max_resident_blocks == min(blocks, longest)
         assert counter.onloaded == set()  # offloaded again after each forward
         # Each forward of an expert moves each of its groups once.
