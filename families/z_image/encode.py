@@ -39,6 +39,8 @@ class ZImagePromptEncoder(PromptEncoder):
             Qwen3Model, model_dir / "text_encoder", device=device, dtype=dtype, num_threads=load_threads
         )
         tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
+        # The tokenizer as transformers types it: its chat template is what the prompt is put in.
+        self.chat_tokenizer = tokenizer
         super().__init__(model_id, device, tokenizer, text_encoder, cache_bytes, cache_entries)
 
     @property
@@ -48,7 +50,7 @@ class ZImagePromptEncoder(PromptEncoder):
     def templated(self, text: str) -> str:
         """The text in the chat template, as ZImagePipeline._encode_prompt fills it."""
         messages = [{"role": "user", "content": text}]
-        return self.tokenizer.apply_chat_template(
+        return self.chat_tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, enable_thinking=True
         )
 

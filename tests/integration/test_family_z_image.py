@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from diffusers import ZImagePipeline
 
 from families.flux.decode import FluxDecoder
 from families.z_image.checkpoint import BASE_DEFAULTS, TURBO_DEFAULTS, read_geometry
@@ -63,7 +64,9 @@ def _texts(conditioning: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.T
     return prompt, negative
 
 
-def _pipeline_latents(pipeline, conditioning: dict[str, torch.Tensor], spec: DenoiseSpec, **options) -> torch.Tensor:
+def _pipeline_latents(
+    pipeline: ZImagePipeline, conditioning: dict[str, torch.Tensor], spec: DenoiseSpec, **options: float
+) -> torch.Tensor:
     prompt, negative = _texts(conditioning)
     return pipeline(
         prompt_embeds=[prompt],
@@ -82,7 +85,9 @@ def _denoise(denoiser: ZImageDenoiser, spec: DenoiseSpec, conditioning: dict[str
     return denoiser.denoise(spec, conditioning, on_step=lambda step, total: None, cancelled=lambda: False)
 
 
-def test_encoder_equals_pipeline_encode_prompt(encoder: ZImagePromptEncoder, z_image_pipeline, conditioning) -> None:
+def test_encoder_equals_pipeline_encode_prompt(
+    encoder: ZImagePromptEncoder, z_image_pipeline: ZImagePipeline, conditioning: dict[str, torch.Tensor]
+) -> None:
     """Each text's embedding is the pipeline's exactly, with its own length; the batch pads the shorter one."""
     expected, expected_negative = z_image_pipeline.encode_prompt(
         PROMPT, CPU, do_classifier_free_guidance=True, negative_prompt=NEGATIVE, max_sequence_length=MAX_LENGTH
@@ -94,7 +99,7 @@ def test_encoder_equals_pipeline_encode_prompt(encoder: ZImagePromptEncoder, z_i
     assert conditioning["negative_prompt_embeds_mask"][0, negative.shape[0] :].eq(0).all()
 
 
-def test_long_prompt_reports_truncation(encoder: ZImagePromptEncoder, z_image_pipeline) -> None:
+def test_long_prompt_reports_truncation(encoder: ZImagePromptEncoder, z_image_pipeline: ZImagePipeline) -> None:
     """A prompt longer than max_sequence_length tokens (template included) is cut there, as the pipeline cuts it."""
     long_prompt = " ".join([PROMPT] * 4)
     truncation = encoder.truncation(long_prompt, MAX_LENGTH)
@@ -119,7 +124,11 @@ def test_long_prompt_reports_truncation(encoder: ZImagePromptEncoder, z_image_pi
     ids=["cfg", "no-cfg", "cfg-truncated-normalized"],
 )
 def test_denoiser_latents_equal_pipeline(
-    denoiser: ZImageDenoiser, z_image_pipeline, conditioning, guidance_scale: float, options: dict
+    denoiser: ZImageDenoiser,
+    z_image_pipeline: ZImagePipeline,
+    conditioning: dict[str, torch.Tensor],
+    guidance_scale: float,
+    options: dict[str, float],
 ) -> None:
     spec = DenoiseSpec(**{**SPEC.__dict__, "guidance_scale": guidance_scale})
     expected = _pipeline_latents(z_image_pipeline, conditioning, spec, **options)
@@ -139,7 +148,12 @@ def test_denoiser_latents_equal_pipeline(
     assert difference <= TOLERANCE
 
 
-def test_decoder_frames_equal_pipeline(z_image_model: Path, denoiser: ZImageDenoiser, z_image_pipeline, conditioning):
+def test_decoder_frames_equal_pipeline(
+    z_image_model: Path,
+    denoiser: ZImageDenoiser,
+    z_image_pipeline: ZImagePipeline,
+    conditioning: dict[str, torch.Tensor],
+) -> None:
     """FLUX.1's decoder is Z-Image's: the uint8 frame is the pipeline's `np` image within one level."""
     latents = _denoise(denoiser, SPEC, conditioning)
     prompt, negative = _texts(conditioning)
@@ -162,7 +176,7 @@ def test_decoder_frames_equal_pipeline(z_image_model: Path, denoiser: ZImageDeno
 
 @pytest.mark.parametrize("guidance_scale", [0.5, 1.0])
 def test_guidance_the_pipeline_would_apply_without_a_negative_prompt_is_refused(
-    denoiser: ZImageDenoiser, conditioning, guidance_scale: float
+    denoiser: ZImageDenoiser, conditioning: dict[str, torch.Tensor], guidance_scale: float
 ) -> None:
     spec = DenoiseSpec(**{**SPEC.__dict__, "guidance_scale": guidance_scale})
     with pytest.raises(RequestError, match="use 0 \\(no guidance\\) or above 1"):

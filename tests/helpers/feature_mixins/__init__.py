@@ -31,12 +31,12 @@ from tests.helpers.feature_mixins.configs import (
     QwenImageEditPlusTesterConfig,
     QwenImageEditTesterConfig,
     QwenImageTesterConfig,
-    ZImageTesterConfig,
     WanA14BTesterConfig,
     WanI2VA14BTesterConfig,
     WanI2VTesterConfig,
     WanT2VTesterConfig,
     WanTI2VTesterConfig,
+    ZImageTesterConfig,
 )
 from tests.helpers.feature_mixins.gguf import GGUFTesterMixin
 from tests.helpers.feature_mixins.layerwise_offload import LayerwiseOffloadTesterMixin
