@@ -10,8 +10,9 @@ other. How sequence parallelism (Ulysses, Ring, or both: USP) splits it:
   Nothing in those blocks treats the two differently, so a plain split balances the work exactly and needs only
   `usp_attention` over one sequence; keeping the caption whole on every rank (as the dual-stream FLUX and
   Qwen-Image plans do, where the text has its own weights) would repeat up to 512 caption tokens on each rank
-  for nothing. The split is taken at the first main layer's input (its tokens `x` and their rotary table
-  `freqs_cis`) and gathered at the last one's output, so the final layer and unpatchify see the whole sequence.
+  for nothing. The tokens `x` are split at the first main layer's input and their rotary table `freqs_cis` at
+  every layer's (the model passes it whole to each), and gathered at the last layer's output, so the final layer
+  and unpatchify see the whole sequence.
 - The noise refiner splits the image tokens the same way, on a state of its own (it runs over another
   sequence length in the same forward), and gathers them before the joint sequence is built.
 - The context refiner runs whole on every rank: a few hundred caption tokens through two blocks.
