@@ -23,6 +23,7 @@ _FAMILY_MODULES = (
     "families.qwen_image_edit.family",
     "families.flux.family",
     "families.z_image.family",
+    "families.flux2_klein.family",
 )
 
 FAMILIES: dict[str, Family] = {

@@ -122,6 +122,8 @@ def read_checkpoint(path: str | Path, model_id: str | None = None) -> Checkpoint
         "vae": _read_json(root / "vae" / "config.json"),
         "transformer": _read_json(root / "transformer" / "config.json"),
         "scheduler": _read_json(root / "scheduler" / "scheduler_config.json"),
+        # The pipeline's own config entries (FLUX.2 klein's `is_distilled` decides its defaults).
+        "model_index": index,
     }
     # The family reads its geometry (VAE and patch factors, latent channels, its limits) from the configs, and
     # may choose defaults by variant (FLUX.1-dev's and schnell's).

@@ -31,7 +31,8 @@ FamilyT_contra = TypeVar("FamilyT_contra", contravariant=True)
 
 class GeometryReader(Protocol):
     """`checkpoint_reader`: the CheckpointSpec fields a family reads from a checkpoint's configs (services/
-    checkpoint.py), given {"vae", "transformer", "scheduler"} -> that component's config.json."""
+    checkpoint.py), given {"vae", "transformer", "scheduler"} -> that component's config.json, and "model_index"
+    -> model_index.json (the pipeline's own config entries)."""
 
     def __call__(self, configs: dict[str, dict[str, Any]]) -> dict[str, Any]: ...
 
