@@ -108,6 +108,36 @@ def qwen_pipeline(qwen_model: Path):
 
 
 @pytest.fixture(scope="session")
+def klein_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny FLUX.2 klein checkpoint of the step-distilled kind (model_index.json `is_distilled: true`)."""
+    return init_model("flux2-klein", "tiny", tmp_path_factory.mktemp("models") / "klein-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def klein_base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny FLUX.2 klein checkpoint of the base kind (not distilled: CFG)."""
+    return init_model("flux2-klein", "tiny-base", tmp_path_factory.mktemp("models") / "klein-base", seed=0)
+
+
+@pytest.fixture(scope="session")
+def klein_pipeline(klein_model: Path):
+    from diffusers import Flux2KleinPipeline
+
+    pipeline = Flux2KleinPipeline.from_pretrained(klein_model)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+@pytest.fixture(scope="session")
+def klein_base_pipeline(klein_base_model: Path):
+    from diffusers import Flux2KleinPipeline
+
+    pipeline = Flux2KleinPipeline.from_pretrained(klein_base_model)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+@pytest.fixture(scope="session")
 def reference_pipeline(tiny_model: Path):
     from diffusers import WanPipeline
 

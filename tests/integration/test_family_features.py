@@ -12,6 +12,7 @@ from __future__ import annotations
 from tests.helpers.feature_mixins import (
     BatchingTesterMixin,
     CompileTesterMixin,
+    Flux2KleinTesterConfig,
     FluxTesterConfig,
     GGUFTesterMixin,
     LayerwiseOffloadTesterMixin,
@@ -274,4 +275,28 @@ class TestZImageLoading(ZImageTesterConfig, LoadingTesterMixin):
 
 
 class TestZImageParallelLayouts(ZImageTesterConfig, ParallelLayoutsTesterMixin):
+    pass
+
+
+class TestFlux2KleinModuleOffload(Flux2KleinTesterConfig, ModuleOffloadTesterMixin):
+    pass
+
+
+class TestFlux2KleinLayerwiseOffload(Flux2KleinTesterConfig, LayerwiseOffloadTesterMixin):
+    pass
+
+
+class TestFlux2KleinQuantization(Flux2KleinTesterConfig, QuantizationTesterMixin):
+    pass
+
+
+class TestFlux2KleinLoading(Flux2KleinTesterConfig, LoadingTesterMixin):
+    pass
+
+
+class TestFlux2KleinParallelLayouts(Flux2KleinTesterConfig, ParallelLayoutsTesterMixin):
+    pass
+
+
+class TestFlux2KleinStepCache(Flux2KleinTesterConfig, StepCacheTesterMixin):
     pass

@@ -27,6 +27,7 @@ from tests.helpers.feature_mixins.batching import BatchingTesterMixin
 from tests.helpers.feature_mixins.compile import CompileTesterMixin
 from tests.helpers.feature_mixins.configs import (
     TESTER_CONFIGS,
+    Flux2KleinTesterConfig,
     FluxTesterConfig,
     QwenImageEditPlusTesterConfig,
     QwenImageEditTesterConfig,
@@ -76,6 +77,7 @@ __all__ = [
     "TESTER_CONFIGS",
     "FamilyTesterConfig",
     "FluxTesterConfig",
+    "Flux2KleinTesterConfig",
     "GGUFTesterMixin",
     "LayerwiseOffloadTesterMixin",
     "LoRATesterMixin",
