@@ -27,7 +27,8 @@ def is_distilled(model_index: dict[str, Any]) -> bool:
 
 def vae_scale_factor(vae_config: dict[str, Any]) -> int:
     """Flux2KleinPipeline.vae_scale_factor: 2 ** (len(block_out_channels) - 1), before the 2x2 patches."""
-    return 2 ** (len(vae_config.get("block_out_channels", [128, 256, 512, 512])) - 1)
+    levels: list[int] = vae_config.get("block_out_channels", [128, 256, 512, 512])
+    return int(2 ** (len(levels) - 1))
 
 
 def read_geometry(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:

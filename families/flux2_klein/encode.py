@@ -15,6 +15,7 @@ The stage sends, per text, "embeds" [1, L, 3 * hidden_size], which travels as "p
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer, Qwen3ForCausalLM
@@ -25,6 +26,14 @@ from stagekit.weights import load_pretrained
 
 # Flux2KleinPipeline's text_encoder_out_layers: the hidden states it stacks, by index into `hidden_states`.
 HIDDEN_STATES_LAYERS = (9, 18, 27)
+
+
+def render_chat(tokenizer: Any, text: str) -> str:
+    """The tokenizer's chat template over one user message, with the generation prompt and thinking off."""
+    messages = [{"role": "user", "content": text}]
+    return str(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    )
 
 
 class Flux2KleinPromptEncoder(PromptEncoder):
@@ -55,15 +64,12 @@ class Flux2KleinPromptEncoder(PromptEncoder):
 
     def chat(self, text: str) -> str:
         """The text as the pipeline gives it to the tokenizer: the chat template's rendering of one user message."""
-        messages = [{"role": "user", "content": text}]
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
-        )
+        return render_chat(self.tokenizer, text)
 
     def embed_uncached(self, text: str, max_sequence_length: int) -> torch.Tensor:
         """The [max_sequence_length, 3 * hidden_size] embedding of one text, as the pipeline makes it alone."""
         tokens = self.tokenizer(
-            self.chat(text),
+            [self.chat(text)],
             return_tensors="pt",
             padding="max_length",
             truncation=True,
@@ -81,7 +87,7 @@ class Flux2KleinPromptEncoder(PromptEncoder):
 
     def truncation(self, text: str, max_sequence_length: int) -> Truncation | None:
         """The chat-rendered text's tokens (the template's included) beyond `max_sequence_length`."""
-        count = len(self.tokenizer(self.chat(text), verbose=False).input_ids)
+        count = len(self.tokenizer([self.chat(text)], verbose=False).input_ids[0])
         return Truncation(given=count, kept=max_sequence_length) if count > max_sequence_length else None
 
     def batch(self, embeddings: list[torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -18,6 +18,7 @@ _FEATURE_CLASSES = "tests/integration/test_family_features.py::TestFlux2Klein"
 _LATENTS_PARALLEL = (_FEATURE_CLASSES + "ParallelLayouts",)
 _QUANTIZATION = (_FEATURE_CLASSES + "Quantization",)
 _STEP_CACHE = (_FEATURE_CLASSES + "StepCache",)
+_REFUSED = (_KLEIN + "test_klein_stages_refuse_what_the_family_does_not_run",)
 
 FLUX2_KLEIN = Family(
     name="flux2-klein",
@@ -51,15 +52,18 @@ FLUX2_KLEIN = Family(
         "tensor_parallel": Support(
             reason="not built yet: the single-stream blocks' to_qkv_mlp_proj packs Q, K, V and the MLP input, and "
             "their to_out takes attention and MLP outputs side by side, which need packed splits; use Ulysses, Ring "
-            "or HSDP"
+            "or HSDP",
+            refusal_tests=_REFUSED,
         ),
         "hsdp": Support(tests=_LATENTS_PARALLEL),
         "vae_patch_parallel": Support(
             reason="not built yet: AutoencoderKLFlux2's GroupNorms reduce over the whole image, so bands would have "
-            "to share their statistics; the image is decoded whole on one device"
+            "to share their statistics; the image is decoded whole on one device",
+            refusal_tests=_REFUSED,
         ),
         "vae_tiling": Support(
-            reason="tiled decode is implemented for the Wan VAE only; AutoencoderKLFlux2 decodes each image whole"
+            reason="tiled decode is implemented for the Wan VAE only; AutoencoderKLFlux2 decodes each image whole",
+            refusal_tests=_REFUSED,
         ),
         "cpu_offload": Support(tests=(_FEATURE_CLASSES + "ModuleOffload",)),
         "layerwise_offload": Support(tests=(_FEATURE_CLASSES + "LayerwiseOffload",)),

@@ -112,13 +112,13 @@ SCHEDULER_CONFIG: dict[str, Any] = dict(
     use_dynamic_shifting=True,
 )
 
-# The request each preset is sized for: the distilled kind without guidance (the pipeline ignores it), the base
-# kind with CFG.
+# The request each size is sized for, of the distilled kind: no guidance (the pipeline would ignore it). The base
+# kind's runs CFG (BASE_GUIDANCE), as FLUX.2-klein-base is run.
 DEFAULT_REQUESTS: dict[str, dict[str, Any]] = {
     "tiny": dict(height=48, width=80, num_frames=1, num_inference_steps=2, guidance_scale=1.0),
-    "tiny-base": dict(height=48, width=80, num_frames=1, num_inference_steps=2, guidance_scale=4.0),
     "small": dict(height=256, width=256, num_frames=1, num_inference_steps=4, guidance_scale=1.0),
 }
+BASE_GUIDANCE = 4.0
 
 # model_index.json entries as in the published FLUX.2 klein checkpoints.
 COMPONENT_CLASSES: dict[str, tuple[str, str]] = {
@@ -146,7 +146,8 @@ def write_checkpoint(family: Family, out: Path, preset: str, seed: int, save_kwa
     build_scheduler().save_pretrained(out / "scheduler")
 
     write_model_index(out, family, COMPONENT_CLASSES, is_distilled=not base)
-    write_default_request(out, family, DEFAULT_REQUESTS[preset])
+    request = DEFAULT_REQUESTS[size] | (dict(guidance_scale=BASE_GUIDANCE) if base else {})
+    write_default_request(out, family, request)
 
 
 def build_chat_tokenizer(size: str) -> Any:

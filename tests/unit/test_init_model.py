@@ -173,11 +173,15 @@ def test_preset_configs_build_and_fit_together(preset: str) -> None:
 
 
 def test_a_family_declares_its_own_presets(tmp_path: Path) -> None:
-    assert REAL_SIZE_PRESET in OWN_PRESETS and REAL_SIZE_PRESET in ALL_PRESETS
+    assert REAL_SIZE_PRESET in OWN_PRESETS and set(OWN_PRESETS) <= set(ALL_PRESETS)
     assert REAL_SIZE_PRESET in FAMILIES["wan-t2v"].own_presets
-    for other in ("wan2.2-a14b", "qwen-image"):
-        with pytest.raises(ValueError, match=f"unknown preset '{REAL_SIZE_PRESET}' for {other}; allowed: tiny, small"):
-            init_model(other, REAL_SIZE_PRESET, tmp_path / other)
+    for preset, other in (
+        (REAL_SIZE_PRESET, "wan2.2-a14b"),
+        (REAL_SIZE_PRESET, "qwen-image"),
+        ("tiny-base", "wan-t2v"),
+    ):
+        with pytest.raises(ValueError, match=f"unknown preset '{preset}' for {other}; allowed: tiny, small"):
+            init_model(other, preset, tmp_path / other)
         assert not (tmp_path / other).exists()
 
 
