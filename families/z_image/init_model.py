@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from families.base import Family
+from families.flux.init_model import VAE_CONFIGS as FLUX_VAE_CONFIGS
 from families.flux.init_model import build_vae
 from families.init_model import save_component, save_tokenizer, write_default_request, write_model_index
 from families.qwen_image.init_model import SPECIAL_TOKENS, build_tokenizer
@@ -106,9 +107,15 @@ SCHEDULER_SHIFTS = {"base": 6.0, "turbo": 3.0}
 # The request each preset is sized for (ZImagePipeline keyword arguments). 48x80 is 3x5 patches of 2x2 latents.
 DEFAULT_REQUESTS: dict[str, dict[str, Any]] = {
     "tiny": dict(height=48, width=80, num_frames=1, num_inference_steps=2, guidance_scale=4.0),
-    "tiny-turbo": dict(height=48, width=80, num_frames=1, num_inference_steps=2, guidance_scale=0.0),
     "small": dict(height=256, width=256, num_frames=1, num_inference_steps=8, guidance_scale=4.0),
 }
+
+# Z-Image-Turbo's kind runs without CFG.
+TURBO_DEFAULT_REQUEST: dict[str, Any] = dict(
+    height=48, width=80, num_frames=1, num_inference_steps=2, guidance_scale=0.0
+)
+# AutoencoderKL as FLUX.1 ships it, sized by FLUX.1's table (build_vae).
+VAE_CONFIGS = FLUX_VAE_CONFIGS
 
 # model_index.json entries as in the published Z-Image checkpoints.
 COMPONENT_CLASSES: dict[str, tuple[str, str]] = {
@@ -136,7 +143,7 @@ def write_checkpoint(family: Family, out: Path, preset: str, seed: int, save_kwa
     build_scheduler("turbo" if turbo else "base").save_pretrained(out / "scheduler")
 
     write_model_index(out, family, COMPONENT_CLASSES)
-    write_default_request(out, family, DEFAULT_REQUESTS[preset])
+    write_default_request(out, family, TURBO_DEFAULT_REQUEST if turbo else DEFAULT_REQUESTS[size])
 
 
 def build_chat_tokenizer(size: str) -> Any:
