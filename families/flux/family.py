@@ -45,7 +45,11 @@ FLUX = Family(
     denoiser="families.flux.denoise:FluxDenoiser",
     decoder="families.flux.decode:FluxDecoder",
     writer="families.flux.init_model:write_checkpoint",
-    own_presets={"tiny-schnell": "FLUX.1-schnell's kind at the tiny size: no guidance embedding, a fixed shift"},
+    own_presets={
+        "tiny-schnell": "FLUX.1-schnell's kind at the tiny size: no guidance embedding, a fixed shift",
+        "flux.1-dev-config": "FLUX.1-dev's published configs (12B transformer, T5-XXL, CLIP-L), random bf16 weights",
+        "flux.1-schnell-config": "FLUX.1-schnell's published configs, random bf16 weights",
+    },
     features={
         "ulysses": Support(tests=(_LATENTS_PARALLEL, _CLUSTER)),
         "ring": Support(tests=(_LATENTS_PARALLEL,)),

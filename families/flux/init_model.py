@@ -141,6 +141,11 @@ COMPONENT_CLASSES: dict[str, tuple[str, str]] = {
 
 def write_checkpoint(family: Family, out: Path, preset: str, seed: int, save_kwargs: dict[str, Any]) -> None:
     """Both tokenizers and text encoders, transformer, VAE, scheduler, model_index.json and defaults file."""
+    if preset.endswith("-config"):
+        from families.flux.real_size import write_real_size_checkpoint
+
+        write_real_size_checkpoint(family, out, preset, seed, save_kwargs)
+        return
     schnell = preset.endswith("-schnell")
     size = preset.removesuffix("-schnell")
     vocab_size, sentences, names = TOKENIZER_CONFIGS[size]

@@ -44,7 +44,10 @@ FLUX2_KLEIN = Family(
     denoiser="families.flux2_klein.denoise:Flux2KleinDenoiser",
     decoder="families.flux2_klein.decode:Flux2KleinDecoder",
     writer="families.flux2_klein.init_model:write_checkpoint",
-    own_presets={"tiny-base": "FLUX.2-klein-base's kind at the tiny size: not distilled, CFG with a negative prompt"},
+    own_presets={
+        "tiny-base": "FLUX.2-klein-base's kind at the tiny size: not distilled, CFG with a negative prompt",
+        "flux2-klein-4b-config": "FLUX.2 [klein] 4B's published configs (4B transformer, Qwen3-4B), random bf16",
+    },
     features={
         "ulysses": Support(tests=_LATENTS_PARALLEL),
         "ring": Support(tests=_LATENTS_PARALLEL),

@@ -13,6 +13,7 @@ import torch
 
 from families.base import Family
 from families.init_model import save_component, save_tokenizer, write_model_index
+from families.real_size import random_bf16
 from families.wan.components import build_scheduler, build_tokenizer
 from families.wan.presets import COMPONENT_CLASSES, TOKENIZER_CONFIGS
 
@@ -87,9 +88,6 @@ REAL_VAE_CONFIG: dict[str, Any] = dict(
 # The published checkpoint is float32 with shards of at most 5 GB: 5 text encoder shards, 2 transformer
 # shards, one VAE file. Half that limit in bf16 splits the same tensors into the same shards.
 REAL_SIZE_SHARD_BYTES = 2_500_000_000
-REAL_SIZE_DTYPE = torch.bfloat16
-# Random weights are normal(0, REAL_SIZE_WEIGHT_STD); norm scales are 1.
-REAL_SIZE_WEIGHT_STD = 0.02
 
 
 def write_real_size_checkpoint(
@@ -138,33 +136,3 @@ def write_real_size_checkpoint(
         scheduler = type(scheduler).from_pretrained(config_from / "scheduler")
     scheduler.save_pretrained(out / "scheduler")
     write_model_index(out, family, dict(COMPONENT_CLASSES))
-
-
-def random_bf16(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """`model` (built on the meta device) materialised in bf16 on the CPU with seeded random weights.
-
-    Every saved tensor is filled in place, in state-dict order, from one generator seeded with `seed`:
-    normal(0, REAL_SIZE_WEIGHT_STD), except the scales of norms (the VAE's RMS-norm `gamma`s, and the
-    one-dimensional weights of modules named "norm"), which are 1. A tensor shared under two names (UMT5's
-    embedding) is filled once. Buffers that are not saved (Wan's RoPE tables) are left unset: loaders
-    compute them.
-    """
-    model = model.to(REAL_SIZE_DTYPE).to_empty(device="cpu")
-    if hasattr(model, "tie_weights"):
-        # to_empty gives each module a parameter of its own: tie UMT5's embedding to the encoder's again, so
-        # that it is filled and saved once, as in the published checkpoint.
-        model.tie_weights()
-    generator = torch.Generator().manual_seed(seed)
-    filled: set[int] = set()
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            if not tensor.is_floating_point():
-                raise ValueError(f"{name}: a saved {tensor.dtype} tensor; only floating-point weights are filled")
-            if tensor.data_ptr() in filled:
-                continue
-            filled.add(tensor.data_ptr())
-            if name.endswith(".gamma") or (tensor.dim() == 1 and "norm" in name and name.endswith("weight")):
-                tensor.fill_(1.0)
-            else:
-                tensor.normal_(0.0, REAL_SIZE_WEIGHT_STD, generator=generator)
-    return model

@@ -51,7 +51,10 @@ Z_IMAGE = Family(
     denoiser="families.z_image.denoise:ZImageDenoiser",
     decoder="families.flux.decode:FluxDecoder",
     writer="families.z_image.init_model:write_checkpoint",
-    own_presets={"tiny-turbo": "Z-Image-Turbo's kind at the tiny size: its scheduler's shift, 8 steps, no CFG"},
+    own_presets={
+        "tiny-turbo": "Z-Image-Turbo's kind at the tiny size: its scheduler's shift, 8 steps, no CFG",
+        "z-image-turbo-config": "Z-Image-Turbo's published configs (6B transformer, Qwen3-4B), random bf16 weights",
+    },
     features={
         "ulysses": Support(tests=(_LATENTS_PARALLEL,)),
         "ring": Support(tests=(_LATENTS_PARALLEL,)),

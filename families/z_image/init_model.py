@@ -129,6 +129,11 @@ COMPONENT_CLASSES: dict[str, tuple[str, str]] = {
 
 def write_checkpoint(family: Family, out: Path, preset: str, seed: int, save_kwargs: dict[str, Any]) -> None:
     """Tokenizer, Qwen3 text encoder, transformer, VAE, scheduler, model_index.json and defaults file."""
+    if preset.endswith("-config"):
+        from families.z_image.real_size import write_real_size_checkpoint
+
+        write_real_size_checkpoint(family, out, preset, seed, save_kwargs)
+        return
     turbo = preset.endswith("-turbo")
     size = preset.removesuffix("-turbo")
     tokenizer = build_chat_tokenizer(size)
