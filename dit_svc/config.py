@@ -10,7 +10,6 @@ step cache offer and batching to the servicer. Nothing below `main()` reads the 
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,8 +61,7 @@ class CheckpointTraits:
             spec, error = read_checkpoint(model, model_name), None
         except CheckpointError as problem:
             spec, error = None, str(problem)
-        config = path / "transformer" / "config.json"
-        heads = json.loads(config.read_text())["num_attention_heads"] if config.is_file() else None
+        heads = spec.attention_heads if spec is not None else None
         return cls(path, spec, error, transformer_components(path), heads)
 
 

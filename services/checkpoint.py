@@ -50,6 +50,9 @@ class CheckpointSpec:
     required_image_roles: tuple[str, ...] = ()
     max_image_bytes: int = MAX_IMAGE_BYTES
     max_image_pixels: int = MAX_IMAGE_PIXELS
+    # The transformer's attention heads, which a parallel layout must divide (its config's num_attention_heads
+    # unless the family's reader names another key: Z-Image's n_heads).
+    attention_heads: int | None = None
     # Whether the transformer takes the guidance scale as an input (FLUX.1-dev), the request's
     # embedded_guidance_scale; a request naming it for any other model is refused.
     embedded_guidance: bool = False
@@ -130,6 +133,7 @@ def read_checkpoint(path: str | Path, model_id: str | None = None) -> Checkpoint
     geometry = {
         "image_roles": family.images.roles,
         "required_image_roles": family.images.required,
+        "attention_heads": configs["transformer"].get("num_attention_heads"),
         **family.load("checkpoint_reader")(configs),
     }
     defaults = geometry.pop("defaults", family.defaults)

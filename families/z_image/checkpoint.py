@@ -40,4 +40,6 @@ def read_geometry(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "max_sequence_length": 512,
         "sequence_length_limit": (caption_positions - 2) // CAPTION_MULTIPLE * CAPTION_MULTIPLE,
         "defaults": TURBO_DEFAULTS if turbo else BASE_DEFAULTS,
+        # ZImageTransformer2DModel names its heads n_heads.
+        "attention_heads": transformer.get("n_heads", 30),
     }

@@ -1,7 +1,7 @@
 """The image families beyond Qwen-Image through one running cluster, each equal to its diffusers pipeline within
-one level: FLUX.1-dev's kind (its DiT under Ulysses over two ranks) and FLUX.1-schnell's behind one orchestrator
-and one HTTP gateway, sharing one text-encoder process (CLIP and T5) and one VAE process, whose files are the
-same (`stagediff up --model A --model B`).
+one level, behind one orchestrator and one HTTP gateway (`stagediff up --model A --model B ...`): FLUX.1-dev's
+kind (its DiT under Ulysses over two ranks) and FLUX.1-schnell's, sharing one text-encoder process (CLIP and T5);
+Z-Image, whose VAE is FLUX.1's and so shares their VAE process; FLUX.2 klein's base kind with CFG.
 
 What each family does stage by stage, and every parallel layout and option on gloo, is in
 tests/integration/test_family_flux.py and tests/integration/test_family_features.py.
@@ -14,13 +14,14 @@ import io
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 import openai
 import pytest
 import torch
-from diffusers import FluxPipeline
+from diffusers import Flux2KleinPipeline, FluxPipeline, ZImagePipeline
 from PIL import Image
 
 from stagediff import Client, StageDiffError
@@ -31,12 +32,22 @@ LONG_PROMPT = "a red fox running through fresh snow at dawn, " * 30
 
 
 @pytest.fixture(scope="module")
-def models(flux_model: Path, flux_schnell_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def models(
+    flux_model: Path,
+    flux_schnell_model: Path,
+    z_image_model: Path,
+    klein_base_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Path]:
+    """By the ids the cluster serves them under (their directories' names)."""
     root = tmp_path_factory.mktemp("image-models")
-    return {
-        "flux-dev": Path(shutil.copytree(flux_model, root / "flux-dev")),
-        "flux-schnell": Path(shutil.copytree(flux_schnell_model, root / "flux-schnell")),
+    given = {
+        "flux-dev": flux_model,
+        "flux-schnell": flux_schnell_model,
+        "z-image": z_image_model,
+        "klein-base": klein_base_model,
     }
+    return {name: Path(shutil.copytree(model, root / name)) for name, model in given.items()}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +71,7 @@ def _pipeline(model: Path) -> FluxPipeline:
     return pipeline
 
 
-def _reference(pipeline: FluxPipeline, seed: int, **arguments) -> np.ndarray:
+def _reference(pipeline: Any, seed: int, **arguments) -> np.ndarray:
     images = pipeline(**arguments, generator=torch.Generator("cpu").manual_seed(seed), output_type="np").images
     return (np.clip(images, 0, 1) * 255).round().astype(np.uint8)
 
@@ -68,7 +79,7 @@ def _reference(pipeline: FluxPipeline, seed: int, **arguments) -> np.ndarray:
 def _assert_close(frames: np.ndarray, expected: np.ndarray, what: str) -> None:
     assert frames.shape == expected.shape, (what, frames.shape, expected.shape)
     difference = np.abs(frames.astype(np.int16) - expected.astype(np.int16)).max()
-    print(f"{what}: {difference} levels off FluxPipeline")
+    print(f"{what}: {difference} levels off its pipeline")
     assert difference <= 1 and expected.std() > 1.0, what
 
 
@@ -110,9 +121,12 @@ def test_flux_cluster_equals_pipeline(cluster: LocalCluster, models: dict[str, P
         assert "embedded_guidance_scale: this model has no guidance embedding" in str(refused.value)
 
         info = client.cluster_info()
-    served = {stage.info.stage: [tuple(replica.info.models) for replica in stage.replicas] for stage in info.stages}
-    assert served["text-encoder"] == [("flux-dev", "flux-schnell")] and served["vae"] == [("flux-dev", "flux-schnell")]
-    assert sorted(served["dit"]) == [("flux-dev",), ("flux-schnell",)]
+    served = {
+        stage.info.stage: sorted(tuple(replica.info.models) for replica in stage.replicas) for stage in info.stages
+    }
+    assert served["text-encoder"] == [("flux-dev", "flux-schnell"), ("klein-base",), ("z-image",)]
+    assert served["vae"] == [("flux-dev", "flux-schnell", "z-image"), ("klein-base",)]
+    assert served["dit"] == [("flux-dev",), ("flux-schnell",), ("klein-base",), ("z-image",)]
 
     http = openai.OpenAI(api_key="unused", base_url=f"{cluster.http_url}/v1", max_retries=0, timeout=120)
     models_listed = {model.id: model.model_dump() for model in http.models.list()}
@@ -130,3 +144,24 @@ def test_flux_cluster_equals_pipeline(cluster: LocalCluster, models: dict[str, P
         dev, 5, prompt="a blue square", guidance_scale=4.0, height=48, width=64, num_inference_steps=2
     )
     _assert_close(image[None], expected, "flux-dev over HTTP, embedded guidance 4")
+
+
+def test_z_image_cluster_equals_pipeline(cluster: LocalCluster, models: dict[str, Path]) -> None:
+    """Z-Image with CFG (its Qwen3 embeddings of their own lengths, a mask each), decoded by the VAE process it
+    shares with the FLUX.1 models."""
+    pipeline = ZImagePipeline.from_pretrained(models["z-image"])
+    pipeline.set_progress_bar_config(disable=True)
+    arguments = dict(prompt="a red fox", negative_prompt="blurry", height=48, width=80, num_inference_steps=2)
+    with Client(cluster.endpoint) as client:
+        result = client.generate(model="z-image", guidance_scale=4.0, seed=2, **arguments)
+    _assert_close(result.frames, _reference(pipeline, 2, guidance_scale=4.0, **arguments), "z-image, CFG 4")
+
+
+def test_flux2_klein_cluster_equals_pipeline(cluster: LocalCluster, models: dict[str, Path]) -> None:
+    """FLUX.2 klein's base kind with CFG (Flux2KleinPipeline's negative prompt is the empty text)."""
+    pipeline = Flux2KleinPipeline.from_pretrained(models["klein-base"])
+    pipeline.set_progress_bar_config(disable=True)
+    arguments = dict(prompt="a red fox", height=48, width=80, num_inference_steps=2)
+    with Client(cluster.endpoint) as client:
+        result = client.generate(model="klein-base", guidance_scale=4.0, seed=4, **arguments)
+    _assert_close(result.frames, _reference(pipeline, 4, guidance_scale=4.0, **arguments), "flux2-klein base, CFG 4")
