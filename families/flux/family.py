@@ -67,6 +67,7 @@ FLUX = Family(
         "fp8": Support(tests=_QUANTIZATION),
         "int8": Support(tests=_QUANTIZATION),
         "multithread_loading": Support(tests=(_FEATURE_CLASSES + "Loading",)),
+        "compile": Support(tests=(_FEATURE_CLASSES + "Compile",)),
         "interpolation": Support(
             reason="single images: nothing to interpolate; a request asking for it is refused with INVALID_ARGUMENT"
         ),
