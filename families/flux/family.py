@@ -66,6 +66,11 @@ FLUX = Family(
         "layerwise_offload": Support(tests=(_FEATURE_CLASSES + "LayerwiseOffload",)),
         "fp8": Support(tests=_QUANTIZATION),
         "int8": Support(tests=_QUANTIZATION),
+        "gguf": Support(
+            reason="not verified: published FLUX.1 GGUF files keep BFL's names with fused tensors (qkv, single "
+            "blocks' linear1), which diffusers' convert_flux_transformer_checkpoint_to_diffusers splits at FLUX.1's "
+            "own width (3072), so no small checkpoint loads, and a 3072-wide one outgrows the test budget"
+        ),
         "multithread_loading": Support(tests=(_FEATURE_CLASSES + "Loading",)),
         "compile": Support(tests=(_FEATURE_CLASSES + "Compile",)),
         "interpolation": Support(
