@@ -50,10 +50,7 @@ FLUX = Family(
         "ulysses": Support(tests=(_LATENTS_PARALLEL, _CLUSTER)),
         "ring": Support(tests=(_LATENTS_PARALLEL,)),
         "cfg_parallel": Support(tests=(_LATENTS_PARALLEL,)),
-        "tensor_parallel": Support(
-            reason="not built yet: the single-stream blocks' proj_out takes the attention and MLP outputs side by "
-            "side, two column-split streams that need a packed row-wise split; use Ulysses, Ring or HSDP"
-        ),
+        "tensor_parallel": Support(tests=(_LATENTS_PARALLEL,)),
         "hsdp": Support(tests=(_LATENTS_PARALLEL,)),
         "vae_patch_parallel": Support(
             reason="not built yet: AutoencoderKL's GroupNorms reduce over the whole image, so bands would have to "
