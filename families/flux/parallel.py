@@ -1,6 +1,10 @@
 """The parallel plan of FluxTransformer2DModel: `parallelize`, composing the generic `apply_*` functions, and the
 attention processor that sequence parallelism installs in every block.
 
+- Tensor parallelism first (stagekit/parallel/tensor_parallel.py): the double-stream blocks split as Qwen-Image's
+  (Q/K/V and the added projections column-wise, to_out.0 and to_add_out row-wise, ff and ff_context); the
+  single-stream blocks split Q/K/V and proj_mlp column-wise, and their proj_out, which takes cat([attention output,
+  MLP output]), keeps each rank's columns of both halves (a packed row-wise split).
 - Sequence parallelism (Ulysses, Ring, or both: USP) splits the image tokens; every rank keeps the text stream
   whole (512 T5 tokens beside 4,096 image tokens at 1024x1024: an eighth more work on each rank, for joint
   attention that needs no mask and no split text). diffusers' own `_cp_plan` for FLUX splits the text too,
@@ -38,6 +42,7 @@ from stagekit.parallel.sequence_parallel import (
     install_sequence_parallel,
     sequence_parallel_state,
 )
+from stagekit.parallel.tensor_parallel import apply_tensor_parallel
 
 # Which inputs carry one entry per image token, and where the whole image sequence is gathered back.
 _IMAGE_PLAN = {
@@ -138,13 +143,15 @@ def _attentions(transformer: FluxTransformer2DModel) -> list[torch.nn.Module]:
 
 
 def parallelize(transformer: torch.nn.Module, config: ParallelConfig, mesh: DeviceMesh, device: torch.device) -> None:
-    """Applies the layout to a FluxTransformer2DModel in place, innermost first: sequence parallel, then HSDP.
+    """Applies the layout to a FluxTransformer2DModel in place, innermost first: TP, sequence parallel, HSDP.
 
     The model may still be on the meta device (then it is loaded shard by shard afterwards).
     """
     refuse_unsupported_methods(config, FLUX)
     if not isinstance(transformer, FluxTransformer2DModel):
         raise TypeError(f"expected FluxTransformer2DModel, not {type(transformer).__name__}")
+    if config.tp_degree > 1:
+        apply_tensor_parallel(transformer, mesh["tp"])
     if config.sequence_parallel:
         apply_sequence_parallel(transformer, mesh)
     if config.use_hsdp and config.hsdp_shard_size * config.hsdp_replicate_size > 1:

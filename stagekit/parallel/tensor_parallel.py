@@ -6,7 +6,14 @@ column-wise, so every tp rank computes a contiguous group of heads; the output p
 Qwen-Image's to_add_out) are split row-wise and all-reduce their partial sums. Each feed-forward's first
 projection is split column-wise and its last one row-wise (Wan's ffn, Qwen-Image's img_mlp and txt_mlp).
 Everything else stays replicated: it is small, or cheap next to the all-reduce it would need. `BlockPlan` names
-these modules for one model class; `PLANS` holds one per supported class.
+these modules for one list of blocks; `PLANS` holds, per supported class, one plan for each of its block lists.
+
+A block may also end in a Linear whose input is several column-split streams side by side: FLUX's single-stream
+blocks run the attention and an MLP in parallel and project cat([attention output, MLP output]) with one
+`proj_out`. Its contiguous column shards would not line up with what each rank computed, so `PackedRowwise`
+splits each stream's columns on their own: a rank holds, of each stream's columns, the slice its column split
+gave it, side by side, and all-reduces the partial sums as a row-wise split does. The loader reads those slices
+from the checkpoint (stagekit/weights/sharded.py, `PACKED_SHARDS`).
 
 Query and key norms come in two kinds, told apart by their width. Qwen-Image normalises each head alone, so a
 rank applies the norm as it is. Wan normalises all heads' features with one RMSNorm ("rms_norm_across_heads"),
@@ -27,10 +34,19 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from stagekit.parallel.mesh import ParallelConfigError, _divisors
+from stagekit.weights.sharded import PACKED_SHARDS
+
+
+@dataclass(frozen=True)
+class PackedRowwise:
+    """A Linear of the block whose input is the outputs of column-split Linears side by side, in that order."""
+
+    linear: str
+    streams: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -47,31 +63,61 @@ class BlockPlan:
     norms: tuple[str, ...]
     # The Linear-GELU-Linear FeedForward modules of a block.
     feed_forwards: tuple[str, ...]
+    # Linears of the block itself split column-wise (FLUX's single-stream MLP input, proj_mlp).
+    block_columnwise: tuple[str, ...] = ()
+    # Linears that take several column-split streams side by side (FLUX's single-stream proj_out).
+    packed_rowwise: tuple[PackedRowwise, ...] = ()
 
 
-PLANS: dict[str, BlockPlan] = {
-    "WanTransformer3DModel": BlockPlan(
-        blocks="blocks",
-        attentions=("attn1", "attn2"),
-        columnwise=("to_q", "to_k", "to_v", "add_k_proj", "add_v_proj"),
-        rowwise=("to_out.0",),
-        norms=("norm_q", "norm_k", "norm_added_k"),
-        feed_forwards=("ffn",),
+PLANS: dict[str, tuple[BlockPlan, ...]] = {
+    "WanTransformer3DModel": (
+        BlockPlan(
+            blocks="blocks",
+            attentions=("attn1", "attn2"),
+            columnwise=("to_q", "to_k", "to_v", "add_k_proj", "add_v_proj"),
+            rowwise=("to_out.0",),
+            norms=("norm_q", "norm_k", "norm_added_k"),
+            feed_forwards=("ffn",),
+        ),
     ),
     # diffusers' own QwenImageTransformer2DModel._tp_plan splits the same Linears.
-    "QwenImageTransformer2DModel": BlockPlan(
-        blocks="transformer_blocks",
-        attentions=("attn",),
-        columnwise=("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"),
-        rowwise=("to_out.0", "to_add_out"),
-        norms=("norm_q", "norm_k", "norm_added_q", "norm_added_k"),
-        feed_forwards=("img_mlp", "txt_mlp"),
+    "QwenImageTransformer2DModel": (
+        BlockPlan(
+            blocks="transformer_blocks",
+            attentions=("attn",),
+            columnwise=("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"),
+            rowwise=("to_out.0", "to_add_out"),
+            norms=("norm_q", "norm_k", "norm_added_q", "norm_added_k"),
+            feed_forwards=("img_mlp", "txt_mlp"),
+        ),
+    ),
+    # diffusers' own FluxTransformer2DModel._tp_plan splits the same Linears (its PackedRowwiseParallel for
+    # proj_out); the double-stream blocks are Qwen-Image's kind.
+    "FluxTransformer2DModel": (
+        BlockPlan(
+            blocks="transformer_blocks",
+            attentions=("attn",),
+            columnwise=("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"),
+            rowwise=("to_out.0", "to_add_out"),
+            norms=("norm_q", "norm_k", "norm_added_q", "norm_added_k"),
+            feed_forwards=("ff", "ff_context"),
+        ),
+        BlockPlan(
+            blocks="single_transformer_blocks",
+            attentions=("attn",),
+            columnwise=("to_q", "to_k", "to_v"),
+            rowwise=(),
+            norms=("norm_q", "norm_k"),
+            feed_forwards=(),
+            block_columnwise=("proj_mlp",),
+            packed_rowwise=(PackedRowwise("proj_out", streams=("attn.to_v", "proj_mlp")),),
+        ),
     ),
 }
 
 
-def plan_for(transformer: nn.Module) -> BlockPlan:
-    """The plan of the transformer's class (or of the diffusers class it derives from)."""
+def plan_for(transformer: nn.Module) -> tuple[BlockPlan, ...]:
+    """The plans of the transformer's class (or of the diffusers class it derives from), one per block list."""
     for cls in type(transformer).__mro__:
         if cls.__name__ in PLANS:
             return PLANS[cls.__name__]
@@ -191,10 +237,62 @@ def _check_divisible(transformer: nn.Module, plan: BlockPlan, tp_size: int) -> N
                     f"{first.out_features} ({prefix}.{name}); tensor-parallel sizes that do: "
                     f"{_divisors(first.out_features)}"
                 )
+        for name in plan.block_columnwise:
+            _check_width(block.get_submodule(name).out_features, tp_size, f"{prefix}.{name}")
+        for packed in plan.packed_rowwise:
+            for width in _stream_widths(block, packed):
+                _check_width(width, tp_size, f"{prefix}.{packed.linear}")
+
+
+def _check_width(width: int, tp_size: int, where: str) -> None:
+    if width % tp_size != 0:
+        raise ParallelConfigError(
+            f"--tensor-parallel-size {tp_size} does not divide the {width} features of {where}; tensor-parallel "
+            f"sizes that do: {_divisors(width)}"
+        )
+
+
+def _stream_widths(block: nn.Module, packed: PackedRowwise) -> tuple[int, ...]:
+    """The widths of the streams a packed Linear takes, in its input's order (each stream's Linear's outputs)."""
+    widths = tuple(block.get_submodule(stream).out_features for stream in packed.streams)
+    if sum(widths) != block.get_submodule(packed.linear).in_features:
+        raise ParallelConfigError(f"{packed.linear} takes {widths} side by side, not its own input width")
+    return widths
+
+
+class PackedRowwiseParallel(RowwiseParallel):
+    """RowwiseParallel for a Linear whose input is column-split streams side by side: the weight keeps, of each
+    stream's columns, the rank's slice (the one ColwiseParallel's chunking gave the stream), in the input's
+    order; the bias stays whole and is added after the all-reduce, as RowwiseParallel adds it.
+
+    The weight is a DTensor placed Shard(1) whose local columns are not one contiguous slice: it is only used
+    locally, and the module lists the layout in `PACKED_SHARDS` for the loader."""
+
+    def __init__(self, widths: tuple[int, ...]) -> None:
+        super().__init__()
+        self.widths = widths
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        rank, parts = device_mesh.get_local_rank(), device_mesh.size()
+        weight, bias = module.weight, module.bias
+        slices, offset = [], 0
+        for width in self.widths:
+            chunk = width // parts
+            slices.append(weight.detach()[:, offset + rank * chunk : offset + (rank + 1) * chunk])
+            offset += width
+        local = torch.cat(slices, dim=1)
+        packed = DTensor.from_local(local, device_mesh, [Shard(1)], run_check=False)
+        module.register_parameter("weight", nn.Parameter(packed, requires_grad=weight.requires_grad))
+        if bias is not None:
+            whole = distribute_tensor(bias.detach(), device_mesh, [Replicate()])
+            module.register_parameter("bias", nn.Parameter(whole, requires_grad=bias.requires_grad))
+        setattr(module, PACKED_SHARDS, {"weight": (1, self.widths)})
 
 
 def _block_plan(block: nn.Module, plan: BlockPlan) -> dict[str, ColwiseParallel | RowwiseParallel]:
-    styles: dict[str, ColwiseParallel | RowwiseParallel] = {}
+    styles: dict[str, ColwiseParallel | RowwiseParallel] = {name: ColwiseParallel() for name in plan.block_columnwise}
+    for packed in plan.packed_rowwise:
+        styles[packed.linear] = PackedRowwiseParallel(_stream_widths(block, packed))
     for name in plan.attentions:
         attn = getattr(block, name)
         for projection in plan.columnwise:
@@ -212,9 +310,9 @@ def _block_plan(block: nn.Module, plan: BlockPlan) -> dict[str, ColwiseParallel 
 def apply_tensor_parallel(transformer: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Splits every block's attention heads and feed-forwards over `tp_mesh` (1-D), in place.
 
-    The plan is the transformer class's (`PLANS`). Every rank of the tp group must hold the same full
-    weights beforehand (or the model is still on the meta device, to be loaded shard by shard) and
-    feed the same inputs; the transformer's output is then the same on all of them and equals the
+    The plans are the transformer class's (`PLANS`), one per block list. Every rank of the tp group must hold
+    the same full weights beforehand (or the model is still on the meta device, to be loaded shard by shard)
+    and feed the same inputs; the transformer's output is then the same on all of them and equals the
     unsplit model's.
     """
     if tp_mesh.ndim != 1:
@@ -222,9 +320,15 @@ def apply_tensor_parallel(transformer: nn.Module, tp_mesh: DeviceMesh) -> None:
     tp_size = tp_mesh.size()
     if tp_size == 1:
         return
-    plan = plan_for(transformer)
-    _check_divisible(transformer, plan, tp_size)
+    plans = plan_for(transformer)
+    for plan in plans:
+        _check_divisible(transformer, plan, tp_size)
+    for plan in plans:
+        _apply_plan(transformer, plan, tp_mesh)
 
+
+def _apply_plan(transformer: nn.Module, plan: BlockPlan, tp_mesh: DeviceMesh) -> None:
+    tp_size = tp_mesh.size()
     for block in transformer.get_submodule(plan.blocks):
         parallelize_module(block, tp_mesh, _block_plan(block, plan))
         for name in plan.attentions:

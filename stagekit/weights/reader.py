@@ -164,24 +164,29 @@ class Reader:
         self,
         entries: list[TensorEntry],
         target_dtype: Callable[[TensorEntry], torch.dtype],
-        destinations: dict[str, tuple[torch.Tensor, tuple[slice, ...]]],
+        destinations: dict[str, list[tuple[torch.Tensor, tuple[slice, ...]]]],
     ) -> None:
-        """Copies the `region` of each entry into its allocated destination (cast on the destination's device)."""
+        """Copies each (destination, region) of each entry: the `region` of the entry into its allocated
+        destination (cast on the destination's device); a packed shard has several."""
 
         def run(task: list[TensorEntry]) -> None:
             t0 = time.perf_counter()
             for entry in task:
-                destination, region = destinations[entry.key]
-                if destination.dtype != target_dtype(entry):
-                    raise ValueError(f"{entry.key}: allocated as {destination.dtype}, loads as {target_dtype(entry)}")
-                if entry.nbytes:
-                    destination.copy_(_view(self.mapped[entry.file], entry)[region])
+                for destination, region in destinations[entry.key]:
+                    if destination.dtype != target_dtype(entry):
+                        raise ValueError(
+                            f"{entry.key}: allocated as {destination.dtype}, loads as {target_dtype(entry)}"
+                        )
+                    if entry.nbytes:
+                        destination.copy_(_view(self.mapped[entry.file], entry)[region])
             self._timed(task[0].file, t0)
 
         futures = [self.pool.submit(run, task) for task in _plan_tasks(entries, self.num_threads)]
         for future in futures:
             future.result()
-        self._account(entries, lambda entry: destinations[entry.key][0].numel() * entry.dtype.itemsize)
+        self._account(
+            entries, lambda entry: sum(part.numel() for part, _ in destinations[entry.key]) * entry.dtype.itemsize
+        )
 
     def collect(
         self, futures: list[Future[dict[str, torch.Tensor]]], entries: list[TensorEntry]

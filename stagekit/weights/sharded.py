@@ -1,5 +1,11 @@
 """Loading only this rank's shards: the model is built empty, sharded, allocated, then each DTensor is read as
 this rank's slice only, straight from the file into the local shard.
+
+A shard is one slice of the full tensor per placement, as `torch.chunk` cuts it, except where the parameter's
+module lists the parameter in its `PACKED_SHARDS` attribute: {name: (dim, widths)} says the full tensor is
+blocks of those widths along `dim` side by side, and the local shard holds each block's chunk for this rank, in
+order (tensor parallelism's PackedRowwiseParallel, stagekit/parallel/tensor_parallel.py). Each such chunk is read
+into its part of the local tensor.
 """
 
 from __future__ import annotations
@@ -20,6 +26,11 @@ from stagekit.weights.reader import Reader
 from stagekit.weights.stats import LoadStats
 
 logger = logging.getLogger(__name__)
+
+# The module attribute that lists packed shards (see the module docstring).
+PACKED_SHARDS = "packed_shards"
+# Where a destination's part is, and the region of the full tensor read into it.
+Region = tuple[slice, ...]
 
 
 def _local_region(tensor: torch.Tensor) -> tuple[slice, ...]:
@@ -54,6 +65,44 @@ def _local_region(tensor: torch.Tensor) -> tuple[slice, ...]:
             f"shard layout {tensor.placements} gives {tuple(sizes)}, the local tensor is {local_shape}"
         )
     return tuple(slice(begin, begin + size) for begin, size in zip(begins, sizes, strict=True))
+
+
+def _packed_regions(tensor: torch.Tensor, dim: int, widths: tuple[int, ...]) -> list[tuple[Region, Region]]:
+    """(part of the local tensor, region of the full tensor) for each block of a packed shard."""
+    if not isinstance(tensor, DTensor) or tensor.device_mesh.ndim != 1 or tensor.placements != (Shard(dim),):
+        raise NotImplementedError(f"a packed shard is a DTensor placed Shard({dim}) on a 1-D mesh")
+    parts, index = tensor.device_mesh.size(), tensor.device_mesh.get_local_rank()
+    whole = [slice(None)] * tensor.ndim
+    pairs, offset, local_offset = [], 0, 0
+    for width in widths:
+        chunk = width // parts
+        local, full = list(whole), list(whole)
+        local[dim] = slice(local_offset, local_offset + chunk)
+        full[dim] = slice(offset + index * chunk, offset + (index + 1) * chunk)
+        pairs.append((tuple(local), tuple(full)))
+        offset, local_offset = offset + width, local_offset + chunk
+    if offset != tensor.shape[dim] or local_offset != tensor.to_local().shape[dim]:
+        raise NotImplementedError(f"packed widths {widths} do not make the tensor's {tensor.shape[dim]} along {dim}")
+    return pairs
+
+
+def _destinations(model: nn.Module, wanted: set[str]) -> dict[str, list[tuple[torch.Tensor, Region]]]:
+    """For each wanted key, the parts of this rank's local tensor and the regions of the full tensor they hold."""
+    packed: dict[str, tuple[int, tuple[int, ...]]] = {}
+    for path, module in model.named_modules():
+        for name, layout in getattr(module, PACKED_SHARDS, {}).items():
+            packed[f"{path}.{name}" if path else name] = layout
+    destinations = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if key not in wanted:
+            continue
+        local = (value.to_local() if isinstance(value, DTensor) else value).data
+        if key in packed:
+            pairs = _packed_regions(value, *packed[key])
+            destinations[key] = [(local[part], region) for part, region in pairs]
+        else:
+            destinations[key] = [(local, _local_region(value))]
+    return destinations
 
 
 def load_sharded(
@@ -96,11 +145,7 @@ def load_sharded(
             path, _, attribute = name.rpartition(".")
             model.get_submodule(path)._buffers[attribute] = buffer.to(device)
 
-    destinations: dict[str, tuple[torch.Tensor, tuple[slice, ...]]] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        if key in by_key:
-            local = value.to_local() if isinstance(value, DTensor) else value
-            destinations[key] = (local.data, _local_region(value))
+    destinations = _destinations(model, set(by_key))
     to_read = [by_key[key] for key in destinations]
     with Reader(to_read, num_threads=stats.threads, stats=stats) as reader:
         reader.fill(to_read, dtype_of, destinations)

@@ -262,6 +262,10 @@ class TestFluxStepCache(FluxTesterConfig, StepCacheTesterMixin):
     pass
 
 
+class TestFluxCompile(FluxTesterConfig, CompileTesterMixin):
+    pass
+
+
 class TestZImageModuleOffload(ZImageTesterConfig, ModuleOffloadTesterMixin):
     pass
 

@@ -457,7 +457,39 @@ class FluxTesterConfig(FamilyTesterConfig):
     step_cache_spec = dataclasses.replace(spec, num_inference_steps=8)
     step_caches = (CacheSpec("first_block", 0.5),)
     step_cache_layouts = {2: [ULYSSES2, CFG2]}
-    parallel_layouts = {2: [ULYSSES2, RING2, CFG2, HSDP2], 4: [USP2X2, ULYSSES2_CFG2]}
+    parallel_layouts = {2: [ULYSSES2, RING2, CFG2, TP2, HSDP2], 4: [USP2X2, ULYSSES2_CFG2, TP2_CFG2]}
+    # Image tokens 16, then 15 with a longer text, then 12 with a shorter one; the embedded guidance alone (one
+    # pass a step): true CFG runs the same blocks twice.
+    compile_specs = (
+        DenoiseSpec(
+            height=64,
+            width=64,
+            num_frames=1,
+            num_inference_steps=2,
+            guidance_scale=1.0,
+            seed=1,
+            embedded_guidance_scale=3.5,
+        ),
+        DenoiseSpec(
+            height=48,
+            width=80,
+            num_frames=1,
+            num_inference_steps=2,
+            guidance_scale=1.0,
+            seed=2,
+            embedded_guidance_scale=2.0,
+        ),
+        DenoiseSpec(
+            height=32,
+            width=96,
+            num_frames=1,
+            num_inference_steps=2,
+            guidance_scale=1.0,
+            seed=3,
+            embedded_guidance_scale=3.5,
+        ),
+    )
+    compile_text_lengths = (12, 14, 9)
 
     def conditioning(self, denoiser: Any, spec: DenoiseSpec) -> dict[str, torch.Tensor]:
         """Each text's T5 sequence and CLIP pooled vector, as the text encoder stage sends them."""
@@ -492,6 +524,13 @@ class FluxTesterConfig(FamilyTesterConfig):
             output_type="latent",
         ).images
         return FluxPipeline._unpack_latents(packed, spec.height, spec.width, pipeline.vae_scale_factor).unsqueeze(2)
+
+    def compile_conditioning(self, denoiser: Any, index: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(index)
+        return {
+            "prompt_embeds": torch.randn(1, self.compile_text_lengths[index], denoiser.text_dim, generator=generator),
+            "prompt_pooled_embeds": torch.randn(1, denoiser.pooled_dim, generator=generator),
+        }
 
 
 # By seed, the (prompt, negative prompt) masks as the text encoder sends them: both texts padded to the longer one,
