@@ -54,7 +54,8 @@ test-gpu: venv
 	$(BIN)/python -m pytest -m cuda -s -v tests/e2e/test_cuda.py
 
 # The GPU benchmarks on one CUDA GPU in bf16, written together to $OUT/bench-gpu.json: first bench/wan_gpu.py
-# (Wan2.1-1.3B at real size, our DiT and cluster against diffusers' WanPipeline), then the DiT's throughput
+# (Wan2.1-1.3B at real size, our DiT and cluster against diffusers' WanPipeline) and bench/flux_gpu.py (FLUX.1-dev
+# at real size, 1024x1024, 28 steps, against FluxPipeline, eager and compiled), then the DiT's throughput
 # levers (step caches, regional compilation, request batching, LoRA); BENCH_GPU_QUICK=1 for the short variants.
 bench-gpu: venv
 	bash scripts/bench_gpu.sh
