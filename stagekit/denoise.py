@@ -43,8 +43,6 @@ class DenoiseSpec:
     num_inference_steps: int
     guidance_scale: float
     seed: int
-    # The guidance a guidance-distilled transformer takes as an input (FLUX.1-dev's embedding); None otherwise.
-    embedded_guidance_scale: float | None = None
     # Roles of the input images whose tensors condition the request (families/base.py IMAGE_ROLES), in the
     # model's role order, and the decoded size (width, height) of each, () when the caller sent none.
     image_roles: tuple[str, ...] = ()
@@ -56,6 +54,8 @@ class DenoiseSpec:
     # Requests of different batch groups never share a batch (DenoiseParams.batch_group: one per tenant when the
     # orchestrator keeps batches to one tenant); opaque to the stage.
     batch_group: bytes = b""
+    # The guidance a guidance-distilled transformer takes as an input (FLUX.1-dev's embedding); None otherwise.
+    embedded_guidance_scale: float | None = None
 
     @property
     def do_classifier_free_guidance(self) -> bool:
