@@ -210,20 +210,48 @@ def calculate_dimensions(area: int, width: int, height: int, multiple: int) -> t
     return round(exact_width / multiple) * multiple, round(exact_height / multiple) * multiple
 
 
+def nearest_resolution(
+    width: int, height: int, multiple: int, resolutions: tuple[tuple[int, int], ...]
+) -> tuple[int, int]:
+    """(width, height) of the listed resolution whose aspect ratio is nearest a `width` x `height` image's, as
+    FluxKontextPipeline's `_auto_resize` picks it: each image side first floored to a multiple of `multiple`
+    (its image processor's default size), ties to the smaller width, the pick floored to `multiple` again.
+    (0, 0) for an image less than `multiple` pixels high or wide, which has no such aspect ratio (the
+    pipeline divides by zero for the height, and takes a ratio of 0 for the width)."""
+    floored_width, floored_height = width - width % multiple, height - height % multiple
+    if floored_width < 1 or floored_height < 1:
+        return 0, 0
+    ratio = floored_width / floored_height
+    _, picked_width, picked_height = min((abs(ratio - w / h), w, h) for w, h in resolutions)
+    return picked_width // multiple * multiple, picked_height // multiple * multiple
+
+
 @dataclass(frozen=True)
 class SizeFromImage:
     """The output size a request leaves unset, made from one of its input images as the family's pipeline
-    makes it: `calculate_dimensions(area, image width / image height)`, sides multiples of `multiple`."""
+    makes it: `calculate_dimensions(area, image width / image height)`, sides multiples of `multiple`; or,
+    with `resolutions`, the one of them nearest the image's aspect ratio (`nearest_resolution`)."""
 
     area: int
+    # 0: the model's own multiple (ModelLimits.height_multiple, its VAE's factor times the patch), which
+    # FluxKontextPipeline's `multiple_of` is.
     multiple: int
     # Which image, in the family's role order: 0 the first (QwenImageEditPipeline), -1 the last
     # (QwenImageEditPlusPipeline).
     index: int = 0
+    # (width, height) pairs the family's pipeline picks from by aspect ratio (FluxKontextPipeline's
+    # PREFERRED_KONTEXT_RESOLUTIONS); `area` plays no part then.
+    resolutions: tuple[tuple[int, int], ...] = ()
 
-    def size(self, width: int, height: int) -> tuple[int, int]:
-        """(width, height) for an input image of `width` x `height` pixels (as decoded, EXIF orientation applied)."""
-        return calculate_dimensions(self.area, width, height, self.multiple)
+    def size(self, width: int, height: int, model_multiple: int = 0) -> tuple[int, int]:
+        """(width, height) for an input image of `width` x `height` pixels (as decoded, EXIF orientation
+        applied); `model_multiple` is the model's, used where the rule declares none. A side may be 0."""
+        multiple = self.multiple or model_multiple
+        if multiple < 1:
+            raise ValueError("this size rule takes the model's multiple; pass model_multiple")
+        if self.resolutions:
+            return nearest_resolution(width, height, multiple, self.resolutions)
+        return calculate_dimensions(self.area, width, height, multiple)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,32 @@ def flux_pipeline(flux_model: Path):
 
 
 @pytest.fixture(scope="session")
+def flux_kontext_model(flux_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """FLUX.1 Kontext, tiny: what `init_model("flux-kontext", "tiny", seed=0)` writes, made from flux_model's
+    text encoders, tokenizers, transformer and scheduler (the same builders and seed) and its own 32x VAE,
+    without training the tokenizers again."""
+    import torch
+
+    from families.flux_kontext.init_model import write_kontext_parts
+    from families.registry import FAMILIES
+
+    out = tmp_path_factory.mktemp("models") / "flux-kontext-tiny"
+    shutil.copytree(flux_model, out, ignore=shutil.ignore_patterns("vae", "model_index.json", "stagediff.json"))
+    with torch.random.fork_rng(devices=[]):
+        write_kontext_parts(FAMILIES["flux-kontext"], out, "tiny", 0, {})
+    return out
+
+
+@pytest.fixture(scope="session")
+def flux_kontext_pipeline(flux_kontext_model: Path):
+    from diffusers import FluxKontextPipeline
+
+    pipeline = FluxKontextPipeline.from_pretrained(flux_kontext_model)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+@pytest.fixture(scope="session")
 def z_image_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model("z-image", "tiny", tmp_path_factory.mktemp("models") / "z-image-tiny", seed=0)
 

@@ -13,6 +13,7 @@ from tests.helpers.feature_mixins import (
     BatchingTesterMixin,
     CompileTesterMixin,
     Flux2KleinTesterConfig,
+    FluxKontextTesterConfig,
     FluxTesterConfig,
     GGUFTesterMixin,
     LayerwiseOffloadTesterMixin,
@@ -303,4 +304,12 @@ class TestFlux2KleinParallelLayouts(Flux2KleinTesterConfig, ParallelLayoutsTeste
 
 
 class TestFlux2KleinStepCache(Flux2KleinTesterConfig, StepCacheTesterMixin):
+    pass
+
+
+class TestFluxKontextModuleOffload(FluxKontextTesterConfig, ModuleOffloadTesterMixin):
+    pass
+
+
+class TestFluxKontextParallelLayouts(FluxKontextTesterConfig, ParallelLayoutsTesterMixin):
     pass

@@ -8,8 +8,9 @@ combines the two (`class TestQwenImageOffload(QwenImageTesterConfig, ModuleOfflo
 family's `Support` entries name the class's tests. tests/unit/test_families.py checks that a supported cell of
 a feature in FEATURE_MIXINS names a class that mixes in that feature's mixin.
 
-Adding a family: write its tester config (a subclass of FamilyTesterConfig in configs.py), add it to
-TESTER_CONFIGS, and list its test classes beside the others (tests/integration/test_family_features.py).
+Adding a family: write its tester config (a subclass of FamilyTesterConfig in configs.py, or a module of its own
+beside it: flux_kontext.py), add it to TESTER_CONFIGS, and list its test classes beside the others
+(tests/integration/test_family_features.py).
 Tester configs are importable by their qualified name: rank processes receive them by reference.
 """
 
@@ -25,8 +26,8 @@ from tests.helpers.feature_mixins.base import (
 )
 from tests.helpers.feature_mixins.batching import BatchingTesterMixin
 from tests.helpers.feature_mixins.compile import CompileTesterMixin
+from tests.helpers.feature_mixins.configs import TESTER_CONFIGS as _CONFIGS
 from tests.helpers.feature_mixins.configs import (
-    TESTER_CONFIGS,
     Flux2KleinTesterConfig,
     FluxTesterConfig,
     QwenImageEditPlusTesterConfig,
@@ -39,6 +40,7 @@ from tests.helpers.feature_mixins.configs import (
     WanTI2VTesterConfig,
     ZImageTesterConfig,
 )
+from tests.helpers.feature_mixins.flux_kontext import FluxKontextTesterConfig
 from tests.helpers.feature_mixins.gguf import GGUFTesterMixin
 from tests.helpers.feature_mixins.layerwise_offload import LayerwiseOffloadTesterMixin
 from tests.helpers.feature_mixins.loading import LoadingTesterMixin
@@ -49,6 +51,8 @@ from tests.helpers.feature_mixins.quantization import QuantizationTesterMixin
 from tests.helpers.feature_mixins.step_cache import StepCacheTesterMixin
 
 # The feature whose supported cells must name a test class that mixes in this mixin (tests/unit/test_families.py).
+TESTER_CONFIGS = (*_CONFIGS, FluxKontextTesterConfig)
+
 FEATURE_MIXINS: dict[str, type] = {
     "cpu_offload": ModuleOffloadTesterMixin,
     "layerwise_offload": LayerwiseOffloadTesterMixin,
@@ -77,6 +81,7 @@ __all__ = [
     "TESTER_CONFIGS",
     "FamilyTesterConfig",
     "FluxTesterConfig",
+    "FluxKontextTesterConfig",
     "Flux2KleinTesterConfig",
     "GGUFTesterMixin",
     "LayerwiseOffloadTesterMixin",

@@ -1,0 +1,63 @@
+"""The FLUX.1 Kontext tester config, beside configs.py (which holds the others): FLUX.1's with the reference
+image's packed latents after the noise tokens.
+
+It is what proves that FLUX.1's sequence-parallel plan, which splits `hidden_states` and `img_ids` at the
+transformer's input, applies to Kontext's joint sequence unchanged: every layout's latents equal one rank's,
+and each rank's first attention takes its share of the noise and image tokens together.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers import FluxKontextPipeline
+
+from stagekit.denoise import DenoiseSpec
+from stagekit.parallel import ParallelConfig
+from tests.helpers.feature_mixins.configs import CFG2, HSDP2X2_ULYSSES2_CFG2, RING2, ULYSSES2, FluxTesterConfig
+
+
+class FluxKontextTesterConfig(FluxTesterConfig):
+    """FLUX.1 Kontext (the tiny 32x VAE): two steps with the embedded guidance and true CFG, one reference image.
+    The requests' sequences: 234 image tokens (a 300x200 image, resized to 1152x832) after 2 noise tokens
+    (64x128), then 240 (a 90x150 image, resized to 640x1536) after 6 (192x128), which 4 does not divide."""
+
+    family = "flux-kontext"
+    pipeline_class = FluxKontextPipeline
+    model_fixture = "flux_kontext_model"
+    pipeline_fixture = "flux_kontext_pipeline"
+    spec = DenoiseSpec(64, 128, 1, 2, 3.0, 1, 3.5, ("reference",), ((300, 200),))
+    parallel_specs = (spec, DenoiseSpec(192, 128, 1, 2, 3.0, 0, 2.5, ("reference",), ((90, 150),)))
+    # The image-families cluster runs Ulysses over two ranks (tests/e2e/test_image_families_cluster.py).
+    parallel_layouts = {2: [ULYSSES2, RING2, CFG2], 4: [HSDP2X2_ULYSSES2_CFG2]}
+
+    def conditioning(self, denoiser: Any, spec: DenoiseSpec) -> dict[str, torch.Tensor]:
+        """FLUX.1's texts, and the reference image's latents as the VAE's Encode sends them."""
+        conditioning = super().conditioning(denoiser, spec)
+        generator = torch.Generator().manual_seed(100 + spec.seed)
+        shape = denoiser.image_tensor_shape("image_latents", spec)
+        conditioning["image_latents"] = torch.randn(shape, generator=generator)
+        return conditioning
+
+    def parallel_outputs(self, denoiser: Any) -> dict[str, Any]:
+        """Also the image tokens (noise and reference) each forward's first attention took on the rank."""
+        tokens: list[int] = []
+        handle = denoiser.transformer.transformer_blocks[0].attn.register_forward_pre_hook(
+            lambda module, args, kwargs: tokens.append(kwargs["hidden_states"].shape[1]), with_kwargs=True
+        )
+        outputs = super().parallel_outputs(denoiser)
+        handle.remove()
+        outputs["tokens"] = tokens
+        return outputs
+
+    def check_parallel_outputs(
+        self, name: str, layout: ParallelConfig, per_rank: list[dict[str, Any]], one_rank: dict[str, Any]
+    ) -> None:
+        split = layout.ulysses_degree * layout.ring_degree
+        for rank, outputs in enumerate(per_rank):
+            assert len(outputs["tokens"]) == len(one_rank["tokens"]) // layout.cfg_degree, (name, rank)
+            # Per request, one rank's token count is the whole joint sequence; each rank here takes its share.
+            wholes = sorted(set(one_rank["tokens"]))
+            shares = sorted({-(-whole // split) for whole in wholes})
+            assert sorted(set(outputs["tokens"])) == shares, (name, rank, outputs["tokens"], wholes)
