@@ -24,6 +24,7 @@ _FAMILY_MODULES = (
     "families.flux.family",
     "families.z_image.family",
     "families.flux2_klein.family",
+    "families.qwen_image_21.family",
 )
 
 FAMILIES: dict[str, Family] = {
