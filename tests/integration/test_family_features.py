@@ -21,6 +21,7 @@ from tests.helpers.feature_mixins import (
     ModuleOffloadTesterMixin,
     ParallelLayoutsTesterMixin,
     QuantizationTesterMixin,
+    QwenImage21TesterConfig,
     QwenImageEditPlusTesterConfig,
     QwenImageEditTesterConfig,
     QwenImageTesterConfig,
@@ -299,4 +300,12 @@ class TestFlux2KleinParallelLayouts(Flux2KleinTesterConfig, ParallelLayoutsTeste
 
 
 class TestFlux2KleinStepCache(Flux2KleinTesterConfig, StepCacheTesterMixin):
+    pass
+
+
+class TestQwenImage21ModuleOffload(QwenImage21TesterConfig, ModuleOffloadTesterMixin):
+    pass
+
+
+class TestQwenImage21ParallelLayouts(QwenImage21TesterConfig, ParallelLayoutsTesterMixin):
     pass

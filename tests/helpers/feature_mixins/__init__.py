@@ -8,8 +8,9 @@ combines the two (`class TestQwenImageOffload(QwenImageTesterConfig, ModuleOfflo
 family's `Support` entries name the class's tests. tests/unit/test_families.py checks that a supported cell of
 a feature in FEATURE_MIXINS names a class that mixes in that feature's mixin.
 
-Adding a family: write its tester config (a subclass of FamilyTesterConfig in configs.py), add it to
-TESTER_CONFIGS, and list its test classes beside the others (tests/integration/test_family_features.py).
+Adding a family: write its tester config (a subclass of FamilyTesterConfig in configs.py, or in a module of its
+own beside it, as Qwen-Image 2.1's), add it to TESTER_CONFIGS, and list its test classes beside the others
+(tests/integration/test_family_features.py).
 Tester configs are importable by their qualified name: rank processes receive them by reference.
 """
 
@@ -25,8 +26,8 @@ from tests.helpers.feature_mixins.base import (
 )
 from tests.helpers.feature_mixins.batching import BatchingTesterMixin
 from tests.helpers.feature_mixins.compile import CompileTesterMixin
+from tests.helpers.feature_mixins.configs import TESTER_CONFIGS as _CONFIGS_MODULE_CONFIGS
 from tests.helpers.feature_mixins.configs import (
-    TESTER_CONFIGS,
     Flux2KleinTesterConfig,
     FluxTesterConfig,
     QwenImageEditPlusTesterConfig,
@@ -39,6 +40,7 @@ from tests.helpers.feature_mixins.configs import (
     WanTI2VTesterConfig,
     ZImageTesterConfig,
 )
+from tests.helpers.feature_mixins.configs_qwen_image_21 import QwenImage21TesterConfig
 from tests.helpers.feature_mixins.gguf import GGUFTesterMixin
 from tests.helpers.feature_mixins.layerwise_offload import LayerwiseOffloadTesterMixin
 from tests.helpers.feature_mixins.loading import LoadingTesterMixin
@@ -47,6 +49,9 @@ from tests.helpers.feature_mixins.module_offload import ModuleOffloadTesterMixin
 from tests.helpers.feature_mixins.parallel_layouts import ParallelLayoutsTesterMixin
 from tests.helpers.feature_mixins.quantization import QuantizationTesterMixin
 from tests.helpers.feature_mixins.step_cache import StepCacheTesterMixin
+
+# Every family's tester config: configs.py's, then those kept in modules of their own.
+TESTER_CONFIGS: tuple[type[FamilyTesterConfig], ...] = (*_CONFIGS_MODULE_CONFIGS, QwenImage21TesterConfig)
 
 # The feature whose supported cells must name a test class that mixes in this mixin (tests/unit/test_families.py).
 FEATURE_MIXINS: dict[str, type] = {
@@ -85,6 +90,7 @@ __all__ = [
     "ModuleOffloadTesterMixin",
     "ParallelLayoutsTesterMixin",
     "QuantizationTesterMixin",
+    "QwenImage21TesterConfig",
     "QwenImageEditPlusTesterConfig",
     "QwenImageEditTesterConfig",
     "QwenImageTesterConfig",
