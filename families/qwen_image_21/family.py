@@ -1,5 +1,6 @@
 """Qwen-Image 2.1 text-to-image with true CFG (Qwen3-VL text encoder, single-stream block-causal
-QwenImage21Transformer2DModel, AutoencoderKLQwenImage21 with RGBA output).
+QwenImage21Transformer2DModel, AutoencoderKLQwenImage21, whose RGBA image is served as RGB: StageDiff's results are
+RGB frames, so the VAE stage drops the alpha channel, as `.convert("RGB")` does).
 
 Declarations only (no torch); the compute is beside this file: encode.py, denoise.py, decode.py, checkpoint.py and
 init_model.py. What it shares with Qwen-Image (families/qwen_image/) is imported from there: the text
@@ -28,8 +29,8 @@ QWEN_IMAGE_21 = Family(
     name="qwen-image-2.1",
     pipeline="QwenImage21Pipeline",
     description="Qwen-Image 2.1 text-to-image with true CFG (Qwen3-VL text encoder, single-stream block-causal "
-    "QwenImage21Transformer2DModel with a KV cache of the text, AutoencoderKLQwenImage21 giving RGBA images); "
-    "condition images are not served yet",
+    "QwenImage21Transformer2DModel with a KV cache of the text, AutoencoderKLQwenImage21); the pipeline's RGBA "
+    "image is served as RGB, its alpha dropped; condition images are not served yet",
     class_name="QwenImage21Pipeline",
     requires=(),
     output="image",

@@ -1,10 +1,11 @@
 """The image families beyond Qwen-Image through one running cluster, each equal to its diffusers pipeline within
 one level: FLUX.1-dev's kind (its DiT under Ulysses over two ranks) and FLUX.1-schnell's behind one orchestrator
 and one HTTP gateway, sharing one text-encoder process (CLIP and T5) and one VAE process, whose files are the
-same (`stagediff up --model A --model B`).
+same (`stagediff up --model A --model B --model C`); Qwen-Image 2.1 beside them, with stages of its own.
 
 What each family does stage by stage, and every parallel layout and option on gloo, is in
-tests/integration/test_family_flux.py and tests/integration/test_family_features.py.
+tests/integration/test_family_flux.py, tests/integration/test_family_qwen_image_21.py and
+tests/integration/test_family_features.py.
 """
 
 from __future__ import annotations
@@ -20,11 +21,20 @@ import numpy as np
 import openai
 import pytest
 import torch
-from diffusers import FluxPipeline
+from diffusers import (
+    AutoencoderKLQwenImage21,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    QwenImage21Pipeline,
+    QwenImage21Transformer2DModel,
+)
 from PIL import Image
+from transformers import Qwen3VLForConditionalGeneration
 
+from families.qwen_image_21.encode import load_processor
 from stagediff import Client, StageDiffError
 from stagediff.local.supervisor import LocalCluster
+from tests.helpers.feature_mixins.base import tiny_checkpoint
 from tests.helpers.serving import THREADS_PER_STAGE
 
 LONG_PROMPT = "a red fox running through fresh snow at dawn, " * 30
@@ -36,6 +46,9 @@ def models(flux_model: Path, flux_schnell_model: Path, tmp_path_factory: pytest.
     return {
         "flux-dev": Path(shutil.copytree(flux_model, root / "flux-dev")),
         "flux-schnell": Path(shutil.copytree(flux_schnell_model, root / "flux-schnell")),
+        "qwen-image-2.1": Path(
+            shutil.copytree(tiny_checkpoint("qwen-image-2.1", tmp_path_factory), root / "qwen-image-2.1")
+        ),
     }
 
 
@@ -60,7 +73,7 @@ def _pipeline(model: Path) -> FluxPipeline:
     return pipeline
 
 
-def _reference(pipeline: FluxPipeline, seed: int, **arguments) -> np.ndarray:
+def _reference(pipeline: FluxPipeline | QwenImage21Pipeline, seed: int, **arguments) -> np.ndarray:
     images = pipeline(**arguments, generator=torch.Generator("cpu").manual_seed(seed), output_type="np").images
     return (np.clip(images, 0, 1) * 255).round().astype(np.uint8)
 
@@ -68,7 +81,7 @@ def _reference(pipeline: FluxPipeline, seed: int, **arguments) -> np.ndarray:
 def _assert_close(frames: np.ndarray, expected: np.ndarray, what: str) -> None:
     assert frames.shape == expected.shape, (what, frames.shape, expected.shape)
     difference = np.abs(frames.astype(np.int16) - expected.astype(np.int16)).max()
-    print(f"{what}: {difference} levels off FluxPipeline")
+    print(f"{what}: {difference} levels off its pipeline")
     assert difference <= 1 and expected.std() > 1.0, what
 
 
@@ -111,8 +124,9 @@ def test_flux_cluster_equals_pipeline(cluster: LocalCluster, models: dict[str, P
 
         info = client.cluster_info()
     served = {stage.info.stage: [tuple(replica.info.models) for replica in stage.replicas] for stage in info.stages}
-    assert served["text-encoder"] == [("flux-dev", "flux-schnell")] and served["vae"] == [("flux-dev", "flux-schnell")]
-    assert sorted(served["dit"]) == [("flux-dev",), ("flux-schnell",)]
+    for stage in ("text-encoder", "vae"):
+        assert sorted(served[stage]) == [("flux-dev", "flux-schnell"), ("qwen-image-2.1",)], stage
+    assert sorted(served["dit"]) == [("flux-dev",), ("flux-schnell",), ("qwen-image-2.1",)]
 
     http = openai.OpenAI(api_key="unused", base_url=f"{cluster.http_url}/v1", max_retries=0, timeout=120)
     models_listed = {model.id: model.model_dump() for model in http.models.list()}
@@ -130,3 +144,34 @@ def test_flux_cluster_equals_pipeline(cluster: LocalCluster, models: dict[str, P
         dev, 5, prompt="a blue square", guidance_scale=4.0, height=48, width=64, num_inference_steps=2
     )
     _assert_close(image[None], expected, "flux-dev over HTTP, embedded guidance 4")
+
+
+def test_qwen_image_21_cluster_equals_pipeline(cluster: LocalCluster, models: dict[str, Path]) -> None:
+    """Qwen-Image 2.1 with true CFG over gRPC equals QwenImage21Pipeline's image, its RGB channels (the results are
+    RGB; the pipeline's alpha is dropped, as `.convert("RGB")` drops it)."""
+    model = models["qwen-image-2.1"]
+    pipeline = QwenImage21Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model / "scheduler"),
+        vae=AutoencoderKLQwenImage21.from_pretrained(model / "vae"),
+        text_encoder=Qwen3VLForConditionalGeneration.from_pretrained(model / "text_encoder"),
+        processor=load_processor(model / "processor"),
+        transformer=QwenImage21Transformer2DModel.from_pretrained(model / "transformer"),
+    )
+    pipeline.set_progress_bar_config(disable=True)
+    with Client(cluster.endpoint) as client:
+        result = client.generate(
+            "a red fox",
+            model="qwen-image-2.1",
+            negative_prompt="blurry",
+            height=64,
+            width=96,
+            num_inference_steps=2,
+            guidance_scale=4.0,
+            seed=3,
+        )
+    expected = _reference(
+        pipeline, 3, prompt="a red fox", negative_prompt="blurry", true_cfg_scale=4.0,
+        height=64, width=96, num_inference_steps=2,
+    )  # fmt: skip
+    assert expected.shape[-1] == 4, "the pipeline's images are RGBA"
+    _assert_close(result.frames, expected[..., :3], "qwen-image-2.1, true CFG 4")
