@@ -25,6 +25,7 @@ _FAMILY_MODULES = (
     "families.z_image.family",
     "families.flux2_klein.family",
     "families.flux_kontext.family",
+    "families.qwen_image_21.family",
 )
 
 FAMILIES: dict[str, Family] = {

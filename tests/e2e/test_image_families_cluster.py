@@ -1,10 +1,13 @@
 """The image families beyond Qwen-Image through one running cluster, each equal to its diffusers pipeline within
 one level, behind one orchestrator and one HTTP gateway (`stagediff up --model A --model B ...`): FLUX.1-dev's
 kind (its DiT under Ulysses over two ranks) and FLUX.1-schnell's, sharing one text-encoder process (CLIP and T5);
-Z-Image, whose VAE is FLUX.1's and so shares their VAE process; FLUX.2 klein's base kind with CFG.
+Z-Image, whose VAE is FLUX.1's and so shares their VAE process; FLUX.2 klein's base kind with CFG; FLUX.1 Kontext
+(editing: its reference image through its VAE process's Encode, over gRPC and HTTP), sharing the FLUX.1 text
+encoder; Qwen-Image 2.1, with stages of its own.
 
 What each family does stage by stage, and every parallel layout and option on gloo, is in
-tests/integration/test_family_flux.py and tests/integration/test_family_features.py.
+tests/integration/test_family_flux.py, test_family_z_image.py, test_family_flux2_klein.py,
+test_family_flux_kontext.py, test_family_qwen_image_21.py and test_family_features.py.
 """
 
 from __future__ import annotations
@@ -21,12 +24,26 @@ import numpy as np
 import openai
 import pytest
 import torch
-from diffusers import Flux2KleinPipeline, FluxPipeline, ZImagePipeline
+from diffusers import (
+    AutoencoderKLQwenImage21,
+    FlowMatchEulerDiscreteScheduler,
+    Flux2KleinPipeline,
+    FluxKontextPipeline,
+    FluxPipeline,
+    QwenImage21Pipeline,
+    QwenImage21Transformer2DModel,
+    ZImagePipeline,
+)
 from PIL import Image
+from transformers import Qwen3VLForConditionalGeneration
 
+from families.qwen_image_21.encode import load_processor
 from stagediff import Client, StageDiffError
 from stagediff.local.supervisor import LocalCluster
+from tests.helpers.feature_mixins.base import tiny_checkpoint
+from tests.helpers.image_to_video import encoded
 from tests.helpers.serving import THREADS_PER_STAGE
+from tests.helpers.wan_i2v import input_image
 
 LONG_PROMPT = "a red fox running through fresh snow at dawn, " * 30
 
@@ -37,6 +54,7 @@ def models(
     flux_schnell_model: Path,
     z_image_model: Path,
     klein_base_model: Path,
+    flux_kontext_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Path]:
     """By the ids the cluster serves them under (their directories' names)."""
@@ -46,6 +64,8 @@ def models(
         "flux-schnell": flux_schnell_model,
         "z-image": z_image_model,
         "klein-base": klein_base_model,
+        "flux-kontext": flux_kontext_model,
+        "qwen-image-2.1": tiny_checkpoint("qwen-image-2.1", tmp_path_factory),
     }
     return {name: Path(shutil.copytree(model, root / name)) for name, model in given.items()}
 
@@ -124,9 +144,18 @@ def test_flux_cluster_equals_pipeline(cluster: LocalCluster, models: dict[str, P
     served = {
         stage.info.stage: sorted(tuple(replica.info.models) for replica in stage.replicas) for stage in info.stages
     }
-    assert served["text-encoder"] == [("flux-dev", "flux-schnell"), ("klein-base",), ("z-image",)]
-    assert served["vae"] == [("flux-dev", "flux-schnell", "z-image"), ("klein-base",)]
-    assert served["dit"] == [("flux-dev",), ("flux-schnell",), ("klein-base",), ("z-image",)]
+    assert served["text-encoder"] == [
+        ("flux-dev", "flux-schnell", "flux-kontext"), ("klein-base",), ("qwen-image-2.1",), ("z-image",)
+    ]  # fmt: skip
+    assert served["vae"] == [
+        ("flux-dev", "flux-schnell", "z-image"),
+        ("flux-kontext",),
+        ("klein-base",),
+        ("qwen-image-2.1",),
+    ]
+    assert served["dit"] == [
+        ("flux-dev",), ("flux-kontext",), ("flux-schnell",), ("klein-base",), ("qwen-image-2.1",), ("z-image",)
+    ]  # fmt: skip
 
     http = openai.OpenAI(api_key="unused", base_url=f"{cluster.http_url}/v1", max_retries=0, timeout=120)
     models_listed = {model.id: model.model_dump() for model in http.models.list()}
@@ -165,3 +194,65 @@ def test_flux2_klein_cluster_equals_pipeline(cluster: LocalCluster, models: dict
     with Client(cluster.endpoint) as client:
         result = client.generate(model="klein-base", guidance_scale=4.0, seed=4, **arguments)
     _assert_close(result.frames, _reference(pipeline, 4, guidance_scale=4.0, **arguments), "flux2-klein base, CFG 4")
+
+
+def test_qwen_image_21_cluster_equals_pipeline(cluster: LocalCluster, models: dict[str, Path]) -> None:
+    """Qwen-Image 2.1 with true CFG over gRPC equals QwenImage21Pipeline's image, its RGB channels (the results are
+    RGB; the pipeline's alpha is dropped, as `.convert("RGB")` drops it)."""
+    model = models["qwen-image-2.1"]
+    pipeline = QwenImage21Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model / "scheduler"),
+        vae=AutoencoderKLQwenImage21.from_pretrained(model / "vae"),
+        text_encoder=Qwen3VLForConditionalGeneration.from_pretrained(model / "text_encoder"),
+        processor=load_processor(model / "processor"),
+        transformer=QwenImage21Transformer2DModel.from_pretrained(model / "transformer"),
+    )
+    pipeline.set_progress_bar_config(disable=True)
+    arguments = dict(prompt="a red fox", negative_prompt="blurry", height=64, width=96, num_inference_steps=2)
+    with Client(cluster.endpoint) as client:
+        result = client.generate(model="qwen-image-2.1", guidance_scale=4.0, seed=3, **arguments)
+    expected = _reference(pipeline, 3, true_cfg_scale=4.0, **arguments)
+    assert expected.shape[-1] == 4, "the pipeline's images are RGBA"
+    _assert_close(result.frames, expected[..., :3], "qwen-image-2.1, true CFG 4")
+
+
+def test_flux_kontext_cluster_edits_equal_pipeline(cluster: LocalCluster, models: dict[str, Path]) -> None:
+    """FLUX.1 Kontext edits a 90x150 image with true CFG over gRPC, equal to FluxKontextPipeline (its output size
+    the request's: max_area height x width); then with OpenAI's client over HTTP /v1/images/edits, whose PNG is
+    the frame gRPC makes from the same image, prompt and seed."""
+    pipeline = FluxKontextPipeline.from_pretrained(models["flux-kontext"])
+    pipeline.set_progress_bar_config(disable=True)
+    image = encoded(input_image(150, 90, seed=3), "PNG")
+    with Client(cluster.endpoint) as client:
+        result = client.generate(
+            "a hat",
+            model="flux-kontext",
+            image=image,
+            negative_prompt="blurry",
+            height=128,
+            width=192,
+            num_inference_steps=2,
+            guidance_scale=2.5,
+            embedded_guidance_scale=2.0,
+            seed=3,
+        )
+    expected = _reference(
+        pipeline, 3, image=Image.open(io.BytesIO(image)).convert("RGB"), prompt="a hat", negative_prompt="blurry",
+        true_cfg_scale=2.5, guidance_scale=2.0, height=128, width=192, max_area=128 * 192, num_inference_steps=2,
+    )  # fmt: skip
+    _assert_close(result.frames, expected, "flux-kontext, an edit with true CFG 2.5 and embedded guidance 2")
+
+    http = openai.OpenAI(api_key="unused", base_url=f"{cluster.http_url}/v1", max_retries=0, timeout=120)
+    response = http.images.edit(
+        model="flux-kontext",
+        image=("input.png", image, "image/png"),
+        prompt="make it blue",
+        size="192x128",
+        extra_body={"num_inference_steps": 2, "seed": 9},
+    )
+    edited = np.asarray(Image.open(io.BytesIO(base64.b64decode(response.data[0].b64_json))))
+    with Client(cluster.endpoint) as client:
+        result = client.generate(
+            "make it blue", model="flux-kontext", image=image, height=128, width=192, num_inference_steps=2, seed=9
+        )
+    assert np.array_equal(edited, result.frames[0])

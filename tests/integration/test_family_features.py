@@ -22,6 +22,7 @@ from tests.helpers.feature_mixins import (
     ModuleOffloadTesterMixin,
     ParallelLayoutsTesterMixin,
     QuantizationTesterMixin,
+    QwenImage21TesterConfig,
     QwenImageEditPlusTesterConfig,
     QwenImageEditTesterConfig,
     QwenImageTesterConfig,
@@ -312,4 +313,12 @@ class TestFluxKontextModuleOffload(FluxKontextTesterConfig, ModuleOffloadTesterM
 
 
 class TestFluxKontextParallelLayouts(FluxKontextTesterConfig, ParallelLayoutsTesterMixin):
+    pass
+
+
+class TestQwenImage21ModuleOffload(QwenImage21TesterConfig, ModuleOffloadTesterMixin):
+    pass
+
+
+class TestQwenImage21ParallelLayouts(QwenImage21TesterConfig, ParallelLayoutsTesterMixin):
     pass

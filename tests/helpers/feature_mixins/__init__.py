@@ -8,8 +8,9 @@ combines the two (`class TestQwenImageOffload(QwenImageTesterConfig, ModuleOfflo
 family's `Support` entries name the class's tests. tests/unit/test_families.py checks that a supported cell of
 a feature in FEATURE_MIXINS names a class that mixes in that feature's mixin.
 
-Adding a family: write its tester config (a subclass of FamilyTesterConfig in configs.py, or a module of its own
-beside it: flux_kontext.py), add it to TESTER_CONFIGS, and list its test classes beside the others
+Adding a family: write its tester config (a subclass of FamilyTesterConfig in configs.py, or in a module of its
+own beside it, as FLUX.1 Kontext's and Qwen-Image 2.1's), add it to TESTER_CONFIGS, and list its test classes
+beside the others
 (tests/integration/test_family_features.py).
 Tester configs are importable by their qualified name: rank processes receive them by reference.
 """
@@ -40,6 +41,7 @@ from tests.helpers.feature_mixins.configs import (
     WanTI2VTesterConfig,
     ZImageTesterConfig,
 )
+from tests.helpers.feature_mixins.configs_qwen_image_21 import QwenImage21TesterConfig
 from tests.helpers.feature_mixins.flux_kontext import FluxKontextTesterConfig
 from tests.helpers.feature_mixins.gguf import GGUFTesterMixin
 from tests.helpers.feature_mixins.layerwise_offload import LayerwiseOffloadTesterMixin
@@ -50,8 +52,10 @@ from tests.helpers.feature_mixins.parallel_layouts import ParallelLayoutsTesterM
 from tests.helpers.feature_mixins.quantization import QuantizationTesterMixin
 from tests.helpers.feature_mixins.step_cache import StepCacheTesterMixin
 
+# Every family's tester config: configs.py's, then those kept in modules of their own.
+TESTER_CONFIGS: tuple[type[FamilyTesterConfig], ...] = (*_CONFIGS, FluxKontextTesterConfig, QwenImage21TesterConfig)
+
 # The feature whose supported cells must name a test class that mixes in this mixin (tests/unit/test_families.py).
-TESTER_CONFIGS = (*_CONFIGS, FluxKontextTesterConfig)
 
 FEATURE_MIXINS: dict[str, type] = {
     "cpu_offload": ModuleOffloadTesterMixin,
@@ -90,6 +94,7 @@ __all__ = [
     "ModuleOffloadTesterMixin",
     "ParallelLayoutsTesterMixin",
     "QuantizationTesterMixin",
+    "QwenImage21TesterConfig",
     "QwenImageEditPlusTesterConfig",
     "QwenImageEditTesterConfig",
     "QwenImageTesterConfig",
