@@ -1,7 +1,8 @@
 """The image families beyond Qwen-Image through one running cluster, each equal to its diffusers pipeline within
 one level: FLUX.1-dev's kind (its DiT under Ulysses over two ranks) and FLUX.1-schnell's behind one orchestrator
-and one HTTP gateway, sharing one text-encoder process (CLIP and T5) and one VAE process, whose files are the
-same (`stagediff up --model A --model B`).
+and one HTTP gateway, sharing one text-encoder process (CLIP and T5) and one VAE stage, whose files are the
+same (`stagediff up --model A --model B`); the VAE decodes every image in row bands over two ranks
+(`--vae-patch-parallel-size 2`, vae_svc/band_kl.py).
 
 What each family does stage by stage, and every parallel layout and option on gloo, is in
 tests/integration/test_family_flux.py and tests/integration/test_family_features.py.
@@ -45,7 +46,7 @@ def cluster(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
         list(models.values()),
         threads_per_stage=THREADS_PER_STAGE,
         log_dir=tmp_path_factory.mktemp("image-families-logs"),
-        extra_args={"dit.flux-dev": ["--ulysses-degree", "2"]},
+        extra_args={"dit.flux-dev": ["--ulysses-degree", "2"], "vae": ["--vae-patch-parallel-size", "2"]},
     )
     local.start(timeout=300)
     try:
@@ -75,7 +76,7 @@ def _assert_close(frames: np.ndarray, expected: np.ndarray, what: str) -> None:
 def test_flux_cluster_equals_pipeline(cluster: LocalCluster, models: dict[str, Path]) -> None:
     """FLUX.1-dev's kind with true CFG on top of its embedded guidance, over gRPC; then its default embedded
     guidance and another over HTTP with the official `openai` package; FLUX.1-schnell's with a prompt past T5's
-    256 tokens, whose cut the result reports; the processes the two models share."""
+    256 tokens, whose cut the result reports; the processes the two models share; the VAE's two row bands."""
     dev = _pipeline(models["flux-dev"])
     with Client(cluster.endpoint) as client:
         result = client.generate(
@@ -111,6 +112,8 @@ def test_flux_cluster_equals_pipeline(cluster: LocalCluster, models: dict[str, P
 
         info = client.cluster_info()
     served = {stage.info.stage: [tuple(replica.info.models) for replica in stage.replicas] for stage in info.stages}
+    vae = next(stage.info for stage in info.stages if stage.info.stage == "vae")
+    assert vae.parallel_config["vae_patch_parallel_size"] == "2" and vae.limits.min_height == 16
     assert served["text-encoder"] == [("flux-dev", "flux-schnell")] and served["vae"] == [("flux-dev", "flux-schnell")]
     assert sorted(served["dit"]) == [("flux-dev",), ("flux-schnell",)]
 
