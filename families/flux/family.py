@@ -59,7 +59,6 @@ FLUX = Family(
         "vae_patch_parallel": Support(
             tests=(
                 _KL_PATCH_PARALLEL + "test_kl_patch_parallel_equals_whole_decode",
-                _KL_PATCH_PARALLEL + "test_vae_rank_group_decodes_with_the_flux_decoder",
                 _KL_PATCH_PARALLEL + "test_kl_vae_decode_check_accepts_patch_parallel",
                 _CLUSTER,
             )

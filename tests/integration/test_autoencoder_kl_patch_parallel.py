@@ -3,21 +3,21 @@ which Z-Image serves too) and AutoencoderKLFlux2 (FLUX.2 klein's).
 
 On gloo at 2 and 3 ranks, each rank decoding a band of latent rows (odd counts among them), the gathered image
 equals what the family's decoder session decodes on one device within 1e-5 in float32, and the band GroupNorm
-(whole-image statistics from all-reduced sums) equals torch's group_norm within 1e-5; the rank group the VAE
-stage runs (vae_svc/group.py) decodes with the FLUX.1 decoder; the stage accepts --vae-patch-parallel-size for
-the three families' checkpoints. Through the cluster, tests/e2e/test_image_families_cluster.py serves FLUX.1
-with a 2-rank VAE.
+(whole-image statistics from all-reduced sums) equals torch's group_norm within 1e-5; the stage accepts
+--vae-patch-parallel-size for the three families' checkpoints. Both world sizes run in one spawn of three
+processes (the 2-rank decodes on a subgroup), to keep process start-ups few. The VAE stage's rank group
+(vae_svc/group.py) decoding with FLUX.1's decoder is proven through the cluster:
+tests/e2e/test_image_families_cluster.py serves FLUX.1 with --vae-patch-parallel-size 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
-import multiprocessing
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from diffusers.models.attention_processor import AttnProcessor
 from diffusers.models.autoencoders.vae import Decoder
 
@@ -37,6 +37,8 @@ from vae_svc.row_bands import RowBands, band_rows
 TOLERANCE = 1e-5
 CPU = torch.device("cpu")
 DECODERS: dict[str, type[LatentDecoder]] = {"flux": FluxDecoder, "flux2-klein": Flux2KleinDecoder}
+# The tiny checkpoints' latent channels: FLUX.1's 16; FLUX.2 klein's 2x2 patches of its VAE's 8.
+LATENT_CHANNELS = {"flux": 16, "flux2-klein": 32}
 
 # (case name, family, latent height, latent width): odd and even latent row counts, uneven bands (7 rows: 4+3 on
 # 2 ranks, 3+2+2 on 3) and, on 3 ranks, one latent row per rank. FLUX.2 klein's latents are 2x2 patches: each
@@ -52,8 +54,8 @@ def model_dirs(flux_model: Path, klein_model: Path) -> dict[str, str]:
     return {"flux": str(flux_model), "flux2-klein": str(klein_model)}
 
 
-def _latents(decoder: type[LatentDecoder], model_dir: str, height: int, width: int, seed: int = 0) -> torch.Tensor:
-    channels = decoder(model_dir, CPU, torch.float32).latent_channels
+def _latents(family: str, height: int, width: int, seed: int = 0) -> torch.Tensor:
+    channels = LATENT_CHANNELS[family]
     return torch.randn(1, channels, 1, height, width, generator=torch.Generator().manual_seed(seed))
 
 
@@ -68,62 +70,71 @@ def _group_norm_inputs() -> tuple[torch.nn.GroupNorm, torch.Tensor]:
     return norm, x
 
 
-def _decode_on_ranks(rank: int, world_size: int, cases: list, uint8_case: tuple) -> dict:
-    """Every case decoded on this rank's band; one to uint8 on group rank 0 only; the band GroupNorm alone."""
+def _decode_on_ranks(rank: int, world_size: int, cases: dict[int, list], uint8_case: tuple) -> dict:
+    """On 2 ranks (a subgroup of ranks 0 and 1) and then on all 3: every case decoded on this rank's band, one
+    to uint8 on group rank 0 only, and the band GroupNorm alone. Results are keyed by (ranks, name)."""
+    pair = dist.new_group([0, 1])  # every rank of the default group joins the call
     decoders: dict[str, LatentDecoder] = {}
     results: dict = {}
-    for name, family, model_dir, latents in cases:
-        if family not in decoders:
-            decoders[family] = DECODERS[family](model_dir, CPU, torch.float32)
-        session = PatchParallelDecodeSession(decoders[family])
-        results[name] = session.decode_next_float(latents)
-        assert session.frames_decoded == 1
+    for size, group in ((2, pair), (3, None)):
+        if rank >= size:
+            continue
+        for name, family, model_dir, latents in cases[size]:
+            if family not in decoders:
+                decoders[family] = DECODERS[family](model_dir, CPU, torch.float32)
+            session = PatchParallelDecodeSession(decoders[family], group)
+            results[size, name] = session.decode_next_float(latents)
+            assert session.frames_decoded == 1
 
-    family, latents = uint8_case
-    results["uint8 on rank 0"] = PatchParallelDecodeSession(decoders[family], output_rank=0).decode_next(latents)
+        family, latents = uint8_case
+        uint8_session = PatchParallelDecodeSession(decoders[family], group, output_rank=0)
+        results[size, "uint8 on rank 0"] = uint8_session.decode_next(latents)
 
-    norm, x = _group_norm_inputs()
-    rows = band_rows(x.shape[-2], world_size)
-    bands = RowBands(None, rank, world_size, tuple(rows))
-    with torch.no_grad():
-        results["group norm"] = band_group_norm(norm, x[..., bands.latent_start : bands.latent_stop, :], bands)
+        norm, x = _group_norm_inputs()
+        bands = RowBands(group, rank, size, tuple(band_rows(x.shape[-2], size)))
+        with torch.no_grad():
+            band = x[..., bands.latent_start : bands.latent_stop, :]
+            results[size, "group norm"] = band_group_norm(norm, band, bands)
     return results
 
 
-@pytest.mark.parametrize("world_size", [2, 3], ids=["2-ranks", "3-ranks"])
-def test_kl_patch_parallel_equals_whole_decode(model_dirs, world_size) -> None:
-    inputs = [
-        (name, family, model_dirs[family], _latents(DECODERS[family], model_dirs[family], height, width))
-        for name, family, height, width in CASES[world_size]
-    ]
-    uint8_case = ("flux", _latents(FluxDecoder, model_dirs["flux"], 5, 6, seed=1))
-    per_rank = run_ranks(_decode_on_ranks, world_size, inputs, uint8_case)
+def test_kl_patch_parallel_equals_whole_decode(model_dirs) -> None:
+    """2 and 3 ranks, in one spawn of 3 processes (the 2-rank decodes run on a subgroup)."""
+    inputs = {
+        size: [
+            (name, family, model_dirs[family], _latents(family, height, width)) for name, family, height, width in cases
+        ]
+        for size, cases in CASES.items()
+    }
+    uint8_case = ("flux", _latents("flux", 5, 6, seed=1))
+    per_rank = run_ranks(_decode_on_ranks, 3, inputs, uint8_case)
 
-    report: list[tuple[str, int | str, float]] = []
-    for name, family, model_dir, latents in inputs:
-        expected = DECODERS[family](model_dir, CPU, torch.float32).session().decode_next_float(latents)
-        scale = 16 if family == "flux2-klein" else 8
-        assert expected.shape == (1, 3, 1, latents.shape[-2] * scale, latents.shape[-1] * scale)
-        for rank in range(world_size):
-            actual = per_rank[rank][name]
-            assert actual.shape == expected.shape, f"{name} rank {rank}: shape {actual.shape} != {expected.shape}"
-            report.append((name, rank, (actual - expected).abs().max().item()))
+    report: list[tuple[str, int, float]] = []
     norm, x = _group_norm_inputs()
     with torch.no_grad():
         expected_norm = norm(x)
-    gathered = torch.cat([results["group norm"] for results in per_rank], dim=-2)
-    report.append(("group norm", "all", (gathered - expected_norm).abs().max().item()))
+    family, latents = uint8_case
+    expected_frames = FluxDecoder(model_dirs[family], CPU, torch.float32).session().decode_next(latents)
+    for size, cases in inputs.items():
+        for name, family, model_dir, latents in cases:
+            expected = DECODERS[family](model_dir, CPU, torch.float32).session().decode_next_float(latents)
+            scale = 16 if family == "flux2-klein" else 8
+            assert expected.shape == (1, 3, 1, latents.shape[-2] * scale, latents.shape[-1] * scale)
+            for rank in range(size):
+                actual = per_rank[rank][size, name]
+                assert actual.shape == expected.shape, f"{name} rank {rank}: {actual.shape} != {expected.shape}"
+                report.append((f"{size} ranks, {name}", rank, (actual - expected).abs().max().item()))
+        gathered = torch.cat([per_rank[rank][size, "group norm"] for rank in range(size)], dim=-2)
+        report.append((f"{size} ranks, group norm", -1, (gathered - expected_norm).abs().max().item()))
+
+        frames = per_rank[0][size, "uint8 on rank 0"]
+        assert frames.dtype == torch.uint8 and frames.shape == expected_frames.shape == (1, 40, 48, 3)
+        levels = (frames.int() - expected_frames.int()).abs().max().item()
+        assert levels <= 1, f"{size} ranks, uint8 frames: {levels} levels off"
+        assert all(per_rank[rank][size, "uint8 on rank 0"] is None for rank in range(1, size)), "not rank 0"
     print("\n".join(f"{name} rank {rank}: max abs diff {diff:.2e}" for name, rank, diff in report))
     worst = max(report, key=lambda row: row[2])
     assert worst[2] <= TOLERANCE, f"{worst[0]} on rank {worst[1]}: max abs difference {worst[2]:.2e} > {TOLERANCE}"
-
-    family, latents = uint8_case
-    frames = per_rank[0]["uint8 on rank 0"]
-    expected_frames = FluxDecoder(model_dirs[family], CPU, torch.float32).session().decode_next(latents)
-    assert frames.dtype == torch.uint8 and frames.shape == expected_frames.shape == (1, 40, 48, 3)
-    levels = (frames.int() - expected_frames.int()).abs().max().item()
-    assert levels <= 1, f"uint8 frames: {levels} levels off"
-    assert all(results["uint8 on rank 0"] is None for results in per_rank[1:]), "ranks other than 0 got frames"
 
 
 def test_kl_band_forwards_cover_the_decoder_and_leave_plain_sessions_alone(model_dirs) -> None:
@@ -131,7 +142,7 @@ def test_kl_band_forwards_cover_the_decoder_and_leave_plain_sessions_alone(model
     model, and a single-device patch-parallel session, decode as before; an attention processor the band
     forward does not reproduce is refused."""
     decoder = FluxDecoder(model_dirs["flux"], CPU, torch.float32)
-    latents = _latents(FluxDecoder, model_dirs["flux"], 5, 4, seed=2)
+    latents = _latents("flux", 5, 4, seed=2)
     expected = decoder.session().decode_next_float(latents)
     assert band_modules_for(decoder.vae.decoder) is KL_BAND_MODULES
     installed = enable_patch_parallel(decoder.vae.decoder)
@@ -155,47 +166,6 @@ def test_kl_band_forwards_cover_the_decoder_and_leave_plain_sessions_alone(model
     other.mid_block.attentions[0].set_processor(AttnProcessor())
     with pytest.raises(NotImplementedError, match="AttnProcessor2_0 only"):
         enable_patch_parallel(other)
-
-
-def _group_decode(model_dir: str, latents: list[torch.Tensor], results) -> None:
-    """In its own process (rank 0 joins the group there): the VAE stage's rank group decodes each latent."""
-    from services.checkpoint import read_checkpoint
-    from vae_svc.group import PatchParallelDecoder
-
-    decoder_class = read_checkpoint(model_dir).traits.load("decoder")
-    decoder = PatchParallelDecoder(model_dir, CPU, torch.float32, threads=1, size=2, decoder_class=decoder_class)
-    try:
-        frames = []
-        for latent in latents:
-            session = decoder.session()
-            frames.append(session.decode_next(latent))
-            session.close()
-        buffer = io.BytesIO()
-        torch.save({"decoder": type(decoder.worker.decoder).__name__, "frames": frames}, buffer)
-        results.put(buffer.getvalue())
-    finally:
-        decoder.close()
-
-
-def test_vae_rank_group_decodes_with_the_flux_decoder(flux_model: Path) -> None:
-    """vae_svc/group.py builds FLUX.1's decoder on every rank; start/frame/end per request."""
-    latents = [_latents(FluxDecoder, str(flux_model), 6, 5, seed=3), _latents(FluxDecoder, str(flux_model), 3, 4)]
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    process = context.Process(target=_group_decode, args=(str(flux_model), latents, results))
-    process.start()
-    try:
-        outcome = torch.load(io.BytesIO(results.get(timeout=300)))
-    finally:
-        process.join(timeout=60)
-    assert process.exitcode == 0
-    assert outcome["decoder"] == "FluxDecoder"
-    single = FluxDecoder(flux_model, CPU, torch.float32)
-    for latent, frames in zip(latents, outcome["frames"], strict=True):
-        expected = single.session().decode_next(latent)
-        assert frames.shape == expected.shape
-        levels = (frames.int() - expected.int()).abs().max().item()
-        assert levels <= 1, f"{tuple(latent.shape)}: {levels} levels off"
 
 
 def test_kl_vae_decode_check_accepts_patch_parallel(flux_model: Path, z_image_model: Path, klein_model: Path) -> None:
