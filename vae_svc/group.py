@@ -1,7 +1,8 @@
 """The VAE stage as a patch-parallel process group (see services/rank_group/).
 
 Every rank holds the VAE, with the decoder the checkpoint's family names (the
-streaming causal Wan decoder, or Qwen-Image's, an image being one latent frame);
+streaming causal Wan decoder, or an image family's: Qwen-Image's, FLUX.1's, which
+Z-Image shares, or FLUX.2 klein's, an image being one latent frame);
 each request is a decode session on every rank, keyed by a session id, and each
 latent frame is one unit of group work: rank 0 hands the frame to the followers,
 every rank decodes its band of rows (exchanging halo rows with its neighbours),

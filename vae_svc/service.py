@@ -10,8 +10,9 @@ every rank does): the row-band machinery (vae_svc/patch_parallel.py) wraps the d
 upsamplers, and the encoder's strided downsampling convolutions would need bands aligned to every stride
 and their own halo widths. Encoding one or two frames is a small part of a request next to decoding the
 whole video. Patch parallelism runs the family's decoder split by rows (vae_svc/group.py: the Wan VAE's causal
-decoder and Qwen-Image's), tiling the Wan VAE's causal decoder (vae_svc/tiled.py); a family that does not
-support them refuses the flags at startup with the registry's reason.
+decoder, Qwen-Image's, and the 2D AutoencoderKL decoder of FLUX.1, Z-Image and FLUX.2 klein), tiling the Wan
+VAE's causal decoder (vae_svc/tiled.py); a family that does not support them refuses the flags at startup with
+the registry's reason.
 """
 
 from __future__ import annotations

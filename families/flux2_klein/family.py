@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from families.base import LORA_UNVERIFIED, Family, RequestDefaults, Support, TensorSlot
 
+_KL_PATCH_PARALLEL = "tests/integration/test_autoencoder_kl_patch_parallel.py::"
 _KLEIN = "tests/integration/test_family_flux2_klein.py::"
 # Test classes of a tester config and a feature mixin (tests/helpers/feature_mixins/).
 _FEATURE_CLASSES = "tests/integration/test_family_features.py::TestFlux2Klein"
@@ -60,9 +61,10 @@ FLUX2_KLEIN = Family(
         ),
         "hsdp": Support(tests=_LATENTS_PARALLEL),
         "vae_patch_parallel": Support(
-            reason="not built yet: AutoencoderKLFlux2's GroupNorms reduce over the whole image, so bands would have "
-            "to share their statistics; the image is decoded whole on one device",
-            refusal_tests=_REFUSED,
+            tests=(
+                _KL_PATCH_PARALLEL + "test_kl_patch_parallel_equals_whole_decode",
+                _KL_PATCH_PARALLEL + "test_kl_vae_decode_check_accepts_patch_parallel",
+            )
         ),
         "vae_tiling": Support(
             reason="tiled decode is implemented for the Wan VAE only; AutoencoderKLFlux2 decodes each image whole",

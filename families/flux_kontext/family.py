@@ -52,6 +52,8 @@ REFERENCE_SIZE = SizeFromImage(area=0, multiple=0, index=0, resolutions=PREFERRE
 _TESTS = "tests/integration/test_family_flux_kontext.py::"
 _FEATURE_CLASSES = "tests/integration/test_family_features.py::TestFluxKontext"
 _PARALLEL = _FEATURE_CLASSES + "ParallelLayouts"
+# Its VAE stage encodes the reference image and decodes in row bands over two ranks.
+_CLUSTER = "tests/e2e/test_image_families_cluster.py::test_flux_kontext_cluster_edits_equal_pipeline"
 _UNVERIFIED = "not verified yet with the reference image's tokens in the sequence"
 
 FLUX_KONTEXT = Family(
@@ -86,9 +88,14 @@ FLUX_KONTEXT = Family(
         "ulysses": Support(tests=(_PARALLEL,)),
         "ring": Support(tests=(_PARALLEL,)),
         "cfg_parallel": Support(tests=(_PARALLEL,)),
-        "tensor_parallel": FLUX.support("tensor_parallel"),
+        "tensor_parallel": Support(tests=(_PARALLEL,)),
         "hsdp": Support(tests=(_PARALLEL,)),
-        "vae_patch_parallel": FLUX.support("vae_patch_parallel"),
+        "vae_patch_parallel": Support(
+            tests=(
+                "tests/integration/test_autoencoder_kl_patch_parallel.py::test_kl_patch_parallel_equals_whole_decode",
+                _CLUSTER,
+            )
+        ),
         "vae_tiling": FLUX.support("vae_tiling"),
         "cpu_offload": Support(tests=(_FEATURE_CLASSES + "ModuleOffload",)),
         "layerwise_offload": Support(reason=_UNVERIFIED),

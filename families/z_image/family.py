@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from families.base import Family, RequestDefaults, Support, TensorSlot
 
+_KL_PATCH_PARALLEL = "tests/integration/test_autoencoder_kl_patch_parallel.py::"
 # Test classes of a tester config and a feature mixin (tests/helpers/feature_mixins/).
 _FEATURE_CLASSES = "tests/integration/test_family_features.py::TestZImage"
 _LATENTS_PARALLEL = _FEATURE_CLASSES + "ParallelLayouts"
@@ -65,8 +66,10 @@ Z_IMAGE = Family(
         ),
         "hsdp": Support(tests=(_LATENTS_PARALLEL,)),
         "vae_patch_parallel": Support(
-            reason="not built yet: AutoencoderKL's GroupNorms reduce over the whole image, so bands would have to "
-            "share their statistics; the image is decoded whole on one device"
+            tests=(
+                _KL_PATCH_PARALLEL + "test_kl_patch_parallel_equals_whole_decode",
+                _KL_PATCH_PARALLEL + "test_kl_vae_decode_check_accepts_patch_parallel",
+            )
         ),
         "vae_tiling": Support(
             reason="tiled decode is implemented for the Wan VAE only; AutoencoderKL decodes each image whole"

@@ -1,7 +1,8 @@
 """The image families beyond Qwen-Image through one running cluster, each equal to its diffusers pipeline within
 one level, behind one orchestrator and one HTTP gateway (`stagediff up --model A --model B ...`): FLUX.1-dev's
 kind (its DiT under Ulysses over two ranks) and FLUX.1-schnell's, sharing one text-encoder process (CLIP and T5);
-Z-Image, whose VAE is FLUX.1's and so shares their VAE process; FLUX.2 klein's base kind with CFG; FLUX.1 Kontext
+Z-Image, whose VAE is FLUX.1's and so shares their VAE stage, which decodes every image in row bands over two
+ranks (`--vae-patch-parallel-size 2`, vae_svc/band_kl.py); FLUX.2 klein's base kind with CFG; FLUX.1 Kontext
 (editing: its reference image through its VAE process's Encode, over gRPC and HTTP), sharing the FLUX.1 text
 encoder; Qwen-Image 2.1, with stages of its own.
 
@@ -76,7 +77,11 @@ def cluster(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
         list(models.values()),
         threads_per_stage=THREADS_PER_STAGE,
         log_dir=tmp_path_factory.mktemp("image-families-logs"),
-        extra_args={"dit.flux-dev": ["--ulysses-degree", "2"]},
+        extra_args={
+            "dit.flux-dev": ["--ulysses-degree", "2"],
+            "vae.flux-dev": ["--vae-patch-parallel-size", "2"],
+            "vae.flux-kontext": ["--vae-patch-parallel-size", "2"],
+        },
     )
     local.start(timeout=300)
     try:
@@ -106,7 +111,7 @@ def _assert_close(frames: np.ndarray, expected: np.ndarray, what: str) -> None:
 def test_flux_cluster_equals_pipeline(cluster: LocalCluster, models: dict[str, Path]) -> None:
     """FLUX.1-dev's kind with true CFG on top of its embedded guidance, over gRPC; then its default embedded
     guidance and another over HTTP with the official `openai` package; FLUX.1-schnell's with a prompt past T5's
-    256 tokens, whose cut the result reports; the processes the two models share."""
+    256 tokens, whose cut the result reports; the processes the two models share; the VAE's two row bands."""
     dev = _pipeline(models["flux-dev"])
     with Client(cluster.endpoint) as client:
         result = client.generate(
@@ -144,6 +149,8 @@ def test_flux_cluster_equals_pipeline(cluster: LocalCluster, models: dict[str, P
     served = {
         stage.info.stage: sorted(tuple(replica.info.models) for replica in stage.replicas) for stage in info.stages
     }
+    vae = next(stage.info for stage in info.stages if stage.info.stage == "vae" and "flux-dev" in stage.info.models)
+    assert vae.parallel_config["vae_patch_parallel_size"] == "2" and vae.limits.min_height == 16
     assert served["text-encoder"] == [
         ("flux-dev", "flux-schnell", "flux-kontext"), ("klein-base",), ("qwen-image-2.1",), ("z-image",)
     ]  # fmt: skip
@@ -218,8 +225,13 @@ def test_qwen_image_21_cluster_equals_pipeline(cluster: LocalCluster, models: di
 
 def test_flux_kontext_cluster_edits_equal_pipeline(cluster: LocalCluster, models: dict[str, Path]) -> None:
     """FLUX.1 Kontext edits a 90x150 image with true CFG over gRPC, equal to FluxKontextPipeline (its output size
-    the request's: max_area height x width); then with OpenAI's client over HTTP /v1/images/edits, whose PNG is
+    the request's: max_area height x width), its VAE stage encoding the image and decoding in bands over two ranks;
+    then with OpenAI's client over HTTP /v1/images/edits, whose PNG is
     the frame gRPC makes from the same image, prompt and seed."""
+    with Client(cluster.endpoint) as client:
+        stages = [stage.info for stage in client.cluster_info().stages if stage.info.stage == "vae"]
+    vae = next(info for info in stages if "flux-kontext" in info.models)
+    assert vae.parallel_config["vae_patch_parallel_size"] == "2"
     pipeline = FluxKontextPipeline.from_pretrained(models["flux-kontext"])
     pipeline.set_progress_bar_config(disable=True)
     image = encoded(input_image(150, 90, seed=3), "PNG")

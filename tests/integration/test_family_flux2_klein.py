@@ -163,7 +163,6 @@ def test_klein_stages_read_weights_with_their_load_threads(klein_model: Path, kl
     [
         ("dit", ["--tensor-parallel-size", "2"], "tensor_parallel"),
         ("vae", ["--vae-use-tiling"], "vae_tiling"),
-        ("vae", ["--vae-patch-parallel-size", "2"], "vae_patch_parallel"),
     ],
 )
 def test_klein_stages_refuse_what_the_family_does_not_run(

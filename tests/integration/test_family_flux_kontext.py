@@ -163,9 +163,9 @@ def test_stage_outputs_equal_pipeline(
         2,
         case["guidance"],
         case["seed"],
-        case["embedded"],
         ("reference",) if image is not None else (),
         (image.size,) if image is not None else (),
+        embedded_guidance_scale=case["embedded"],
     )
     negative = case.get("negative", "")
     decode = case.get("decode", True)
@@ -204,7 +204,7 @@ def test_images_the_family_cannot_take_are_refused_naming_the_field(flux_kontext
     with pytest.raises(RequestError, match=r"images\[0\]: a 200x40 image has a side under 64 pixels"):
         FluxKontextLatentEncoder(flux_kontext_model)(decoder, [decoded(flat)], 128, 128, 1)
     denoiser = FluxKontextDenoiser(flux_kontext_model, CPU, torch.float32)
-    spec = DenoiseSpec(128, 128, 1, 2, 1.0, 0, 3.5, ("reference",), (flat.size,))
+    spec = DenoiseSpec(128, 128, 1, 2, 1.0, 0, ("reference",), (flat.size,), embedded_guidance_scale=3.5)
     assert denoiser.image_tensor_shape("image_latents", spec) is None
     with pytest.raises(ValueError, match=r"image_latents \[1, 4, 64\] do not fit the request's image"):
         denoiser.denoise(spec, {"image_latents": torch.zeros(1, 4, 64)}, lambda s, t: None, lambda: False)

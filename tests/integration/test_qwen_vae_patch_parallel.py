@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageAttentionBlock, QwenImageCausalConv3d
 
 from families.qwen_image.decode import QwenDecodeSession, QwenImageDecoder
 from families.qwen_image.init_model import build_vae
 from stagekit.parallel.launch import run_ranks
+from vae_svc.band_wan import QWEN_IMAGE_BAND_MODULES
 from vae_svc.patch_parallel import (
     PatchParallelDecodeSession,
     band_modules_for,
@@ -133,16 +135,16 @@ def test_qwen_band_forwards_cover_its_decoder_and_leave_plain_sessions_alone(vae
     latents = _latents(6, 5, seed=2)
     expected = _reference(vae_dirs["tiny"], latents)
     decoder = QwenImageDecoder(vae_dirs["tiny"], CPU, torch.float32)
-    modules = band_modules_for(decoder.vae.decoder)
+    assert band_modules_for(decoder.vae.decoder) is QWEN_IMAGE_BAND_MODULES
     installed = enable_patch_parallel(decoder.vae.decoder)
     spatial = [
         m
         for m in decoder.vae.decoder.modules()
-        if (isinstance(m, modules.causal_conv) and m.kernel_size[1] > 1)
+        if (isinstance(m, QwenImageCausalConv3d) and m.kernel_size[1] > 1)
         or (isinstance(m, torch.nn.Conv2d) and m.kernel_size[0] > 1)
-        or isinstance(m, modules.attention)
+        or isinstance(m, QwenImageAttentionBlock)
     ]
-    assert installed == len(spatial) > 0 and any(isinstance(m, modules.attention) for m in spatial)
+    assert installed == len(spatial) > 0 and any(isinstance(m, QwenImageAttentionBlock) for m in spatial)
 
     plain = QwenDecodeSession(decoder).decode_next_float(latents)
     assert torch.equal(plain, expected), "a plain session on the patched model decodes differently"

@@ -15,7 +15,7 @@ from diffusers import FluxKontextPipeline
 
 from stagekit.denoise import DenoiseSpec
 from stagekit.parallel import ParallelConfig
-from tests.helpers.feature_mixins.configs import CFG2, HSDP2X2_ULYSSES2_CFG2, RING2, ULYSSES2, FluxTesterConfig
+from tests.helpers.feature_mixins.configs import CFG2, HSDP2X2_ULYSSES2_CFG2, RING2, TP2, ULYSSES2, FluxTesterConfig
 
 
 class FluxKontextTesterConfig(FluxTesterConfig):
@@ -27,10 +27,13 @@ class FluxKontextTesterConfig(FluxTesterConfig):
     pipeline_class = FluxKontextPipeline
     model_fixture = "flux_kontext_model"
     pipeline_fixture = "flux_kontext_pipeline"
-    spec = DenoiseSpec(64, 128, 1, 2, 3.0, 1, 3.5, ("reference",), ((300, 200),))
-    parallel_specs = (spec, DenoiseSpec(192, 128, 1, 2, 3.0, 0, 2.5, ("reference",), ((90, 150),)))
+    spec = DenoiseSpec(64, 128, 1, 2, 3.0, 1, ("reference",), ((300, 200),), embedded_guidance_scale=3.5)
+    parallel_specs = (
+        spec,
+        DenoiseSpec(192, 128, 1, 2, 3.0, 0, ("reference",), ((90, 150),), embedded_guidance_scale=2.5),
+    )
     # The image-families cluster runs Ulysses over two ranks (tests/e2e/test_image_families_cluster.py).
-    parallel_layouts = {2: [ULYSSES2, RING2, CFG2], 4: [HSDP2X2_ULYSSES2_CFG2]}
+    parallel_layouts = {2: [ULYSSES2, RING2, CFG2, TP2], 4: [HSDP2X2_ULYSSES2_CFG2]}
 
     def conditioning(self, denoiser: Any, spec: DenoiseSpec) -> dict[str, torch.Tensor]:
         """FLUX.1's texts, and the reference image's latents as the VAE's Encode sends them."""
