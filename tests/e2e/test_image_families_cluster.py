@@ -101,6 +101,17 @@ def _reference(pipeline: Any, seed: int, **arguments) -> np.ndarray:
     return (np.clip(images, 0, 1) * 255).round().astype(np.uint8)
 
 
+def _replica(info: Any, stage: str, model: str) -> Any:
+    """The StageInfo of the replica of `stage` that serves `model`."""
+    return next(
+        replica.info
+        for each in info.stages
+        if each.info.stage == stage
+        for replica in each.replicas
+        if model in replica.info.models
+    )
+
+
 def _assert_close(frames: np.ndarray, expected: np.ndarray, what: str) -> None:
     assert frames.shape == expected.shape, (what, frames.shape, expected.shape)
     difference = np.abs(frames.astype(np.int16) - expected.astype(np.int16)).max()
@@ -149,7 +160,7 @@ def test_flux_cluster_equals_pipeline(cluster: LocalCluster, models: dict[str, P
     served = {
         stage.info.stage: sorted(tuple(replica.info.models) for replica in stage.replicas) for stage in info.stages
     }
-    vae = next(stage.info for stage in info.stages if stage.info.stage == "vae" and "flux-dev" in stage.info.models)
+    vae = _replica(info, "vae", "flux-dev")
     assert vae.parallel_config["vae_patch_parallel_size"] == "2" and vae.limits.min_height == 16
     assert served["text-encoder"] == [
         ("flux-dev", "flux-schnell", "flux-kontext"), ("klein-base",), ("qwen-image-2.1",), ("z-image",)
@@ -229,8 +240,7 @@ def test_flux_kontext_cluster_edits_equal_pipeline(cluster: LocalCluster, models
     then with OpenAI's client over HTTP /v1/images/edits, whose PNG is
     the frame gRPC makes from the same image, prompt and seed."""
     with Client(cluster.endpoint) as client:
-        stages = [stage.info for stage in client.cluster_info().stages if stage.info.stage == "vae"]
-    vae = next(info for info in stages if "flux-kontext" in info.models)
+        vae = _replica(client.cluster_info(), "vae", "flux-kontext")
     assert vae.parallel_config["vae_patch_parallel_size"] == "2"
     pipeline = FluxKontextPipeline.from_pretrained(models["flux-kontext"])
     pipeline.set_progress_bar_config(disable=True)
