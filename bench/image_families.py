@@ -151,9 +151,11 @@ def _bf16_bytes(module: Any) -> int:
     keep = set(getattr(module, "_keep_in_fp32_modules", None) or ())
     if hasattr(module, "config") and hasattr(module, "_keep_in_fp32_modules_strict"):
         keep = set(module._keep_in_fp32_modules_strict or ())
+    # A tensor saved under two names (a tied embedding and head) is held once.
+    tensors = {id(tensor): (key, tensor) for key, tensor in module.state_dict(keep_vars=True).items()}
     return sum(
         tensor.numel() * (4 if keep.intersection(key.split(".")) else 2)
-        for key, tensor in module.state_dict().items()
+        for key, tensor in tensors.values()
         if tensor.is_floating_point()
     )
 
