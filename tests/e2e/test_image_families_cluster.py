@@ -1,7 +1,8 @@
 """The image families beyond Qwen-Image through one running cluster, each equal to its diffusers pipeline within
 one level: FLUX.1-dev's kind (its DiT under Ulysses over two ranks) and FLUX.1-schnell's behind one orchestrator
 and one HTTP gateway, sharing one text-encoder process (CLIP and T5) and one VAE process, whose files are the
-same (`stagediff up --model A --model B`).
+same (`stagediff up --model A --model B`). The FLUX.1-dev DiT serves adapters per request from its --lora-dir:
+a kohya-format one, converted by FluxPipeline's own loader.
 
 What each family does stage by stage, and every parallel layout and option on gloo, is in
 tests/integration/test_family_flux.py and tests/integration/test_family_features.py.
@@ -25,6 +26,7 @@ from PIL import Image
 
 from stagediff import Client, StageDiffError
 from stagediff.local.supervisor import LocalCluster
+from tests.helpers.lora_adapters import flux_community_adapter
 from tests.helpers.serving import THREADS_PER_STAGE
 
 LONG_PROMPT = "a red fox running through fresh snow at dawn, " * 30
@@ -40,12 +42,22 @@ def models(flux_model: Path, flux_schnell_model: Path, tmp_path_factory: pytest.
 
 
 @pytest.fixture(scope="module")
-def cluster(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def lora_dir(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The flux-dev DiT's adapters: "kohya", in kohya's sd-scripts format."""
+    directory = tmp_path_factory.mktemp("flux-loras")
+    flux_community_adapter(models["flux-dev"], directory / "kohya.safetensors", "kohya", seed=4)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    models: dict[str, Path], lora_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
     local = LocalCluster(
         list(models.values()),
         threads_per_stage=THREADS_PER_STAGE,
         log_dir=tmp_path_factory.mktemp("image-families-logs"),
-        extra_args={"dit.flux-dev": ["--ulysses-degree", "2"]},
+        extra_args={"dit.flux-dev": ["--ulysses-degree", "2", "--lora-dir", str(lora_dir)]},
     )
     local.start(timeout=300)
     try:
@@ -130,3 +142,36 @@ def test_flux_cluster_equals_pipeline(cluster: LocalCluster, models: dict[str, P
         dev, 5, prompt="a blue square", guidance_scale=4.0, height=48, width=64, num_inference_steps=2
     )
     _assert_close(image[None], expected, "flux-dev over HTTP, embedded guidance 4")
+
+
+def test_a_community_flux_lora_through_the_cluster_equals_diffusers(
+    cluster: LocalCluster, models: dict[str, Path], lora_dir: Path
+) -> None:
+    """The kohya-format adapter at 0.8 on flux-dev (its DiT under Ulysses over two ranks): the frames of
+    FluxPipeline with the same file loaded by `load_lora_weights` and set at 0.8, and unlike the base model's."""
+    arguments = dict(prompt="a lighthouse at dusk", height=48, width=64, num_inference_steps=2, guidance_scale=4.0)
+    with Client(cluster.endpoint) as client:
+        listed = client.list_models()
+        adapted = client.generate(
+            arguments["prompt"],
+            model="flux-dev",
+            height=48,
+            width=64,
+            num_inference_steps=2,
+            embedded_guidance_scale=4.0,
+            seed=6,
+            loras=[("kohya", 0.8)],
+        )
+        base = client.generate(
+            arguments["prompt"], model="flux-dev", height=48, width=64, num_inference_steps=2,
+            embedded_guidance_scale=4.0, seed=6,
+        )  # fmt: skip
+    assert [lora.name for lora in next(m for m in listed if m.id == "flux-dev").limits.loras] == ["kohya"]
+    pipeline = _pipeline(models["flux-dev"])
+    pipeline.load_lora_weights(str(lora_dir / "kohya.safetensors"), adapter_name="kohya")
+    pipeline.set_adapters(["kohya"], [0.8])
+    expected = _reference(pipeline, 6, **arguments)
+    _assert_close(adapted.frames, expected, "flux-dev with the kohya adapter at 0.8")
+    changed = np.abs(adapted.frames.astype(np.int16) - base.frames.astype(np.int16)).max()
+    print(f"flux-dev with the kohya adapter: {changed} levels off the base model")
+    assert changed > 8, "the adapter must change the image"

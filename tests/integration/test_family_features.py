@@ -262,6 +262,10 @@ class TestFluxStepCache(FluxTesterConfig, StepCacheTesterMixin):
     pass
 
 
+class TestFluxLoRA(FluxTesterConfig, LoRATesterMixin):
+    pass
+
+
 class TestZImageModuleOffload(ZImageTesterConfig, ModuleOffloadTesterMixin):
     pass
 
