@@ -23,8 +23,9 @@ FLUX_TARGETS = [*QWEN_TARGETS, "proj_mlp", "proj_out"]
 # module names ("diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight"), and XLabs'
 # ("double_blocks.0.processor.qkv_lora1.down.weight", no alpha); and "bfl-peft", BFL's names with PEFT's
 # lora_A/lora_B ("diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight"), which diffusers 0.42.1 leaves
-# unconverted.
-FLUX_FORMATS = ("kohya", "comfyui", "xlabs", "bfl-peft")
+# unconverted. "peft-alphas" is diffusers' own names with an alpha per layer
+# ("transformer.transformer_blocks.0.attn.to_q.alpha"), which FluxPipeline's loader keeps apart as network alphas.
+FLUX_FORMATS = ("kohya", "comfyui", "xlabs", "peft-alphas", "bfl-peft")
 
 
 def write_adapter(
@@ -103,7 +104,8 @@ def _bfl_layers(config: dict) -> dict[str, tuple[int, int]]:
 
 def flux_community_adapter(model_dir: Path, path: Path, layout: str, seed: int, rank: int = 4) -> Path:
     """An adapter for the FLUX.1 checkpoint's transformer in one of FLUX_FORMATS, its weights drawn from `seed`
-    (kohya's and ComfyUI's with alpha 2 * rank, so that their converter scales them)."""
+    (kohya's and ComfyUI's with alpha 2 * rank, so that their converter scales them; "peft-alphas" with alphas of
+    rank, 2 * rank and 3 * rank by turns, so that they differ from layer to layer)."""
     config = json.loads((model_dir / "transformer" / "config.json").read_text())
     generator = torch.Generator().manual_seed(seed)
 
@@ -119,6 +121,15 @@ def flux_community_adapter(model_dir: Path, path: Path, layout: str, seed: int, 
                     down, up = pair(out, width)
                     state[f"double_blocks.{block}.processor.{layer}.down.weight"] = down
                     state[f"double_blocks.{block}.processor.{layer}.up.weight"] = up
+    elif layout == "peft-alphas":
+        width = config["num_attention_heads"] * config["attention_head_dim"]
+        modules = [f"transformer_blocks.{block}.attn.{layer}" for block in range(config["num_layers"])
+                   for layer in ("to_q", "to_v", "add_k_proj", "to_add_out")]  # fmt: skip
+        modules += [f"single_transformer_blocks.{block}.attn.to_k" for block in range(config["num_single_layers"])]
+        for index, module in enumerate(modules):
+            down, up = pair(width, width)
+            state[f"transformer.{module}.lora_A.weight"], state[f"transformer.{module}.lora_B.weight"] = down, up
+            state[f"transformer.{module}.alpha"] = torch.tensor(float(rank * (1 + index % 3)))
     else:
         for module, (out, features) in _bfl_layers(config).items():
             down, up = pair(out, features)

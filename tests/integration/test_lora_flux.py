@@ -1,8 +1,9 @@
 """FLUX.1's community LoRA formats on the DiT, read through diffusers' own FluxPipeline conversion: kohya's
-sd-scripts files, ComfyUI's (BFL's module names with kohya's lora_down/lora_up and alphas) and XLabs', each equal
-to FluxPipeline with `load_lora_weights` of the same file and `set_adapters`; BFL's names with PEFT's
-lora_A/lora_B, which diffusers 0.42.1 leaves unconverted (its pipeline then loads nothing), refused by name;
-and a community adapter fused at startup (--lora) equal to it applied per request.
+sd-scripts files, ComfyUI's (BFL's module names with kohya's lora_down/lora_up and alphas), XLabs', and
+diffusers' own names with an alpha per layer (which the loader hands over as network alphas), each equal to
+FluxPipeline with `load_lora_weights` of the same file and `set_adapters`; BFL's names with PEFT's lora_A/lora_B,
+which diffusers 0.42.1 leaves unconverted (its pipeline then loads nothing), and an alpha that is not a number,
+refused by name; and a community adapter fused at startup (--lora) equal to it applied per request.
 
 Adapters in diffusers' own format, under the parallel layouts, are LoRATesterMixin's (TestFluxLoRA in
 tests/integration/test_family_features.py and tests/integration/test_lora.py).
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 from diffusers import FluxPipeline
 
@@ -28,7 +30,7 @@ from tests.helpers.lora_adapters import FLUX_FORMATS, flux_community_adapter
 # FluxPipeline's latents and ours run the same operations: the bound is float32 rounding, not an approximation.
 TOLERANCE = 1e-5
 # The formats diffusers converts, each at its own scale.
-CONVERTED = {"kohya": 0.8, "comfyui": -0.6, "xlabs": 1.0}
+CONVERTED = {"kohya": 0.8, "comfyui": -0.6, "xlabs": 1.0, "peft-alphas": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +86,11 @@ def test_community_flux_adapters_equal_diffusers_conversion(flux_model: Path, pe
     adapters = per_request.adapters
     with pytest.raises(AdapterError, match="lora 'bfl-peft': keys .* FluxPipeline's loader does not convert"):
         adapters.check((("bfl-peft", 1.0),))
+    state = safetensors.torch.load_file(str(directory / "peft-alphas.safetensors"))
+    key = next(key for key in state if key.endswith(".alpha"))
+    safetensors.torch.save_file({**state, key: torch.tensor(float("nan"))}, str(directory / "nan-alpha.safetensors"))
+    with pytest.raises(AdapterError, match=f"lora 'nan-alpha': {key} is not one finite number"):
+        adapters.check((("nan-alpha", 1.0),))
     assert list(adapters.loaded) == list(CONVERTED)
     assert torch.equal(adapter_run(config, per_request.denoiser, adapters, ()), per_request.base)
 
