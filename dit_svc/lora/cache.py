@@ -1,10 +1,10 @@
 """The adapters loaded on each rank: requests name adapters, and each rank keeps the ones it loaded, least
 recently used first, within --lora-cache-bytes.
 
-Loading is diffusers' own: `load_lora_into_transformer` injects PEFT's LoRA layers around the transformer's
-linears, as `pipe.load_lora_weights` does. For each request `set_adapters` picks the request's adapters and
-scales; after it `disable_lora` leaves every layer computing its base output alone, the base model's output
-exactly. The base weights never change here.
+Loading is diffusers' own: the family's `load_lora_into_transformer` injects PEFT's LoRA layers around the
+transformer's linears, as `pipe.load_lora_weights` does (`Adapter.load_into`, checks.py). For each request
+`set_adapters` picks the request's adapters and scales; after it `disable_lora` leaves every layer computing its
+base output alone, the base model's output exactly. The base weights never change here.
 """
 
 from __future__ import annotations
@@ -113,12 +113,7 @@ class AdapterCache:
         with warnings.catch_warnings():
             # PEFT warns at every adapter after the first that the model holds several: that is the point here.
             warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
-            self.pipeline_class.load_lora_into_transformer(
-                adapter.state_dict,
-                transformer=self.transformer,
-                adapter_name=peft_name(adapter.name),
-                metadata=adapter.metadata,
-            )
+            adapter.load_into(self.pipeline_class, self.transformer, peft_name(adapter.name))
         self.transformer.disable_lora()
         self.loaded[adapter.name] = _Loaded(adapter.bytes, adapter.stamp)
         logger.info(

@@ -2,14 +2,18 @@
 
 Reading is diffusers' own, through the family's pipeline class (`Family.pipeline`, e.g. WanPipeline): its
 `lora_state_dict` converts the community formats it knows to its own (Wan's "diffusion_model." and musubi
-files, for instance). `read_adapter` then checks the result on rank 0 and names what is wrong: its size, its
-format, keys that match no linear layer of the transformer, shapes that do not fit, ranks, alphas, non-finite
-weights. The ranks of a group load only what rank 0 has checked, so a bad adapter fails its request, never the
-group (services/rank_group/ ends a group one of whose ranks raises).
+files; FLUX.1's kohya, XLabs and ComfyUI files, for instance). Where that loader keeps the alphas of a PEFT-style
+file apart from the weights (FluxPipeline's `return_alphas`), they are kept with the adapter and handed to its
+`load_lora_into_transformer` (`Adapter.load_into`), as `pipe.load_lora_weights` hands them. `read_adapter` then
+checks the result on rank 0 and names what is wrong: its size, its format, keys the loader left in a layout no
+layer of the transformer has (a layout diffusers does not convert, or another model's), shapes that do not fit,
+ranks, alphas, non-finite weights. The ranks of a group load only what rank 0 has checked, so a bad adapter
+fails its request, never the group (services/rank_group/ ends a group one of whose ranks raises).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import time
@@ -46,6 +50,19 @@ class Adapter:
     bytes: int
     # The file it came from, as (size, mtime_ns): a file replaced since is read again.
     stamp: tuple[int, int]
+    # The alphas the loader's conversion keeps apart from the weights, by key (FluxPipeline's network alphas of
+    # a PEFT-style file with ".alpha" keys); None where it keeps none.
+    alphas: dict[str, torch.Tensor] | None = None
+
+    def load_into(self, pipeline_class: type[Any], transformer: nn.Module, adapter_name: str) -> None:
+        """Injects the adapter's LoRA layers into `transformer` as `adapter_name`, as `pipe.load_lora_weights`
+        does: the family's `load_lora_into_transformer`, given the alphas where it takes them."""
+        options: dict[str, Any] = {}
+        if "network_alphas" in inspect.signature(pipeline_class.load_lora_into_transformer).parameters:
+            options["network_alphas"] = self.alphas
+        pipeline_class.load_lora_into_transformer(
+            self.state_dict, transformer=transformer, adapter_name=adapter_name, metadata=self.metadata, **options
+        )
 
 
 def file_stamp(path: Path) -> tuple[int, int]:
@@ -101,7 +118,7 @@ def read_adapter(
             f"lora '{name}': not a readable safetensors file ({type(error).__name__}: {error})"
         ) from None
     try:
-        state_dict = pipeline_class.lora_state_dict(tensors)
+        state_dict, alphas = _converted(pipeline_class, tensors)
         expand = getattr(pipeline_class, "_maybe_expand_t2v_lora_for_i2v", None)
         if expand is not None:  # Wan's image-to-video transformers take a text-to-video adapter, as diffusers does
             state_dict = expand(transformer=transformer, state_dict=state_dict)
@@ -109,8 +126,12 @@ def read_adapter(
         raise AdapterError(
             f"lora '{name}': {pipeline_class.__name__}'s loader cannot read it ({type(error).__name__}: {error})"
         ) from None
+    for key, alpha in (alphas or {}).items():
+        if not (torch.is_tensor(alpha) and alpha.numel() == 1 and bool(torch.isfinite(alpha).all())):
+            raise AdapterError(f"lora '{name}': {key} is not one finite number")
     dtype = next(transformer.parameters()).dtype
-    adapter = Adapter(name, state_dict, metadata, _check_layers(name, state_dict, transformer, dtype), stamp)
+    layers_bytes = _check_layers(name, state_dict, transformer, dtype, pipeline_class.__name__)
+    adapter = Adapter(name, state_dict, metadata, layers_bytes, stamp, alphas)
     logger.info(
         "lora '%s': read and checked in %.3f s (%d tensors, %d bytes in the model's dtype)",
         name,
@@ -119,6 +140,16 @@ def read_adapter(
         adapter.bytes,
     )
     return adapter
+
+
+def _converted(
+    pipeline_class: type[Any], tensors: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """The file's tensors through the loader's `lora_state_dict`, with the alphas it keeps apart where it does."""
+    if "return_alphas" in inspect.signature(pipeline_class.lora_state_dict).parameters:
+        state_dict, alphas = pipeline_class.lora_state_dict(tensors, return_alphas=True)
+        return state_dict, alphas or None
+    return pipeline_class.lora_state_dict(tensors), None
 
 
 def _linears(transformer: nn.Module) -> dict[str, nn.Linear]:
@@ -132,9 +163,12 @@ def _linears(transformer: nn.Module) -> dict[str, nn.Linear]:
     return linears
 
 
-def _check_layers(name: str, state_dict: dict[str, torch.Tensor], transformer: nn.Module, dtype: torch.dtype) -> int:
+def _check_layers(
+    name: str, state_dict: dict[str, torch.Tensor], transformer: nn.Module, dtype: torch.dtype, loader: str
+) -> int:
     """Every key is lora_A/lora_B (and lora_B's bias) of a linear layer of the transformer, with shapes that fit
-    it and one rank per layer; every weight finite. Returns the bytes of the adapter's layers in `dtype`."""
+    it and one rank per layer; every weight finite. Returns the bytes of the adapter's layers in `dtype`.
+    `loader`: the pipeline class whose conversion made `state_dict`, named where keys are left unconverted."""
     if not state_dict:
         raise AdapterError(f"lora '{name}': holds no LoRA weights")
     linears = _linears(transformer)
@@ -149,7 +183,8 @@ def _check_layers(name: str, state_dict: dict[str, torch.Tensor], transformer: n
         layers.setdefault(inner[: -len(part) - 1], {})[part] = tensor
     if unmatched:
         raise AdapterError(
-            f"lora '{name}': keys that are not LoRA weights of the transformer: {', '.join(unmatched[:5])}"
+            f"lora '{name}': keys that are not LoRA weights of the transformer (a text encoder's, which the DiT "
+            f"does not apply, or a layout {loader}'s loader does not convert): {', '.join(unmatched[:5])}"
             + (f" and {len(unmatched) - 5} more" if len(unmatched) > 5 else "")
         )
     missing = sorted(module for module in layers if module not in linears)

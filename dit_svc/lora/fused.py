@@ -49,9 +49,7 @@ def fuse_adapters(transformer: nn.Module, settings: LoraSettings, num_threads: i
         path = adapter_path(settings.directory, name)
         adapter = read_adapter(name, path, pipeline_class, transformer, settings.max_file_bytes, num_threads)
         internal = peft_name(name)
-        pipeline_class.load_lora_into_transformer(
-            adapter.state_dict, transformer=transformer, adapter_name=internal, metadata=adapter.metadata
-        )
+        adapter.load_into(pipeline_class, transformer, internal)
         transformer.set_adapters([internal], [scale])
         transformer.fuse_lora(adapter_names=[internal])
         transformer.unload_lora()  # the layers go; their product stays in the base weights

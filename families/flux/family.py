@@ -17,6 +17,8 @@ _FEATURE_CLASSES = "tests/integration/test_family_features.py::TestFlux"
 _CLUSTER = "tests/e2e/test_image_families_cluster.py::test_flux_cluster_equals_pipeline"
 _LATENTS_PARALLEL = _FEATURE_CLASSES + "ParallelLayouts"
 _QUANTIZATION = (_FEATURE_CLASSES + "Quantization",)
+_LORA = "tests/integration/test_lora.py::"
+_COMMUNITY_LORA = "tests/integration/test_lora_flux.py::"
 
 FLUX = Family(
     name="flux",
@@ -84,6 +86,16 @@ FLUX = Family(
         "first_block_cache": Support(tests=(_FEATURE_CLASSES + "StepCache",)),
         "teacache": Support(reason="TeaCache's rescaling polynomials are published for Wan2.1 only"),
         "batching": Support(reason="not built yet for FLUX"),
+        # diffusers' format and the community formats FluxPipeline's loader converts (kohya, ComfyUI, XLabs).
+        "lora": Support(
+            tests=(
+                _FEATURE_CLASSES + "LoRA",
+                _LORA + "test_adapters_under_parallel_layouts_equal_one_rank",
+                _COMMUNITY_LORA + "test_community_flux_adapters_equal_diffusers_conversion",
+                "tests/e2e/test_image_families_cluster.py::test_a_community_flux_lora_through_the_cluster_equals_diffusers",
+            )
+        ),
+        "lora_fused": Support(tests=(_COMMUNITY_LORA + "test_a_fused_community_flux_adapter_equals_it_per_request",)),
     },
 )
 

@@ -11,8 +11,10 @@ attention processor that sequence parallelism installs in every block.
   which needs the text length divisible by the degree and each rank's text rotary positions; keeping it whole
   is what Qwen-Image does here, and the same kernel (`joint_usp_attention`) serves both.
 - The split is taken at the transformer's input (`hidden_states` and their position ids `img_ids`, so the rotary
-  table the model builds is already [text; this rank's image tokens]) and gathered at `proj_out`. Image token
-  counts the degree does not divide are zero-padded and the padded keys masked, so the result stays exact.
+  table the model builds is already [text; this rank's image tokens]) and gathered at `norm_out`, before the
+  final `proj_out`: a LoRA adapter may wrap that linear, and PEFT's wrapper would add its product on this rank's
+  tokens to a base output already gathered. Image token counts the degree does not divide are zero-padded and
+  the padded keys masked, so the result stays exact.
 - The double-stream blocks attend as Qwen-Image's: image Q/K/V trade the sequence split for a head split
   (all-to-all), the text Q/K/V narrow to the same heads, both attend to the text keys and every image key block
   passed around the ring. The single-stream blocks run one sequence [text; image shard]: the processor splits it
@@ -50,7 +52,7 @@ _IMAGE_PLAN = {
         "hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
         "img_ids": ContextParallelInput(split_dim=0, expected_dims=2, split_output=False),
     },
-    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+    "norm_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
 }
 
 

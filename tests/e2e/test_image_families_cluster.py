@@ -4,7 +4,8 @@ kind (its DiT under Ulysses over two ranks) and FLUX.1-schnell's, sharing one te
 Z-Image, whose VAE is FLUX.1's and so shares their VAE stage, which decodes every image in row bands over two
 ranks (`--vae-patch-parallel-size 2`, vae_svc/band_kl.py); FLUX.2 klein's base kind with CFG; FLUX.1 Kontext
 (editing: its reference image through its VAE process's Encode, over gRPC and HTTP), sharing the FLUX.1 text
-encoder; Qwen-Image 2.1, with stages of its own.
+encoder; Qwen-Image 2.1, with stages of its own. The FLUX.1-dev DiT serves adapters per request from its
+--lora-dir: a kohya-format one, converted by FluxPipeline's own loader.
 
 What each family does stage by stage, and every parallel layout and option on gloo, is in
 tests/integration/test_family_flux.py, test_family_z_image.py, test_family_flux2_klein.py,
@@ -43,6 +44,7 @@ from stagediff import Client, StageDiffError
 from stagediff.local.supervisor import LocalCluster
 from tests.helpers.feature_mixins.base import tiny_checkpoint
 from tests.helpers.image_to_video import encoded
+from tests.helpers.lora_adapters import flux_community_adapter
 from tests.helpers.serving import THREADS_PER_STAGE
 from tests.helpers.wan_i2v import input_image
 
@@ -72,13 +74,23 @@ def models(
 
 
 @pytest.fixture(scope="module")
-def cluster(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def lora_dir(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The flux-dev DiT's adapters: "kohya", in kohya's sd-scripts format."""
+    directory = tmp_path_factory.mktemp("flux-loras")
+    flux_community_adapter(models["flux-dev"], directory / "kohya.safetensors", "kohya", seed=4)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    models: dict[str, Path], lora_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
     local = LocalCluster(
         list(models.values()),
         threads_per_stage=THREADS_PER_STAGE,
         log_dir=tmp_path_factory.mktemp("image-families-logs"),
         extra_args={
-            "dit.flux-dev": ["--ulysses-degree", "2"],
+            "dit.flux-dev": ["--ulysses-degree", "2", "--lora-dir", str(lora_dir)],
             "vae.flux-dev": ["--vae-patch-parallel-size", "2"],
             "vae.flux-kontext": ["--vae-patch-parallel-size", "2"],
         },
@@ -278,3 +290,36 @@ def test_flux_kontext_cluster_edits_equal_pipeline(cluster: LocalCluster, models
             "make it blue", model="flux-kontext", image=image, height=128, width=192, num_inference_steps=2, seed=9
         )
     assert np.array_equal(edited, result.frames[0])
+
+
+def test_a_community_flux_lora_through_the_cluster_equals_diffusers(
+    cluster: LocalCluster, models: dict[str, Path], lora_dir: Path
+) -> None:
+    """The kohya-format adapter at 0.8 on flux-dev (its DiT under Ulysses over two ranks): the frames of
+    FluxPipeline with the same file loaded by `load_lora_weights` and set at 0.8, and unlike the base model's."""
+    arguments = dict(prompt="a lighthouse at dusk", height=48, width=64, num_inference_steps=2, guidance_scale=4.0)
+    with Client(cluster.endpoint) as client:
+        listed = client.list_models()
+        adapted = client.generate(
+            arguments["prompt"],
+            model="flux-dev",
+            height=48,
+            width=64,
+            num_inference_steps=2,
+            embedded_guidance_scale=4.0,
+            seed=6,
+            loras=[("kohya", 0.8)],
+        )
+        base = client.generate(
+            arguments["prompt"], model="flux-dev", height=48, width=64, num_inference_steps=2,
+            embedded_guidance_scale=4.0, seed=6,
+        )  # fmt: skip
+    assert [lora.name for lora in next(m for m in listed if m.id == "flux-dev").limits.loras] == ["kohya"]
+    pipeline = _pipeline(models["flux-dev"])
+    pipeline.load_lora_weights(str(lora_dir / "kohya.safetensors"), adapter_name="kohya")
+    pipeline.set_adapters(["kohya"], [0.8])
+    expected = _reference(pipeline, 6, **arguments)
+    _assert_close(adapted.frames, expected, "flux-dev with the kohya adapter at 0.8")
+    changed = np.abs(adapted.frames.astype(np.int16) - base.frames.astype(np.int16)).max()
+    print(f"flux-dev with the kohya adapter: {changed} levels off the base model")
+    assert changed > 8, "the adapter must change the image"

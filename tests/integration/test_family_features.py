@@ -268,6 +268,10 @@ class TestFluxCompile(FluxTesterConfig, CompileTesterMixin):
     pass
 
 
+class TestFluxLoRA(FluxTesterConfig, LoRATesterMixin):
+    pass
+
+
 class TestZImageModuleOffload(ZImageTesterConfig, ModuleOffloadTesterMixin):
     pass
 

@@ -33,7 +33,7 @@ from stagekit.denoise import CacheSpec, DenoiseSpec
 from stagekit.parallel import ParallelConfig
 from tests.helpers import qwen_image_edit, wan_i2v
 from tests.helpers.feature_mixins.base import FamilyTesterConfig
-from tests.helpers.lora_adapters import QWEN_TARGETS, WAN_TARGETS
+from tests.helpers.lora_adapters import FLUX_TARGETS, QWEN_TARGETS, WAN_TARGETS
 
 ULYSSES2 = ("ulysses2", ParallelConfig(ulysses_degree=2))
 RING2 = ("ring2", ParallelConfig(ring_degree=2))
@@ -419,7 +419,8 @@ class QwenImageEditPlusTesterConfig(QwenImageEditTesterConfig):
 class FluxTesterConfig(FamilyTesterConfig):
     """FLUX.1-dev: two steps with the embedded guidance and true CFG on top (both branches, so CFG-parallel
     runs), a 12-token T5 sequence and a pooled vector per text. The parallel layouts run 16 packed image tokens
-    (64x64) and 15 (48x80, which neither 2 nor 4 divides: padded and masked)."""
+    (64x64) and 15 (48x80, which neither 2 nor 4 divides: padded and masked). The LoRA adapters run `spec`, and
+    wrap the final proj_out too (the sequence-parallel plan gathers the image tokens before it)."""
 
     family = "flux"
     pipeline_class = FluxPipeline
@@ -490,6 +491,10 @@ class FluxTesterConfig(FamilyTesterConfig):
         ),
     )
     compile_text_lengths = (12, 14, 9)
+    parallel_layouts = {2: [ULYSSES2, RING2, CFG2, HSDP2], 4: [USP2X2, ULYSSES2_CFG2]}
+    lora_spec = spec
+    lora_targets = tuple(FLUX_TARGETS)
+    lora_layouts = SEQUENCE_AND_CFG_2
 
     def conditioning(self, denoiser: Any, spec: DenoiseSpec) -> dict[str, torch.Tensor]:
         """Each text's T5 sequence and CLIP pooled vector, as the text encoder stage sends them."""
