@@ -9,7 +9,7 @@ family's `Support` entries name the class's tests. tests/unit/test_families.py c
 a feature in FEATURE_MIXINS names a class that mixes in that feature's mixin.
 
 Adding a family: write its tester config (a subclass of FamilyTesterConfig in configs.py, or in a module of its
-own beside it, as FLUX.1 Kontext's and Qwen-Image 2.1's), add it to TESTER_CONFIGS, and list its test classes
+own beside it, configs_<family>.py, as the image families' are), add it to TESTER_CONFIGS, and list its test classes
 beside the others
 (tests/integration/test_family_features.py).
 Tester configs are importable by their qualified name: rank processes receive them by reference.
@@ -29,8 +29,6 @@ from tests.helpers.feature_mixins.batching import BatchingTesterMixin
 from tests.helpers.feature_mixins.compile import CompileTesterMixin
 from tests.helpers.feature_mixins.configs import TESTER_CONFIGS as _CONFIGS
 from tests.helpers.feature_mixins.configs import (
-    Flux2KleinTesterConfig,
-    FluxTesterConfig,
     QwenImageEditPlusTesterConfig,
     QwenImageEditTesterConfig,
     QwenImageTesterConfig,
@@ -39,10 +37,12 @@ from tests.helpers.feature_mixins.configs import (
     WanI2VTesterConfig,
     WanT2VTesterConfig,
     WanTI2VTesterConfig,
-    ZImageTesterConfig,
 )
+from tests.helpers.feature_mixins.configs_flux import FluxTesterConfig
+from tests.helpers.feature_mixins.configs_flux2_klein import Flux2KleinTesterConfig
+from tests.helpers.feature_mixins.configs_flux_kontext import FluxKontextTesterConfig
 from tests.helpers.feature_mixins.configs_qwen_image_21 import QwenImage21TesterConfig
-from tests.helpers.feature_mixins.flux_kontext import FluxKontextTesterConfig
+from tests.helpers.feature_mixins.configs_z_image import ZImageTesterConfig
 from tests.helpers.feature_mixins.gguf import GGUFTesterMixin
 from tests.helpers.feature_mixins.layerwise_offload import LayerwiseOffloadTesterMixin
 from tests.helpers.feature_mixins.loading import LoadingTesterMixin
@@ -53,7 +53,14 @@ from tests.helpers.feature_mixins.quantization import QuantizationTesterMixin
 from tests.helpers.feature_mixins.step_cache import StepCacheTesterMixin
 
 # Every family's tester config: configs.py's, then those kept in modules of their own.
-TESTER_CONFIGS: tuple[type[FamilyTesterConfig], ...] = (*_CONFIGS, FluxKontextTesterConfig, QwenImage21TesterConfig)
+TESTER_CONFIGS: tuple[type[FamilyTesterConfig], ...] = (
+    *_CONFIGS,
+    FluxTesterConfig,
+    ZImageTesterConfig,
+    Flux2KleinTesterConfig,
+    FluxKontextTesterConfig,
+    QwenImage21TesterConfig,
+)
 
 # The feature whose supported cells must name a test class that mixes in this mixin (tests/unit/test_families.py).
 

@@ -1,5 +1,6 @@
-"""The tester configs: one per family, each describing how to run the family's DiT on its tiny checkpoint
-(tests/helpers/feature_mixins/base.py says what a config declares).
+"""The parallel layouts every tester config draws from, and the Wan and Qwen-Image families' tester configs, each
+describing how to run the family's DiT on its tiny checkpoint (tests/helpers/feature_mixins/base.py says what a
+config declares); the image families added since have a module each beside this one (configs_<family>.py).
 
 The image-conditioned families take the conditioning of their stage-by-stage tests (tests/helpers/wan_i2v.py,
 tests/helpers/qwen_image_edit.py): Wan's frame latents (concatenated with a mask, or written over the first
@@ -17,23 +18,17 @@ from typing import Any
 
 import torch
 from diffusers import (
-    Flux2KleinPipeline,
-    Flux2Transformer2DModel,
-    FluxPipeline,
-    FluxTransformer2DModel,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
     WanPipeline,
     WanTransformer3DModel,
-    ZImagePipeline,
-    ZImageTransformer2DModel,
 )
 
 from stagekit.denoise import CacheSpec, DenoiseSpec
 from stagekit.parallel import ParallelConfig
 from tests.helpers import qwen_image_edit, wan_i2v
 from tests.helpers.feature_mixins.base import FamilyTesterConfig
-from tests.helpers.lora_adapters import FLUX_TARGETS, QWEN_TARGETS, WAN_TARGETS
+from tests.helpers.lora_adapters import QWEN_TARGETS, WAN_TARGETS
 
 ULYSSES2 = ("ulysses2", ParallelConfig(ulysses_degree=2))
 RING2 = ("ring2", ParallelConfig(ring_degree=2))
@@ -416,246 +411,6 @@ class QwenImageEditPlusTesterConfig(QwenImageEditTesterConfig):
     spec = qwen_image_edit.PARALLEL_SPECS[qwen_image_edit.PLUS]
 
 
-class FluxTesterConfig(FamilyTesterConfig):
-    """FLUX.1-dev: two steps with the embedded guidance and true CFG on top (both branches, so CFG-parallel
-    runs), a 12-token T5 sequence and a pooled vector per text. The parallel layouts run 16 packed image tokens
-    (64x64) and 15 (48x80, which neither 2 nor 4 divides: padded and masked). The LoRA adapters run `spec`, and
-    wrap the final proj_out too (the sequence-parallel plan gathers the image tokens before it)."""
-
-    family = "flux"
-    pipeline_class = FluxPipeline
-    model_fixture = "flux_model"
-    pipeline_fixture = "flux_pipeline"
-    transformer_class = FluxTransformer2DModel
-    blocks_attribute = "transformer_blocks"
-    more_block_lists = ("single_transformer_blocks",)
-    expert_names = ("transformer",)
-    forwards_per_expert = [4]
-    ignored_layers = ("proj_out", "transformer_blocks.0.*", "time_text_embed.*")
-    ignored_prefixes = ("transformer_blocks.0.", "time_text_")
-    spec = DenoiseSpec(
-        height=48,
-        width=80,
-        num_frames=1,
-        num_inference_steps=2,
-        guidance_scale=3.0,
-        seed=1,
-        embedded_guidance_scale=3.5,
-    )
-    parallel_specs = (
-        DenoiseSpec(
-            height=64,
-            width=64,
-            num_frames=1,
-            num_inference_steps=2,
-            guidance_scale=3.0,
-            seed=0,
-            embedded_guidance_scale=2.5,
-        ),
-        spec,
-    )
-    layerwise_blocks = (1,)
-    step_cache_spec = dataclasses.replace(spec, num_inference_steps=8)
-    step_caches = (CacheSpec("first_block", 0.5),)
-    step_cache_layouts = {2: [ULYSSES2, CFG2]}
-    parallel_layouts = {2: [ULYSSES2, RING2, CFG2, TP2, HSDP2], 4: [USP2X2, ULYSSES2_CFG2, TP2_CFG2]}
-    # Image tokens 16, then 15 with a longer text, then 12 with a shorter one; the embedded guidance alone (one
-    # pass a step): true CFG runs the same blocks twice.
-    compile_specs = (
-        DenoiseSpec(
-            height=64,
-            width=64,
-            num_frames=1,
-            num_inference_steps=2,
-            guidance_scale=1.0,
-            seed=1,
-            embedded_guidance_scale=3.5,
-        ),
-        DenoiseSpec(
-            height=48,
-            width=80,
-            num_frames=1,
-            num_inference_steps=2,
-            guidance_scale=1.0,
-            seed=2,
-            embedded_guidance_scale=2.0,
-        ),
-        DenoiseSpec(
-            height=32,
-            width=96,
-            num_frames=1,
-            num_inference_steps=2,
-            guidance_scale=1.0,
-            seed=3,
-            embedded_guidance_scale=3.5,
-        ),
-    )
-    compile_text_lengths = (12, 14, 9)
-    parallel_layouts = {2: [ULYSSES2, RING2, CFG2, HSDP2], 4: [USP2X2, ULYSSES2_CFG2]}
-    lora_spec = spec
-    lora_targets = tuple(FLUX_TARGETS)
-    lora_layouts = SEQUENCE_AND_CFG_2
-
-    def conditioning(self, denoiser: Any, spec: DenoiseSpec) -> dict[str, torch.Tensor]:
-        """Each text's T5 sequence and CLIP pooled vector, as the text encoder stage sends them."""
-        generator = torch.Generator().manual_seed(spec.seed)
-        return {
-            "prompt_embeds": torch.randn(1, 12, denoiser.text_dim, generator=generator),
-            "prompt_pooled_embeds": torch.randn(1, denoiser.pooled_dim, generator=generator),
-            "negative_prompt_embeds": torch.randn(1, 12, denoiser.text_dim, generator=generator),
-            "negative_prompt_pooled_embeds": torch.randn(1, denoiser.pooled_dim, generator=generator),
-        }
-
-    def initial_noise(self, denoiser: Any) -> torch.Tensor:
-        packed, _ = denoiser.initial_noise(self.spec, torch.float32)
-        unpacked = FluxPipeline._unpack_latents(packed, self.spec.height, self.spec.width, denoiser.vae_scale_factor)
-        return unpacked.unsqueeze(2)
-
-    def pipeline_run(self, pipeline: Any, denoiser: Any, spec: DenoiseSpec) -> torch.Tensor:
-        """FluxPipeline's, with its guidance_scale embedded and true CFG, unpacked to [1, C, 1, h, w]."""
-        pipeline.set_progress_bar_config(disable=True)
-        conditioning = self.conditioning(denoiser, spec)
-        packed = pipeline(
-            prompt_embeds=conditioning["prompt_embeds"],
-            pooled_prompt_embeds=conditioning["prompt_pooled_embeds"],
-            negative_prompt_embeds=conditioning["negative_prompt_embeds"],
-            negative_pooled_prompt_embeds=conditioning["negative_prompt_pooled_embeds"],
-            height=spec.height,
-            width=spec.width,
-            num_inference_steps=spec.num_inference_steps,
-            guidance_scale=spec.embedded_guidance_scale,
-            true_cfg_scale=spec.guidance_scale,
-            generator=torch.Generator("cpu").manual_seed(spec.seed),
-            output_type="latent",
-        ).images
-        return FluxPipeline._unpack_latents(packed, spec.height, spec.width, pipeline.vae_scale_factor).unsqueeze(2)
-
-    def compile_conditioning(self, denoiser: Any, index: int) -> dict[str, torch.Tensor]:
-        generator = torch.Generator().manual_seed(index)
-        return {
-            "prompt_embeds": torch.randn(1, self.compile_text_lengths[index], denoiser.text_dim, generator=generator),
-            "prompt_pooled_embeds": torch.randn(1, denoiser.pooled_dim, generator=generator),
-        }
-
-
-# By seed, the (prompt, negative prompt) masks as the text encoder sends them: both texts padded to the longer one,
-# each text then of its own length in the transformer.
-Z_IMAGE_MASKS = {
-    0: ([1] * 7 + [0, 0], [1] * 9),
-    1: ([1] * 5, [1] * 3 + [0, 0]),
-}
-
-
-class ZImageTesterConfig(FamilyTesterConfig):
-    """Z-Image: two steps with CFG, texts of their own lengths. ZImageTransformer2DModel pads the image and the
-    caption to multiples of 32 tokens itself, so the layouts split 64 joint tokens whatever the size; the two
-    requests differ in size, guidance and text lengths."""
-
-    family = "z-image"
-    pipeline_class = ZImagePipeline
-    model_fixture = "z_image_model"
-    pipeline_fixture = "z_image_pipeline"
-    # 48x80 -> 3 x 5 patches of 2x2 latents.
-    spec = DenoiseSpec(height=48, width=80, num_frames=1, num_inference_steps=2, guidance_scale=4.0, seed=0)
-    parallel_specs = (
-        spec,
-        DenoiseSpec(height=64, width=96, num_frames=1, num_inference_steps=2, guidance_scale=3.0, seed=1),
-    )
-    forwards_per_expert = [4]
-    expert_names = ("transformer",)
-    transformer_class = ZImageTransformer2DModel
-    blocks_attribute = "layers"
-    ignored_layers = ("all_final_layer.*", "layers.0.*", "t_embedder.*")
-    ignored_prefixes = ("all_final_layer.", "layers.0.", "t_embedder.")
-    min_reference_std = 0.1
-    parallel_layouts = {2: [ULYSSES2, RING2, CFG2, HSDP2], 4: [USP2X2, HSDP2X2_ULYSSES2_CFG2]}
-
-    def is_ignored(self, name: str) -> bool:
-        return name.startswith(self.ignored_prefixes)
-
-    def conditioning(self, denoiser: Any, spec: DenoiseSpec) -> dict[str, torch.Tensor]:
-        """Both texts with their masks, as the DiT stage receives them."""
-        generator = torch.Generator().manual_seed(spec.seed)
-        prompt_mask, negative_mask = Z_IMAGE_MASKS[spec.seed]
-        return {
-            "prompt_embeds": torch.randn(1, len(prompt_mask), denoiser.text_dim, generator=generator),
-            "prompt_embeds_mask": torch.tensor([prompt_mask]),
-            "negative_prompt_embeds": torch.randn(1, len(negative_mask), denoiser.text_dim, generator=generator),
-            "negative_prompt_embeds_mask": torch.tensor([negative_mask]),
-        }
-
-    def initial_noise(self, denoiser: Any) -> torch.Tensor:
-        return denoiser.initial_noise(self.spec).unsqueeze(2)
-
-    def offloaded_block_lists(self, expert: torch.nn.Module) -> list[list[torch.nn.Module]]:
-        """Both refiners, the caption embedder (a Sequential) and the main layers: each its own groups."""
-        return [
-            list(expert.noise_refiner),
-            list(expert.context_refiner),
-            list(expert.cap_embedder),
-            list(expert.layers),
-        ]
-
-    def pipeline_run(self, pipeline: Any, denoiser: Any, spec: DenoiseSpec) -> torch.Tensor:
-        """ZImagePipeline's latents, each text's own rows given as its prompt embeddings, as [1, C, 1, h, w]."""
-        from families.z_image.denoise import text_from_wire
-
-        conditioning = self.conditioning(denoiser, spec)
-        texts = {
-            name: [text_from_wire(conditioning[name], conditioning[f"{name}_mask"])]
-            for name in ("prompt_embeds", "negative_prompt_embeds")
-        }
-        pipeline.set_progress_bar_config(disable=True)
-        latents = pipeline(
-            height=spec.height,
-            width=spec.width,
-            num_inference_steps=spec.num_inference_steps,
-            guidance_scale=spec.guidance_scale,
-            generator=torch.Generator("cpu").manual_seed(spec.seed),
-            output_type="latent",
-            **texts,
-        ).images
-        return latents.unsqueeze(2)
-
-
-class Flux2KleinTesterConfig(FamilyTesterConfig):
-    """FLUX.2 klein, its base kind (tiny-base: not distilled), so that CFG runs: two steps with CFG over 15 packed
-    image tokens (48x80: 3 x 5, which neither 2 nor 4 divides) and two texts of 24 tokens. The distilled kind's
-    loop is the same without the negative branch (tests/integration/test_family_flux2_klein.py)."""
-
-    family = "flux2-klein"
-    pipeline_class = Flux2KleinPipeline
-    model_fixture = "klein_base_model"
-    pipeline_fixture = "klein_base_pipeline"
-    spec = DenoiseSpec(height=48, width=80, num_frames=1, num_inference_steps=2, guidance_scale=4.0, seed=0)
-    forwards_per_expert = [4]
-    expert_names = ("transformer",)
-    transformer_class = Flux2Transformer2DModel
-    blocks_attribute = "transformer_blocks"
-    more_block_lists = ("single_transformer_blocks",)
-    ignored_layers = ("proj_out", "transformer_blocks.0.*", "time_guidance_embed.*")
-    ignored_prefixes = ("transformer_blocks.0.", "time_guidance_embed.")
-    min_reference_std = 0.1
-    step_cache_spec = dataclasses.replace(spec, num_inference_steps=8)
-    # MagCache only: diffusers' FirstBlockCache cannot run Flux2 (its tail hook takes the single-stream blocks'
-    # fused [text; image] output for the double-stream blocks' pair).
-    step_caches = (CacheSpec("mag", 0.3),)
-    step_cache_layouts = {2: SEQUENCE_AND_CFG_2}
-    parallel_layouts = {2: [ULYSSES2, RING2, CFG2, HSDP2], 4: [USP2X2, HSDP2X2_ULYSSES2_CFG2]}
-
-    def conditioning(self, denoiser: Any, spec: DenoiseSpec) -> dict[str, torch.Tensor]:
-        generator = torch.Generator().manual_seed(spec.seed)
-        return {
-            "prompt_embeds": torch.randn(1, 24, denoiser.text_dim, generator=generator),
-            "negative_prompt_embeds": torch.randn(1, 24, denoiser.text_dim, generator=generator),
-        }
-
-    def initial_noise(self, denoiser: Any) -> torch.Tensor:
-        packed, ids = denoiser.initial_noise(self.spec, torch.float32)
-        height, width = denoiser.latent_size(self.spec)
-        return Flux2KleinPipeline._unpack_latents_with_ids(packed, ids, height, width).unsqueeze(2)
-
-
 TESTER_CONFIGS: tuple[type[FamilyTesterConfig], ...] = (
     WanT2VTesterConfig,
     WanA14BTesterConfig,
@@ -665,7 +420,4 @@ TESTER_CONFIGS: tuple[type[FamilyTesterConfig], ...] = (
     QwenImageTesterConfig,
     QwenImageEditTesterConfig,
     QwenImageEditPlusTesterConfig,
-    FluxTesterConfig,
-    ZImageTesterConfig,
-    Flux2KleinTesterConfig,
 )

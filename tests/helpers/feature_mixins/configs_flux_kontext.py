@@ -15,7 +15,8 @@ from diffusers import FluxKontextPipeline
 
 from stagekit.denoise import DenoiseSpec
 from stagekit.parallel import ParallelConfig
-from tests.helpers.feature_mixins.configs import CFG2, HSDP2X2_ULYSSES2_CFG2, RING2, TP2, ULYSSES2, FluxTesterConfig
+from tests.helpers.feature_mixins.configs import CFG2, HSDP2X2_ULYSSES2_CFG2, RING2, TP2, ULYSSES2
+from tests.helpers.feature_mixins.configs_flux import FluxTesterConfig
 
 
 class FluxKontextTesterConfig(FluxTesterConfig):

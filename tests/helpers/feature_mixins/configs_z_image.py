@@ -1,0 +1,101 @@
+"""Z-Image's tester config (tests/helpers/feature_mixins/base.py says what a config declares)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers import (
+    ZImagePipeline,
+    ZImageTransformer2DModel,
+)
+
+from stagekit.denoise import DenoiseSpec
+from tests.helpers.feature_mixins.base import FamilyTesterConfig
+from tests.helpers.feature_mixins.configs import (
+    CFG2,
+    HSDP2,
+    HSDP2X2_ULYSSES2_CFG2,
+    RING2,
+    ULYSSES2,
+    USP2X2,
+)
+
+# By seed, the (prompt, negative prompt) masks as the text encoder sends them: both texts padded to the longer one,
+# each text then of its own length in the transformer.
+Z_IMAGE_MASKS = {
+    0: ([1] * 7 + [0, 0], [1] * 9),
+    1: ([1] * 5, [1] * 3 + [0, 0]),
+}
+
+
+class ZImageTesterConfig(FamilyTesterConfig):
+    """Z-Image: two steps with CFG, texts of their own lengths. ZImageTransformer2DModel pads the image and the
+    caption to multiples of 32 tokens itself, so the layouts split 64 joint tokens whatever the size; the two
+    requests differ in size, guidance and text lengths."""
+
+    family = "z-image"
+    pipeline_class = ZImagePipeline
+    model_fixture = "z_image_model"
+    pipeline_fixture = "z_image_pipeline"
+    # 48x80 -> 3 x 5 patches of 2x2 latents.
+    spec = DenoiseSpec(height=48, width=80, num_frames=1, num_inference_steps=2, guidance_scale=4.0, seed=0)
+    parallel_specs = (
+        spec,
+        DenoiseSpec(height=64, width=96, num_frames=1, num_inference_steps=2, guidance_scale=3.0, seed=1),
+    )
+    forwards_per_expert = [4]
+    expert_names = ("transformer",)
+    transformer_class = ZImageTransformer2DModel
+    blocks_attribute = "layers"
+    ignored_layers = ("all_final_layer.*", "layers.0.*", "t_embedder.*")
+    ignored_prefixes = ("all_final_layer.", "layers.0.", "t_embedder.")
+    min_reference_std = 0.1
+    parallel_layouts = {2: [ULYSSES2, RING2, CFG2, HSDP2], 4: [USP2X2, HSDP2X2_ULYSSES2_CFG2]}
+
+    def is_ignored(self, name: str) -> bool:
+        return name.startswith(self.ignored_prefixes)
+
+    def conditioning(self, denoiser: Any, spec: DenoiseSpec) -> dict[str, torch.Tensor]:
+        """Both texts with their masks, as the DiT stage receives them."""
+        generator = torch.Generator().manual_seed(spec.seed)
+        prompt_mask, negative_mask = Z_IMAGE_MASKS[spec.seed]
+        return {
+            "prompt_embeds": torch.randn(1, len(prompt_mask), denoiser.text_dim, generator=generator),
+            "prompt_embeds_mask": torch.tensor([prompt_mask]),
+            "negative_prompt_embeds": torch.randn(1, len(negative_mask), denoiser.text_dim, generator=generator),
+            "negative_prompt_embeds_mask": torch.tensor([negative_mask]),
+        }
+
+    def initial_noise(self, denoiser: Any) -> torch.Tensor:
+        return denoiser.initial_noise(self.spec).unsqueeze(2)
+
+    def offloaded_block_lists(self, expert: torch.nn.Module) -> list[list[torch.nn.Module]]:
+        """Both refiners, the caption embedder (a Sequential) and the main layers: each its own groups."""
+        return [
+            list(expert.noise_refiner),
+            list(expert.context_refiner),
+            list(expert.cap_embedder),
+            list(expert.layers),
+        ]
+
+    def pipeline_run(self, pipeline: Any, denoiser: Any, spec: DenoiseSpec) -> torch.Tensor:
+        """ZImagePipeline's latents, each text's own rows given as its prompt embeddings, as [1, C, 1, h, w]."""
+        from families.z_image.denoise import text_from_wire
+
+        conditioning = self.conditioning(denoiser, spec)
+        texts = {
+            name: [text_from_wire(conditioning[name], conditioning[f"{name}_mask"])]
+            for name in ("prompt_embeds", "negative_prompt_embeds")
+        }
+        pipeline.set_progress_bar_config(disable=True)
+        latents = pipeline(
+            height=spec.height,
+            width=spec.width,
+            num_inference_steps=spec.num_inference_steps,
+            guidance_scale=spec.guidance_scale,
+            generator=torch.Generator("cpu").manual_seed(spec.seed),
+            output_type="latent",
+            **texts,
+        ).images
+        return latents.unsqueeze(2)
