@@ -102,6 +102,10 @@ FLUX_KONTEXT = Family(
         "fp8": Support(reason=_UNVERIFIED),
         "int8": Support(reason=_UNVERIFIED),
         "multithread_loading": Support(reason=_UNVERIFIED),
+        "compile": Support(
+            reason=_UNVERIFIED,
+            refusal_tests=("tests/integration/test_compile.py::test_compile_is_refused_at_startup_where_unverified",),
+        ),
         "interpolation": FLUX.support("interpolation"),
         "first_block_cache": Support(reason=_UNVERIFIED),
         "teacache": FLUX.support("teacache"),

@@ -76,7 +76,8 @@ QWEN_IMAGE_21 = Family(
         "multithread_loading": Support(reason="not checked yet for this family's components"),
         "compile": Support(
             reason="not checked yet: the prefill runs one attention call per text segment, whose count and shapes "
-            "change with each prompt"
+            "change with each prompt",
+            refusal_tests=("tests/integration/test_compile.py::test_compile_is_refused_at_startup_where_unverified",),
         ),
         "interpolation": Support(
             reason="single images: nothing to interpolate; a request asking for it is refused with INVALID_ARGUMENT"
