@@ -72,9 +72,12 @@ class CheckpointSpec:
 
     def limits(self) -> stages_pb2.ModelLimits:
         d = self.defaults
-        embedded = d.embedded_guidance_scale if self.embedded_guidance else None
-        if self.embedded_guidance and embedded is None:
-            raise CheckpointError(f"{self.path}: a guidance-distilled model needs a default embedded_guidance_scale")
+        embedded = None
+        if self.embedded_guidance:
+            # A defaults file may leave it out: the family's reference value then (FLUX.1-dev's 3.5).
+            embedded = d.embedded_guidance_scale
+            if embedded is None:
+                embedded = self.traits.defaults.embedded_guidance_scale
         return stages_pb2.ModelLimits(
             height_multiple=self.height_multiple,
             width_multiple=self.width_multiple,
