@@ -217,6 +217,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
             num_inference_steps=params.num_inference_steps,
             guidance_scale=params.guidance_scale,
             embedded_guidance_scale=embedded,
+            cfg_threshold=self.checkpoint.traits.cfg_threshold,
             seed=params.seed,
             cache=CacheSpec(cache.method, cache.threshold),
             loras=tuple((lora.name, lora.scale) for lora in loras),
@@ -262,7 +263,8 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         if slot is None or tensor.name in received:
             raise WireError(
                 f"tensor '{tensor.name}': expected each of {', '.join(repr(name) for name in self.slots)} at most "
-                "once ('prompt_embeds' always; 'negative_prompt_embeds' with guidance_scale > 1)"
+                "once ('prompt_embeds' always; 'negative_prompt_embeds' with CFG: guidance_scale above 1, above 0 "
+                "for Z-Image)"
             )
         max_length = self.checkpoint.sequence_length_limit
         expect_tensor(tensor, name=tensor.name, datatypes=slot.datatypes, ndim=slot.ndim)
@@ -319,9 +321,8 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         """Every slot the request needs arrived, and each mask matches its embeddings' length."""
         for slot in self.slots.values():
             if slot.is_needed(spec.do_classifier_free_guidance, bool(spec.image_roles)) and slot.name not in received:
-                when = {"cfg": "required when guidance_scale > 1 (CFG)", "image": "required with input images"}.get(
-                    slot.needed, "missing"
-                )
+                cfg = f"required when guidance_scale > {spec.cfg_threshold:g} (CFG)"
+                when = {"cfg": cfg, "image": "required with input images"}.get(slot.needed, "missing")
                 raise RequestError(f"{slot.name}: {when}; send it after params")
             if slot.of is not None and slot.name in received:
                 embeds = received.get(slot.of)

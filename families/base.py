@@ -332,6 +332,11 @@ class Family:
     # the family serves no GGUF weights).
     gguf_names: str = ""
     gguf_arch: str = ""
+    # The request's guidance_scale above which the family runs CFG with the negative prompt (the orchestrator then
+    # encodes and sends it): 1 for the pipelines that guide as `negative + scale * (positive - negative)`, where
+    # a scale of 1 is the positive prediction alone; 0 for those that guide as `positive + scale * (positive -
+    # negative)` (ZImagePipeline), where any scale above 0 guides.
+    cfg_threshold: float = 1.0
 
     def support(self, feature: str) -> Support:
         return self.features.get(feature, Support(reason="not implemented for this family yet"))

@@ -56,10 +56,12 @@ class DenoiseSpec:
     batch_group: bytes = b""
     # The guidance a guidance-distilled transformer takes as an input (FLUX.1-dev's embedding); None otherwise.
     embedded_guidance_scale: float | None = None
+    # guidance_scale above this runs CFG: the family's `cfg_threshold` (families/base.py), 0 for Z-Image.
+    cfg_threshold: float = 1.0
 
     @property
     def do_classifier_free_guidance(self) -> bool:
-        return self.guidance_scale > 1.0
+        return self.guidance_scale > self.cfg_threshold
 
 
 class Denoiser(Protocol):

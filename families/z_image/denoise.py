@@ -12,8 +12,8 @@ pipeline's `cfg_truncation` (steps whose normalised time `(1000 - t) / 1000` exc
 alone) and `cfg_normalization` (the guided prediction's norm capped at that many times the positive one's), both
 at the pipeline's defaults (1.0: no step is truncated; off). The pipeline runs both branches as one batch of
 two; here each branch runs alone (one per CFG rank group under CFG-parallel), which equals the batch within
-float32 rounding. The pipeline guides any scale above 0, but StageDiff sends the negative prompt only above 1:
-a scale in (0, 1] is refused rather than run differently.
+float32 rounding. The pipeline guides any scale above 0, and so does the family (its `cfg_threshold` is 0: the
+orchestrator sends the negative prompt for any scale above 0).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from diffusers.utils.torch_utils import randn_tensor
 from families.z_image.family import Z_IMAGE
 from families.z_image.parallel import parallelize
 from stagekit.denoise import DenoiseSpec, guidance_predictions, stop_if_cancelled
-from stagekit.errors import RequestError
 from stagekit.model_options import TransformerOptions
 from stagekit.parallel import ParallelConfig, build_mesh
 from stagekit.parallel.mesh import device_type_for, refuse_unsupported_methods
@@ -168,13 +167,8 @@ class ZImageDenoiser:
         """Runs every step and returns the latents as [1, C, 1, h, w]; on_step(step, total) after each.
 
         `conditioning`: "prompt_embeds" [1, L, dim] with, optionally, "prompt_embeds_mask" [1, L]; with
-        guidance_scale > 1 also "negative_prompt_embeds" (and its mask).
+        guidance_scale > 0 also "negative_prompt_embeds" (and its mask).
         """
-        if 0.0 < spec.guidance_scale <= 1.0:
-            raise RequestError(
-                f"guidance_scale: {spec.guidance_scale:g} is not served for Z-Image: ZImagePipeline guides any "
-                "scale above 0 with the negative prompt, which is sent only above 1; use 0 (no guidance) or above 1"
-            )
         dtype = self.transformer.dtype
         prompt = text_from_wire(conditioning["prompt_embeds"], conditioning.get("prompt_embeds_mask"))
         prompt = prompt.to(self.device, dtype)
@@ -182,7 +176,7 @@ class ZImageDenoiser:
         negative = None
         if do_cfg:
             if conditioning.get("negative_prompt_embeds") is None:
-                raise ValueError("negative_prompt_embeds are required when guidance_scale > 1")
+                raise ValueError("negative_prompt_embeds are required when guidance_scale > 0")
             negative = text_from_wire(
                 conditioning["negative_prompt_embeds"], conditioning.get("negative_prompt_embeds_mask")
             ).to(self.device, dtype)

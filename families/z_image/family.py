@@ -6,9 +6,8 @@ and HSDP of the single-stream DiT), checkpoint.py and init_model.py. The VAE sta
 its scale and shift. The two published checkpoints are one family: they share ZImagePipeline and every config
 but the scheduler's shift (checkpoint.py chooses the defaults from it).
 
-The request's guidance_scale is ZImagePipeline's: it steers with `positive + scale * (positive - negative)`.
-The pipeline runs CFG for any scale above 0; StageDiff sends the negative prompt only above 1, so a scale in
-(0, 1] is refused (denoise.py) rather than run without the guidance the pipeline would apply.
+The request's guidance_scale is ZImagePipeline's: it steers with `positive + scale * (positive - negative)`, so
+any scale above 0 runs CFG with the negative prompt (the family's `cfg_threshold` is 0, where most families' is 1).
 """
 
 from __future__ import annotations
@@ -31,8 +30,8 @@ Z_IMAGE = Family(
     name="z-image",
     pipeline="ZImagePipeline",
     description="Z-Image and Z-Image-Turbo text-to-image (Qwen3 text encoder, single-stream "
-    "ZImageTransformer2DModel, AutoencoderKL); the request's guidance_scale is ZImagePipeline's, refused in "
-    "(0, 1], where the pipeline would guide without the negative prompt StageDiff sends only above 1",
+    "ZImageTransformer2DModel, AutoencoderKL); the request's guidance_scale is ZImagePipeline's: any scale above "
+    "0 runs CFG with the negative prompt",
     class_name="ZImagePipeline",
     requires=(),
     output="image",
@@ -52,6 +51,7 @@ Z_IMAGE = Family(
     denoiser="families.z_image.denoise:ZImageDenoiser",
     decoder="families.flux.decode:FluxDecoder",
     writer="families.z_image.init_model:write_checkpoint",
+    cfg_threshold=0.0,
     own_presets={
         "tiny-turbo": "Z-Image-Turbo's kind at the tiny size: its scheduler's shift, 8 steps, no CFG",
         "z-image-turbo-config": "Z-Image-Turbo's published configs (6B transformer, Qwen3-4B), random bf16 weights",

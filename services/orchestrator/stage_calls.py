@@ -57,7 +57,7 @@ def check_sent(
 ) -> None:
     """Raises StageError (INTERNAL) when a conditioning stage left out a tensor the DiT needs from it."""
     sent = _tensor_names(chunks)
-    guidance, images = request.guidance_scale > 1.0, bool(request.images)
+    guidance, images = request.guidance_scale > family.cfg_threshold, bool(request.images)
     needed = [slot.name for slot in family.conditioning if slot.source == stage and slot.is_needed(guidance, images)]
     missing = [name for name in needed if name not in sent]
     if missing or (chunks and not chunks[-1].last):
@@ -127,7 +127,7 @@ class StageCalls:
         request, family = job.request, route.family
         stage = self.stages["text-encoder"]
         texts = [request.prompt]
-        if request.guidance_scale > 1.0:
+        if request.guidance_scale > family.cfg_threshold:
             texts.append(request.negative_prompt)
         job.current_stage = "text-encoder"
         started = time.perf_counter()

@@ -59,3 +59,25 @@ def test_over_http_a_model_without_the_embedding_refuses_it_naming_the_field(htt
         assert answer.json()["error"]["param"] == "embedded_guidance_scale"
     models = client.get("/v1/models", headers=headers).json()["data"]
     assert all(model["limits"]["default_embedded_guidance_scale"] is None for model in models)
+
+
+def test_a_familys_cfg_threshold_decides_whether_the_negative_prompt_is_needed() -> None:
+    """Most families guide above 1 (`negative + scale * (positive - negative)`); Z-Image above 0 (ZImagePipeline's
+    `positive + scale * (positive - negative)`): the orchestrator needs the negative prompt's embeddings then."""
+    import grpc
+
+    from families.registry import FAMILIES
+    from services.orchestrator.stage_calls import check_sent
+    from services.orchestrator.stage_clients import StageError
+    from stagediff.v1 import generation_pb2, tensor_pb2
+
+    def chunk(name: str) -> tensor_pb2.TensorChunk:
+        return tensor_pb2.TensorChunk(header=tensor_pb2.TensorHeader(name=name), last=True)
+
+    sent = [chunk("prompt_embeds")]
+    request = generation_pb2.GenerateRequest(prompt="a fox", guidance_scale=0.5)
+    check_sent(FAMILIES["flux"], request, "text-encoder", "te:1", [*sent, chunk("prompt_pooled_embeds")])
+    with pytest.raises(StageError) as refused:
+        check_sent(FAMILIES["z-image"], request, "text-encoder", "te:1", sent)
+    assert refused.value.code == grpc.StatusCode.INTERNAL and "negative_prompt_embeds" in str(refused.value)
+    check_sent(FAMILIES["z-image"], request, "text-encoder", "te:1", [*sent, chunk("negative_prompt_embeds")])

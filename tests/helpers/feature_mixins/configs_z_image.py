@@ -39,10 +39,14 @@ class ZImageTesterConfig(FamilyTesterConfig):
     model_fixture = "z_image_model"
     pipeline_fixture = "z_image_pipeline"
     # 48x80 -> 3 x 5 patches of 2x2 latents.
-    spec = DenoiseSpec(height=48, width=80, num_frames=1, num_inference_steps=2, guidance_scale=4.0, seed=0)
+    spec = DenoiseSpec(
+        height=48, width=80, num_frames=1, num_inference_steps=2, guidance_scale=4.0, seed=0, cfg_threshold=0.0
+    )
     parallel_specs = (
         spec,
-        DenoiseSpec(height=64, width=96, num_frames=1, num_inference_steps=2, guidance_scale=3.0, seed=1),
+        DenoiseSpec(
+            height=64, width=96, num_frames=1, num_inference_steps=2, guidance_scale=3.0, seed=1, cfg_threshold=0.0
+        ),
     )
     forwards_per_expert = [4]
     expert_names = ("transformer",)
