@@ -86,7 +86,8 @@ def validate_sampling(
         )
     if not math.isfinite(guidance_scale) or not 0.0 <= guidance_scale <= MAX_GUIDANCE_SCALE:
         raise RequestError(
-            f"guidance_scale: {guidance_scale} is not allowed; use 0 to {MAX_GUIDANCE_SCALE:g} (above 1 enables CFG; above 0 for Z-Image)"
+            f"guidance_scale: {guidance_scale} is not allowed; use 0 to {MAX_GUIDANCE_SCALE:g} "
+            "(above 1 enables CFG; above 0 for Z-Image)"
         )
     if embedded_guidance_scale is None:
         return
