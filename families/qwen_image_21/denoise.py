@@ -15,7 +15,7 @@ The noise is drawn from the seed as the pipeline draws it, so the latents equal 
 
 The request's `guidance_scale` is the pipeline's `true_cfg_scale`: above 1 (with the negative prompt's embeddings,
 which the orchestrator always sends then) both branches run. CFG-parallel puts one branch, with its own cache, on
-each rank of the group.
+each rank of the group; HSDP shards the blocks' weights (parallel.py).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from families.qwen_image.denoise import QwenTextEmbeds
 from families.qwen_image_21.family import QWEN_IMAGE_21
+from families.qwen_image_21.parallel import parallelize
 from stagekit.denoise import DenoiseSpec, guidance_predictions, stop_if_cancelled
 from stagekit.errors import RequestError
 from stagekit.model_options import TransformerOptions
@@ -61,9 +62,14 @@ class QwenImage21Denoiser:
         model_dir = Path(model_dir)
         self.device = device
         self.parallel = parallel if parallel is not None and parallel.total_ranks > 1 else None
+        mesh = None
         if self.parallel is not None:
             refuse_unsupported_methods(self.parallel, QWEN_IMAGE_21)  # before reading any weight
+            mesh = build_mesh(self.parallel, device_type_for(device))
         load = partial(load_pretrained, device=device, dtype=dtype, num_threads=load_threads)
+        if self.parallel is not None and self.parallel.shards_weights:
+            # HSDP is applied to the empty model, so that each rank reads only its shards.
+            load = partial(load, shard_model=partial(parallelize, config=self.parallel, mesh=mesh, device=device))
         self.transformer = load(QwenImage21Transformer2DModel, model_dir / "transformer").eval()
         if options is not None:
             options.apply([self.transformer], device, load_threads)
@@ -72,8 +78,8 @@ class QwenImage21Denoiser:
         self.sample_sigmas: list[float] | None = index.get("sample_sigmas")
         self.vae_scale_factor = VAE_SCALE_FACTOR
         self.cfg_group = None
-        if self.parallel is not None:
-            mesh = build_mesh(self.parallel, device_type_for(device))
+        if self.parallel is not None and self.parallel.cfg_degree > 1:
+            assert mesh is not None  # built whenever parallel is set
             self.cfg_group = mesh["cfg"].get_group()
 
     @property

@@ -22,7 +22,7 @@ _SEQUENCE_PARALLEL = (
     "not built yet: the joint text+image sequence attends block-causally (each segment to the keys before it) and "
     "the text's keys and values are cached after the first step, which a sequence split would have to reproduce "
     "across ranks; Qwen-Image's plan splits the image stream of a two-stream MMDiT and does not apply; use "
-    "CFG-parallel"
+    "CFG-parallel or HSDP"
 )
 
 QWEN_IMAGE_21 = Family(
@@ -56,9 +56,10 @@ QWEN_IMAGE_21 = Family(
         "ring": Support(reason=_SEQUENCE_PARALLEL),
         "tensor_parallel": Support(
             reason="not built yet: QwenImage21Transformer2DModel's heads and SwiGLU would have to be split over "
-            "the ranks (diffusers declares the plan, StageDiff does not apply it for this model); use CFG-parallel"
+            "the ranks (diffusers declares the plan, StageDiff does not apply it for this model); use CFG-parallel "
+            "or HSDP"
         ),
-        "hsdp": Support(reason="not checked yet for QwenImage21Transformer2DModel's single-stream blocks"),
+        "hsdp": Support(tests=(_FEATURE_CLASSES + "ParallelLayouts",)),
         "vae_patch_parallel": Support(
             reason="not built yet: the patch-parallel decode is written for AutoencoderKLQwenImage's layers, and "
             "AutoencoderKLQwenImage21 has its own (residual up/down blocks, RGBA output); each image is decoded "
@@ -69,11 +70,11 @@ QWEN_IMAGE_21 = Family(
             "whole on one device"
         ),
         "cpu_offload": Support(tests=(_FEATURE_CLASSES + "ModuleOffload",)),
-        "layerwise_offload": Support(reason="not checked yet against this model's block list and KV cache"),
+        "layerwise_offload": Support(tests=(_FEATURE_CLASSES + "LayerwiseOffload",)),
         "fp8": Support(reason="not checked yet: which layers 2.1 must keep in full precision is not settled"),
         "int8": Support(reason="not checked yet: as for FP8"),
         "gguf": Support(reason="no GGUF tensor names are mapped for QwenImage21Transformer2DModel"),
-        "multithread_loading": Support(reason="not checked yet for this family's components"),
+        "multithread_loading": Support(tests=(_FEATURE_CLASSES + "Loading",)),
         "compile": Support(
             reason="not checked yet: the prefill runs one attention call per text segment, whose count and shapes "
             "change with each prompt",

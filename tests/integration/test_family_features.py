@@ -326,3 +326,11 @@ class TestQwenImage21ModuleOffload(QwenImage21TesterConfig, ModuleOffloadTesterM
 
 class TestQwenImage21ParallelLayouts(QwenImage21TesterConfig, ParallelLayoutsTesterMixin):
     pass
+
+
+class TestQwenImage21LayerwiseOffload(QwenImage21TesterConfig, LayerwiseOffloadTesterMixin):
+    pass
+
+
+class TestQwenImage21Loading(QwenImage21TesterConfig, LoadingTesterMixin):
+    pass

@@ -12,19 +12,24 @@ import torch
 from diffusers import QwenImage21Pipeline, QwenImage21Transformer2DModel
 
 from stagekit.denoise import DenoiseSpec
+from stagekit.parallel import ParallelConfig
 from tests.helpers.feature_mixins.base import FamilyTesterConfig
 from tests.helpers.feature_mixins.configs import CFG2
 
 # The (prompt, negative prompt) masks as the text encoder sends them: both texts padded to the longer one, a hole
 # in the prompt's (kept after its trailing padding is dropped), the negative prompt's all ones (dropped).
 QWEN21_MASKS = ([1, 1, 1, 0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1])
+# Each branch on its own rank with the blocks' weights sharded over both; on four ranks, the weights sharded over
+# two and replicated twice, every rank running both branches.
+HSDP2_CFG2 = ("hsdp2xcfg2", ParallelConfig(cfg_degree=2, use_hsdp=True, hsdp_shard_size=2))
+HSDP2X2 = ("hsdp2x2", ParallelConfig(use_hsdp=True, hsdp_shard_size=2, hsdp_replicate_size=2))
 
 
 class QwenImage21TesterConfig(FamilyTesterConfig):
     """Qwen-Image 2.1: two steps with true CFG over 4 x 6 latent tokens (64x96), texts of different lengths with a
     hole in a mask. Each branch fills its KV cache at the first step and reads it at the second, so a CFG-parallel
     rank must keep its own branch's cache. Ulysses and Ring are not built for this model (families/qwen_image_21/
-    family.py says why); CFG-parallel is its one parallel layout."""
+    family.py says why); CFG-parallel and HSDP are its layouts."""
 
     family = "qwen-image-2.1"
     pipeline_class = QwenImage21Pipeline
@@ -34,7 +39,7 @@ class QwenImage21TesterConfig(FamilyTesterConfig):
     transformer_class = QwenImage21Transformer2DModel
     blocks_attribute = "transformer_blocks"
     min_reference_std = 0.1
-    parallel_layouts = {2: [CFG2]}
+    parallel_layouts = {2: [CFG2, HSDP2_CFG2], 4: [HSDP2X2]}
 
     def conditioning(self, denoiser: Any, spec: DenoiseSpec) -> dict[str, torch.Tensor]:
         """Both texts with their masks, as the DiT stage receives them; a mask reaches the transformer."""
@@ -51,3 +56,7 @@ class QwenImage21TesterConfig(FamilyTesterConfig):
         height, width = denoiser.latent_size(self.spec)
         flat = denoiser.initial_noise(self.spec, torch.float32)
         return flat.transpose(1, 2).reshape(1, denoiser.latent_channels, 1, height, width)
+
+    def offloaded_block_lists(self, expert: torch.nn.Module) -> list[list[torch.nn.Module]]:
+        """The timestep modulation (a Sequential) and the blocks: each its own groups."""
+        return [list(expert.modulation), list(expert.transformer_blocks)]
