@@ -17,6 +17,7 @@ from families.base import Family, RequestDefaults, Support, TensorSlot
 _KL_PATCH_PARALLEL = "tests/integration/test_autoencoder_kl_patch_parallel.py::"
 # Test classes of a tester config and a feature mixin (tests/helpers/feature_mixins/).
 _FEATURE_CLASSES = "tests/integration/test_family_features.py::TestZImage"
+_LORA = "tests/integration/test_lora.py::"
 _LATENTS_PARALLEL = _FEATURE_CLASSES + "ParallelLayouts"
 # The quantization check (tests/helpers/feature_mixins/quantization.py) fails on the tiny checkpoint: FP8 of every
 # linear moves the two-step update by 6.3% of its size, above the 5% it allows.
@@ -94,6 +95,11 @@ Z_IMAGE = Family(
         "mag_cache": Support(reason="as for the first-block cache: diffusers' MagCache hook reads `hidden_states`"),
         "teacache": Support(reason="TeaCache's rescaling polynomials are published for Wan2.1 only"),
         "batching": Support(reason="not built yet for Z-Image"),
+        # diffusers' format through ZImagePipeline's loader (which also converts the community formats it knows).
+        "lora": Support(
+            tests=(_FEATURE_CLASSES + "LoRA", _LORA + "test_adapters_under_parallel_layouts_equal_one_rank")
+        ),
+        "lora_fused": Support(tests=(_FEATURE_CLASSES + "LoRA",)),
     },
 )
 

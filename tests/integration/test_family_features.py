@@ -288,6 +288,10 @@ class TestZImageParallelLayouts(ZImageTesterConfig, ParallelLayoutsTesterMixin):
     pass
 
 
+class TestZImageLoRA(ZImageTesterConfig, LoRATesterMixin):
+    pass
+
+
 class TestFlux2KleinModuleOffload(Flux2KleinTesterConfig, ModuleOffloadTesterMixin):
     pass
 

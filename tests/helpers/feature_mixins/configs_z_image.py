@@ -17,9 +17,11 @@ from tests.helpers.feature_mixins.configs import (
     HSDP2,
     HSDP2X2_ULYSSES2_CFG2,
     RING2,
+    SEQUENCE_AND_CFG_2,
     ULYSSES2,
     USP2X2,
 )
+from tests.helpers.lora_adapters import Z_IMAGE_TARGETS
 
 # By seed, the (prompt, negative prompt) masks as the text encoder sends them: both texts padded to the longer one,
 # each text then of its own length in the transformer.
@@ -56,6 +58,9 @@ class ZImageTesterConfig(FamilyTesterConfig):
     ignored_prefixes = ("all_final_layer.", "layers.0.", "t_embedder.")
     min_reference_std = 0.1
     parallel_layouts = {2: [ULYSSES2, RING2, CFG2, HSDP2], 4: [USP2X2, HSDP2X2_ULYSSES2_CFG2]}
+    lora_spec = spec
+    lora_targets = tuple(Z_IMAGE_TARGETS)
+    lora_layouts = SEQUENCE_AND_CFG_2
 
     def is_ignored(self, name: str) -> bool:
         return name.startswith(self.ignored_prefixes)

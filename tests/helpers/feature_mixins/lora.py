@@ -111,7 +111,8 @@ def rank_runs(
 class LoRATesterMixin:
     """`--lora-dir` and a request's `loras`: one adapter, two at different scales (one negative), scale 0 and
     none, each as the diffusers pipeline computes it with `load_lora_weights` and `set_adapters`; scale 0 and
-    the request after the adapters equal the base model exactly, and each adapter file is read once."""
+    the request after the adapters equal the base model exactly, and each adapter file is read once. `--lora a:1.0`
+    (fused into the weights at startup) equals the adapter applied per request, with no LoRA layer left."""
 
     def test_adapters_equal_diffusers_set_adapters(self: Any, request: pytest.FixtureRequest, model_dir: Path) -> None:
         directory = lora_dir(self, model_dir, request)
@@ -131,3 +132,18 @@ class LoRATesterMixin:
             difference = (latents.reshape(expected.shape) - expected).abs().max().item()
             print(f"{self.family} {loras}: max abs diff {difference:.2e} against the pipeline")
             assert difference <= TOLERANCE, (loras, difference)
+
+    def test_a_fused_adapter_equals_it_per_request(self: Any, request: pytest.FixtureRequest, model_dir: Path) -> None:
+        directory = lora_dir(self, model_dir, request)
+        per_request = one_rank_runs(self, model_dir, directory).results[0]
+        options = ModelOptions(
+            lora=LoraSettings(
+                directory=directory, pipeline=self.pipeline_class.__name__, fused=CASES[0], max_per_request=0
+            )
+        )
+        fused = self.build_denoiser(model_dir, torch.float32, options)
+        assert make_adapter_cache(fused, options) is None
+        assert not any("lora" in name for expert in fused.experts for name, _ in expert.named_parameters())
+        difference = (adapter_run(self, fused, None, ()) - per_request).abs().max().item()
+        print(f"{self.family} adapter fused at {CASES[0]}: max abs diff {difference:.2e} against it per request")
+        assert difference <= TOLERANCE
