@@ -10,7 +10,7 @@ denoise.py whether CFG runs).
 
 from __future__ import annotations
 
-from families.base import LORA_UNVERIFIED, Family, RequestDefaults, Support, TensorSlot
+from families.base import Family, RequestDefaults, Support, TensorSlot
 
 _KL_PATCH_PARALLEL = "tests/integration/test_autoencoder_kl_patch_parallel.py::"
 _KLEIN = "tests/integration/test_family_flux2_klein.py::"
@@ -92,8 +92,15 @@ FLUX2_KLEIN = Family(
         "mag_cache": Support(tests=_STEP_CACHE),
         "teacache": Support(reason="TeaCache's rescaling polynomials are published for Wan2.1 only"),
         "batching": Support(reason="not built yet for FLUX.2 klein"),
-        "lora": LORA_UNVERIFIED,
-        "lora_fused": LORA_UNVERIFIED,
+        # diffusers' format through Flux2KleinPipeline's loader (Flux2LoraLoaderMixin, which also converts the
+        # community formats it knows).
+        "lora": Support(
+            tests=(
+                _FEATURE_CLASSES + "LoRA",
+                "tests/integration/test_lora.py::test_adapters_under_parallel_layouts_equal_one_rank",
+            )
+        ),
+        "lora_fused": Support(tests=(_FEATURE_CLASSES + "LoRA",)),
     },
 )
 

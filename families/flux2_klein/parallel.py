@@ -6,7 +6,8 @@ the plan is FLUX.1's (families/flux/parallel.py), and so is most of the code:
 - Sequence parallelism (Ulysses, Ring, or both) splits the image tokens and keeps the text whole on every rank;
   the split is taken at the transformer's input (`hidden_states` and their position ids `img_ids`, here
   [1, N, 4], so the rotary table the model builds is [text; this rank's image tokens]) and gathered at
-  `proj_out`. Token counts the degree does not divide are zero-padded and the padded keys masked.
+  `norm_out`, before the output projection (an adapter on `proj_out` then sees the whole sequence). Token
+  counts the degree does not divide are zero-padded and the padded keys masked.
 - The double-stream blocks' Flux2Attention has FLUX.1's projections and norms by name, and applies the rotary
   table position by position as FLUX.1 does: FLUX.1's processor serves them unchanged.
 - The single-stream blocks differ: Flux2ParallelSelfAttention makes Q, K, V and the MLP input in one projection
@@ -43,7 +44,8 @@ _IMAGE_PLAN = {
         "hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
         "img_ids": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
     },
-    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+    # Before the output projection rather than after it, so that an adapter on `proj_out` sees the whole sequence.
+    "norm_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
 }
 
 

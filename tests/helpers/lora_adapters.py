@@ -20,6 +20,8 @@ QWEN_TARGETS = ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"
 FLUX_TARGETS = [*QWEN_TARGETS, "proj_mlp", "proj_out"]
 # Z-Image's single-stream blocks (refiners and main layers alike): attention and the SwiGLU feed-forward.
 Z_IMAGE_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "w1", "w2", "w3"]
+# FLUX.2's double-stream attention, the single-stream blocks' fused projection and the output projection.
+FLUX2_TARGETS = [*QWEN_TARGETS, "to_qkv_mlp_proj", "proj_out"]
 # FLUX.1's community formats: three that FluxLoraLoaderMixin.lora_state_dict converts, kohya's sd-scripts
 # ("lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight", an alpha per layer), ComfyUI's, which keeps BFL's
 # module names ("diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight"), and XLabs'

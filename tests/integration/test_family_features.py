@@ -316,6 +316,10 @@ class TestFlux2KleinStepCache(Flux2KleinTesterConfig, StepCacheTesterMixin):
     pass
 
 
+class TestFlux2KleinLoRA(Flux2KleinTesterConfig, LoRATesterMixin):
+    pass
+
+
 class TestFluxKontextModuleOffload(FluxKontextTesterConfig, ModuleOffloadTesterMixin):
     pass
 

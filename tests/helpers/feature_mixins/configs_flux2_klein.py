@@ -22,6 +22,7 @@ from tests.helpers.feature_mixins.configs import (
     ULYSSES2,
     USP2X2,
 )
+from tests.helpers.lora_adapters import FLUX2_TARGETS
 
 
 class Flux2KleinTesterConfig(FamilyTesterConfig):
@@ -48,6 +49,9 @@ class Flux2KleinTesterConfig(FamilyTesterConfig):
     step_caches = (CacheSpec("mag", 0.3),)
     step_cache_layouts = {2: SEQUENCE_AND_CFG_2}
     parallel_layouts = {2: [ULYSSES2, RING2, CFG2, HSDP2], 4: [USP2X2, HSDP2X2_ULYSSES2_CFG2]}
+    lora_spec = spec
+    lora_targets = tuple(FLUX2_TARGETS)
+    lora_layouts = SEQUENCE_AND_CFG_2
 
     def conditioning(self, denoiser: Any, spec: DenoiseSpec) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(spec.seed)
@@ -60,3 +64,28 @@ class Flux2KleinTesterConfig(FamilyTesterConfig):
         packed, ids = denoiser.initial_noise(self.spec, torch.float32)
         height, width = denoiser.latent_size(self.spec)
         return Flux2KleinPipeline._unpack_latents_with_ids(packed, ids, height, width).unsqueeze(2)
+
+    def pipeline_run(self, pipeline: Any, denoiser: Any, spec: DenoiseSpec) -> torch.Tensor:
+        """Flux2KleinPipeline's final latents of `spec` with the config's texts, taken packed at its last step (before
+        it de-normalises them) and laid out as the denoiser returns them: [1, 4C, 1, h, w]."""
+        conditioning = self.conditioning(denoiser, spec)
+        final: dict[str, torch.Tensor] = {}
+
+        def keep(pipe: Any, step: int, timestep: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            final["latents"] = tensors["latents"]
+            return tensors
+
+        pipeline.set_progress_bar_config(disable=True)
+        pipeline(
+            height=spec.height,
+            width=spec.width,
+            num_inference_steps=spec.num_inference_steps,
+            guidance_scale=spec.guidance_scale,
+            generator=torch.Generator("cpu").manual_seed(spec.seed),
+            output_type="latent",
+            callback_on_step_end=keep,
+            **conditioning,
+        )
+        _, ids = denoiser.initial_noise(spec, torch.float32)
+        height, width = denoiser.latent_size(spec)
+        return Flux2KleinPipeline._unpack_latents_with_ids(final["latents"], ids, height, width).unsqueeze(2)
