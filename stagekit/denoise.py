@@ -176,6 +176,66 @@ def keep_batch_rows(scheduler: object, rows: list[int]) -> bool:
     return True
 
 
+class BatchRows:
+    """Which request each row of a batch being denoised belongs to, kept between steps.
+
+    Before each step `before_step` asks which members still want their result: the rows of those that left are
+    dropped from the scheduler's per-row state and `before_step` returns the rows to keep, which the caller
+    slices from its own per-row tensors (latents, embeddings, scales). Where the scheduler's state cannot be
+    sliced, the leaving rows stay in the batch and their results are discarded. After the last step `results`
+    gives each request its latents (None for those that left).
+    """
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.members = list(range(count))  # the request of each row
+        self.dropped: set[int] = set()  # members still in the rows but no longer wanted
+
+    def before_step(
+        self, wanted: Callable[[], list[bool]], parallel: ParallelConfig | None, device: torch.device, scheduler: object
+    ) -> list[int] | None:
+        """The rows to keep when some leave now (None when the rows stay as they are); raises Cancelled when no
+        member is left. In a group, rank 0's answer holds for every rank."""
+        keep = members_still_wanted(wanted, parallel, device)
+        leaving = [member for member in self.members if not keep[member] and member not in self.dropped]
+        rows = None
+        if leaving:
+            kept = [row for row, member in enumerate(self.members) if keep[member]]
+            if kept and keep_batch_rows(scheduler, kept):
+                self.members = [self.members[row] for row in kept]
+                rows = kept
+            else:
+                self.dropped.update(leaving)
+        if all(member in self.dropped for member in self.members):
+            raise Cancelled()
+        return rows
+
+    def stepped(self, on_step: Callable[[int, int, int], None], step: int, total: int) -> None:
+        """Tells every member still wanted that `step` of `total` is done."""
+        for member in self.members:
+            if member not in self.dropped:
+                on_step(member, step, total)
+
+    def results(self, latents: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each request's row of `latents` (kept 1 long), None for those that left."""
+        results: list[torch.Tensor | None] = [None] * self.count
+        for row, member in enumerate(self.members):
+            if member not in self.dropped:
+                results[member] = latents[row : row + 1]
+        return results
+
+
+def guide_rows(cond: torch.Tensor, uncond: torch.Tensor, scales: list[float]) -> torch.Tensor:
+    """A batch's CFG, `uncond + scale * (cond - uncond)` row by row with each request's scale as a Python number,
+    as the pipelines combine one request's (a tensor of scales would round them to the transformer's dtype)."""
+    return torch.cat(
+        [
+            uncond[row : row + 1] + scale * (cond[row : row + 1] - uncond[row : row + 1])
+            for row, scale in enumerate(scales)
+        ]
+    )
+
+
 def stop_if_cancelled(cancelled: Callable[[], bool], parallel: ParallelConfig | None, device: torch.device) -> None:
     """Raises Cancelled before a step when the request is cancelled; in a group, rank 0's answer holds for all."""
     keep_going = not cancelled()

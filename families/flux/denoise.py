@@ -29,7 +29,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from families.flux.family import FLUX
 from families.flux.parallel import parallelize
-from stagekit.denoise import DenoiseSpec, guidance_predictions, stop_if_cancelled
+from stagekit.denoise import BatchRows, DenoiseSpec, guidance_predictions, guide_rows, stop_if_cancelled
 from stagekit.model_options import TransformerOptions
 from stagekit.parallel import ParallelConfig, build_mesh
 from stagekit.parallel.mesh import device_type_for, refuse_unsupported_methods
@@ -37,8 +37,9 @@ from stagekit.weights import load_pretrained
 
 
 class FluxText:
-    """One text's conditioning as the transformer takes it: T5's sequence [1, L, dim], CLIP's pooled
-    vector [1, pooled_dim] and the text's position ids (zeros [L, 3])."""
+    """The conditioning of one text (or of a batch's texts, one per row) as the transformer takes it: T5's
+    sequence [B, L, dim], CLIP's pooled vector [B, pooled_dim] and the text's position ids (zeros [L, 3], one
+    table for every row)."""
 
     def __init__(self, embeds: torch.Tensor, pooled: torch.Tensor) -> None:
         self.embeds = embeds
@@ -53,6 +54,10 @@ class FluxText:
         return cls(
             conditioning[f"{role}_embeds"].to(device, dtype), conditioning[f"{role}_pooled_embeds"].to(device, dtype)
         )
+
+    def rows(self, kept: list[int]) -> FluxText:
+        """The texts of the batch rows `kept`."""
+        return FluxText(self.embeds[kept], self.pooled[kept])
 
 
 class FluxDenoiser:
@@ -210,3 +215,63 @@ class FluxDenoiser:
             latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
             on_step(i + 1, len(timesteps))
         return FluxPipeline._unpack_latents(latents, spec.height, spec.width, self.vae_scale_factor).unsqueeze(2)
+
+
+class FluxBatchDenoiser(FluxDenoiser):
+    """FluxDenoiser that also denoises a batch of requests (`--max-batch-size`): the flux family's DiT. FLUX.1
+    Kontext's denoiser extends FluxDenoiser without it: its requests carry their own reference images."""
+
+    @torch.no_grad()
+    def denoise_batch(
+        self,
+        specs: list[DenoiseSpec],
+        conditionings: list[dict[str, torch.Tensor]],
+        on_step: Callable[[int, int, int], None],
+        wanted: Callable[[], list[bool]],
+    ) -> list[torch.Tensor | None]:
+        """`denoise` for several requests of one batch_key (dit_svc/denoise.py: one size, step count and guidance
+        branches; T5's sequences of one length) at once: one transformer pass per step and branch serves every
+        request. Each row is its request's own run: its seed's noise, its texts, its true-CFG scale and its
+        embedded guidance (the transformer embeds one guidance value per row). A member no longer wanted leaves
+        the batch before the next step."""
+        first = specs[0]
+        dtype = self.transformer.dtype
+        texts = [FluxText.from_conditioning(c, "prompt", self.device, dtype) for c in conditionings]
+        prompt = FluxText(torch.cat([t.embeds for t in texts]), torch.cat([t.pooled for t in texts]))
+        negative = None
+        if first.do_classifier_free_guidance:
+            texts = [FluxText.from_conditioning(c, "negative_prompt", self.device, dtype) for c in conditionings]
+            negative = FluxText(torch.cat([t.embeds for t in texts]), torch.cat([t.pooled for t in texts]))
+        scales = [spec.guidance_scale for spec in specs]
+        noise = [self.initial_noise(spec, dtype) for spec in specs]
+        latents, image_ids = torch.cat([packed for packed, _ in noise]), noise[0][1]
+        scheduler, timesteps = self.timesteps(first, latents.shape[1])
+        guidance = None
+        if self.guidance_distilled:
+            if any(spec.embedded_guidance_scale is None for spec in specs):
+                raise ValueError("embedded_guidance_scale is required: this transformer is guidance-distilled")
+            embedded = [float(spec.embedded_guidance_scale or 0.0) for spec in specs]
+            guidance = torch.tensor(embedded, device=self.device, dtype=torch.float32)
+        rows = BatchRows(len(specs))
+
+        for i, t in enumerate(timesteps):
+            kept = rows.before_step(wanted, self.parallel, self.device, scheduler)
+            if kept is not None:
+                latents, prompt, scales = latents[kept], prompt.rows(kept), [scales[row] for row in kept]
+                negative = negative.rows(kept) if negative is not None else None
+                guidance = guidance[kept] if guidance is not None else None
+            timestep = t.expand(latents.shape[0]).to(latents.dtype)
+            predict = partial(self._predict, latents, image_ids, timestep, guidance)
+            if negative is None:
+                noise_pred = predict(prompt, "cond")
+            else:
+                noise_cond, noise_uncond = guidance_predictions(predict, prompt, negative, self.cfg_group)
+                noise_pred = guide_rows(noise_cond, noise_uncond, scales)
+            latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+            rows.stepped(on_step, i + 1, len(timesteps))
+        return [
+            None
+            if row is None
+            else FluxPipeline._unpack_latents(row, first.height, first.width, self.vae_scale_factor).unsqueeze(2)
+            for row in rows.results(latents)
+        ]

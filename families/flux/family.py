@@ -45,7 +45,7 @@ FLUX = Family(
     ),
     checkpoint_reader="families.flux.checkpoint:read_geometry",
     text_encoder="families.flux.encode:FluxPromptEncoder",
-    denoiser="families.flux.denoise:FluxDenoiser",
+    denoiser="families.flux.denoise:FluxBatchDenoiser",
     decoder="families.flux.decode:FluxDecoder",
     writer="families.flux.init_model:write_checkpoint",
     own_presets={
@@ -85,7 +85,12 @@ FLUX = Family(
         ),
         "first_block_cache": Support(tests=(_FEATURE_CLASSES + "StepCache",)),
         "teacache": Support(reason="TeaCache's rescaling polynomials are published for Wan2.1 only"),
-        "batching": Support(reason="not built yet for FLUX"),
+        "batching": Support(
+            tests=(
+                _FEATURE_CLASSES + "Batching",
+                "tests/integration/test_batching.py::test_batches_under_parallel_layouts_equal_one_rank_alone",
+            )
+        ),
         # diffusers' format and the community formats FluxPipeline's loader converts (kohya, ComfyUI, XLabs).
         "lora": Support(
             tests=(

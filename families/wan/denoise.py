@@ -19,8 +19,7 @@ from diffusers import WanTransformer3DModel
 from diffusers.utils.torch_utils import randn_tensor
 
 from families.wan.parallel import parallelize
-from stagekit.denoise import DenoiseSpec, guidance_predictions, keep_batch_rows, members_still_wanted, stop_if_cancelled
-from stagekit.errors import Cancelled
+from stagekit.denoise import BatchRows, DenoiseSpec, guidance_predictions, guide_rows, stop_if_cancelled
 from stagekit.gguf import load_gguf_transformer
 from stagekit.model_options import TransformerOptions
 from stagekit.parallel import ParallelConfig, build_mesh
@@ -201,24 +200,15 @@ class WanDenoiser:
         boundary_timestep = None
         if self.boundary_ratio is not None:
             boundary_timestep = self.boundary_ratio * scheduler.config.num_train_timesteps
-        members = list(range(len(specs)))  # the request of each row
-        dropped: set[int] = set()  # members still in the rows after a scheduler whose state cannot be sliced
+        rows = BatchRows(len(specs))
 
         for i, t in enumerate(timesteps):
-            keep = members_still_wanted(wanted, self.parallel, self.device)
-            leaving = [m for m in members if not keep[m] and m not in dropped]
-            if leaving:
-                rows = [row for row, m in enumerate(members) if keep[m]]
-                if rows and keep_batch_rows(scheduler, rows):
-                    members = [members[row] for row in rows]
-                    latents, prompt_embeds = latents[rows], prompt_embeds[rows]
-                    guidance = [guidance[row] for row in rows]
-                    if negative_prompt_embeds is not None:
-                        negative_prompt_embeds = negative_prompt_embeds[rows]
-                else:
-                    dropped.update(leaving)
-            if all(m in dropped for m in members):
-                raise Cancelled()
+            kept = rows.before_step(wanted, self.parallel, self.device, scheduler)
+            if kept is not None:
+                latents, prompt_embeds = latents[kept], prompt_embeds[kept]
+                guidance = [guidance[row] for row in kept]
+                if negative_prompt_embeds is not None:
+                    negative_prompt_embeds = negative_prompt_embeds[kept]
             latent_model_input = latents.to(transformer_dtype)
             timestep = t.expand(latents.shape[0])
             predict = partial(self._predict, self.expert_for(t, boundary_timestep), latent_model_input, timestep)
@@ -228,20 +218,7 @@ class WanDenoiser:
                 noise_cond, noise_uncond = guidance_predictions(
                     predict, prompt_embeds, negative_prompt_embeds, self.cfg_group
                 )
-                # Row by row with each request's scale as a Python number, as WanPipeline combines them (a
-                # tensor of scales would round them to the transformer's dtype).
-                noise_pred = torch.cat(
-                    [
-                        noise_uncond[row : row + 1] + scale * (noise_cond[row : row + 1] - noise_uncond[row : row + 1])
-                        for row, scale in enumerate(guidance)
-                    ]
-                )
+                noise_pred = guide_rows(noise_cond, noise_uncond, guidance)
             latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-            for m in members:
-                if m not in dropped:
-                    on_step(m, i + 1, len(timesteps))
-        results: list[torch.Tensor | None] = [None] * len(specs)
-        for row, m in enumerate(members):
-            if m not in dropped:
-                results[m] = latents[row : row + 1]
-        return results
+            rows.stepped(on_step, i + 1, len(timesteps))
+        return rows.results(latents)

@@ -1,23 +1,27 @@
-"""Batched denoising (WanDenoiser.denoise_batch): a request dropped mid-way leaves the others unchanged, and
-under every parallel layout every rank keeps the batch rank 0 decides. (That each request of a batch gets its
-own run's latents, for each family that batches, is tests/integration/test_family_features.py's.)"""
+"""Batched denoising: under the parallel layouts of every family that batches, every rank's rows equal each
+request run alone and every rank keeps the batch rank 0 decides; batch keys; the batcher. (That each request
+of a batch gets its own run's latents and a member can leave, on one rank, is BatchingTesterMixin's in
+tests/integration/test_family_features.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from dit_svc.batching import RequestBatcher
 from dit_svc.denoise import batch_key
 from dit_svc.step_cache import CachePasses
-from families.wan.denoise import WanDenoiser
 from stagekit.denoise import CacheSpec, DenoiseSpec
-from stagekit.parallel import ParallelConfig
 from stagekit.parallel.launch import run_ranks
+from tests.helpers.feature_mixins import TESTER_CONFIGS, FamilyTesterConfig
+from tests.helpers.feature_mixins.base import checkpoint
+from tests.helpers.feature_mixins.batching import batch_specs
 
-CPU = torch.device("cpu")
 TOLERANCE = 1e-4
 BASE = DenoiseSpec(height=48, width=80, num_frames=5, num_inference_steps=4, guidance_scale=4.0, seed=0)
 # Different seeds, prompts and guidance scales: everything a batch may mix.
@@ -26,64 +30,6 @@ SPECS = [
     dataclasses.replace(BASE, seed=2, guidance_scale=5.5),
     dataclasses.replace(BASE, seed=3, guidance_scale=3.7),
 ]
-# Every layout the DiT runs: sequence parallel (the batch's rows travel together through the all-to-alls and the
-# ring), CFG-parallel, and the sharded weights of tensor parallelism and HSDP.
-LAYOUTS = [
-    ("ulysses2", ParallelConfig(ulysses_degree=2)),
-    ("ring2", ParallelConfig(ring_degree=2)),
-    ("cfg2", ParallelConfig(cfg_degree=2)),
-    ("tp2", ParallelConfig(tp_degree=2)),
-    ("hsdp2", ParallelConfig(use_hsdp=True, hsdp_shard_size=2)),
-]
-
-
-def _conditionings(text_dim: int) -> list[dict[str, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(0)
-    return [
-        {
-            "prompt_embeds": torch.randn(1, 24, text_dim, generator=generator),
-            "negative_prompt_embeds": torch.randn(1, 24, text_dim, generator=generator),
-        }
-        for _ in SPECS
-    ]
-
-
-def _alone(denoiser) -> list[torch.Tensor]:
-    conditionings = _conditionings(denoiser.text_dim)
-    return [
-        denoiser.denoise(spec, conditioning, lambda s, t: None, lambda: False)
-        for spec, conditioning in zip(SPECS, conditionings, strict=True)
-    ]
-
-
-def _batched(denoiser, drop: int | None = None, after_step: int = 2) -> tuple[list, list]:
-    """The batch's latents, and the steps each member was told of; member `drop` is unwanted after `after_step`."""
-    steps: list[list[int]] = [[] for _ in SPECS]
-
-    def on_step(member: int, step: int, total: int) -> None:
-        steps[member].append(step)
-
-    def wanted() -> list[bool]:
-        done = len(steps[0]) if drop != 0 else len(steps[1])
-        return [member != drop or done < after_step for member in range(len(SPECS))]
-
-    results = denoiser.denoise_batch(SPECS, _conditionings(denoiser.text_dim), on_step, wanted)
-    return results, steps
-
-
-def _assert_close(got: torch.Tensor, want: torch.Tensor, what) -> None:
-    difference = (got - want).abs().max().item()
-    assert difference <= TOLERANCE, (what, difference)
-
-
-def test_a_dropped_request_stops_and_leaves_the_others_unchanged(tiny_model) -> None:
-    denoiser = WanDenoiser(tiny_model, CPU, torch.float32)
-    expected = _alone(denoiser)
-    results, steps = _batched(denoiser, drop=1, after_step=2)
-    assert results[1] is None and steps[1] == [1, 2]
-    for index in (0, 2):
-        _assert_close(results[index], expected[index], index)
-        assert steps[index] == [1, 2, 3, 4]
 
 
 def test_batch_keys_separate_what_cannot_share_a_batch() -> None:
@@ -98,26 +44,67 @@ def test_batch_keys_separate_what_cannot_share_a_batch() -> None:
     assert batch_key(dataclasses.replace(BASE, cache=CacheSpec("first_block", 0.1)), conditioning) is None
 
 
-def _layouts(rank: int, world_size: int, model_dir: str) -> dict:
-    results = {}
-    for name, config in LAYOUTS:
-        denoiser = WanDenoiser(model_dir, CPU, torch.float32, parallel=config)
-        # Only rank 0 sees the cancellation: the others must follow its decision.
-        results[name] = [_batched(denoiser)[0], _batched(denoiser, drop=0 if rank == 0 else None)[0]]
+def _assert_close(got: torch.Tensor, want: torch.Tensor, what) -> None:
+    difference = (got - want).abs().max().item()
+    assert difference <= TOLERANCE, (what, difference)
+
+
+def _batch(config: FamilyTesterConfig, denoiser: Any, leaves: bool) -> list[torch.Tensor | None]:
+    """The config's test batch (BatchingTesterMixin's); with `leaves`, its first member leaves after one step."""
+    specs = batch_specs(config.spec)
+    conditionings = [config.conditioning(denoiser, spec) for spec in specs]
+    steps = [0] * len(specs)
+
+    def on_step(member: int, step: int, total: int) -> None:
+        steps[member] = step
+
+    def wanted() -> list[bool]:
+        return [not (leaves and member == 0 and steps[0] >= 1) for member in range(len(specs))]
+
+    return denoiser.denoise_batch(specs, conditionings, on_step, wanted)
+
+
+def _rank_batches(rank: int, world_size: int, cases: list[tuple[type[FamilyTesterConfig], str]]) -> dict:
+    """On one rank, by family and layout: the whole batch, then the batch whose first member leaves (seen by
+    rank 0 only: the others must follow its decision)."""
+    results: dict[str, dict[str, list]] = {}
+    for config_class, model_dir in cases:
+        config = config_class()
+        results[config.family] = {}
+        for name, layout in config.batch_layouts:
+            denoiser = config.build_denoiser(Path(model_dir), torch.float32, parallel=layout)
+            results[config.family][name] = [_batch(config, denoiser, False), _batch(config, denoiser, rank == 0)]
     return results
 
 
-def test_batches_under_parallel_layouts_equal_one_rank_alone(tiny_model) -> None:
-    expected = _alone(WanDenoiser(tiny_model, CPU, torch.float32))
-    per_rank = run_ranks(_layouts, 2, str(tiny_model))
-    for name, _ in LAYOUTS:
-        for rank, results in enumerate(per_rank):
-            full, dropped = results[name]
-            assert dropped[0] is None, (name, rank)
-            for index in range(len(SPECS)):
-                _assert_close(full[index], expected[index], (name, rank, index))
-                if index:
-                    _assert_close(dropped[index], expected[index], (name, rank, index, "after a drop"))
+# The tester configs whose batches run under parallel layouts: all of them in one spawn of two ranks.
+BATCH_CONFIGS = [config for config in TESTER_CONFIGS if config.batch_layouts]
+
+
+def test_batches_under_parallel_layouts_equal_one_rank_alone(request: pytest.FixtureRequest) -> None:
+    """Under each batching tester config's `batch_layouts` (Wan: every method; FLUX.1: Ulysses, CFG-parallel and
+    TP), every rank's rows equal each request run alone on one rank, and every rank drops the member rank 0
+    drops."""
+    assert {config.family for config in BATCH_CONFIGS} >= {"wan-t2v", "flux"}
+    cases, expected = [], {}
+    for config_class in BATCH_CONFIGS:
+        config = config_class()
+        model_dir = checkpoint(config, request)
+        denoiser = config.build_denoiser(model_dir, torch.float32)
+        expected[config.family] = [
+            denoiser.denoise(spec, config.conditioning(denoiser, spec), lambda step, total: None, lambda: False)
+            for spec in batch_specs(config.spec)
+        ]
+        cases.append((config_class, str(model_dir)))
+    per_rank = run_ranks(_rank_batches, 2, cases)
+    for rank, families in enumerate(per_rank):
+        for family, layouts in families.items():
+            for name, (whole, after_leaving) in layouts.items():
+                assert after_leaving[0] is None, (family, name, rank)
+                for index, alone in enumerate(expected[family]):
+                    _assert_close(whole[index], alone, (family, name, rank, index))
+                    if index:
+                        _assert_close(after_leaving[index], alone, (family, name, rank, index, "after a leave"))
 
 
 class _ComputeThread:

@@ -272,6 +272,10 @@ class TestFluxLoRA(FluxTesterConfig, LoRATesterMixin):
     pass
 
 
+class TestFluxBatching(FluxTesterConfig, BatchingTesterMixin):
+    pass
+
+
 class TestZImageModuleOffload(ZImageTesterConfig, ModuleOffloadTesterMixin):
     pass
 

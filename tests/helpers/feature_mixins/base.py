@@ -84,6 +84,9 @@ class FamilyTesterConfig:
     """The linears the test adapters wrap (tests/helpers/lora_adapters.py)."""
     lora_layouts: ClassVar[list[tuple[str, ParallelConfig]]] = []
     """The layouts on two ranks the adapters run under (one spawn for every config, tests/integration/test_lora.py)."""
+    batch_layouts: ClassVar[list[tuple[str, ParallelConfig]]] = []
+    """The layouts on two ranks batches run under, rank 0 alone seeing a member leave (one spawn for every config,
+    tests/integration/test_batching.py)."""
     compile_specs: ClassVar[tuple[DenoiseSpec, ...]] = ()
     """The requests the compile check runs eagerly, then compiled (their conditioning: `compile_conditioning`):
     the first two bring every variant of structure dynamo compiles, the others only new sizes and text lengths."""

@@ -112,6 +112,8 @@ class WanT2VTesterConfig(WanTesterConfig):
     lora_spec = dataclasses.replace(spec, num_inference_steps=4)
     lora_targets = tuple(WAN_TARGETS)
     lora_layouts = SEQUENCE_AND_CFG_2
+    # Every method: the batch's rows travel together through the all-to-alls, the ring and the sharded weights.
+    batch_layouts = EACH_METHOD
     # Tokens: 30, 27 (padded under Ulysses 2), then 32 and 45 (padded) with a shorter text.
     compile_specs = (
         spec,

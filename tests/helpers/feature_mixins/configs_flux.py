@@ -106,6 +106,7 @@ class FluxTesterConfig(FamilyTesterConfig):
     lora_spec = spec
     lora_targets = tuple(FLUX_TARGETS)
     lora_layouts = SEQUENCE_AND_CFG_2
+    batch_layouts = [ULYSSES2, CFG2, TP2]
 
     def conditioning(self, denoiser: Any, spec: DenoiseSpec) -> dict[str, torch.Tensor]:
         """Each text's T5 sequence and CLIP pooled vector, as the text encoder stage sends them."""

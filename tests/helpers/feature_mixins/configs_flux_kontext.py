@@ -35,6 +35,7 @@ class FluxKontextTesterConfig(FluxTesterConfig):
     )
     # FLUX.1's options that are not verified with the reference image yet (families/flux_kontext/family.py).
     lora_layouts: ClassVar[list[tuple[str, ParallelConfig]]] = []
+    batch_layouts: ClassVar[list[tuple[str, ParallelConfig]]] = []
     step_caches = ()
     step_cache_layouts: ClassVar[dict[int, list[tuple[str, ParallelConfig]]]] = {}
     compile_specs = ()
