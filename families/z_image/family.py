@@ -61,10 +61,7 @@ Z_IMAGE = Family(
         "ulysses": Support(tests=(_LATENTS_PARALLEL,)),
         "ring": Support(tests=(_LATENTS_PARALLEL,)),
         "cfg_parallel": Support(tests=(_LATENTS_PARALLEL,)),
-        "tensor_parallel": Support(
-            reason="not built yet: the blocks' heads and SwiGLU would have to be split like Qwen-Image's; use "
-            "Ulysses, Ring or HSDP"
-        ),
+        "tensor_parallel": Support(tests=(_LATENTS_PARALLEL,)),
         "hsdp": Support(tests=(_LATENTS_PARALLEL,)),
         "vae_patch_parallel": Support(
             tests=(

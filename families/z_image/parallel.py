@@ -18,10 +18,12 @@ other. How sequence parallelism (Ulysses, Ring, or both: USP) splits it:
 - The context refiner runs whole on every rank: a few hundred caption tokens through two blocks.
 
 The model pads the image and the caption to multiples of 32 tokens itself, so the degrees that divide 32 never
-pad; any other degree zero-pads the split and masks the padded keys, so the result stays exact. HSDP wraps the
-result (stagekit/parallel/hsdp.py, one fully_shard group per block of `_repeated_blocks`, refiners included).
-CFG-parallel needs no change to the model. With HSDP the plan is applied to the empty model and each rank reads
-only its shards (families/z_image/denoise.py).
+pad; any other degree zero-pads the split and masks the padded keys, so the result stays exact. Tensor
+parallelism splits every block's heads and SwiGLU feed-forward (stagekit/parallel/tensor_parallel.py's plan for
+ZImageTransformer2DModel) before the sequence split is installed. HSDP wraps the result
+(stagekit/parallel/hsdp.py, one fully_shard group per block of `_repeated_blocks`, refiners included).
+CFG-parallel needs no change to the model. With TP or HSDP the plan is applied to the empty model and each rank
+reads only its shards (families/z_image/denoise.py).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from stagekit.parallel.sequence_parallel import (
     reset_hook,
     sequence_parallel_state,
 )
+from stagekit.parallel.tensor_parallel import apply_tensor_parallel
 
 # A block's per-token inputs: its tokens [B, L, dim], split where the first block takes them (the next blocks get
 # the previous one's shard), and their rotary table [B, L, head_dim / 2] (complex), which the model passes whole
@@ -142,13 +145,15 @@ def _attentions(transformer: ZImageTransformer2DModel) -> list[torch.nn.Module]:
 
 
 def parallelize(transformer: torch.nn.Module, config: ParallelConfig, mesh: DeviceMesh, device: torch.device) -> None:
-    """Applies the layout to a ZImageTransformer2DModel in place, innermost first: sequence parallel, then HSDP.
+    """Applies the layout to a ZImageTransformer2DModel in place, innermost first: TP, sequence parallel, HSDP.
 
     The model may still be on the meta device (then it is loaded shard by shard afterwards).
     """
     refuse_unsupported_methods(config, Z_IMAGE)
     if not isinstance(transformer, ZImageTransformer2DModel):
         raise TypeError(f"expected ZImageTransformer2DModel, not {type(transformer).__name__}")
+    if config.tp_degree > 1:
+        apply_tensor_parallel(transformer, mesh["tp"])
     if config.sequence_parallel:
         apply_sequence_parallel(transformer, mesh)
     if config.use_hsdp and config.hsdp_shard_size * config.hsdp_replicate_size > 1:

@@ -4,7 +4,8 @@ Within each transformer block, the projections into the attention heads (to_q, t
 projections: Wan I2V's add_k_proj / add_v_proj, Qwen-Image's add_q_proj / add_k_proj / add_v_proj) are split
 column-wise, so every tp rank computes a contiguous group of heads; the output projections (to_out[0], and
 Qwen-Image's to_add_out) are split row-wise and all-reduce their partial sums. Each feed-forward's first
-projection is split column-wise and its last one row-wise (Wan's ffn, Qwen-Image's img_mlp and txt_mlp).
+projection is split column-wise and its last one row-wise (Wan's ffn, Qwen-Image's img_mlp and txt_mlp; of
+Z-Image's SwiGLU, both the gate and the up projection column-wise, so that their product is each rank's own).
 Everything else stays replicated: it is small, or cheap next to the all-reduce it would need. `BlockPlan` names
 these modules for one list of blocks; `PLANS` holds, per supported class, one plan for each of its block lists.
 
@@ -63,8 +64,11 @@ class BlockPlan:
     norms: tuple[str, ...]
     # The Linear-GELU-Linear FeedForward modules of a block.
     feed_forwards: tuple[str, ...]
-    # Linears of the block itself split column-wise (FLUX's single-stream MLP input, proj_mlp).
+    # Linears of the block itself split column-wise (FLUX's single-stream MLP input, proj_mlp; Z-Image's SwiGLU
+    # gate and up projections) and row-wise (Z-Image's SwiGLU down projection), for feed-forwards that are not
+    # diffusers' Linear-GELU-Linear FeedForward.
     block_columnwise: tuple[str, ...] = ()
+    block_rowwise: tuple[str, ...] = ()
     # Linears that take several column-split streams side by side (FLUX's single-stream proj_out).
     packed_rowwise: tuple[PackedRowwise, ...] = ()
 
@@ -112,6 +116,22 @@ PLANS: dict[str, tuple[BlockPlan, ...]] = {
             block_columnwise=("proj_mlp",),
             packed_rowwise=(PackedRowwise("proj_out", streams=("attn.to_v", "proj_mlp")),),
         ),
+    ),
+    # The refiners and the main layers are one block class: heads split as Qwen-Image's (each head's own q/k
+    # norm), the SwiGLU feed-forward w2(silu(w1(x)) * w3(x)) split as Megatron splits it, both inputs column-wise
+    # (so the product is elementwise on each rank's columns) and w2 row-wise.
+    "ZImageTransformer2DModel": tuple(
+        BlockPlan(
+            blocks=blocks,
+            attentions=("attention",),
+            columnwise=("to_q", "to_k", "to_v"),
+            rowwise=("to_out.0",),
+            norms=("norm_q", "norm_k"),
+            feed_forwards=(),
+            block_columnwise=("feed_forward.w1", "feed_forward.w3"),
+            block_rowwise=("feed_forward.w2",),
+        )
+        for blocks in ("noise_refiner", "context_refiner", "layers")
     ),
 }
 
@@ -239,6 +259,8 @@ def _check_divisible(transformer: nn.Module, plan: BlockPlan, tp_size: int) -> N
                 )
         for name in plan.block_columnwise:
             _check_width(block.get_submodule(name).out_features, tp_size, f"{prefix}.{name}")
+        for name in plan.block_rowwise:
+            _check_width(block.get_submodule(name).in_features, tp_size, f"{prefix}.{name}")
         for packed in plan.packed_rowwise:
             for width in _stream_widths(block, packed):
                 _check_width(width, tp_size, f"{prefix}.{packed.linear}")
@@ -291,6 +313,7 @@ class PackedRowwiseParallel(RowwiseParallel):
 
 def _block_plan(block: nn.Module, plan: BlockPlan) -> dict[str, ColwiseParallel | RowwiseParallel]:
     styles: dict[str, ColwiseParallel | RowwiseParallel] = {name: ColwiseParallel() for name in plan.block_columnwise}
+    styles.update({name: RowwiseParallel() for name in plan.block_rowwise})
     for packed in plan.packed_rowwise:
         styles[packed.linear] = PackedRowwiseParallel(_stream_widths(block, packed))
     for name in plan.attentions:
