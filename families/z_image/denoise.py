@@ -34,7 +34,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from families.z_image.family import Z_IMAGE
 from families.z_image.parallel import parallelize
-from stagekit.denoise import DenoiseSpec, guidance_predictions, stop_if_cancelled
+from stagekit.denoise import BatchRows, DenoiseSpec, guidance_predictions, stop_if_cancelled
 from stagekit.model_options import TransformerOptions
 from stagekit.parallel import ParallelConfig, build_mesh
 from stagekit.parallel.mesh import device_type_for, refuse_unsupported_methods
@@ -138,12 +138,15 @@ class ZImageDenoiser:
         scheduler.set_begin_index(0)
         return scheduler, timesteps
 
-    def _predict(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor, branch: str) -> torch.Tensor:
-        """The transformer's output [1, C, 1, h, w] (float32) for one text; `latents` [1, C, h, w]. `branch`
-        ("cond", "uncond") names no cache context: ZImageTransformer2DModel has none (no step cache is offered)."""
-        image = latents.to(self.transformer.dtype).unsqueeze(2)[0]
-        output = self.transformer([image], timestep, [text], return_dict=False)[0]
-        return output[0].float().unsqueeze(0)
+    def _predict(
+        self, latents: torch.Tensor, timestep: torch.Tensor, texts: list[torch.Tensor], branch: str
+    ) -> torch.Tensor:
+        """The transformer's output [B, C, 1, h, w] (float32) for `latents` [B, C, h, w], one text [L_b, dim] per
+        image (the transformer takes each text at its own length, and masks the shorter ones in a batch).
+        `branch` ("cond", "uncond") names no cache context: ZImageTransformer2DModel has none."""
+        images = list(latents.to(self.transformer.dtype).unsqueeze(2))
+        output = self.transformer(images, timestep, texts, return_dict=False)[0]
+        return torch.stack([image.float() for image in output])
 
     def _guided(self, positive: torch.Tensor, negative: torch.Tensor, scale: float) -> torch.Tensor:
         """ZImagePipeline's guidance of one image's predictions, with its renormalization."""
@@ -195,11 +198,66 @@ class ZImageDenoiser:
                 scale = 0.0
             predict = partial(self._predict, latents, timestep)
             if do_cfg and scale > 0:
-                positive, negative_prediction = guidance_predictions(predict, prompt, negative, self.cfg_group)
+                positive, negative_prediction = guidance_predictions(predict, [prompt], [negative], self.cfg_group)
                 noise_pred = self._guided(positive, negative_prediction, scale)
             else:
-                noise_pred = predict(prompt, "cond")
+                noise_pred = predict([prompt], "cond")
             noise_pred = -noise_pred.squeeze(2)
             latents = scheduler.step(noise_pred.to(torch.float32), t, latents, return_dict=False)[0]
             on_step(i + 1, len(timesteps))
         return latents.unsqueeze(2)
+
+    @torch.no_grad()
+    def denoise_batch(
+        self,
+        specs: list[DenoiseSpec],
+        conditionings: list[dict[str, torch.Tensor]],
+        on_step: Callable[[int, int, int], None],
+        wanted: Callable[[], list[bool]],
+    ) -> list[torch.Tensor | None]:
+        """`denoise` for several requests of one batch_key (one size, step count and guidance branches) at once:
+        one transformer pass per step and branch serves every request, each text at its own length (the
+        transformer masks the shorter ones, as ZImagePipeline's batch of both branches). Each row is its
+        request's own run: its seed's noise, its texts, and its guidance scale with the renormalization applied
+        to its image alone. A member no longer wanted leaves the batch before the next step."""
+        first = specs[0]
+        dtype = self.transformer.dtype
+
+        def texts(role: str) -> list[torch.Tensor]:
+            return [
+                text_from_wire(c[f"{role}_embeds"], c.get(f"{role}_embeds_mask")).to(self.device, dtype)
+                for c in conditionings
+            ]
+
+        prompts = texts("prompt")
+        negatives = texts("negative_prompt") if first.do_classifier_free_guidance else None
+        scales = [spec.guidance_scale for spec in specs]
+        latents = torch.cat([self.initial_noise(spec) for spec in specs])
+        scheduler, timesteps = self.timesteps(first, (latents.shape[2] // 2) * (latents.shape[3] // 2))
+        truncation_norms = None
+        if negatives is not None and self.cfg_truncation is not None and float(self.cfg_truncation) <= 1:
+            truncation_norms = ((1000 - timesteps.float()) / 1000).tolist()
+        rows = BatchRows(len(specs))
+
+        for i, t in enumerate(timesteps):
+            kept = rows.before_step(wanted, self.parallel, self.device, scheduler)
+            if kept is not None:
+                latents, prompts, scales = latents[kept], [prompts[r] for r in kept], [scales[r] for r in kept]
+                negatives = [negatives[r] for r in kept] if negatives is not None else None
+            timestep = (1000 - t.expand(latents.shape[0])) / 1000
+            truncated = truncation_norms is not None and truncation_norms[i] > self.cfg_truncation
+            predict = partial(self._predict, latents, timestep)
+            if negatives is not None and not truncated:
+                positive, negative_prediction = guidance_predictions(predict, prompts, negatives, self.cfg_group)
+                noise_pred = torch.cat(
+                    [
+                        self._guided(positive[row : row + 1], negative_prediction[row : row + 1], scale)
+                        for row, scale in enumerate(scales)
+                    ]
+                )
+            else:
+                noise_pred = predict(prompts, "cond")
+            noise_pred = -noise_pred.squeeze(2)
+            latents = scheduler.step(noise_pred.to(torch.float32), t, latents, return_dict=False)[0]
+            rows.stepped(on_step, i + 1, len(timesteps))
+        return [None if row is None else row.unsqueeze(2) for row in rows.results(latents)]

@@ -91,7 +91,12 @@ Z_IMAGE = Family(
         ),
         "mag_cache": Support(reason="as for the first-block cache: diffusers' MagCache hook reads `hidden_states`"),
         "teacache": Support(reason="TeaCache's rescaling polynomials are published for Wan2.1 only"),
-        "batching": Support(reason="not built yet for Z-Image"),
+        "batching": Support(
+            tests=(
+                _FEATURE_CLASSES + "Batching",
+                "tests/integration/test_batching.py::test_batches_under_parallel_layouts_equal_one_rank_alone",
+            )
+        ),
         # diffusers' format through ZImagePipeline's loader (which also converts the community formats it knows).
         "lora": Support(
             tests=(_FEATURE_CLASSES + "LoRA", _LORA + "test_adapters_under_parallel_layouts_equal_one_rank")

@@ -70,7 +70,8 @@ def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
 
 
 class ZImageSequenceParallelAttnProcessor:
-    """ZSingleStreamAttnProcessor over a sequence split across the ring x ulysses ranks."""
+    """ZSingleStreamAttnProcessor over a sequence split across the ring x ulysses ranks (and a batch's mask of its
+    shorter sequences, split with it)."""
 
     def __init__(self, state: SequenceParallelState) -> None:
         self.state = state
@@ -83,8 +84,6 @@ class ZImageSequenceParallelAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         freqs_cis: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if attention_mask is not None:
-            raise ValueError("the Z-Image sequence-parallel processor runs one image per forward, without a mask")
         query, key, value = (
             projection(hidden_states).unflatten(-1, (attn.heads, -1))
             for projection in (attn.to_q, attn.to_k, attn.to_v)
@@ -102,12 +101,27 @@ class ZImageSequenceParallelAttnProcessor:
             value,
             self.state.ulysses_group,
             self.state.ring_group,
-            key_padding_mask=self.state.key_padding_mask(batch_size, local_len, hidden_states.device),
+            key_padding_mask=self.key_padding_mask(attention_mask, batch_size, local_len, hidden_states.device),
         )
         out = attn.to_out[0](out.flatten(2, 3).to(query.dtype))
         if len(attn.to_out) > 1:  # dropout
             out = attn.to_out[1](out)
         return out
+
+    def key_padding_mask(
+        self, attention_mask: torch.Tensor | None, batch_size: int, local_len: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """[B, local_len], True where this rank's key is padding: the split's own padding, and in a batch of
+        texts of different lengths the model's padding too (`attention_mask` [B, L], True for a token, whole on
+        every rank: this rank's slice of it, the split's padding appended)."""
+        padding = self.state.key_padding_mask(batch_size, local_len, device)
+        if attention_mask is None:
+            return padding
+        valid = attention_mask.reshape(batch_size, -1).to(device=device, dtype=torch.bool)
+        valid = torch.nn.functional.pad(valid, (0, local_len * self.state.degree - valid.shape[1]), value=False)
+        start = self.state.shard_index * local_len
+        batch_padding = ~valid[:, start : start + local_len]
+        return batch_padding if padding is None else padding | batch_padding
 
 
 def apply_sequence_parallel(transformer: ZImageTransformer2DModel, mesh: DeviceMesh) -> None:

@@ -296,6 +296,10 @@ class TestZImageLoRA(ZImageTesterConfig, LoRATesterMixin):
     pass
 
 
+class TestZImageBatching(ZImageTesterConfig, BatchingTesterMixin):
+    pass
+
+
 class TestFlux2KleinModuleOffload(Flux2KleinTesterConfig, ModuleOffloadTesterMixin):
     pass
 
