@@ -71,8 +71,8 @@ QWEN_IMAGE_21 = Family(
         ),
         "cpu_offload": Support(tests=(_FEATURE_CLASSES + "ModuleOffload",)),
         "layerwise_offload": Support(tests=(_FEATURE_CLASSES + "LayerwiseOffload",)),
-        "fp8": Support(reason="not checked yet: which layers 2.1 must keep in full precision is not settled"),
-        "int8": Support(reason="not checked yet: as for FP8"),
+        "fp8": Support(tests=(_FEATURE_CLASSES + "Quantization",)),
+        "int8": Support(tests=(_FEATURE_CLASSES + "Quantization",)),
         "gguf": Support(reason="no GGUF tensor names are mapped for QwenImage21Transformer2DModel"),
         "multithread_loading": Support(tests=(_FEATURE_CLASSES + "Loading",)),
         "compile": Support(

@@ -19,14 +19,6 @@ _KL_PATCH_PARALLEL = "tests/integration/test_autoencoder_kl_patch_parallel.py::"
 _FEATURE_CLASSES = "tests/integration/test_family_features.py::TestZImage"
 _LORA = "tests/integration/test_lora.py::"
 _LATENTS_PARALLEL = _FEATURE_CLASSES + "ParallelLayouts"
-# The quantization check (tests/helpers/feature_mixins/quantization.py) fails on the tiny checkpoint: FP8 of every
-# linear moves the two-step update by 6.3% of its size, above the 5% it allows.
-_QUANTIZATION_UNVERIFIED = (
-    "not verified yet: on the tiny checkpoint FP8 of every linear moves the update by 6.3% of its size, above the "
-    "check's 5%; which layers Z-Image must keep in bf16 (its t_embedder and cap_embedder, diffusers' "
-    "precision-sensitive ones) is not settled"
-)
-
 Z_IMAGE = Family(
     name="z-image",
     pipeline="ZImagePipeline",
@@ -74,8 +66,8 @@ Z_IMAGE = Family(
         ),
         "cpu_offload": Support(tests=(_FEATURE_CLASSES + "ModuleOffload",)),
         "layerwise_offload": Support(tests=(_FEATURE_CLASSES + "LayerwiseOffload",)),
-        "fp8": Support(reason=_QUANTIZATION_UNVERIFIED),
-        "int8": Support(reason=_QUANTIZATION_UNVERIFIED),
+        "fp8": Support(tests=(_FEATURE_CLASSES + "Quantization",)),
+        "int8": Support(tests=(_FEATURE_CLASSES + "Quantization",)),
         "multithread_loading": Support(tests=(_FEATURE_CLASSES + "Loading",)),
         "compile": Support(
             reason="not checked yet: the compile check has not been run on its refiners and main blocks",

@@ -350,3 +350,23 @@ class TestQwenImage21LayerwiseOffload(QwenImage21TesterConfig, LayerwiseOffloadT
 
 class TestQwenImage21Loading(QwenImage21TesterConfig, LoadingTesterMixin):
     pass
+
+
+class TestQwenImage21Quantization(QwenImage21TesterConfig, QuantizationTesterMixin):
+    pass
+
+
+class TestFluxKontextLayerwiseOffload(FluxKontextTesterConfig, LayerwiseOffloadTesterMixin):
+    pass
+
+
+class TestFluxKontextQuantization(FluxKontextTesterConfig, QuantizationTesterMixin):
+    pass
+
+
+class TestFluxKontextLoading(FluxKontextTesterConfig, LoadingTesterMixin):
+    pass
+
+
+class TestZImageQuantization(ZImageTesterConfig, QuantizationTesterMixin):
+    pass

@@ -84,6 +84,8 @@ class FamilyTesterConfig:
     """The linears the test adapters wrap (tests/helpers/lora_adapters.py)."""
     lora_layouts: ClassVar[list[tuple[str, ParallelConfig]]] = []
     """The layouts on two ranks the adapters run under (one spawn for every config, tests/integration/test_lora.py)."""
+    quantized_limit: ClassVar[float] = 0.05
+    """How far a quantized run's update may move from the bf16 run's, relative to its size."""
     max_sharded_fraction: ClassVar[float] = 0.8
     """The most of an expert's parameter bytes a rank of a TP or HSDP layout may hold (what the plan leaves
     replicated is a larger share of a tiny model than of the real one)."""
