@@ -102,7 +102,6 @@ class FluxTesterConfig(FamilyTesterConfig):
         ),
     )
     compile_text_lengths = (12, 14, 9)
-    parallel_layouts = {2: [ULYSSES2, RING2, CFG2, HSDP2], 4: [USP2X2, ULYSSES2_CFG2]}
     lora_spec = spec
     lora_targets = tuple(FLUX_TARGETS)
     lora_layouts = SEQUENCE_AND_CFG_2
