@@ -78,10 +78,7 @@ FLUX2_KLEIN = Family(
         "multithread_loading": Support(
             tests=(_FEATURE_CLASSES + "Loading", _KLEIN + "test_klein_stages_read_weights_with_their_load_threads")
         ),
-        "compile": Support(
-            reason="not checked yet: the compile check has not been run on Flux2's blocks",
-            refusal_tests=("tests/integration/test_compile.py::test_compile_is_refused_at_startup_where_unverified",),
-        ),
+        "compile": Support(tests=(_FEATURE_CLASSES + "Compile",)),
         "interpolation": Support(
             reason="single images: nothing to interpolate; a request asking for it is refused with INVALID_ARGUMENT"
         ),

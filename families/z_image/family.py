@@ -69,10 +69,7 @@ Z_IMAGE = Family(
         "fp8": Support(tests=(_FEATURE_CLASSES + "Quantization",)),
         "int8": Support(tests=(_FEATURE_CLASSES + "Quantization",)),
         "multithread_loading": Support(tests=(_FEATURE_CLASSES + "Loading",)),
-        "compile": Support(
-            reason="not checked yet: the compile check has not been run on its refiners and main blocks",
-            refusal_tests=("tests/integration/test_compile.py::test_compile_is_refused_at_startup_where_unverified",),
-        ),
+        "compile": Support(tests=(_FEATURE_CLASSES + "Compile",)),
         "interpolation": Support(
             reason="single images: nothing to interpolate; a request asking for it is refused with INVALID_ARGUMENT"
         ),

@@ -300,6 +300,10 @@ class TestZImageBatching(ZImageTesterConfig, BatchingTesterMixin):
     pass
 
 
+class TestZImageCompile(ZImageTesterConfig, CompileTesterMixin):
+    pass
+
+
 class TestFlux2KleinModuleOffload(Flux2KleinTesterConfig, ModuleOffloadTesterMixin):
     pass
 
@@ -325,6 +329,10 @@ class TestFlux2KleinStepCache(Flux2KleinTesterConfig, StepCacheTesterMixin):
 
 
 class TestFlux2KleinLoRA(Flux2KleinTesterConfig, LoRATesterMixin):
+    pass
+
+
+class TestFlux2KleinCompile(Flux2KleinTesterConfig, CompileTesterMixin):
     pass
 
 

@@ -50,6 +50,14 @@ class Flux2KleinTesterConfig(FamilyTesterConfig):
     step_cache_layouts = {2: SEQUENCE_AND_CFG_2}
     parallel_layouts = {2: [ULYSSES2, RING2, CFG2, HSDP2], 4: [USP2X2, HSDP2X2_ULYSSES2_CFG2]}
     lora_spec = spec
+    # Image tokens 15, then 24 with a longer text, then 8 with a shorter one; without CFG, whose second branch
+    # runs the same blocks again.
+    compile_specs = (
+        dataclasses.replace(spec, guidance_scale=1.0),
+        DenoiseSpec(height=64, width=96, num_frames=1, num_inference_steps=2, guidance_scale=1.0, seed=1),
+        DenoiseSpec(height=32, width=64, num_frames=1, num_inference_steps=2, guidance_scale=1.0, seed=2),
+    )
+    compile_text_lengths = (24, 30, 18)
     lora_targets = tuple(FLUX2_TARGETS)
     lora_layouts = SEQUENCE_AND_CFG_2
 
@@ -58,6 +66,14 @@ class Flux2KleinTesterConfig(FamilyTesterConfig):
         return {
             "prompt_embeds": torch.randn(1, 24, denoiser.text_dim, generator=generator),
             "negative_prompt_embeds": torch.randn(1, 24, denoiser.text_dim, generator=generator),
+        }
+
+    def compile_conditioning(self, denoiser: Any, index: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(index)
+        shape = (1, self.compile_text_lengths[index], denoiser.text_dim)
+        return {
+            "prompt_embeds": torch.randn(shape, generator=generator),
+            "negative_prompt_embeds": torch.randn(shape, generator=generator),
         }
 
     def initial_noise(self, denoiser: Any) -> torch.Tensor:

@@ -61,6 +61,7 @@ class ZImageTesterConfig(FamilyTesterConfig):
     expert_names = ("transformer",)
     transformer_class = ZImageTransformer2DModel
     blocks_attribute = "layers"
+    more_block_lists = ("noise_refiner", "context_refiner")
     ignored_layers = ("all_final_layer.*", "layers.0.*", "t_embedder.*")
     ignored_prefixes = ("all_final_layer.", "layers.0.", "t_embedder.")
     min_reference_std = 0.1
@@ -72,6 +73,13 @@ class ZImageTesterConfig(FamilyTesterConfig):
     # the other families' weigh it four (negative + 4 (positive - negative)): FP8 of every linear moves this tiny
     # model's update by 6.3% (FLUX.1: 4.7%, Qwen-Image: 4.4%), and no layer kept in bf16 brings it under 5%.
     quantized_limit = 0.07
+    # Image tokens 15 (padded to 32), then 24 with a caption past 32 tokens (64 with its padding), then 8 with a
+    # short one; each with CFG, so both branches' captions (of their own lengths) run the same blocks.
+    compile_specs = (
+        DenoiseSpec(48, 80, 1, 2, 4.0, 1, cfg_threshold=0.0),
+        DenoiseSpec(64, 96, 1, 2, 3.0, 2, cfg_threshold=0.0),
+        DenoiseSpec(32, 64, 1, 2, 5.0, 3, cfg_threshold=0.0),
+    )
     lora_spec = spec
     lora_targets = tuple(Z_IMAGE_TARGETS)
     lora_layouts = SEQUENCE_AND_CFG_2
@@ -124,3 +132,7 @@ class ZImageTesterConfig(FamilyTesterConfig):
             **texts,
         ).images
         return latents.unsqueeze(2)
+
+    def compile_conditioning(self, denoiser: Any, index: int) -> dict[str, torch.Tensor]:
+        """The texts of `compile_specs[index]` as the batch members' (Z_IMAGE_MASKS by seed)."""
+        return self.conditioning(denoiser, self.compile_specs[index])
