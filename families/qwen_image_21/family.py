@@ -22,7 +22,7 @@ _SEQUENCE_PARALLEL = (
     "not built yet: the joint text+image sequence attends block-causally (each segment to the keys before it) and "
     "the text's keys and values are cached after the first step, which a sequence split would have to reproduce "
     "across ranks; Qwen-Image's plan splits the image stream of a two-stream MMDiT and does not apply; use "
-    "CFG-parallel or HSDP"
+    "CFG-parallel, tensor parallel or HSDP"
 )
 
 QWEN_IMAGE_21 = Family(
@@ -54,11 +54,7 @@ QWEN_IMAGE_21 = Family(
         "cfg_parallel": Support(tests=(_FEATURE_CLASSES + "ParallelLayouts",)),
         "ulysses": Support(reason=_SEQUENCE_PARALLEL),
         "ring": Support(reason=_SEQUENCE_PARALLEL),
-        "tensor_parallel": Support(
-            reason="not built yet: QwenImage21Transformer2DModel's heads and SwiGLU would have to be split over "
-            "the ranks (diffusers declares the plan, StageDiff does not apply it for this model); use CFG-parallel "
-            "or HSDP"
-        ),
+        "tensor_parallel": Support(tests=(_FEATURE_CLASSES + "ParallelLayouts",)),
         "hsdp": Support(tests=(_FEATURE_CLASSES + "ParallelLayouts",)),
         "vae_patch_parallel": Support(
             reason="not built yet: the patch-parallel decode is written for AutoencoderKLQwenImage's layers, and "

@@ -133,6 +133,21 @@ PLANS: dict[str, tuple[BlockPlan, ...]] = {
         )
         for blocks in ("noise_refiner", "context_refiner", "layers")
     ),
+    # One joint [text; image] stream: the heads (each head's own q/k norm) and the image MLP's SwiGLU, as
+    # Z-Image's. diffusers' processor splits the projections by head_dim, which narrowing both `heads` and
+    # `inner_dim` keeps.
+    "QwenImage21Transformer2DModel": (
+        BlockPlan(
+            blocks="transformer_blocks",
+            attentions=("attn",),
+            columnwise=("to_q", "to_k", "to_v"),
+            rowwise=("to_out.0",),
+            norms=("norm_q", "norm_k"),
+            feed_forwards=(),
+            block_columnwise=("img_mlp.proj", "img_mlp.gate_layer"),
+            block_rowwise=("img_mlp.out",),
+        ),
+    ),
 }
 
 

@@ -14,7 +14,7 @@ from diffusers import QwenImage21Pipeline, QwenImage21Transformer2DModel
 from stagekit.denoise import DenoiseSpec
 from stagekit.parallel import ParallelConfig
 from tests.helpers.feature_mixins.base import FamilyTesterConfig
-from tests.helpers.feature_mixins.configs import CFG2
+from tests.helpers.feature_mixins.configs import CFG2, TP2, TP2_CFG2
 
 # The (prompt, negative prompt) masks as the text encoder sends them: both texts padded to the longer one, a hole
 # in the prompt's (kept after its trailing padding is dropped), the negative prompt's all ones (dropped).
@@ -29,7 +29,7 @@ class QwenImage21TesterConfig(FamilyTesterConfig):
     """Qwen-Image 2.1: two steps with true CFG over 4 x 6 latent tokens (64x96), texts of different lengths with a
     hole in a mask. Each branch fills its KV cache at the first step and reads it at the second, so a CFG-parallel
     rank must keep its own branch's cache. Ulysses and Ring are not built for this model (families/qwen_image_21/
-    family.py says why); CFG-parallel and HSDP are its layouts."""
+    family.py says why); CFG-parallel, TP and HSDP are its layouts."""
 
     family = "qwen-image-2.1"
     pipeline_class = QwenImage21Pipeline
@@ -41,7 +41,7 @@ class QwenImage21TesterConfig(FamilyTesterConfig):
     ignored_layers = ("proj_out", "transformer_blocks.0.*", "time_text_embed.*")
     ignored_prefixes = ("transformer_blocks.0.", "time_text_embed.")
     min_reference_std = 0.1
-    parallel_layouts = {2: [CFG2, HSDP2_CFG2], 4: [HSDP2X2]}
+    parallel_layouts = {2: [CFG2, TP2, HSDP2_CFG2], 4: [TP2_CFG2, HSDP2X2]}
 
     def conditioning(self, denoiser: Any, spec: DenoiseSpec) -> dict[str, torch.Tensor]:
         """Both texts with their masks, as the DiT stage receives them; a mask reaches the transformer."""
