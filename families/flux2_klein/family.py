@@ -53,12 +53,7 @@ FLUX2_KLEIN = Family(
         "ulysses": Support(tests=_LATENTS_PARALLEL),
         "ring": Support(tests=_LATENTS_PARALLEL),
         "cfg_parallel": Support(tests=_LATENTS_PARALLEL),
-        "tensor_parallel": Support(
-            reason="not built yet: the single-stream blocks' to_qkv_mlp_proj packs Q, K, V and the MLP input, and "
-            "their to_out takes attention and MLP outputs side by side, which need packed splits; use Ulysses, Ring "
-            "or HSDP",
-            refusal_tests=_REFUSED,
-        ),
+        "tensor_parallel": Support(tests=_LATENTS_PARALLEL),
         "hsdp": Support(tests=_LATENTS_PARALLEL),
         "vae_patch_parallel": Support(
             tests=(

@@ -14,6 +14,9 @@ the plan is FLUX.1's (families/flux/parallel.py), and so is most of the code:
   (`to_qkv_mlp_proj`) and projects the attention and MLP outputs together (`to_out`). The processor below adds
   that path, attending as FLUX.1's single-stream path does (the sequence split at the text length, which a
   pre-hook on the transformer records).
+- Tensor parallelism splits the heads and both kinds of feed-forward, the fused projections stream by stream
+  (stagekit/parallel/tensor_parallel.py's plan for Flux2Transformer2DModel); the processors split the fused
+  output by the local widths, which the plan narrows.
 - HSDP wraps the result (stagekit/parallel/hsdp.py, one fully_shard group per block of `_repeated_blocks`); with
   HSDP the plan is applied to the empty model and each rank reads only its shards (denoise.py). CFG-parallel
   needs no change to the model.
@@ -36,6 +39,7 @@ from stagekit.parallel.attention import joint_usp_attention
 from stagekit.parallel.hsdp import apply_hsdp
 from stagekit.parallel.mesh import ParallelConfig, build_hsdp_mesh, device_type_for, refuse_unsupported_methods
 from stagekit.parallel.sequence_parallel import install_sequence_parallel, sequence_parallel_state
+from stagekit.parallel.tensor_parallel import apply_tensor_parallel
 
 # Which inputs carry one entry per image token (ids [1, N, 4], as the pipeline passes them), and where the whole
 # image sequence is gathered back.
@@ -113,13 +117,15 @@ def _attentions(transformer: Flux2Transformer2DModel) -> list[torch.nn.Module]:
 
 
 def parallelize(transformer: torch.nn.Module, config: ParallelConfig, mesh: DeviceMesh, device: torch.device) -> None:
-    """Applies the layout to a Flux2Transformer2DModel in place, innermost first: sequence parallel, then HSDP.
+    """Applies the layout to a Flux2Transformer2DModel in place, innermost first: TP, sequence parallel, HSDP.
 
     The model may still be on the meta device (then it is loaded shard by shard afterwards).
     """
     refuse_unsupported_methods(config, FLUX2_KLEIN)
     if not isinstance(transformer, Flux2Transformer2DModel):
         raise TypeError(f"expected Flux2Transformer2DModel, not {type(transformer).__name__}")
+    if config.tp_degree > 1:
+        apply_tensor_parallel(transformer, mesh["tp"])
     if config.sequence_parallel:
         apply_sequence_parallel(transformer, mesh)
     if config.use_hsdp and config.hsdp_shard_size * config.hsdp_replicate_size > 1:

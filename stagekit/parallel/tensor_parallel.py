@@ -13,8 +13,10 @@ A block may also end in a Linear whose input is several column-split streams sid
 blocks run the attention and an MLP in parallel and project cat([attention output, MLP output]) with one
 `proj_out`. Its contiguous column shards would not line up with what each rank computed, so `PackedRowwise`
 splits each stream's columns on their own: a rank holds, of each stream's columns, the slice its column split
-gave it, side by side, and all-reduces the partial sums as a row-wise split does. The loader reads those slices
-from the checkpoint (stagekit/weights/sharded.py, `PACKED_SHARDS`).
+gave it, side by side, and all-reduces the partial sums as a row-wise split does. The converse, a Linear that
+makes several streams side by side (FLUX.2's to_qkv_mlp_proj: Q, K, V and an MLP's gate and up; a SwiGLU's
+packed gate and up), gets `PackedColwiseParallel`: a rank holds each stream's chunk of the rows, in order. The
+loader reads those slices from the checkpoint (stagekit/weights/sharded.py, `PACKED_SHARDS`).
 
 Query and key norms come in two kinds, told apart by their width. Qwen-Image normalises each head alone, so a
 rank applies the norm as it is. Wan normalises all heads' features with one RMSNorm ("rms_norm_across_heads"),
@@ -41,13 +43,30 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from stagekit.parallel.mesh import ParallelConfigError, _divisors
 from stagekit.weights.sharded import PACKED_SHARDS
 
+# The attributes diffusers sets on a fused Linear to say which streams it packs (their widths, in order).
+PACKED_COLUMNS = "_tp_packed_col_blocks"
+PACKED_ROWS = "_tp_packed_row_blocks"
+
 
 @dataclass(frozen=True)
 class PackedRowwise:
-    """A Linear of the block whose input is the outputs of column-split Linears side by side, in that order."""
+    """A Linear of the block whose input is the outputs of column-split Linears side by side, in that order:
+    `streams` names those Linears, or is empty where the Linear lists the widths itself (diffusers'
+    `_tp_packed_row_blocks`, as FLUX.2's single-stream `to_out`)."""
 
     linear: str
-    streams: tuple[str, ...]
+    streams: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PackedColumnwise:
+    """A Linear of the block whose output is several streams side by side, each split over the ranks on its own
+    (a rank holds its slice of each, in order): `parts` equal streams (a SwiGLU's gate and up projection), or,
+    with `parts` 0, the widths the Linear lists itself (diffusers' `_tp_packed_col_blocks`, as FLUX.2's
+    single-stream `to_qkv_mlp_proj`: Q, K, V, gate, up)."""
+
+    linear: str
+    parts: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,6 +90,11 @@ class BlockPlan:
     block_rowwise: tuple[str, ...] = ()
     # Linears that take several column-split streams side by side (FLUX's single-stream proj_out).
     packed_rowwise: tuple[PackedRowwise, ...] = ()
+    # Linears that make several streams side by side (FLUX.2's fused projections).
+    packed_columnwise: tuple[PackedColumnwise, ...] = ()
+    # Further widths of each attention the processors read, narrowed to the rank's share as `heads` and
+    # `inner_dim` are (FLUX.2's single-stream `mlp_hidden_dim`).
+    narrowed: tuple[str, ...] = ()
 
 
 PLANS: dict[str, tuple[BlockPlan, ...]] = {
@@ -115,6 +139,33 @@ PLANS: dict[str, tuple[BlockPlan, ...]] = {
             feed_forwards=(),
             block_columnwise=("proj_mlp",),
             packed_rowwise=(PackedRowwise("proj_out", streams=("attn.to_v", "proj_mlp")),),
+        ),
+    ),
+    # diffusers' own Flux2Transformer2DModel._tp_plan splits the same Linears. The double-stream blocks are
+    # FLUX.1's kind with a SwiGLU feed-forward (its gate and up projection packed in linear_in); each
+    # single-stream block packs Q, K, V and the MLP's gate and up in to_qkv_mlp_proj and takes the attention and
+    # MLP outputs side by side in to_out.
+    "Flux2Transformer2DModel": (
+        BlockPlan(
+            blocks="transformer_blocks",
+            attentions=("attn",),
+            columnwise=("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"),
+            rowwise=("to_out.0", "to_add_out"),
+            norms=("norm_q", "norm_k", "norm_added_q", "norm_added_k"),
+            feed_forwards=(),
+            block_rowwise=("ff.linear_out", "ff_context.linear_out"),
+            packed_columnwise=(PackedColumnwise("ff.linear_in", parts=2), PackedColumnwise("ff_context.linear_in", 2)),
+        ),
+        BlockPlan(
+            blocks="single_transformer_blocks",
+            attentions=("attn",),
+            columnwise=(),
+            rowwise=(),
+            norms=("norm_q", "norm_k"),
+            feed_forwards=(),
+            packed_rowwise=(PackedRowwise("attn.to_out"),),
+            packed_columnwise=(PackedColumnwise("attn.to_qkv_mlp_proj"),),
+            narrowed=("mlp_hidden_dim",),
         ),
     ),
     # The refiners and the main layers are one block class: heads split as Qwen-Image's (each head's own q/k
@@ -279,6 +330,9 @@ def _check_divisible(transformer: nn.Module, plan: BlockPlan, tp_size: int) -> N
         for packed in plan.packed_rowwise:
             for width in _stream_widths(block, packed):
                 _check_width(width, tp_size, f"{prefix}.{packed.linear}")
+        for packed_columns in plan.packed_columnwise:
+            for width in _column_widths(block, packed_columns):
+                _check_width(width, tp_size, f"{prefix}.{packed_columns.linear}")
 
 
 def _check_width(width: int, tp_size: int, where: str) -> None:
@@ -290,10 +344,27 @@ def _check_width(width: int, tp_size: int, where: str) -> None:
 
 
 def _stream_widths(block: nn.Module, packed: PackedRowwise) -> tuple[int, ...]:
-    """The widths of the streams a packed Linear takes, in its input's order (each stream's Linear's outputs)."""
-    widths = tuple(block.get_submodule(stream).out_features for stream in packed.streams)
-    if sum(widths) != block.get_submodule(packed.linear).in_features:
+    """The widths of the streams a packed Linear takes, in its input's order (each stream's Linear's outputs, or
+    the widths the Linear lists)."""
+    linear = block.get_submodule(packed.linear)
+    if packed.streams:
+        widths = tuple(block.get_submodule(stream).out_features for stream in packed.streams)
+    else:
+        widths = tuple(getattr(linear, PACKED_ROWS, ()))
+    if not widths or sum(widths) != linear.in_features:
         raise ParallelConfigError(f"{packed.linear} takes {widths} side by side, not its own input width")
+    return widths
+
+
+def _column_widths(block: nn.Module, packed: PackedColumnwise) -> tuple[int, ...]:
+    """The widths of the streams a packed Linear makes, in its output's order."""
+    linear = block.get_submodule(packed.linear)
+    if packed.parts:
+        widths = (linear.out_features // packed.parts,) * packed.parts
+    else:
+        widths = tuple(getattr(linear, PACKED_COLUMNS, ()))
+    if not widths or sum(widths) != linear.out_features:
+        raise ParallelConfigError(f"{packed.linear} makes {widths} side by side, not its own output width")
     return widths
 
 
@@ -326,11 +397,43 @@ class PackedRowwiseParallel(RowwiseParallel):
         setattr(module, PACKED_SHARDS, {"weight": (1, self.widths)})
 
 
+class PackedColwiseParallel(ColwiseParallel):
+    """ColwiseParallel for a Linear whose output is several streams side by side: the weight's rows (and the
+    bias) keep, of each stream, the rank's chunk, in the output's order, so the local output is each stream's
+    share side by side and a split of it by the streams' local widths gives each stream's columns.
+
+    The weight is a DTensor placed Shard(0) whose local rows are not one contiguous slice: it is only used
+    locally, and the module lists the layout in `PACKED_SHARDS` for the loader."""
+
+    def __init__(self, widths: tuple[int, ...]) -> None:
+        super().__init__()
+        self.widths = widths
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        rank, parts = device_mesh.get_local_rank(), device_mesh.size()
+        layout = {}
+        for attribute in ("weight", "bias"):
+            tensor = getattr(module, attribute)
+            if tensor is None:
+                continue
+            slices, offset = [], 0
+            for width in self.widths:
+                chunk = width // parts
+                slices.append(tensor.detach()[offset + rank * chunk : offset + (rank + 1) * chunk])
+                offset += width
+            packed = DTensor.from_local(torch.cat(slices, dim=0), device_mesh, [Shard(0)], run_check=False)
+            module.register_parameter(attribute, nn.Parameter(packed, requires_grad=tensor.requires_grad))
+            layout[attribute] = (0, self.widths)
+        setattr(module, PACKED_SHARDS, layout)
+
+
 def _block_plan(block: nn.Module, plan: BlockPlan) -> dict[str, ColwiseParallel | RowwiseParallel]:
     styles: dict[str, ColwiseParallel | RowwiseParallel] = {name: ColwiseParallel() for name in plan.block_columnwise}
     styles.update({name: RowwiseParallel() for name in plan.block_rowwise})
     for packed in plan.packed_rowwise:
         styles[packed.linear] = PackedRowwiseParallel(_stream_widths(block, packed))
+    for packed_columns in plan.packed_columnwise:
+        styles[packed_columns.linear] = PackedColwiseParallel(_column_widths(block, packed_columns))
     for name in plan.attentions:
         attn = getattr(block, name)
         for projection in plan.columnwise:
@@ -379,6 +482,8 @@ def _apply_plan(transformer: nn.Module, plan: BlockPlan, tp_mesh: DeviceMesh) ->
             # The processors unflatten the projections' (now local) features into attn.heads heads.
             attn.heads //= tp_size
             attn.inner_dim //= tp_size
+            for width in plan.narrowed:
+                setattr(attn, width, getattr(attn, width) // tp_size)
             for norm_name, sharded in across_heads.items():
                 if sharded:
                     setattr(attn, norm_name, HeadShardedRMSNorm.from_rms_norm(getattr(attn, norm_name), tp_mesh))

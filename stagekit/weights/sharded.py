@@ -4,8 +4,8 @@ this rank's slice only, straight from the file into the local shard.
 A shard is one slice of the full tensor per placement, as `torch.chunk` cuts it, except where the parameter's
 module lists the parameter in its `PACKED_SHARDS` attribute: {name: (dim, widths)} says the full tensor is
 blocks of those widths along `dim` side by side, and the local shard holds each block's chunk for this rank, in
-order (tensor parallelism's PackedRowwiseParallel, stagekit/parallel/tensor_parallel.py). Each such chunk is read
-into its part of the local tensor.
+order (tensor parallelism's PackedRowwiseParallel and PackedColwiseParallel, stagekit/parallel/
+tensor_parallel.py). Each such chunk is read into its part of the local tensor.
 """
 
 from __future__ import annotations

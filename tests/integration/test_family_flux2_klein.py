@@ -161,7 +161,6 @@ def test_klein_stages_read_weights_with_their_load_threads(klein_model: Path, kl
 @pytest.mark.parametrize(
     ("stage", "flags", "feature"),
     [
-        ("dit", ["--tensor-parallel-size", "2"], "tensor_parallel"),
         ("vae", ["--vae-use-tiling"], "vae_tiling"),
     ],
 )
@@ -184,6 +183,7 @@ def test_klein_stages_refuse_what_the_family_does_not_run(
         ["--ulysses-degree", "2", "--ring-degree", "2"],
         ["--cfg-parallel-size", "2", "--use-hsdp", "--hsdp-shard-size", "2"],
         ["--enable-layerwise-offload", "--quantization", "fp8"],
+        ["--tensor-parallel-size", "2", "--ulysses-degree", "2"],
     )
     for accepted in claimed:
         DitConfig.from_args(parse_serve(["dit", "--model", str(klein_base_model), *accepted]))

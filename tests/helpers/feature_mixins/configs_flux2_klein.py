@@ -19,6 +19,8 @@ from tests.helpers.feature_mixins.configs import (
     HSDP2X2_ULYSSES2_CFG2,
     RING2,
     SEQUENCE_AND_CFG_2,
+    TP2,
+    TP2_RING2,
     ULYSSES2,
     USP2X2,
 )
@@ -48,7 +50,7 @@ class Flux2KleinTesterConfig(FamilyTesterConfig):
     # fused [text; image] output for the double-stream blocks' pair).
     step_caches = (CacheSpec("mag", 0.3),)
     step_cache_layouts = {2: SEQUENCE_AND_CFG_2}
-    parallel_layouts = {2: [ULYSSES2, RING2, CFG2, HSDP2], 4: [USP2X2, HSDP2X2_ULYSSES2_CFG2]}
+    parallel_layouts = {2: [ULYSSES2, RING2, CFG2, TP2, HSDP2], 4: [USP2X2, TP2_RING2, HSDP2X2_ULYSSES2_CFG2]}
     lora_spec = spec
     # Image tokens 15, then 24 with a longer text, then 8 with a shorter one; without CFG, whose second branch
     # runs the same blocks again.
