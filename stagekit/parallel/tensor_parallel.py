@@ -381,15 +381,8 @@ class PackedRowwiseParallel(RowwiseParallel):
         self.widths = widths
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        rank, parts = device_mesh.get_local_rank(), device_mesh.size()
         weight, bias = module.weight, module.bias
-        slices, offset = [], 0
-        for width in self.widths:
-            chunk = width // parts
-            slices.append(weight.detach()[:, offset + rank * chunk : offset + (rank + 1) * chunk])
-            offset += width
-        local = torch.cat(slices, dim=1)
-        packed = DTensor.from_local(local, device_mesh, [Shard(1)], run_check=False)
+        packed = _packed_shard(weight.detach(), self.widths, 1, device_mesh)
         module.register_parameter("weight", nn.Parameter(packed, requires_grad=weight.requires_grad))
         if bias is not None:
             whole = distribute_tensor(bias.detach(), device_mesh, [Replicate()])
@@ -410,21 +403,26 @@ class PackedColwiseParallel(ColwiseParallel):
         self.widths = widths
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        rank, parts = device_mesh.get_local_rank(), device_mesh.size()
         layout = {}
         for attribute in ("weight", "bias"):
             tensor = getattr(module, attribute)
             if tensor is None:
                 continue
-            slices, offset = [], 0
-            for width in self.widths:
-                chunk = width // parts
-                slices.append(tensor.detach()[offset + rank * chunk : offset + (rank + 1) * chunk])
-                offset += width
-            packed = DTensor.from_local(torch.cat(slices, dim=0), device_mesh, [Shard(0)], run_check=False)
+            packed = _packed_shard(tensor.detach(), self.widths, 0, device_mesh)
             module.register_parameter(attribute, nn.Parameter(packed, requires_grad=tensor.requires_grad))
             layout[attribute] = (0, self.widths)
         setattr(module, PACKED_SHARDS, layout)
+
+
+def _packed_shard(tensor: torch.Tensor, widths: tuple[int, ...], dim: int, device_mesh: DeviceMesh) -> DTensor:
+    """This rank's chunk of each block of `widths` along `dim`, side by side, as a DTensor placed Shard(dim)."""
+    rank, parts = device_mesh.get_local_rank(), device_mesh.size()
+    slices, offset = [], 0
+    for width in widths:
+        chunk = width // parts
+        slices.append(tensor.narrow(dim, offset + rank * chunk, chunk))
+        offset += width
+    return DTensor.from_local(torch.cat(slices, dim=dim), device_mesh, [Shard(dim)], run_check=False)
 
 
 def _block_plan(block: nn.Module, plan: BlockPlan) -> dict[str, ColwiseParallel | RowwiseParallel]:
