@@ -33,9 +33,8 @@ from families.flux2_klein.family import FLUX2_KLEIN
 from families.flux2_klein.parallel import parallelize
 from stagekit.denoise import DenoiseSpec, guidance_predictions, stop_if_cancelled
 from stagekit.model_options import TransformerOptions
-from stagekit.parallel import ParallelConfig, build_mesh
-from stagekit.parallel.mesh import device_type_for, refuse_unsupported_methods
-from stagekit.weights import load_pretrained
+from stagekit.parallel import ParallelConfig
+from stagekit.parallel.load import load_parallel_transformer
 
 logger = logging.getLogger(__name__)
 
@@ -70,28 +69,22 @@ class Flux2KleinDenoiser:
     ) -> None:
         model_dir = Path(model_dir)
         self.device = device
-        self.parallel = parallel if parallel is not None and parallel.total_ranks > 1 else None
-        mesh = None
-        if self.parallel is not None:
-            refuse_unsupported_methods(self.parallel, FLUX2_KLEIN)  # before reading any weight
-            mesh = build_mesh(self.parallel, device_type_for(device))
-        load = partial(load_pretrained, device=device, dtype=dtype, num_threads=load_threads)
-        if self.parallel is not None and self.parallel.shards_weights:
-            # HSDP is applied to the empty model, so that each rank reads only its shards.
-            load = partial(load, shard_model=partial(parallelize, config=self.parallel, mesh=mesh, device=device))
-        self.transformer = load(Flux2Transformer2DModel, model_dir / "transformer").eval()
-        if options is not None:
-            options.apply([self.transformer], device, load_threads)
+        loaded = load_parallel_transformer(
+            Flux2Transformer2DModel,
+            model_dir / "transformer",
+            device,
+            dtype,
+            family=FLUX2_KLEIN,
+            parallelize=parallelize,
+            parallel=parallel,
+            options=options,
+            load_threads=load_threads,
+        )
+        self.transformer = loaded.transformer
+        self.parallel, self.cfg_group = loaded.parallel, loaded.cfg_group
         self.scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model_dir / "scheduler")
         self.is_distilled = is_distilled(json.loads((model_dir / "model_index.json").read_text()))
         self.vae_scale_factor = vae_scale_factor(json.loads((model_dir / "vae" / "config.json").read_text()))
-        self.cfg_group = None
-        if self.parallel is not None:
-            assert mesh is not None  # built whenever parallel is set
-            if not self.parallel.shards_weights:
-                parallelize(self.transformer, self.parallel, mesh, device)
-            if self.parallel.cfg_degree > 1:
-                self.cfg_group = mesh["cfg"].get_group()
 
     @property
     def experts(self) -> list[Flux2Transformer2DModel]:

@@ -29,9 +29,8 @@ from families.qwen_image.family import QWEN_IMAGE
 from families.qwen_image.parallel import parallelize
 from stagekit.denoise import DenoiseSpec, guidance_predictions, stop_if_cancelled
 from stagekit.model_options import TransformerOptions
-from stagekit.parallel import ParallelConfig, build_mesh
-from stagekit.parallel.mesh import device_type_for, refuse_unsupported_methods
-from stagekit.weights import load_pretrained
+from stagekit.parallel import ParallelConfig
+from stagekit.parallel.load import load_parallel_transformer
 
 
 @dataclass(frozen=True)
@@ -83,29 +82,23 @@ class QwenImageDenoiser:
     ) -> None:
         model_dir = Path(model_dir)
         self.device = device
-        self.parallel = parallel if parallel is not None and parallel.total_ranks > 1 else None
-        mesh = None
-        if self.parallel is not None:
-            refuse_unsupported_methods(self.parallel, QWEN_IMAGE)  # before reading any weight
-            mesh = build_mesh(self.parallel, device_type_for(device))
-        load = partial(load_pretrained, device=device, dtype=dtype, num_threads=load_threads)
-        if self.parallel is not None and self.parallel.shards_weights:
-            # Tensor parallelism and HSDP are applied to the empty model, so that each rank reads only its shards.
-            load = partial(load, shard_model=partial(parallelize, config=self.parallel, mesh=mesh, device=device))
-        self.transformer = load(QwenImageTransformer2DModel, model_dir / "transformer").eval()
-        if options is not None:
-            options.apply([self.transformer], device, load_threads)
+        loaded = load_parallel_transformer(
+            QwenImageTransformer2DModel,
+            model_dir / "transformer",
+            device,
+            dtype,
+            family=QWEN_IMAGE,
+            parallelize=parallelize,
+            parallel=parallel,
+            options=options,
+            load_threads=load_threads,
+        )
+        self.transformer = loaded.transformer
+        self.parallel, self.cfg_group = loaded.parallel, loaded.cfg_group
         self.scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model_dir / "scheduler")
         vae_config = json.loads((model_dir / "vae" / "config.json").read_text())
         # QwenImagePipeline: 2 ** len(temperal_downsample), and 2x2 packing on top.
         self.vae_scale_factor = 2 ** len(vae_config.get("temperal_downsample", [False, True, True]))
-        self.cfg_group = None
-        if self.parallel is not None:
-            assert mesh is not None  # built whenever parallel is set
-            if not self.parallel.shards_weights:
-                parallelize(self.transformer, self.parallel, mesh, device)
-            if self.parallel.cfg_degree > 1:
-                self.cfg_group = mesh["cfg"].get_group()
 
     @property
     def experts(self) -> list[QwenImageTransformer2DModel]:

@@ -38,9 +38,8 @@ from families.qwen_image_21.parallel import parallelize
 from stagekit.denoise import DenoiseSpec, guidance_predictions, stop_if_cancelled
 from stagekit.errors import RequestError
 from stagekit.model_options import TransformerOptions
-from stagekit.parallel import ParallelConfig, build_mesh
-from stagekit.parallel.mesh import device_type_for, refuse_unsupported_methods
-from stagekit.weights import load_pretrained
+from stagekit.parallel import ParallelConfig
+from stagekit.parallel.load import load_parallel_transformer
 
 # QwenImage21Pipeline.vae_scale_factor: one latent token per 16x16 pixels; sides are cut to multiples of twice it.
 VAE_SCALE_FACTOR = 16
@@ -61,26 +60,23 @@ class QwenImage21Denoiser:
     ) -> None:
         model_dir = Path(model_dir)
         self.device = device
-        self.parallel = parallel if parallel is not None and parallel.total_ranks > 1 else None
-        mesh = None
-        if self.parallel is not None:
-            refuse_unsupported_methods(self.parallel, QWEN_IMAGE_21)  # before reading any weight
-            mesh = build_mesh(self.parallel, device_type_for(device))
-        load = partial(load_pretrained, device=device, dtype=dtype, num_threads=load_threads)
-        if self.parallel is not None and self.parallel.shards_weights:
-            # HSDP is applied to the empty model, so that each rank reads only its shards.
-            load = partial(load, shard_model=partial(parallelize, config=self.parallel, mesh=mesh, device=device))
-        self.transformer = load(QwenImage21Transformer2DModel, model_dir / "transformer").eval()
-        if options is not None:
-            options.apply([self.transformer], device, load_threads)
+        loaded = load_parallel_transformer(
+            QwenImage21Transformer2DModel,
+            model_dir / "transformer",
+            device,
+            dtype,
+            family=QWEN_IMAGE_21,
+            parallelize=parallelize,
+            parallel=parallel,
+            options=options,
+            load_threads=load_threads,
+        )
+        self.transformer = loaded.transformer
+        self.parallel, self.cfg_group = loaded.parallel, loaded.cfg_group
         self.scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model_dir / "scheduler")
         index = json.loads((model_dir / "model_index.json").read_text())
         self.sample_sigmas: list[float] | None = index.get("sample_sigmas")
         self.vae_scale_factor = VAE_SCALE_FACTOR
-        self.cfg_group = None
-        if self.parallel is not None and self.parallel.cfg_degree > 1:
-            assert mesh is not None  # built whenever parallel is set
-            self.cfg_group = mesh["cfg"].get_group()
 
     @property
     def experts(self) -> list[QwenImage21Transformer2DModel]:
