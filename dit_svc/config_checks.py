@@ -288,5 +288,5 @@ def lora_settings(
         max_file_bytes=flags.max_file_bytes,
         max_per_request=flags.max_per_request,
         fused=fused,
-        pipeline=family.pipeline,
+        pipeline=family.lora_loader or family.pipeline,
     )

@@ -21,7 +21,7 @@ from torch import nn
 
 from dit_svc.lora.checks import Adapter, file_stamp, read_adapter
 from dit_svc.lora.directory import adapter_path
-from dit_svc.lora.settings import AdapterError, LoraSettings, peft_name
+from dit_svc.lora.settings import AdapterError, LoraSettings, loader_class, peft_name
 from stagekit.errors import NotFoundError
 
 logger = logging.getLogger(__name__)
@@ -41,11 +41,9 @@ class AdapterCache:
     """
 
     def __init__(self, transformer: nn.Module, settings: LoraSettings, num_threads: int = 4) -> None:
-        import diffusers
-
         self.transformer = transformer
         self.settings = settings
-        self.pipeline_class = getattr(diffusers, settings.pipeline)
+        self.pipeline_class = loader_class(settings.pipeline)
         self.num_threads = num_threads
         self.loaded: OrderedDict[str, _Loaded] = OrderedDict()
         # Read and checked by `check`, not loaded yet (the request's next `prepare` loads them).

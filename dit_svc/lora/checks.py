@@ -1,8 +1,9 @@
 """Reading an adapter and the checks it passes before any rank loads it.
 
-Reading is diffusers' own, through the family's pipeline class (`Family.pipeline`, e.g. WanPipeline): its
-`lora_state_dict` converts the community formats it knows to its own (Wan's "diffusion_model." and musubi
-files; FLUX.1's kohya, XLabs and ComfyUI files, for instance). Where that loader keeps the alphas of a PEFT-style
+Reading is diffusers' own, through the family's pipeline class (`Family.pipeline`, e.g. WanPipeline) or the
+family's loader that extends it (`Family.lora_loader`): its `lora_state_dict` converts the community formats it
+knows to its own (Wan's "diffusion_model." and musubi files; FLUX.1's kohya, XLabs and ComfyUI files, and BFL's
+lora_A/lora_B names through families/flux/lora.py, for instance). Where that loader keeps the alphas of a PEFT-style
 file apart from the weights (FluxPipeline's `return_alphas`), they are kept with the adapter and handed to its
 `load_lora_into_transformer` (`Adapter.load_into`), as `pipe.load_lora_weights` hands them. `read_adapter` then
 checks the result on rank 0 and names what is wrong: its size, its format, keys the loader left in a layout no
@@ -26,7 +27,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from dit_svc.lora.settings import AdapterError
+from dit_svc.lora.settings import AdapterError, loader_name
 from stagekit.weights import read_safetensors
 
 logger = logging.getLogger(__name__)
@@ -124,13 +125,13 @@ def read_adapter(
             state_dict = expand(transformer=transformer, state_dict=state_dict)
     except Exception as error:  # an alpha that is not a number, keys of an unknown layout, ...
         raise AdapterError(
-            f"lora '{name}': {pipeline_class.__name__}'s loader cannot read it ({type(error).__name__}: {error})"
+            f"lora '{name}': {loader_name(pipeline_class)}'s loader cannot read it ({type(error).__name__}: {error})"
         ) from None
     for key, alpha in (alphas or {}).items():
         if not (torch.is_tensor(alpha) and alpha.numel() == 1 and bool(torch.isfinite(alpha).all())):
             raise AdapterError(f"lora '{name}': {key} is not one finite number")
     dtype = next(transformer.parameters()).dtype
-    layers_bytes = _check_layers(name, state_dict, transformer, dtype, pipeline_class.__name__)
+    layers_bytes = _check_layers(name, state_dict, transformer, dtype, loader_name(pipeline_class))
     adapter = Adapter(name, state_dict, metadata, layers_bytes, stamp, alphas)
     logger.info(
         "lora '%s': read and checked in %.3f s (%d tensors, %d bytes in the model's dtype)",

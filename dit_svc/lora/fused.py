@@ -10,7 +10,7 @@ from torch import nn
 
 from dit_svc.lora.checks import read_adapter
 from dit_svc.lora.directory import adapter_path
-from dit_svc.lora.settings import LoraSettings, peft_name
+from dit_svc.lora.settings import LoraSettings, loader_class, peft_name
 from services.validation import LORA_NAME
 
 logger = logging.getLogger(__name__)
@@ -40,11 +40,9 @@ def fuse_adapters(transformer: nn.Module, settings: LoraSettings, num_threads: i
     here on the model is the fused one, at no cost per step (diffusers' fuse_lora, then unload_lora)."""
     if not settings.fused:
         return
-    import diffusers
-
     if settings.directory is None:
         raise ValueError("--lora needs --lora-dir, the directory its adapters are in")
-    pipeline_class = getattr(diffusers, settings.pipeline)
+    pipeline_class = loader_class(settings.pipeline)
     for name, scale in settings.fused:
         path = adapter_path(settings.directory, name)
         adapter = read_adapter(name, path, pipeline_class, transformer, settings.max_file_bytes, num_threads)

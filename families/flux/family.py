@@ -46,6 +46,7 @@ FLUX = Family(
     checkpoint_reader="families.flux.checkpoint:read_geometry",
     text_encoder="families.flux.encode:FluxPromptEncoder",
     denoiser="families.flux.denoise:FluxBatchDenoiser",
+    lora_loader="families.flux.lora:FluxLoraLoader",
     decoder="families.flux.decode:FluxDecoder",
     writer="families.flux.init_model:write_checkpoint",
     own_presets={
@@ -91,7 +92,8 @@ FLUX = Family(
                 "tests/integration/test_batching.py::test_batches_under_parallel_layouts_equal_one_rank_alone",
             )
         ),
-        # diffusers' format and the community formats FluxPipeline's loader converts (kohya, ComfyUI, XLabs).
+        # diffusers' format, the community formats FluxPipeline's loader converts (kohya, ComfyUI, XLabs) and BFL's
+        # lora_A/lora_B names, which the family's loader reads (families/flux/lora.py).
         "lora": Support(
             tests=(
                 _FEATURE_CLASSES + "LoRA",

@@ -27,8 +27,9 @@ FLUX2_TARGETS = [*QWEN_TARGETS, "to_qkv_mlp_proj", "proj_out"]
 # module names ("diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight"), and XLabs'
 # ("double_blocks.0.processor.qkv_lora1.down.weight", no alpha); and "bfl-peft", BFL's names with PEFT's
 # lora_A/lora_B ("diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight"), which diffusers 0.42.1 leaves
-# unconverted. "peft-alphas" is diffusers' own names with an alpha per layer
-# ("transformer.transformer_blocks.0.attn.to_q.alpha"), which FluxPipeline's loader keeps apart as network alphas.
+# unconverted and the family's own loader reads (families/flux/lora.py). "peft-alphas" is diffusers' own names
+# with an alpha per layer ("transformer.transformer_blocks.0.attn.to_q.alpha"), which FluxPipeline's loader keeps
+# apart as network alphas.
 FLUX_FORMATS = ("kohya", "comfyui", "xlabs", "peft-alphas", "bfl-peft")
 
 

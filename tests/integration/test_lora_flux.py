@@ -2,8 +2,9 @@
 sd-scripts files, ComfyUI's (BFL's module names with kohya's lora_down/lora_up and alphas), XLabs', and
 diffusers' own names with an alpha per layer (which the loader hands over as network alphas), each equal to
 FluxPipeline with `load_lora_weights` of the same file and `set_adapters`; BFL's names with PEFT's lora_A/lora_B,
-which diffusers 0.42.1 leaves unconverted (its pipeline then loads nothing), and an alpha that is not a number,
-refused by name; and a community adapter fused at startup (--lora) equal to it applied per request.
+which diffusers 0.42.1 leaves unconverted and the family's loader (families/flux/lora.py) reads as ComfyUI's
+layout; an alpha that is not a number, refused by name; and a community adapter fused at startup (--lora) equal
+to it applied per request.
 
 Adapters in diffusers' own format, under the parallel layouts, are LoRATesterMixin's (TestFluxLoRA in
 tests/integration/test_family_features.py and tests/integration/test_lora.py).
@@ -69,7 +70,7 @@ def per_request(flux_model: Path, community_dir: Path) -> PerRequest:
 
 def test_community_flux_adapters_equal_diffusers_conversion(flux_model: Path, per_request: PerRequest) -> None:
     """Each converted format changes the latents, which equal FluxPipeline's with the same file loaded and set
-    at the same scale; the BFL-names file with lora_A/lora_B is refused naming its keys, and loads nothing."""
+    at the same scale; BFL's lora_A/lora_B file equals the ComfyUI file of the same weights."""
     config, directory = FluxTesterConfig(), per_request.adapters.settings.directory
     assert directory is not None
     pipeline = FluxPipeline.from_pretrained(flux_model)
@@ -84,14 +85,22 @@ def test_community_flux_adapters_equal_diffusers_conversion(flux_model: Path, pe
         print(f"flux {layout} adapter at {scale}: max abs diff {difference:.2e} against FluxPipeline")
         assert difference <= TOLERANCE, (layout, difference)
     adapters = per_request.adapters
-    with pytest.raises(AdapterError, match="lora 'bfl-peft': keys .* FluxPipeline's loader does not convert"):
-        adapters.check((("bfl-peft", 1.0),))
+    # BFL's names with PEFT's lora_A/lora_B, which FluxPipeline's converter leaves as they are and the family's
+    # loader renames into ComfyUI's layout with an alpha of the rank. Drawn from ComfyUI's seed, whose alpha is
+    # twice the rank, it is the ComfyUI adapter at half the strength.
+    path = flux_community_adapter(flux_model, directory / "bfl.safetensors", "bfl-peft", FLUX_FORMATS.index("comfyui"))
+    unconverted = FluxPipeline.lora_state_dict(safetensors.torch.load_file(str(path)))
+    assert all(".lora_A." in key or ".lora_B." in key for key in unconverted), "diffusers converts it now"
+    bfl = adapter_run(config, per_request.denoiser, adapters, (("bfl", 2 * CONVERTED["comfyui"]),))
+    difference = (bfl - per_request.latents["comfyui"]).abs().max().item()
+    print(f"flux BFL lora_A/lora_B adapter: max abs diff {difference:.2e} against ComfyUI's at half the scale")
+    assert difference <= TOLERANCE
     state = safetensors.torch.load_file(str(directory / "peft-alphas.safetensors"))
     key = next(key for key in state if key.endswith(".alpha"))
     safetensors.torch.save_file({**state, key: torch.tensor(float("nan"))}, str(directory / "nan-alpha.safetensors"))
     with pytest.raises(AdapterError, match=f"lora 'nan-alpha': {key} is not one finite number"):
         adapters.check((("nan-alpha", 1.0),))
-    assert list(adapters.loaded) == list(CONVERTED)
+    assert list(adapters.loaded) == [*CONVERTED, "bfl"]
     assert torch.equal(adapter_run(config, per_request.denoiser, adapters, ()), per_request.base)
 
 
@@ -102,7 +111,7 @@ def test_a_fused_community_flux_adapter_equals_it_per_request(flux_model: Path, 
     fused_options = ModelOptions(
         lora=LoraSettings(
             directory=per_request.adapters.settings.directory,
-            pipeline="FluxPipeline",
+            pipeline="families.flux.lora:FluxLoraLoader",
             fused=(("kohya", CONVERTED["kohya"]),),
             max_per_request=0,
         )

@@ -19,6 +19,7 @@ import torch
 from dit_svc.denoise import denoise_request, make_adapter_cache
 from dit_svc.lora import LoraSettings
 from dit_svc.model_options import ModelOptions
+from families.registry import FAMILIES
 from tests.helpers.feature_mixins.base import FamilyTesterConfig
 from tests.helpers.lora_adapters import write_adapter
 
@@ -63,8 +64,13 @@ def lora_dir(config: FamilyTesterConfig, model_dir: Path, request: pytest.Fixtur
     return _ADAPTERS[key]
 
 
+def adapter_loader(config: FamilyTesterConfig) -> str:
+    """The loader the DiT stage reads the family's adapters with (its own, or its pipeline's)."""
+    return FAMILIES[config.family].lora_loader or config.pipeline_class.__name__
+
+
 def lora_options(config: FamilyTesterConfig, directory: Path) -> ModelOptions:
-    return ModelOptions(lora=LoraSettings(directory=directory, pipeline=config.pipeline_class.__name__))
+    return ModelOptions(lora=LoraSettings(directory=directory, pipeline=adapter_loader(config)))
 
 
 def adapter_run(config: FamilyTesterConfig, denoiser: Any, adapters: Any, loras: tuple) -> torch.Tensor:
@@ -137,9 +143,7 @@ class LoRATesterMixin:
         directory = lora_dir(self, model_dir, request)
         per_request = one_rank_runs(self, model_dir, directory).results[0]
         options = ModelOptions(
-            lora=LoraSettings(
-                directory=directory, pipeline=self.pipeline_class.__name__, fused=CASES[0], max_per_request=0
-            )
+            lora=LoraSettings(directory=directory, pipeline=adapter_loader(self), fused=CASES[0], max_per_request=0)
         )
         fused = self.build_denoiser(model_dir, torch.float32, options)
         assert make_adapter_cache(fused, options) is None
