@@ -54,7 +54,6 @@ _FEATURE_CLASSES = "tests/integration/test_family_features.py::TestFluxKontext"
 _PARALLEL = _FEATURE_CLASSES + "ParallelLayouts"
 # Its VAE stage encodes the reference image and decodes in row bands over two ranks.
 _CLUSTER = "tests/e2e/test_image_families_cluster.py::test_flux_kontext_cluster_edits_equal_pipeline"
-_UNVERIFIED = "not verified yet with the reference image's tokens in the sequence"
 
 FLUX_KONTEXT = Family(
     name="flux-kontext",
@@ -102,12 +101,9 @@ FLUX_KONTEXT = Family(
         "fp8": Support(tests=(_FEATURE_CLASSES + "Quantization",)),
         "int8": Support(tests=(_FEATURE_CLASSES + "Quantization",)),
         "multithread_loading": Support(tests=(_FEATURE_CLASSES + "Loading",)),
-        "compile": Support(
-            reason=_UNVERIFIED,
-            refusal_tests=("tests/integration/test_compile.py::test_compile_is_refused_at_startup_where_unverified",),
-        ),
+        "compile": Support(tests=(_FEATURE_CLASSES + "Compile",)),
         "interpolation": FLUX.support("interpolation"),
-        "first_block_cache": Support(reason=_UNVERIFIED),
+        "first_block_cache": Support(tests=(_FEATURE_CLASSES + "StepCache",)),
         "teacache": FLUX.support("teacache"),
         "batching": Support(
             reason="not built yet: each request's reference image adds its own tokens to the sequence, which a "

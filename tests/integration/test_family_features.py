@@ -376,5 +376,13 @@ class TestFluxKontextLoading(FluxKontextTesterConfig, LoadingTesterMixin):
     pass
 
 
+class TestFluxKontextStepCache(FluxKontextTesterConfig, StepCacheTesterMixin):
+    pass
+
+
+class TestFluxKontextCompile(FluxKontextTesterConfig, CompileTesterMixin):
+    pass
+
+
 class TestZImageQuantization(ZImageTesterConfig, QuantizationTesterMixin):
     pass

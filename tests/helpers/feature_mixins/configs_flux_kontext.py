@@ -8,6 +8,7 @@ and each rank's first attention takes its share of the noise and image tokens to
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import torch
@@ -36,15 +37,31 @@ class FluxKontextTesterConfig(FluxTesterConfig):
     # FLUX.1's options that are not verified with the reference image yet (families/flux_kontext/family.py).
     lora_layouts: ClassVar[list[tuple[str, ParallelConfig]]] = []
     batch_layouts: ClassVar[list[tuple[str, ParallelConfig]]] = []
-    step_caches = ()
-    step_cache_layouts: ClassVar[dict[int, list[tuple[str, ParallelConfig]]]] = {}
-    compile_specs = ()
+    # The first-block cache over the noise and reference tokens together (the first block's residual of both).
+    step_cache_spec = dataclasses.replace(spec, num_inference_steps=8)
+    step_cache_layouts: ClassVar[dict[int, list[tuple[str, ParallelConfig]]]] = {2: [ULYSSES2, CFG2]}
+    # Noise and reference tokens 2 + 234, then 6 + 240 with a longer text, then 12 + 216 with a shorter one; the
+    # embedded guidance alone (one pass a step).
+    compile_specs = (
+        dataclasses.replace(spec, guidance_scale=1.0),
+        DenoiseSpec(192, 128, 1, 2, 1.0, 2, ("reference",), ((90, 150),), embedded_guidance_scale=2.5),
+        DenoiseSpec(128, 192, 1, 2, 1.0, 3, ("reference",), ((200, 180),), embedded_guidance_scale=3.5),
+    )
     # The image-families cluster runs Ulysses over two ranks (tests/e2e/test_image_families_cluster.py).
     parallel_layouts = {2: [ULYSSES2, RING2, CFG2, TP2], 4: [HSDP2X2_ULYSSES2_CFG2]}
 
     def conditioning(self, denoiser: Any, spec: DenoiseSpec) -> dict[str, torch.Tensor]:
         """FLUX.1's texts, and the reference image's latents as the VAE's Encode sends them."""
         conditioning = super().conditioning(denoiser, spec)
+        generator = torch.Generator().manual_seed(100 + spec.seed)
+        shape = denoiser.image_tensor_shape("image_latents", spec)
+        conditioning["image_latents"] = torch.randn(shape, generator=generator)
+        return conditioning
+
+    def compile_conditioning(self, denoiser: Any, index: int) -> dict[str, torch.Tensor]:
+        """FLUX.1's text of that length, and the request's reference latents."""
+        conditioning = super().compile_conditioning(denoiser, index)
+        spec = self.compile_specs[index]
         generator = torch.Generator().manual_seed(100 + spec.seed)
         shape = denoiser.image_tensor_shape("image_latents", spec)
         conditioning["image_latents"] = torch.randn(shape, generator=generator)
