@@ -22,7 +22,7 @@ How a request maps onto FluxKontextPipeline's arguments:
 
 from __future__ import annotations
 
-from families.base import LORA_UNVERIFIED, Family, ImageInputs, SizeFromImage, Support, TensorSlot
+from families.base import Family, ImageInputs, SizeFromImage, Support, TensorSlot
 from families.flux.family import FLUX
 
 # FluxKontextPipeline's PREFERRED_KONTEXT_RESOLUTIONS, (width, height): the sizes Kontext is trained on.
@@ -109,8 +109,14 @@ FLUX_KONTEXT = Family(
             reason="not built yet: each request's reference image adds its own tokens to the sequence, which a "
             "batch would have to match in size and order; FLUX.1's batch loop does not take them"
         ),
-        "lora": LORA_UNVERIFIED,
-        "lora_fused": LORA_UNVERIFIED,
+        # diffusers' format through FluxKontextPipeline's loader (FLUX.1's, with the community formats it converts).
+        "lora": Support(
+            tests=(
+                _FEATURE_CLASSES + "LoRA",
+                "tests/integration/test_lora.py::test_adapters_under_parallel_layouts_equal_one_rank",
+            )
+        ),
+        "lora_fused": Support(tests=(_FEATURE_CLASSES + "LoRA",)),
     },
 )
 

@@ -384,5 +384,9 @@ class TestFluxKontextCompile(FluxKontextTesterConfig, CompileTesterMixin):
     pass
 
 
+class TestFluxKontextLoRA(FluxKontextTesterConfig, LoRATesterMixin):
+    pass
+
+
 class TestZImageQuantization(ZImageTesterConfig, QuantizationTesterMixin):
     pass

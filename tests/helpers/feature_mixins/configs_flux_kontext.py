@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import PIL.Image
 import torch
 from diffusers import FluxKontextPipeline
 
@@ -34,9 +35,9 @@ class FluxKontextTesterConfig(FluxTesterConfig):
         spec,
         DenoiseSpec(192, 128, 1, 2, 3.0, 0, ("reference",), ((90, 150),), embedded_guidance_scale=2.5),
     )
-    # FLUX.1's options that are not verified with the reference image yet (families/flux_kontext/family.py).
-    lora_layouts: ClassVar[list[tuple[str, ParallelConfig]]] = []
+    # FLUX.1's batching is not built with the reference image (families/flux_kontext/family.py).
     batch_layouts: ClassVar[list[tuple[str, ParallelConfig]]] = []
+    lora_spec = spec
     # The first-block cache over the noise and reference tokens together (the first block's residual of both).
     step_cache_spec = dataclasses.replace(spec, num_inference_steps=8)
     step_cache_layouts: ClassVar[dict[int, list[tuple[str, ParallelConfig]]]] = {2: [ULYSSES2, CFG2]}
@@ -57,6 +58,51 @@ class FluxKontextTesterConfig(FluxTesterConfig):
         shape = denoiser.image_tensor_shape("image_latents", spec)
         conditioning["image_latents"] = torch.randn(shape, generator=generator)
         return conditioning
+
+    def pipeline_run(self, pipeline: Any, denoiser: Any, spec: DenoiseSpec) -> torch.Tensor:
+        """FluxKontextPipeline's final latents of `spec` (`max_area` the request's, so that its output is the
+        request's size), given a blank reference image of the request's size whose encoded latents are replaced
+        by the config's (those the VAE stage would send), taken at its last step and unpacked."""
+        conditioning = self.conditioning(denoiser, spec)
+        prepare = pipeline.prepare_latents
+
+        def with_our_reference(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+            latents, image_latents, latent_ids, image_ids = prepare(*args, **kwargs)
+            ours = conditioning["image_latents"]
+            assert image_latents.shape == ours.shape, (tuple(image_latents.shape), tuple(ours.shape))
+            return latents, ours.to(image_latents), latent_ids, image_ids
+
+        final: dict[str, torch.Tensor] = {}
+
+        def keep(pipe: Any, step: int, timestep: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            final["latents"] = tensors["latents"]
+            return tensors
+
+        pipeline.prepare_latents = with_our_reference
+        pipeline.set_progress_bar_config(disable=True)
+        try:
+            pipeline(
+                image=PIL.Image.new("RGB", spec.image_sizes[0]),
+                prompt_embeds=conditioning["prompt_embeds"],
+                pooled_prompt_embeds=conditioning["prompt_pooled_embeds"],
+                negative_prompt_embeds=conditioning["negative_prompt_embeds"],
+                negative_pooled_prompt_embeds=conditioning["negative_prompt_pooled_embeds"],
+                height=spec.height,
+                width=spec.width,
+                max_area=spec.height * spec.width,
+                num_inference_steps=spec.num_inference_steps,
+                guidance_scale=spec.embedded_guidance_scale,
+                true_cfg_scale=spec.guidance_scale,
+                generator=torch.Generator("cpu").manual_seed(spec.seed),
+                callback_on_step_end=keep,
+                output_type="latent",
+            )
+        finally:
+            del pipeline.prepare_latents
+        unpacked = FluxKontextPipeline._unpack_latents(
+            final["latents"], spec.height, spec.width, pipeline.vae_scale_factor
+        )
+        return unpacked.unsqueeze(2)
 
     def compile_conditioning(self, denoiser: Any, index: int) -> dict[str, torch.Tensor]:
         """FLUX.1's text of that length, and the request's reference latents."""
