@@ -96,6 +96,7 @@ FLUX_KONTEXT = Family(
             )
         ),
         "vae_tiling": FLUX.support("vae_tiling"),
+        "gguf": FLUX.support("gguf"),
         "cpu_offload": Support(tests=(_FEATURE_CLASSES + "ModuleOffload",)),
         "layerwise_offload": Support(tests=(_FEATURE_CLASSES + "LayerwiseOffload",)),
         "fp8": Support(tests=(_FEATURE_CLASSES + "Quantization",)),

@@ -78,6 +78,7 @@ Z_IMAGE = Family(
             "ZImageTransformerBlock names `x` (diffusers 0.42.1), so the reference the cache is checked against "
             "fails on this model"
         ),
+        "gguf": Support(reason="no GGUF tensor names are mapped for ZImageTransformer2DModel yet"),
         "mag_cache": Support(reason="as for the first-block cache: diffusers' MagCache hook reads `hidden_states`"),
         "teacache": Support(reason="TeaCache's rescaling polynomials are published for Wan2.1 only"),
         "batching": Support(
