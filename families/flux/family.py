@@ -85,6 +85,7 @@ FLUX = Family(
             reason="single images: nothing to interpolate; a request asking for it is refused with INVALID_ARGUMENT"
         ),
         "first_block_cache": Support(tests=(_FEATURE_CLASSES + "StepCache",)),
+        "mag_cache": Support(tests=(_FEATURE_CLASSES + "StepCache",)),
         "teacache": Support(reason="TeaCache's rescaling polynomials are published for Wan2.1 only"),
         "batching": Support(
             tests=(

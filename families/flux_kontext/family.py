@@ -105,6 +105,7 @@ FLUX_KONTEXT = Family(
         "compile": Support(tests=(_FEATURE_CLASSES + "Compile",)),
         "interpolation": FLUX.support("interpolation"),
         "first_block_cache": Support(tests=(_FEATURE_CLASSES + "StepCache",)),
+        "mag_cache": Support(tests=(_FEATURE_CLASSES + "StepCache",)),
         "teacache": FLUX.support("teacache"),
         "batching": Support(
             reason="not built yet: each request's reference image adds its own tokens to the sequence, which a "

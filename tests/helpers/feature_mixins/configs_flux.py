@@ -67,7 +67,7 @@ class FluxTesterConfig(FamilyTesterConfig):
     )
     layerwise_blocks = (1,)
     step_cache_spec = dataclasses.replace(spec, num_inference_steps=8)
-    step_caches = (CacheSpec("first_block", 0.5),)
+    step_caches = (CacheSpec("first_block", 0.5), CacheSpec("mag", 0.3))
     step_cache_layouts = {2: [ULYSSES2, CFG2]}
     parallel_layouts = {2: [ULYSSES2, RING2, CFG2, TP2, HSDP2], 4: [USP2X2, ULYSSES2_CFG2, TP2_CFG2]}
     # Image tokens 16, then 15 with a longer text, then 12 with a shorter one; the embedded guidance alone (one

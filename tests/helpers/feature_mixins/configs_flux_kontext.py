@@ -38,7 +38,7 @@ class FluxKontextTesterConfig(FluxTesterConfig):
     # FLUX.1's batching is not built with the reference image (families/flux_kontext/family.py).
     batch_layouts: ClassVar[list[tuple[str, ParallelConfig]]] = []
     lora_spec = spec
-    # The first-block cache over the noise and reference tokens together (the first block's residual of both).
+    # FLUX.1's step caches over the noise and reference tokens together (the first block's residual of both).
     step_cache_spec = dataclasses.replace(spec, num_inference_steps=8)
     step_cache_layouts: ClassVar[dict[int, list[tuple[str, ParallelConfig]]]] = {2: [ULYSSES2, CFG2]}
     # Noise and reference tokens 2 + 234, then 6 + 240 with a longer text, then 12 + 216 with a shorter one; the
