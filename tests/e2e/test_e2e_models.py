@@ -166,8 +166,13 @@ def test_shared_stages_run_once_for_the_models_whose_files_they_hold(cluster: Lo
 
 
 def test_a_job_for_a_model_at_zero_waits_for_its_dit(cluster: LocalCluster, keys, t2v_waiting: Waiting) -> None:
+    """The job's text is encoded (a stage that is up), then it waits, running, at the DiT that is down."""
     with Client(cluster.endpoint, api_key=keys["acme"]) as client:
+        give_up_at = time.monotonic() + 30
         job = client.get_job(t2v_waiting.job_id)
+        while job.current_stage == "text-encoder" and time.monotonic() < give_up_at:
+            time.sleep(0.1)
+            job = client.get_job(t2v_waiting.job_id)
     assert job.state == generation_pb2.JOB_STATE_RUNNING and job.current_stage == "dit", job
 
 
