@@ -263,8 +263,8 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         if slot is None or tensor.name in received:
             raise WireError(
                 f"tensor '{tensor.name}': expected each of {', '.join(repr(name) for name in self.slots)} at most "
-                "once ('prompt_embeds' always; 'negative_prompt_embeds' with CFG: guidance_scale above 1, above 0 "
-                "for Z-Image)"
+                "once ('prompt_embeds' always; 'negative_prompt_embeds' with CFG: guidance_scale above "
+                f"{self.checkpoint.traits.cfg_threshold:g} for this model)"
             )
         max_length = self.checkpoint.sequence_length_limit
         expect_tensor(tensor, name=tensor.name, datatypes=slot.datatypes, ndim=slot.ndim)

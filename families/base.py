@@ -331,10 +331,10 @@ class Family:
     # name such files use for a diffusers state-dict key, and their `general.architecture` ("" for both where
     # the family serves no GGUF weights).
     gguf_names: str = ""
+    gguf_arch: str = ""
     # "module:Class" of the adapter loader (`lora_state_dict`, `load_lora_into_transformer`), where the family
     # reads more layouts than its pipeline's own loader (FLUX.1: BFL's lora_A/lora_B names); "" for the pipeline's.
     lora_loader: str = ""
-    gguf_arch: str = ""
     # The request's guidance_scale above which the family runs CFG with the negative prompt (the orchestrator then
     # encodes and sends it): 1 for the pipelines that guide as `negative + scale * (positive - negative)`, where
     # a scale of 1 is the positive prediction alone; 0 for those that guide as `positive + scale * (positive -
