@@ -8,12 +8,16 @@ the VAE's decoder in `BAND_MODULES`:
 - the Wan and Qwen-Image VAEs' causal 3D decoders (vae_svc/band_wan.py): halo rows before each spatial conv,
   attention against the whole frame's keys and values;
 - diffusers' 2D `Decoder` of AutoencoderKL (FLUX.1, Z-Image) and AutoencoderKLFlux2 (FLUX.2 klein)
-  (vae_svc/band_kl.py): the same, and GroupNorms normalising every band with the whole image's statistics.
+  (vae_svc/band_kl.py): the same, and GroupNorms normalising every band with the whole image's statistics;
+- the HunyuanVideo 1.5 VAE's causal 3D decoder (vae_svc/band_hunyuanvideo15.py): halo rows before each spatial
+  conv, attention against the whole frames' keys and values, both on top of the family's stream cache.
 
 vae_svc/row_bands.py holds the band layout (latent rows divided as evenly as possible, at least one per rank)
 and the collectives. The band forwards are installed once (`enable_patch_parallel`), after every module of the
 decoder is checked to be one the family's set can split, and act only while `row_bands(bands)` is active in the
-calling thread or task, so single-device sessions on the same model are untouched.
+calling thread or task, so single-device sessions on the same model are untouched. Where the family has installed
+forwards of its own that a band forward takes the place of (HunyuanVideo 1.5's stream forwards, `BandModules.replaces`),
+the band forward calls them while no bands are active and `disable_patch_parallel` puts them back.
 
 The session runs the family's own decode session on its band inside `row_bands`, then gathers the bands: what
 the session does around the decoder (denormalising, unpatchifying, 1x1 post-quant convs, clamping) acts on each
@@ -23,17 +27,20 @@ row on its own.
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15 import HunyuanVideo15Decoder3D
 from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageDecoder3d
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanDecoder3d
 from diffusers.models.autoencoders.vae import Decoder
 from torch import nn
 
 from stagekit.decode import LatentDecoder, to_uint8_frames
+from vae_svc.band_hunyuanvideo15 import HUNYUANVIDEO15_BAND_MODULES
 from vae_svc.band_kl import KL_BAND_MODULES
 from vae_svc.band_wan import QWEN_IMAGE_BAND_MODULES, WAN_BAND_MODULES
 from vae_svc.row_bands import BandModules, RowBands, band_rows, gather_rows, is_band_forward, row_bands
@@ -52,7 +59,11 @@ BAND_MODULES: dict[type[nn.Module], BandModules] = {
     WanDecoder3d: WAN_BAND_MODULES,
     QwenImageDecoder3d: QWEN_IMAGE_BAND_MODULES,
     Decoder: KL_BAND_MODULES,
+    HunyuanVideo15Decoder3D: HUNYUANVIDEO15_BAND_MODULES,
 }
+
+# The family forwards a band forward took the place of (`BandModules.replaces`), to put back on disable.
+_REPLACED_FORWARDS: weakref.WeakKeyDictionary[nn.Module, Callable[..., Any]] = weakref.WeakKeyDictionary()
 
 
 def band_modules_for(decoder: nn.Module) -> BandModules:
@@ -98,24 +109,34 @@ def enable_patch_parallel(decoder: nn.Module) -> int:
     The modules behave as before unless `row_bands` is active, so this is safe on a shared model.
     Raises NotImplementedError if the decoder is not one `BAND_MODULES` knows or holds an op its set
     cannot split by rows, and
-    RuntimeError if a module's forward was already replaced by something else (e.g. an offload hook),
-    since the band forward would silently bypass it.
+    RuntimeError if a module's forward was already replaced by something other than a family forward the set
+    replaces (e.g. an offload hook), since the band forward would silently bypass it.
     """
+    replaceable = band_modules_for(decoder).replaces
     modules = list(_spatial_modules(decoder))
     for module, forward in modules:
         installed = _installed_forward(module)
-        if installed is not None and installed is not forward:
+        if installed is not None and installed is not forward and installed not in replaceable:
             raise RuntimeError(f"{type(module).__name__} already has a replaced forward ({installed!r})")
     for module, forward in modules:
+        installed = _installed_forward(module)
+        if installed is forward:
+            continue
+        if installed is not None:
+            _REPLACED_FORWARDS[module] = installed
         module.forward = types.MethodType(forward, module)
     return len(modules)
 
 
 def disable_patch_parallel(decoder: nn.Module) -> None:
-    """Restores the library forwards where `enable_patch_parallel` installed band forwards."""
+    """Restores the forwards where `enable_patch_parallel` installed band forwards: the family's own forward
+    where a band forward replaced one, the library's elsewhere."""
     for module in decoder.modules():
         if is_band_forward(_installed_forward(module)):
             del module.forward
+            replaced = _REPLACED_FORWARDS.pop(module, None)
+            if replaced is not None:
+                module.forward = types.MethodType(replaced, module)
 
 
 # --- the session ------------------------------------------------------------------------------------
@@ -126,8 +147,8 @@ class PatchParallelDecodeSession:
 
     Every rank of `group` (None: the default group, or a single device when torch.distributed is not
     initialised) calls `decode_next` with the same full latent frame, in the same order; each runs the
-    family's decode session (`decoder.session()`) on its band of latent rows, so a Wan session keeps the
-    causal cache of its own band across frames and an image family's (Qwen-Image, FLUX.1, Z-Image,
+    family's decode session (`decoder.session()`) on its band of latent rows, so a Wan or HunyuanVideo 1.5
+    session keeps the causal cache of its own band across frames and an image family's (Qwen-Image, FLUX.1, Z-Image,
     FLUX.2 klein) decodes its image's one frame. The full frames come back on every rank, or only on group rank
     `output_rank` if given (the others get None, and skip holding full frames). Collectives must be
     issued in the same order on every rank, so sessions sharing a group decode one at a time.

@@ -11,8 +11,9 @@ module holds what does not depend on the decoder's family:
   forwards still decodes whole in single-device sessions.
 - The collectives: `exchange_halos` (rows just above and below the band, from the neighbours),
   `gather_rows` (the whole frame from every band) and `all_reduce_sum` (statistics over the whole frame).
-- `BandModules`, what each family's set of band forwards declares (vae_svc/band_wan.py, vae_svc/band_kl.py),
-  the `band_forward` registry of every band forward, and the 2D convolution's band forward both sets use.
+- `BandModules`, what each family's set of band forwards declares (vae_svc/band_wan.py, vae_svc/band_kl.py,
+  vae_svc/band_hunyuanvideo15.py), the `band_forward` registry of every band forward, and the 2D convolution's
+  band forward the Wan and KL sets use.
 """
 
 from __future__ import annotations
@@ -45,10 +46,15 @@ class BandModules:
     `row_local`: the family's leaf module classes that act on each pixel or row on its own; any other leaf
     without a planner is refused, so a decoder with a new whole-frame op fails loudly instead of decoding
     wrong seams.
+    `replaces`: forwards the family itself installs on its decoder's modules (HunyuanVideo 1.5's stream
+    forwards, families/hunyuanvideo_15/decode.py) that band forwards may take the place of. Such a band forward
+    does what the forward it replaces does besides the bands, and calls it while no bands are active;
+    `patch_parallel.disable_patch_parallel` puts it back.
     """
 
     planners: tuple[tuple[type[nn.Module], Planner], ...]
     row_local: tuple[type[nn.Module], ...]
+    replaces: tuple[Callable[..., Any], ...] = ()
 
 
 _BAND_FORWARDS: set[Callable[..., Any]] = set()

@@ -1,10 +1,11 @@
-"""Streaming HunyuanVideo 1.5 VAE decode (families/hunyuanvideo_15/decode.py), on a tiny random
-AutoencoderKLHunyuanVideo15.
+"""Streaming HunyuanVideo 1.5 VAE decode (families/hunyuanvideo_15/decode.py) and its patch-parallel band forwards
+(vae_svc/band_hunyuanvideo15.py), on a tiny random AutoencoderKLHunyuanVideo15.
 
 Streamed latent frame by latent frame, the frames equal HunyuanVideo15Pipeline's decode of the whole latent video
 (`vae.decode(latents / scaling_factor)` then its video processor) within float rounding and one uint8 level; latent
 frame 0 gives 1 frame and each later one 4; sessions sharing a decoder, interleaved or in threads, keep their own
-caches; `vae.decode` on the streamed model stays the library's.
+caches; `vae.decode` on the streamed model stays the library's. On 2 gloo ranks, each decoding a band of rows, the
+gathered frames equal the single-device stream, and the band forwards hand the modules back to the stream forwards.
 """
 
 from __future__ import annotations
@@ -28,6 +29,17 @@ from families.hunyuanvideo_15.decode import (
     HunyuanVideo15DecodeSession,
     HunyuanVideo15StreamingDecoder,
     install_stream_forwards,
+    stream_attention_forward,
+    stream_conv_forward,
+    stream_upsample_forward,
+)
+from stagekit.parallel.launch import run_ranks
+from vae_svc.band_hunyuanvideo15 import HUNYUANVIDEO15_BAND_MODULES, attention_forward, causal_conv_forward
+from vae_svc.patch_parallel import (
+    PatchParallelDecodeSession,
+    band_modules_for,
+    disable_patch_parallel,
+    enable_patch_parallel,
 )
 
 CPU = torch.device("cpu")
@@ -80,7 +92,7 @@ def _pipeline_decode(vae: AutoencoderKLHunyuanVideo15, latents: torch.Tensor) ->
     return video.clamp(-1, 1), (frames * 255).round().astype(np.uint8)
 
 
-def _stream_float(session: HunyuanVideo15DecodeSession, latents: torch.Tensor):
+def _stream_float(session: HunyuanVideo15DecodeSession | PatchParallelDecodeSession, latents: torch.Tensor):
     """Decodes latent frame by latent frame: the concatenated output and each call's number of frames."""
     outputs = [session.decode_next_float(latents[:, :, k : k + 1]) for k in range(latents.shape[2])]
     return torch.cat(outputs, dim=2), [out.shape[2] for out in outputs]
@@ -207,3 +219,94 @@ def test_vae_decode_is_untouched_by_the_stream_forwards(model_dir: Path) -> None
     conv.forward = lambda x: x
     with pytest.raises(RuntimeError, match="already has a replaced forward"):
         install_stream_forwards(decoder.vae.decoder)
+
+
+# --- patch-parallel ---------------------------------------------------------------------------------
+
+# Latent (frames, height, width) of two requests decoded side by side: bands of 3 + 2 latent rows, and of 2 + 1
+# (a band one latent row tall).
+PATCH_PARALLEL_SHAPES = [(3, 5, 3), (3, 3, 5)]
+
+
+def _decode_on_ranks(rank: int, world_size: int, model_dir: str, videos: list, uint8_video: torch.Tensor) -> dict:
+    """This rank's streams: two sessions interleaved frame by frame (full frames gathered on every rank), then one
+    whose uint8 frames are gathered on rank 0 only."""
+    decoder = HunyuanVideo15StreamingDecoder(model_dir, CPU, torch.float32)
+    sessions = [PatchParallelDecodeSession(decoder) for _ in videos]
+    outputs: list[list[torch.Tensor]] = [[] for _ in videos]
+    for k in range(videos[0].shape[2]):
+        for session, latents, out in zip(sessions, videos, outputs, strict=True):
+            out.append(session.decode_next_float(latents[:, :, k : k + 1]))
+    results: dict = {
+        "videos": [torch.cat(out, dim=2) for out in outputs],
+        "counts": [[o.shape[2] for o in out] for out in outputs],
+        "frames_decoded": [session.frames_decoded for session in sessions],
+    }
+    session = PatchParallelDecodeSession(decoder, output_rank=0)
+    frames = [session.decode_next(uint8_video[:, :, k : k + 1]) for k in range(uint8_video.shape[2])]
+    results["uint8"] = None if frames[0] is None else torch.cat(frames)
+    return results
+
+
+def test_patch_parallel_streamed_decode_equals_single_device(model_dir: Path) -> None:
+    videos = [_latents(*shape, seed=7 + index) for index, shape in enumerate(PATCH_PARALLEL_SHAPES)]
+    uint8_video = _latents(3, 5, 3, seed=10)
+    per_rank = run_ranks(_decode_on_ranks, 2, str(model_dir), videos, uint8_video)
+
+    single = HunyuanVideo15StreamingDecoder(model_dir, CPU, torch.float32)
+    report = []
+    for index, latents in enumerate(videos):
+        expected, expected_counts = _stream_float(single.session(), latents)
+        assert expected_counts == [1, 4, 4]
+        for rank, results in enumerate(per_rank):
+            assert results["counts"][index] == expected_counts, f"video {index} rank {rank}: {results['counts']}"
+            assert results["frames_decoded"][index] == 9
+            report.append((f"video {index} rank {rank}", _max_difference(results["videos"][index], expected)))
+    print("\n".join(f"{name}: max abs difference {difference:.2e}" for name, difference in report))
+    worst = max(report, key=lambda row: row[1])
+    assert worst[1] <= FLOAT_TOLERANCE, f"{worst[0]}: max abs difference {worst[1]:.2e}"
+
+    session = single.session()
+    expected_frames = torch.cat([session.decode_next(uint8_video[:, :, k : k + 1]) for k in range(3)])
+    frames = per_rank[0]["uint8"]
+    assert frames.dtype == torch.uint8 and frames.shape == expected_frames.shape == (9, 80, 48, 3)
+    levels = (frames.int() - expected_frames.int()).abs().max().item()
+    print(f"uint8 frames on rank 0: {levels} levels off")
+    assert levels <= 1
+    assert per_rank[1]["uint8"] is None, "rank 1 got frames"
+
+
+def test_band_forwards_replace_the_stream_forwards_and_give_them_back(model_dir: Path) -> None:
+    """The band forwards take the causal convs and attention from the stream forwards; without bands they
+    stream as before, and disabling them puts the stream forwards back."""
+    latents = _latents(3, 5, 3, seed=11)
+    decoder = HunyuanVideo15StreamingDecoder(model_dir, CPU, torch.float32)
+    expected, _ = _stream_float(decoder.session(), latents)
+    assert band_modules_for(decoder.vae.decoder) is HUNYUANVIDEO15_BAND_MODULES
+
+    def forward_of(module: torch.nn.Module):
+        return module.__dict__["forward"].__func__
+
+    convs = [m for m in decoder.vae.decoder.modules() if isinstance(m, HunyuanVideo15CausalConv3d)]
+    attentions = [m for m in decoder.vae.decoder.modules() if isinstance(m, HunyuanVideo15AttnBlock)]
+    upsamplers = [m for m in decoder.vae.decoder.modules() if isinstance(m, HunyuanVideo15Upsample)]
+    assert enable_patch_parallel(decoder.vae.decoder) == len(convs) + len(attentions)
+    assert all(forward_of(m) is causal_conv_forward for m in convs)
+    assert all(forward_of(m) is attention_forward for m in attentions)
+    assert all(forward_of(m) is stream_upsample_forward for m in upsamplers)
+    assert enable_patch_parallel(decoder.vae.decoder) == len(convs) + len(attentions)  # idempotent
+
+    plain, _ = _stream_float(decoder.session(), latents)
+    assert torch.equal(plain, expected), "a plain session under band forwards"
+    single_device, _ = _stream_float(PatchParallelDecodeSession(decoder), latents)
+    assert torch.equal(single_device, expected), "a single-device patch-parallel session"
+
+    disable_patch_parallel(decoder.vae.decoder)
+    assert all(forward_of(m) is stream_conv_forward for m in convs)
+    assert all(forward_of(m) is stream_attention_forward for m in attentions)
+    after, _ = _stream_float(decoder.session(), latents)
+    assert torch.equal(after, expected), "the stream after patch-parallel was disabled"
+
+    convs[0].forward = lambda x: x
+    with pytest.raises(RuntimeError, match="already has a replaced forward"):
+        enable_patch_parallel(decoder.vae.decoder)
