@@ -295,7 +295,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
             return
         if slot.kind == "embeds":
             batch, length, dim = tensor.shape
-            text_dim = self._rank0_denoiser.text_dim
+            text_dim = getattr(self._rank0_denoiser, slot.width)
             if batch != 1 or not 1 <= length <= max_length or dim != text_dim:
                 raise WireError(
                     f"tensor '{tensor.name}': shape {list(tensor.shape)} is not allowed; "
@@ -333,7 +333,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
                         f"tensor '{slot.name}': length {received[slot.name].shape[1]} differs from the "
                         f"{embeds.shape[1]} of '{slot.of}'"
                     )
-                if not bool(received[slot.name].bool().any()):
+                if not slot.may_be_empty and not bool(received[slot.name].bool().any()):
                     raise WireError(f"tensor '{slot.name}': the embeddings' mask marks no token")
 
     async def _receive(

@@ -187,6 +187,11 @@ class TensorSlot:
     source: Literal["text-encoder", "vae"] = "text-encoder"
     # Made from the input images; its shape is the denoiser's `image_tensor_shape(name, spec)`.
     image: bool = False
+    # "embeds": the denoiser property giving their width (a second text encoder's own width: HunyuanVideo 1.5's
+    # ByT5 glyph embeddings, `glyph_dim`).
+    width: str = "text_dim"
+    # "mask": whether it may mark no token (embeddings a text may lack: a prompt without quoted glyph text).
+    may_be_empty: bool = False
 
     @property
     def datatypes(self) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ _FAMILY_MODULES = (
     "families.flux2_klein.family",
     "families.flux_kontext.family",
     "families.qwen_image_21.family",
+    "families.hunyuanvideo_15.family",
 )
 
 FAMILIES: dict[str, Family] = {

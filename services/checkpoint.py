@@ -131,6 +131,9 @@ def read_checkpoint(path: str | Path, model_id: str | None = None) -> Checkpoint
         # The pipeline's own config entries (FLUX.2 klein's `is_distilled` decides its defaults).
         "model_index": index,
     }
+    if "guider" in index:
+        # A pipeline whose guidance is a diffusers guider component (HunyuanVideo 1.5): its scale is the default.
+        configs["guider"] = _read_json(root / "guider" / "guider_config.json")
     # The family reads its geometry (VAE and patch factors, latent channels, its limits) from the configs, and
     # may choose defaults by variant (FLUX.1-dev's and schnell's).
     geometry = {

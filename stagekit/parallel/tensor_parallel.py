@@ -187,6 +187,17 @@ PLANS: dict[str, tuple[BlockPlan, ...]] = {
     # One joint [text; image] stream: the heads (each head's own q/k norm) and the image MLP's SwiGLU, as
     # Z-Image's. diffusers' processor splits the projections by head_dim, which narrowing both `heads` and
     # `inner_dim` keeps.
+    # The dual-stream blocks are FLUX.1's double-stream kind; the token refiner and embedders stay whole.
+    "HunyuanVideo15Transformer3DModel": (
+        BlockPlan(
+            blocks="transformer_blocks",
+            attentions=("attn",),
+            columnwise=("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"),
+            rowwise=("to_out.0", "to_add_out"),
+            norms=("norm_q", "norm_k", "norm_added_q", "norm_added_k"),
+            feed_forwards=("ff", "ff_context"),
+        ),
+    ),
     "QwenImage21Transformer2DModel": (
         BlockPlan(
             blocks="transformer_blocks",

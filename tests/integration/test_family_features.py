@@ -16,6 +16,7 @@ from tests.helpers.feature_mixins import (
     FluxKontextTesterConfig,
     FluxTesterConfig,
     GGUFTesterMixin,
+    HunyuanVideo15TesterConfig,
     LayerwiseOffloadTesterMixin,
     LoadingTesterMixin,
     LoRATesterMixin,
@@ -389,4 +390,28 @@ class TestFluxKontextLoRA(FluxKontextTesterConfig, LoRATesterMixin):
 
 
 class TestZImageQuantization(ZImageTesterConfig, QuantizationTesterMixin):
+    pass
+
+
+class TestHunyuanVideo15ParallelLayouts(HunyuanVideo15TesterConfig, ParallelLayoutsTesterMixin):
+    pass
+
+
+class TestHunyuanVideo15ModuleOffload(HunyuanVideo15TesterConfig, ModuleOffloadTesterMixin):
+    pass
+
+
+class TestHunyuanVideo15LayerwiseOffload(HunyuanVideo15TesterConfig, LayerwiseOffloadTesterMixin):
+    pass
+
+
+class TestHunyuanVideo15Quantization(HunyuanVideo15TesterConfig, QuantizationTesterMixin):
+    pass
+
+
+class TestHunyuanVideo15Loading(HunyuanVideo15TesterConfig, LoadingTesterMixin):
+    pass
+
+
+class TestHunyuanVideo15Compile(HunyuanVideo15TesterConfig, CompileTesterMixin):
     pass

@@ -57,6 +57,9 @@ class FamilyTesterConfig:
     """The ModuleList of each expert's transformer blocks."""
     more_block_lists: ClassVar[tuple[str, ...]] = ()
     """Further ModuleLists of blocks each expert runs after those (FLUX's single-stream blocks)."""
+    more_repeated_modules: ClassVar[tuple[str, ...]] = ()
+    """Modules outside those lists of classes the model's `_repeated_blocks` names, which regional compilation
+    compiles too (HunyuanVideo 1.5's patch embedder and text token refiner)."""
     ignored_layers: ClassVar[tuple[str, ...]]
     """`--ignored-layers` patterns the quantization checks pass."""
     ignored_prefixes: ClassVar[tuple[str, ...]]

@@ -42,7 +42,7 @@ def eager_then_compiled(config: FamilyTesterConfig, model_dir: Path, parallel: P
         len(getattr(expert, name))
         for expert in denoiser.experts
         for name in (config.blocks_attribute, *config.more_block_lists)
-    )
+    ) + len(config.more_repeated_modules) * len(denoiser.experts)
     blocks = compile_repeated_blocks(denoiser.experts)
     graphs_before = counters["stats"]["unique_graphs"]
     compiled, graphs = [], []
