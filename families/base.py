@@ -231,11 +231,38 @@ def nearest_resolution(
     return picked_width // multiple * multiple, picked_height // multiple * multiple
 
 
+def crop_bucket(width: int, height: int, base: int, multiple: int) -> tuple[int, int]:
+    """(width, height) of the crop bucket of about `base`^2 pixels nearest a `width` x `height` image's aspect
+    ratio, as HunyuanVideo 1.5's image processor picks it (`calculate_default_height_width`): the buckets are the
+    (columns x rows) grids of `multiple`-pixel patches of about (base / multiple)^2 patches and at most 4:1, and the
+    pick is the nearest ratio on the far side of 1 from the image's (a landscape image never gets a portrait
+    bucket). The buckets list their sides as (first, second) and the pipeline reads the pick as (height, width)."""
+    patches = round((base / multiple) ** 2)
+    buckets, columns, rows = [], patches, 1
+    while columns > 0:
+        if max(columns, rows) / min(columns, rows) <= 4.0:
+            buckets.append((columns * multiple, rows * multiple))
+        if (rows + 1) * columns <= patches:
+            rows += 1
+        else:
+            columns -= 1
+    wanted = height / width
+    ratios = [round(first / second, 5) for first, second in buckets]
+    if wanted >= 1:
+        candidates = [index for index, ratio in enumerate(ratios) if ratio - wanted <= 0]
+    else:
+        candidates = [index for index, ratio in enumerate(ratios) if ratio - wanted >= 0]
+    best = min(candidates, key=lambda index: abs(ratios[index] - wanted))
+    picked_height, picked_width = buckets[best]
+    return picked_width, picked_height
+
+
 @dataclass(frozen=True)
 class SizeFromImage:
     """The output size a request leaves unset, made from one of its input images as the family's pipeline
     makes it: `calculate_dimensions(area, image width / image height)`, sides multiples of `multiple`; or,
-    with `resolutions`, the one of them nearest the image's aspect ratio (`nearest_resolution`)."""
+    with `resolutions`, the one of them nearest the image's aspect ratio (`nearest_resolution`); or, with
+    `buckets`, the model's crop bucket nearest it (`crop_bucket` of ModelLimits.image_size_base)."""
 
     area: int
     # 0: the model's own multiple (ModelLimits.height_multiple, its VAE's factor times the patch), which
@@ -247,13 +274,22 @@ class SizeFromImage:
     # (width, height) pairs the family's pipeline picks from by aspect ratio (FluxKontextPipeline's
     # PREFERRED_KONTEXT_RESOLUTIONS); `area` plays no part then.
     resolutions: tuple[tuple[int, int], ...] = ()
+    # The model's crop buckets (HunyuanVideo 1.5 image-to-video); `area` plays no part then.
+    buckets: bool = False
+    # The pipeline takes no size at all, only the image's: a request's height and width, where set, must be it.
+    fixed: bool = False
 
-    def size(self, width: int, height: int, model_multiple: int = 0) -> tuple[int, int]:
+    def size(self, width: int, height: int, model_multiple: int = 0, base: int = 0) -> tuple[int, int]:
         """(width, height) for an input image of `width` x `height` pixels (as decoded, EXIF orientation
-        applied); `model_multiple` is the model's, used where the rule declares none. A side may be 0."""
+        applied); `model_multiple` is the model's, used where the rule declares none, and `base` its
+        ModelLimits.image_size_base, which the bucket rule needs. A side may be 0."""
         multiple = self.multiple or model_multiple
         if multiple < 1:
             raise ValueError("this size rule takes the model's multiple; pass model_multiple")
+        if self.buckets:
+            if base < multiple:
+                raise ValueError(f"the bucket rule takes the model's image_size_base, not {base}")
+            return crop_bucket(width, height, base, multiple)
         if self.resolutions:
             return nearest_resolution(width, height, multiple, self.resolutions)
         return calculate_dimensions(self.area, width, height, multiple)

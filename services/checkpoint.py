@@ -56,6 +56,9 @@ class CheckpointSpec:
     # Whether the transformer takes the guidance scale as an input (FLUX.1-dev), the request's
     # embedded_guidance_scale; a request naming it for any other model is refused.
     embedded_guidance: bool = False
+    # For a family whose pipeline takes the output size from an input image by crop buckets (HunyuanVideo 1.5
+    # image-to-video): the side of the square whose area the buckets have; 0 otherwise.
+    image_size_base: int = 0
 
     @property
     def traits(self) -> Family:
@@ -101,6 +104,7 @@ class CheckpointSpec:
             max_image_bytes=self.max_image_bytes if self.image_roles else 0,
             max_image_pixels=self.max_image_pixels if self.image_roles else 0,
             default_embedded_guidance_scale=embedded,
+            image_size_base=self.image_size_base,
         )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from families.base import RequestDefaults
+from families.base import RequestDefaults, crop_bucket
 
 # HunyuanVideo15Pipeline's call defaults: 121 frames, 50 steps; the size is chosen from the transformer's
 # `target_size` (below) and the guidance scale is the guider's (ClassifierFreeGuidance's own default 7.5 when the
@@ -20,25 +20,11 @@ DEFAULT_ASPECT = (16, 9)
 
 
 def default_size(target_size: int, spatial: int) -> tuple[int, int]:
-    """(height, width) HunyuanVideo15Pipeline picks without a size: of the crop buckets of about
-    `target_size`^2 pixels in steps of `spatial` (HunyuanVideo15ImageProcessor.calculate_default_height_width),
-    the one whose height/width ratio is closest to 9/16 from above. 640 gives 480x848, 960 gives 720x1280."""
-    patches = round((target_size / spatial) ** 2)
-    buckets, columns, rows = [], patches, 1
-    while columns > 0:
-        if max(columns, rows) / min(columns, rows) <= 4.0:
-            buckets.append((columns * spatial, rows * spatial))
-        if (rows + 1) * columns <= patches:
-            rows += 1
-        else:
-            columns -= 1
-    wanted = DEFAULT_ASPECT[1] / DEFAULT_ASPECT[0]
-    # The ratio is of the bucket's first entry over its second, as the processor computes it; the bucket lists
-    # (first, second) and the pipeline reads it as (height, width).
-    ratios = [round(first / second, 5) for first, second in buckets]
-    above = [index for index, ratio in enumerate(ratios) if ratio - wanted >= 0]
-    best = min(above, key=lambda index: abs(ratios[index] - wanted))
-    return buckets[best]
+    """(height, width) HunyuanVideo15Pipeline picks without a size: the crop bucket of about `target_size`^2
+    pixels nearest 16:9 (HunyuanVideo15ImageProcessor.calculate_default_height_width). 640 gives 480x848, 960
+    gives 720x1280."""
+    width, height = crop_bucket(DEFAULT_ASPECT[0], DEFAULT_ASPECT[1], target_size, spatial)
+    return height, width
 
 
 def read_geometry(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -66,3 +52,9 @@ def read_geometry(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             fps=FPS,
         ),
     }
+
+
+def read_image_to_video_geometry(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Text-to-video's geometry, and the transformer's `target_size` as the base of the crop buckets the output size
+    is made from the input image (HunyuanVideo15ImageToVideoPipeline takes no height or width)."""
+    return {**read_geometry(configs), "image_size_base": int(configs["transformer"].get("target_size", 640))}

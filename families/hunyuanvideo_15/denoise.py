@@ -1,11 +1,15 @@
-"""The HunyuanVideo 1.5 denoising loop, step for step as HunyuanVideo15Pipeline runs it.
+"""The HunyuanVideo 1.5 denoising loop, step for step as HunyuanVideo15Pipeline (text-to-video) and
+HunyuanVideo15ImageToVideoPipeline run it.
 
 The latents [1, 32, T, h, w] (T = (frames - 1) / 4 + 1, h and w a 16th of the size) are drawn from the seed in the
 transformer's dtype, as the pipeline draws them. Each step the transformer takes them concatenated with the
 condition latents and their mask along the channels (65 channels: zeros for text-to-video), the raw timestep,
 both texts (Qwen2.5-VL's sequence and ByT5's glyphs, each with its mask) and the image embedding (a zero image
 for text-to-video, which the transformer masks out). The sigmas are the pipeline's linspace(1, 0) without its
-last point, shifted by the scheduler's own shift.
+last point, shifted by the scheduler's own shift. Image-to-video differs only in the condition: the first frame's
+latents (the VAE stage's Encode) in latent frame 0 with its mask, and SigLIP's embedding of the frame (the text
+encoder stage's); a mean-flow transformer (`use_meanflow`, the step-distilled checkpoints) also gets the next
+timestep there.
 
 Guidance is the checkpoint's guider component (`guider/`, a diffusers ClassifierFreeGuidance), built per request
 with the request's guidance_scale: it says at each step whether both branches run (its scale, start and stop) and
@@ -165,6 +169,7 @@ class HunyuanVideo15Denoiser:
         self,
         model_input: torch.Tensor,
         timestep: torch.Tensor,
+        timestep_r: torch.Tensor | None,
         image_embeds: torch.Tensor,
         text: HunyuanText,
         branch: str,
@@ -175,6 +180,7 @@ class HunyuanVideo15Denoiser:
                 hidden_states=model_input,
                 image_embeds=image_embeds,
                 timestep=timestep,
+                timestep_r=timestep_r,
                 encoder_hidden_states=text.embeds,
                 encoder_attention_mask=text.mask,
                 encoder_hidden_states_2=text.glyph_embeds,
@@ -183,14 +189,40 @@ class HunyuanVideo15Denoiser:
                 return_dict=False,
             )[0]
 
-    def condition(self, spec: DenoiseSpec, latents: torch.Tensor, conditioning: dict[str, torch.Tensor]) -> tuple:
-        """(condition latents and mask concatenated [1, C + 1, T, h, w], image embeddings [1, N, dim]): zeros for
-        text-to-video, a single masked zero token standing for the pipeline's 729."""
+    def condition(self, latents: torch.Tensor, conditioning: dict[str, torch.Tensor]) -> tuple:
+        """(condition latents and their mask concatenated [1, C + 1, T, h, w], image embeddings [1, N, dim]).
+
+        Image-to-video (`image_latents` [1, C, 1, h, w] from the VAE's Encode, `image_embeds` from SigLIP): the
+        first frame's latents in latent frame 0, zeros after, the mask 1 on frame 0 (the pipeline's
+        `prepare_cond_latents_and_mask`). Text-to-video: zeros, and a single zero image token standing for the
+        pipeline's 729 (the transformer masks a zero image embedding whatever its length).
+        """
         dtype = latents.dtype
         batch, channels, frames, height, width = latents.shape
         cond = torch.zeros(batch, channels + 1, frames, height, width, dtype=dtype, device=self.device)
-        image_embeds = torch.zeros(batch, 1, self.transformer.config.image_embed_dim, dtype=dtype, device=self.device)
-        return cond, image_embeds
+        image_latents = conditioning.get("image_latents")
+        if image_latents is None:
+            image_embeds = torch.zeros(batch, 1, self.image_dim, dtype=dtype, device=self.device)
+            return cond, image_embeds
+        cond[:, :channels, :1] = image_latents.to(self.device, dtype)
+        cond[:, channels, 0] = 1.0
+        return cond, conditioning["image_embeds"].to(self.device, dtype)
+
+    @property
+    def image_dim(self) -> int:
+        """The width of the image embedding the transformer takes (SigLIP's)."""
+        return self.transformer.config.image_embed_dim
+
+    def image_tensor_shape(self, name: str, spec: DenoiseSpec) -> tuple[int | None, ...] | None:
+        """The first frame's SigLIP embedding [1, N, image_dim] and latents [1, C, 1, h, w]."""
+        if spec.image_roles != ("first_frame",):
+            return None
+        if name == "image_embeds":
+            return (1, None, self.image_dim)
+        if name == "image_latents":
+            _, channels, _, height, width = self.latent_shape(spec)
+            return (1, channels, 1, height, width)
+        return None
 
     @torch.no_grad()
     def denoise(
@@ -212,7 +244,7 @@ class HunyuanVideo15Denoiser:
             negative = HunyuanText.from_conditioning(conditioning, "negative_prompt", self.device, dtype)
 
         latents = self.initial_noise(spec)
-        cond, image_embeds = self.condition(spec, latents, conditioning)
+        cond, image_embeds = self.condition(latents, conditioning)
         guider = self.guider(spec)
         steps = spec.num_inference_steps
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
@@ -224,7 +256,13 @@ class HunyuanVideo15Denoiser:
             model_input = torch.cat([latents, cond], dim=1)
             timestep = t.expand(model_input.shape[0]).to(model_input.dtype)
             guider.set_state(step=i, num_inference_steps=steps, timestep=t)
-            predict = partial(self._predict, model_input, timestep, image_embeds)
+            timestep_r = None
+            if self.transformer.config.use_meanflow and "image_latents" in conditioning:
+                # A mean-flow (step-distilled) transformer also takes the next timestep, 0 after the last, as the
+                # image-to-video pipeline gives it (the text-to-video pipeline gives none).
+                following = timesteps[i + 1] if i + 1 < len(timesteps) else torch.tensor(0.0, device=self.device)
+                timestep_r = following.expand(latents.shape[0]).to(latents.dtype)
+            predict = partial(self._predict, model_input, timestep, timestep_r, image_embeds)
             if guider.num_conditions > 1:
                 if negative is None:
                     scale = spec.guidance_scale

@@ -20,13 +20,17 @@ the pipeline's padded run's up to float rounding.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, Qwen2_5_VLTextModel, T5EncoderModel
+from PIL import Image
+from transformers import AutoTokenizer, Qwen2_5_VLTextModel, SiglipImageProcessor, SiglipVisionModel, T5EncoderModel
 
+from families.base import crop_bucket
+from families.hunyuanvideo_15.vae_encode import cropped
 from stagekit.cache_defaults import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES
 from stagekit.encoder import PromptEncoder, Truncation
 from stagekit.weights import load_pretrained
@@ -151,3 +155,44 @@ class HunyuanVideo15PromptEncoder(PromptEncoder):
                 mask[i, : row.shape[0]] = 1
             batched[name], batched[f"{name}_mask"] = padded, mask
         return batched
+
+
+class HunyuanVideo15ImageConditionEncoder(HunyuanVideo15PromptEncoder):
+    """The prompts as text-to-video encodes them, and the first frame as HunyuanVideo15ImageToVideoPipeline
+    embeds it: cropped to the output size (the crop bucket of the transformer's target size nearest the image's
+    aspect ratio: the pipeline takes no other size, and neither does this family), then SigLIP's last hidden state.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        model_id: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        cache_entries: int = DEFAULT_CACHE_ENTRIES,
+        load_threads: int = 4,
+    ) -> None:
+        super().__init__(model_dir, model_id, device, dtype, cache_bytes, cache_entries, load_threads)
+        model_dir = Path(model_dir)
+        self.image_encoder = load_pretrained(
+            SiglipVisionModel, model_dir / "image_encoder", device=device, dtype=dtype, num_threads=load_threads
+        ).eval()
+        self.feature_extractor = SiglipImageProcessor.from_pretrained(model_dir / "feature_extractor")
+        transformer = json.loads((model_dir / "transformer" / "config.json").read_text())
+        vae = json.loads((model_dir / "vae" / "config.json").read_text())
+        self.target_size = int(transformer.get("target_size", 640))
+        self.spatial = int(vae.get("spatial_compression_ratio", 16))
+
+    @property
+    def modules(self) -> dict[str, torch.nn.Module]:
+        return {**super().modules, "image_encoder": self.image_encoder}
+
+    def embed_images_uncached(self, images: list[Image.Image]) -> torch.Tensor:
+        """[1, tokens, dim]: SigLIP's last hidden state of the first frame, cropped to its output size."""
+        (image,) = images
+        width, height = crop_bucket(image.width, image.height, self.target_size, self.spatial)
+        pixels = self.feature_extractor.preprocess(
+            images=cropped(image, height, width, self.spatial), do_resize=True, return_tensors="pt", do_convert_rgb=True
+        ).to(self.device, self.image_encoder.dtype)
+        return self.image_encoder(**pixels).last_hidden_state.cpu()

@@ -1,5 +1,5 @@
-"""HunyuanVideo 1.5 text-to-video: Qwen2.5-VL and ByT5 text encoders, HunyuanVideo15Transformer3DModel (8.3B),
-AutoencoderKLHunyuanVideo15 (16x spatial, 4x temporal, causal in time).
+"""HunyuanVideo 1.5 text-to-video and image-to-video: Qwen2.5-VL and ByT5 text encoders (and SigLIP for the image),
+HunyuanVideo15Transformer3DModel (8.3B), AutoencoderKLHunyuanVideo15 (16x spatial, 4x temporal, causal in time).
 
 Declarations only (no torch); the compute is beside this file: encode.py (both text encoders in one stage),
 denoise.py (the loop with the checkpoint's guider), parallel.py (the parallel plan), decode.py (the streaming causal
@@ -9,7 +9,7 @@ checkpoint's guider config); above 1 both branches run, as ClassifierFreeGuidanc
 
 from __future__ import annotations
 
-from families.base import LORA_UNVERIFIED, Family, RequestDefaults, Support, TensorSlot
+from families.base import LORA_UNVERIFIED, Family, ImageInputs, RequestDefaults, SizeFromImage, Support, TensorSlot
 
 CHAIN = ("text-encoder", "dit", "vae", "interp")
 # Each text has its own length, padded to the request's longest with a mask; ByT5's glyph embedding has its own
@@ -43,6 +43,39 @@ _NO_LORA_LOADER = Support(
     refusal_tests=LORA_UNVERIFIED.refusal_tests,
 )
 
+
+def _features(classes: str, e2e: str) -> dict[str, Support]:
+    """`classes`: the prefix of the family's tester config's feature classes; `e2e`: its cluster test."""
+    parallel = (classes + "ParallelLayouts",)
+    return {
+        "ulysses": Support(tests=parallel),
+        "ring": Support(tests=parallel),
+        "cfg_parallel": Support(tests=parallel),
+        "tensor_parallel": Support(tests=parallel),
+        "hsdp": Support(tests=parallel),
+        "vae_patch_parallel": Support(
+            tests=(_DECODE + "test_patch_parallel_streamed_decode_equals_single_device", _E2E + e2e)
+        ),
+        "vae_tiling": Support(
+            reason="tiled decode is implemented for the Wan VAE only; this VAE decodes each frame whole"
+        ),
+        "cpu_offload": Support(tests=(classes + "ModuleOffload",)),
+        "layerwise_offload": Support(tests=(classes + "LayerwiseOffload",)),
+        "fp8": Support(tests=(classes + "Quantization",)),
+        "int8": Support(tests=(classes + "Quantization",)),
+        "gguf": Support(reason="no GGUF tensor names are mapped for HunyuanVideo15Transformer3DModel yet"),
+        "multithread_loading": Support(tests=(classes + "Loading", _E2E + e2e)),
+        "compile": Support(tests=(classes + "Compile",)),
+        "interpolation": Support(tests=(_E2E + e2e,)),
+        "first_block_cache": _NO_REFERENCE_CACHE,
+        "mag_cache": _NO_REFERENCE_CACHE,
+        "teacache": Support(reason="TeaCache's rescaling polynomials are published for Wan2.1 only"),
+        "batching": Support(reason="not built yet: one request at a time"),
+        "lora": _NO_LORA_LOADER,
+        "lora_fused": _NO_LORA_LOADER,
+    }
+
+
 HUNYUANVIDEO_15 = Family(
     name="hunyuanvideo-1.5",
     pipeline="HunyuanVideo15Pipeline",
@@ -63,38 +96,41 @@ HUNYUANVIDEO_15 = Family(
     denoiser="families.hunyuanvideo_15.denoise:HunyuanVideo15Denoiser",
     decoder="families.hunyuanvideo_15.decode:HunyuanVideo15StreamingDecoder",
     writer="families.hunyuanvideo_15.init_model:write_checkpoint",
-    features={
-        "ulysses": Support(tests=_PARALLEL),
-        "ring": Support(tests=_PARALLEL),
-        "cfg_parallel": Support(tests=_PARALLEL),
-        "tensor_parallel": Support(tests=_PARALLEL),
-        "hsdp": Support(tests=_PARALLEL),
-        "vae_patch_parallel": Support(
-            tests=(
-                _DECODE + "test_patch_parallel_streamed_decode_equals_single_device",
-                _E2E + "test_hunyuanvideo_15_cluster_equals_pipeline",
-            )
-        ),
-        "vae_tiling": Support(
-            reason="tiled decode is implemented for the Wan VAE only; this VAE decodes each frame whole"
-        ),
-        "cpu_offload": Support(tests=(_FEATURE_CLASSES + "ModuleOffload",)),
-        "layerwise_offload": Support(tests=(_FEATURE_CLASSES + "LayerwiseOffload",)),
-        "fp8": Support(tests=(_FEATURE_CLASSES + "Quantization",)),
-        "int8": Support(tests=(_FEATURE_CLASSES + "Quantization",)),
-        "gguf": Support(reason="no GGUF tensor names are mapped for HunyuanVideo15Transformer3DModel yet"),
-        "multithread_loading": Support(
-            tests=(_FEATURE_CLASSES + "Loading", _E2E + "test_hunyuanvideo_15_cluster_equals_pipeline")
-        ),
-        "compile": Support(tests=(_FEATURE_CLASSES + "Compile",)),
-        "interpolation": Support(tests=(_E2E + "test_hunyuanvideo_15_cluster_equals_pipeline",)),
-        "first_block_cache": _NO_REFERENCE_CACHE,
-        "mag_cache": _NO_REFERENCE_CACHE,
-        "teacache": Support(reason="TeaCache's rescaling polynomials are published for Wan2.1 only"),
-        "batching": Support(reason="not built yet: one request at a time"),
-        "lora": _NO_LORA_LOADER,
-        "lora_fused": _NO_LORA_LOADER,
-    },
+    features=_features(_FEATURE_CLASSES, "test_hunyuanvideo_15_cluster_equals_pipeline"),
 )
 
-FAMILIES = (HUNYUANVIDEO_15,)
+HUNYUANVIDEO_15_I2V = Family(
+    name="hunyuanvideo-1.5-i2v",
+    pipeline="HunyuanVideo15ImageToVideoPipeline",
+    description="HunyuanVideo 1.5 image-to-video: the first frame's latents beside the noise and its SigLIP "
+    "embedding beside the texts; the output size is the crop bucket of the model's target size nearest the "
+    "image's aspect ratio, as the pipeline makes it (it takes no other)",
+    class_name="HunyuanVideo15ImageToVideoPipeline",
+    requires=(),
+    output="video",
+    chain=CHAIN,
+    optional_stages=("interp",),
+    conditioning=(
+        *CONDITIONING,
+        TensorSlot("image_embeds", "embeds", "always", image=True),
+        TensorSlot("image_latents", "latents", "always", source="vae", image=True),
+    ),
+    defaults=RequestDefaults(
+        height=480, width=848, num_frames=121, num_inference_steps=50, guidance_scale=6.0, fps=24.0
+    ),
+    images=ImageInputs(
+        roles=("first_frame",),
+        required=("first_frame",),
+        encoded_by=("text-encoder", "vae"),
+        size_from=SizeFromImage(area=0, multiple=0, buckets=True, fixed=True),
+    ),
+    checkpoint_reader="families.hunyuanvideo_15.checkpoint:read_image_to_video_geometry",
+    text_encoder="families.hunyuanvideo_15.encode:HunyuanVideo15ImageConditionEncoder",
+    image_encoder="families.hunyuanvideo_15.vae_encode:HunyuanVideo15ImageLatentEncoder",
+    denoiser="families.hunyuanvideo_15.denoise:HunyuanVideo15Denoiser",
+    decoder="families.hunyuanvideo_15.decode:HunyuanVideo15StreamingDecoder",
+    writer="families.hunyuanvideo_15.init_model:write_checkpoint",
+    features=_features(_FEATURE_CLASSES + "I2V", "test_hunyuanvideo_15_i2v_cluster_equals_pipeline"),
+)
+
+FAMILIES = (HUNYUANVIDEO_15, HUNYUANVIDEO_15_I2V)

@@ -1,9 +1,11 @@
-"""Random-weight HunyuanVideo 1.5 checkpoints in the published diffusers layout (`--family hunyuanvideo-1.5`).
+"""Random-weight HunyuanVideo 1.5 checkpoints in the published diffusers layout (`--family hunyuanvideo-1.5`,
+`--family hunyuanvideo-1.5-i2v`).
 
 HunyuanVideo15Transformer3DModel, AutoencoderKLHunyuanVideo15, a Qwen2.5-VL language model (Qwen2_5_VLTextModel)
 with a locally trained byte-level BPE tokenizer carrying a Qwen2.5 chat template, a ByT5 encoder
 (T5EncoderModel over bytes) with its byte tokenizer, the flow-matching scheduler and the CFG guider, written by
-`write_checkpoint`; the preset tables below size every component.
+`write_checkpoint`; image-to-video adds a SigLIP vision encoder and its image processor. The preset tables below
+size every component.
 """
 
 from __future__ import annotations
@@ -112,6 +114,13 @@ TEMPLATE = (
 SCHEDULER_SHIFT = 5.0
 GUIDANCE_SCALE = 6.0
 
+# SiglipVisionModel (image-to-video's image encoder; its width is the transformer's image_embed_dim) and the square
+# its processor resizes to: (image_size / patch_size)^2 tokens (729 published: 384 / 14 rounded down, squared).
+IMAGE_ENCODER_CONFIGS: dict[str, dict[str, Any]] = {
+    "tiny": dict(image_size=56, patch_size=14, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32),
+    "small": dict(image_size=112, patch_size=14, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),
+}
+
 # The request each preset is sized for (HunyuanVideo15Pipeline keyword arguments): 48x80 is 3x5 latents; 9 frames
 # are 3 latent frames.
 DEFAULT_REQUESTS: dict[str, dict[str, Any]] = {
@@ -132,8 +141,17 @@ COMPONENT_CLASSES: dict[str, tuple[str, str]] = {
 }
 
 
+# Image-to-video adds these (HunyuanVideo15ImageToVideoPipeline's model_index.json).
+IMAGE_COMPONENT_CLASSES: dict[str, tuple[str, str]] = {
+    "feature_extractor": ("transformers", "SiglipImageProcessor"),
+    "image_encoder": ("transformers", "SiglipVisionModel"),
+}
+I2V_FAMILY = "hunyuanvideo-1.5-i2v"
+
+
 def write_checkpoint(family: Family, out: Path, preset: str, seed: int, save_kwargs: dict[str, Any]) -> None:
-    """Both tokenizers and text encoders, transformer, VAE, scheduler, guider, model_index.json and defaults."""
+    """Both tokenizers and text encoders, transformer, VAE, scheduler, guider, model_index.json and defaults; for
+    image-to-video also SigLIP and its image processor."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.guiders import ClassifierFreeGuidance
     from transformers import ByT5Tokenizer
@@ -146,14 +164,22 @@ def write_checkpoint(family: Family, out: Path, preset: str, seed: int, save_kwa
     save_component(build_text_encoder(preset, tokenizer), out, "text_encoder", save_kwargs)
     torch.manual_seed(seed)
     save_component(build_byt5(preset), out, "text_encoder_2", save_kwargs)
+    image_to_video = family.name == I2V_FAMILY
     torch.manual_seed(seed)
-    save_component(build_transformer(preset), out, "transformer", save_kwargs)
+    save_component(build_transformer(preset, image_to_video), out, "transformer", save_kwargs)
     torch.manual_seed(seed)
     save_component(build_vae(preset), out, "vae", save_kwargs)
     FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SCHEDULER_SHIFT).save_pretrained(out / "scheduler")
     ClassifierFreeGuidance(guidance_scale=GUIDANCE_SCALE).save_pretrained(out / "guider")
 
-    write_model_index(out, family, COMPONENT_CLASSES)
+    components = dict(COMPONENT_CLASSES)
+    if image_to_video:
+        torch.manual_seed(seed)
+        encoder, processor = build_image_encoder(preset)
+        save_component(encoder, out, "image_encoder", save_kwargs)
+        processor.save_pretrained(out / "feature_extractor")
+        components.update(IMAGE_COMPONENT_CLASSES)
+    write_model_index(out, family, components)
     write_default_request(out, family, DEFAULT_REQUESTS[preset])
 
 
@@ -165,14 +191,28 @@ def build_chat_tokenizer(preset: str) -> Any:
     return tokenizer
 
 
-def build_transformer(preset: str) -> torch.nn.Module:
-    """The preset's HunyuanVideo15Transformer3DModel (text-to-video), freshly initialised."""
+def build_transformer(preset: str, image_to_video: bool = False) -> torch.nn.Module:
+    """The preset's HunyuanVideo15Transformer3DModel, freshly initialised."""
     from diffusers import HunyuanVideo15Transformer3DModel
 
     channels = LATENT_CHANNELS[preset]
     return HunyuanVideo15Transformer3DModel(
-        in_channels=2 * channels + 1, out_channels=channels, task_type="t2v", **TRANSFORMER_CONFIGS[preset]
+        in_channels=2 * channels + 1,
+        out_channels=channels,
+        task_type="i2v" if image_to_video else "t2v",
+        **TRANSFORMER_CONFIGS[preset],
     ).eval()
+
+
+def build_image_encoder(preset: str) -> tuple[torch.nn.Module, Any]:
+    """The preset's SiglipVisionModel (as wide as the transformer's image embedding) and its image processor."""
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    sizes = IMAGE_ENCODER_CONFIGS[preset]
+    config = SiglipVisionConfig(hidden_size=TRANSFORMER_CONFIGS[preset]["image_embed_dim"], **sizes)
+    side = sizes["image_size"]
+    processor = SiglipImageProcessor(size={"height": side, "width": side})
+    return SiglipVisionModel(config).eval(), processor
 
 
 def build_vae(preset: str) -> torch.nn.Module:

@@ -152,6 +152,15 @@ def complete_request(
     # records the size it used.
     from_image = size_from_images(full, limits, family.images)
     size = from_image[2] if from_image else (limits.default_width, limits.default_height)
+    if from_image is not None and family.images.size_from is not None and family.images.size_from.fixed:
+        # The pipeline has no size of its own (HunyuanVideo 1.5 image-to-video): only the image's is served.
+        index, image, (width, height) = from_image
+        for side, made in (("width", width), ("height", height)):
+            if request.HasField(side) and getattr(request, side) != made:
+                raise RequestError(
+                    f"{side}: {getattr(request, side)}; this model makes the size from images[{index}] "
+                    f"({image.width}x{image.height}: {width}x{height}); leave height and width unset or send that"
+                )
     fill_defaults(full, DefaultsSource(limits, size))
     try:
         validate_size(limits, full.height, full.width, full.num_frames)

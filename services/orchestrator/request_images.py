@@ -76,7 +76,11 @@ def size_from_images(
     roles = list(limits.image_roles)
     ordered = sorted(enumerate(request.images), key=lambda item: roles.index(ROLE_NAMES[item[1].role]))
     index, image = ordered[images.size_from.index]
-    return index, image, images.size_from.size(image.width, image.height, limits.height_multiple)
+    return (
+        index,
+        image,
+        images.size_from.size(image.width, image.height, limits.height_multiple, limits.image_size_base),
+    )
 
 
 def verify_images(

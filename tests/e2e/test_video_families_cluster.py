@@ -1,7 +1,8 @@
 """The video families beside Wan through one running cluster, each equal to its diffusers pipeline within one level:
 HunyuanVideo 1.5 text-to-video (both its text encoders in one text-encoder process, its guider's CFG, its causal VAE
 decoded frame by frame as the latents stream in, in row bands over two ranks), with and without guidance, and
-through the interpolation stage.
+through the interpolation stage; HunyuanVideo 1.5 image-to-video (SigLIP in its text-encoder process, the first
+frame through its VAE process's Encode), its size made from the image as its pipeline makes it.
 
 What each family does stage by stage, and every parallel layout and option on gloo, is in
 tests/integration/test_family_hunyuanvideo_15.py, test_hunyuanvideo_15_decode.py and test_family_features.py.
@@ -14,16 +15,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import torch
-from diffusers import HunyuanVideo15Pipeline
+from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 from diffusers.guiders import ClassifierFreeGuidance
 
-from stagediff import Client
+from stagediff import Client, StageDiffError
 from stagediff.local.supervisor import LocalCluster
 from tests.helpers.feature_mixins.base import tiny_checkpoint
 from tests.helpers.serving import THREADS_PER_STAGE
+from tests.helpers.wan_i2v import input_image
 
 PROMPT = 'a red fox holding a sign that says "hello" trots through snow'
 
@@ -32,7 +35,10 @@ PROMPT = 'a red fox holding a sign that says "hello" trots through snow'
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """By the ids the cluster serves them under (their directories' names)."""
     root = tmp_path_factory.mktemp("video-models")
-    given = {"hunyuanvideo-1.5": tiny_checkpoint("hunyuanvideo-1.5", tmp_path_factory)}
+    given = {
+        "hunyuanvideo-1.5": tiny_checkpoint("hunyuanvideo-1.5", tmp_path_factory),
+        "hunyuanvideo-1.5-i2v": tiny_checkpoint("hunyuanvideo-1.5-i2v", tmp_path_factory),
+    }
     return {name: Path(shutil.copytree(model, root / name)) for name, model in given.items()}
 
 
@@ -92,3 +98,32 @@ def test_hunyuanvideo_15_cluster_equals_pipeline(cluster: LocalCluster, models: 
         )
     assert doubled.frames.shape[0] == 2 * plain.frames.shape[0] - 1
     np.testing.assert_array_equal(doubled.frames[::2], plain.frames)
+
+
+def test_hunyuanvideo_15_i2v_cluster_equals_pipeline(cluster: LocalCluster, models: dict[str, Path]) -> None:
+    """A 100x70 first frame gives the 64x48 video the pipeline makes of it (the tiny model's crop bucket), equal to
+    the pipeline's within one level; a size other than the image's is refused naming the field, the image's own is
+    taken; the interpolation stage keeps the decoded frames in place."""
+    pipeline = HunyuanVideo15ImageToVideoPipeline.from_pretrained(models["hunyuanvideo-1.5-i2v"])
+    pipeline.set_progress_bar_config(disable=True)
+    frame = input_image(100, 70, 3)
+    arguments = dict(num_frames=9, num_inference_steps=2)
+    with Client(cluster.endpoint) as client:
+        result = client.generate(
+            PROMPT, model="hunyuanvideo-1.5-i2v", image=frame, negative_prompt="blurry", seed=4, **arguments
+        )
+        expected = _reference(pipeline, 4, 6.0, image=frame, prompt=PROMPT, negative_prompt="blurry", **arguments)
+        _assert_close(result.frames, expected, "image-to-video, CFG 6")
+        job = client.get_job(result.job_id)
+        assert (job.request.width, job.request.height) == (64, 48) and job.timings["vae-encode"] > 0
+
+        with pytest.raises(StageDiffError) as refused:
+            client.generate(PROMPT, model="hunyuanvideo-1.5-i2v", image=frame, height=64, width=64, **arguments)
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "height: 64; this model makes the size from images[0] (100x70: 64x48)" in str(refused.value)
+        same = client.generate(
+            PROMPT, model="hunyuanvideo-1.5-i2v", image=frame, height=48, width=64, seed=4, negative_prompt="blurry",
+            interp_exp=1, **arguments,
+        )  # fmt: skip
+    assert same.frames.shape[0] == 2 * result.frames.shape[0] - 1
+    np.testing.assert_array_equal(same.frames[::2], result.frames)

@@ -16,6 +16,7 @@ from tests.helpers.feature_mixins import (
     FluxKontextTesterConfig,
     FluxTesterConfig,
     GGUFTesterMixin,
+    HunyuanVideo15I2VTesterConfig,
     HunyuanVideo15TesterConfig,
     LayerwiseOffloadTesterMixin,
     LoadingTesterMixin,
@@ -414,4 +415,28 @@ class TestHunyuanVideo15Loading(HunyuanVideo15TesterConfig, LoadingTesterMixin):
 
 
 class TestHunyuanVideo15Compile(HunyuanVideo15TesterConfig, CompileTesterMixin):
+    pass
+
+
+class TestHunyuanVideo15I2VParallelLayouts(HunyuanVideo15I2VTesterConfig, ParallelLayoutsTesterMixin):
+    pass
+
+
+class TestHunyuanVideo15I2VModuleOffload(HunyuanVideo15I2VTesterConfig, ModuleOffloadTesterMixin):
+    pass
+
+
+class TestHunyuanVideo15I2VLayerwiseOffload(HunyuanVideo15I2VTesterConfig, LayerwiseOffloadTesterMixin):
+    pass
+
+
+class TestHunyuanVideo15I2VQuantization(HunyuanVideo15I2VTesterConfig, QuantizationTesterMixin):
+    pass
+
+
+class TestHunyuanVideo15I2VLoading(HunyuanVideo15I2VTesterConfig, LoadingTesterMixin):
+    pass
+
+
+class TestHunyuanVideo15I2VCompile(HunyuanVideo15I2VTesterConfig, CompileTesterMixin):
     pass

@@ -1,10 +1,12 @@
-"""HunyuanVideo 1.5: each stage of the family against HunyuanVideo15Pipeline on the tiny checkpoint.
+"""HunyuanVideo 1.5: each stage of the family against HunyuanVideo15Pipeline (and HunyuanVideo15ImageToVideoPipeline)
+on the tiny checkpoints.
 
 The text encoder equals `encode_prompt` on each encoder's real positions (Qwen2.5-VL's cropped template, ByT5's
 glyph text, none without quotes); the denoiser's latents equal the pipeline's `output_type="latent"` ones with CFG,
 with the guider's scale at 1 (one branch), and with the guider's start and stop and rescale moved off their
 defaults; the checkpoint reader takes the default size from the transformer's target size and the guidance scale
-from the guider. The streaming decode is tests/integration/test_hunyuanvideo_15_decode.py's.
+from the guider. Image-to-video: SigLIP's embedding, the VAE's latents of the first frame and the latents from both
+equal the image-to-video pipeline's. The streaming decode is tests/integration/test_hunyuanvideo_15_decode.py's.
 """
 
 from __future__ import annotations
@@ -13,15 +15,26 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from diffusers import HunyuanVideo15Pipeline
+from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 from diffusers.guiders import ClassifierFreeGuidance
+from PIL import Image
 
+from families.base import crop_bucket
 from families.hunyuanvideo_15.checkpoint import default_size, read_geometry
+from families.hunyuanvideo_15.decode import HunyuanVideo15StreamingDecoder
 from families.hunyuanvideo_15.denoise import HunyuanVideo15Denoiser
-from families.hunyuanvideo_15.encode import CROP_START, HunyuanVideo15PromptEncoder, glyph_text
+from families.hunyuanvideo_15.encode import (
+    CROP_START,
+    HunyuanVideo15ImageConditionEncoder,
+    HunyuanVideo15PromptEncoder,
+    glyph_text,
+)
+from families.hunyuanvideo_15.vae_encode import HunyuanVideo15ImageLatentEncoder
 from stagekit.denoise import DenoiseSpec
+from stagekit.images import DecodedImage
 from tests.helpers.feature_mixins.base import tiny_checkpoint
 
 CPU = torch.device("cpu")
@@ -212,3 +225,64 @@ def test_checkpoint_reader_defaults(model: Path) -> None:
     for target in (64, 640, 960):
         assert default_size(target, 16) == processor.calculate_default_height_width(9, 16, target), target
     assert default_size(640, 16) == (480, 848) and default_size(960, 16) == (720, 1280)
+
+
+# Image-to-video: a 100x70 first frame, whose crop bucket of the tiny model's 64^2 pixels is 64x48.
+@pytest.fixture(scope="module")
+def i2v_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_checkpoint("hunyuanvideo-1.5-i2v", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def first_frame() -> Image.Image:
+    return Image.fromarray(np.random.default_rng(0).integers(0, 255, (70, 100, 3), dtype=np.uint8))
+
+
+def test_image_to_video_stages_equal_pipeline(i2v_model: Path, first_frame: Image.Image) -> None:
+    """SigLIP's embedding of the frame cropped to the output size, the VAE's latents of it, and the denoiser's
+    latents from both beside the texts, each the image-to-video pipeline's; the size is the pipeline's bucket."""
+    pipeline = HunyuanVideo15ImageToVideoPipeline.from_pretrained(i2v_model)
+    pipeline.set_progress_bar_config(disable=True)
+    width, height = crop_bucket(first_frame.width, first_frame.height, 64, 16)
+    assert (height, width) == pipeline.video_processor.calculate_default_height_width(70, 100, 64) == (48, 64)
+    encoder = HunyuanVideo15ImageConditionEncoder(i2v_model, "hunyuanvideo-1.5-i2v-tiny", CPU, torch.float32)
+    cropped = pipeline.video_processor.resize(first_frame, height=height, width=width, resize_mode="crop")
+    image_embeds = encoder.embed_images_uncached([first_frame])
+    assert torch.equal(image_embeds, pipeline.encode_image(cropped, 1, CPU, torch.float32))
+    decoder = HunyuanVideo15StreamingDecoder(i2v_model, CPU, torch.float32)
+    images = [DecodedImage("first_frame", first_frame, "unused")]
+    image_latents = HunyuanVideo15ImageLatentEncoder(i2v_model)(decoder, images, height, width, 9)["image_latents"]
+    expected = pipeline._get_image_latents(pipeline.vae, pipeline.video_processor, cropped, height, width, CPU)
+    assert image_latents.shape == (1, 8, 1, 3, 4) and torch.equal(image_latents, expected)
+
+    tensors, _ = encoder.encode([PROMPT, NEGATIVE], 1000)
+    conditioning = {
+        f"{role}_{name}": tensor[index : index + 1]
+        for index, role in enumerate(("prompt", "negative_prompt"))
+        for name, tensor in tensors.items()
+    }
+    conditioning.update(image_embeds=image_embeds, image_latents=image_latents)
+    spec = DenoiseSpec(height, width, 9, 2, 6.0, 3, image_roles=("first_frame",))
+    denoiser = HunyuanVideo15Denoiser(i2v_model, CPU, torch.float32)
+    assert denoiser.image_tensor_shape("image_latents", spec) == (1, 8, 1, 3, 4)
+    assert denoiser.image_tensor_shape("image_embeds", spec) == (1, None, 16)
+    latents = denoiser.denoise(spec, conditioning, on_step=lambda step, total: None, cancelled=lambda: False)
+    pipeline.guider = ClassifierFreeGuidance(guidance_scale=6.0)
+    reference = pipeline(
+        image=first_frame,
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE,
+        num_frames=9,
+        num_inference_steps=2,
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="latent",
+    ).frames
+    difference = (latents - reference).abs().max().item()
+    print(f"image-to-video latents max abs diff {difference:.2e}")
+    assert difference <= TOLERANCE and reference.abs().max() > 0.1
+    # The image conditions the result: without it (text-to-video's zeros) the latents differ.
+    text_only = {name: tensor for name, tensor in conditioning.items() if not name.startswith("image_")}
+    plain = denoiser.denoise(
+        DenoiseSpec(height, width, 9, 2, 6.0, 3), text_only, on_step=lambda step, total: None, cancelled=lambda: False
+    )
+    assert (plain - latents).abs().max() > 0.01

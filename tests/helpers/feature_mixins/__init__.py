@@ -41,7 +41,10 @@ from tests.helpers.feature_mixins.configs import (
 from tests.helpers.feature_mixins.configs_flux import FluxTesterConfig
 from tests.helpers.feature_mixins.configs_flux2_klein import Flux2KleinTesterConfig
 from tests.helpers.feature_mixins.configs_flux_kontext import FluxKontextTesterConfig
-from tests.helpers.feature_mixins.configs_hunyuanvideo_15 import HunyuanVideo15TesterConfig
+from tests.helpers.feature_mixins.configs_hunyuanvideo_15 import (
+    HunyuanVideo15I2VTesterConfig,
+    HunyuanVideo15TesterConfig,
+)
 from tests.helpers.feature_mixins.configs_qwen_image_21 import QwenImage21TesterConfig
 from tests.helpers.feature_mixins.configs_z_image import ZImageTesterConfig
 from tests.helpers.feature_mixins.gguf import GGUFTesterMixin
@@ -62,6 +65,7 @@ TESTER_CONFIGS: tuple[type[FamilyTesterConfig], ...] = (
     FluxKontextTesterConfig,
     QwenImage21TesterConfig,
     HunyuanVideo15TesterConfig,
+    HunyuanVideo15I2VTesterConfig,
 )
 
 # The feature whose supported cells must name a test class that mixes in this mixin (tests/unit/test_families.py).
@@ -96,6 +100,7 @@ __all__ = [
     "FluxTesterConfig",
     "FluxKontextTesterConfig",
     "Flux2KleinTesterConfig",
+    "HunyuanVideo15I2VTesterConfig",
     "HunyuanVideo15TesterConfig",
     "GGUFTesterMixin",
     "LayerwiseOffloadTesterMixin",

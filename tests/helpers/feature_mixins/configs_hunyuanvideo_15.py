@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -113,4 +114,27 @@ class HunyuanVideo15TesterConfig(FamilyTesterConfig):
         for name, length, width in (("embeds", text, denoiser.text_dim), ("glyph_embeds", glyphs, denoiser.glyph_dim)):
             tensors[f"prompt_{name}"] = torch.randn(1, length, width, generator=generator)
             tensors[f"prompt_{name}_mask"] = torch.ones(1, length, dtype=torch.long)
+        return tensors
+
+
+class HunyuanVideo15I2VTesterConfig(HunyuanVideo15TesterConfig):
+    """HunyuanVideo 1.5 image-to-video: the first frame's latents beside the noise with their mask and its SigLIP
+    embedding among the text tokens (16 of them, all real), on the text-to-video requests."""
+
+    family = "hunyuanvideo-1.5-i2v"
+    spec = dataclasses.replace(HunyuanVideo15TesterConfig.spec, image_roles=("first_frame",))
+    parallel_specs = tuple(
+        dataclasses.replace(each, image_roles=("first_frame",)) for each in HunyuanVideo15TesterConfig.parallel_specs
+    )
+    compile_specs = tuple(
+        dataclasses.replace(each, image_roles=("first_frame",)) for each in HunyuanVideo15TesterConfig.compile_specs
+    )
+
+    def conditioning(self, denoiser: Any, spec: DenoiseSpec) -> dict[str, torch.Tensor]:
+        """The texts, and the frame's tensors in the shapes the DiT stage accepts for `spec`."""
+        tensors = super().conditioning(denoiser, spec)
+        generator = torch.Generator().manual_seed(1000 + spec.seed)
+        for name in ("image_embeds", "image_latents"):
+            shape = [16 if size is None else size for size in denoiser.image_tensor_shape(name, spec)]
+            tensors[name] = torch.randn(*shape, generator=generator)
         return tensors
