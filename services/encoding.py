@@ -8,6 +8,9 @@ client receives, and a browser can start playing, the first second of video whil
 still being decoded. WebM streams the same way; GIF and the single-image formats are produced at the end.
 
 Video goes through PyAV (FFmpeg's libx264, libvpx-vp9 and GIF encoders in its wheels), images through Pillow.
+A model that makes sound (`AudioTrack`) has it muxed beside the video: AAC in MP4, Opus in WebM (both in PyAV's
+wheels); GIF and the image formats carry none. The sound is added whole, before or between the frames: the muxer
+interleaves the two streams by time, so the fragments a client receives hold both.
 `quality` is one 1-100 scale across the lossy formats (OpenAI's `output_compression` is the same idea); for the
 codecs with a constant-quality factor it maps linearly onto it: mp4's default 65 is x264's CRF 18.
 
@@ -41,6 +44,9 @@ ENCODER_THREADS = 2
 ENCODER_LOOKAHEAD_FRAMES = 8
 # Each video codec's name for its lookahead.
 _LOOKAHEAD_OPTION = {"libx264": "rc-lookahead", "libvpx-vp9": "lag-in-frames"}
+# The sample rates Opus encodes at; sound at any other rate is resampled to 48 kHz by the encoder.
+_OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
+_LAYOUTS = {1: "mono", 2: "stereo"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,16 @@ class OutputFormat:
     codec: str = ""
     quality_option: str = ""
     quality_scale: int = 0  # the option's worst value (its best is 0)
+    # PyAV encoder of the sound track, for the formats that carry one.
+    audio_codec: str = ""
+
+
+@dataclass(frozen=True)
+class AudioTrack:
+    """A result's sound: its sample rate (Hz) and channels (1 or 2), as the model's vocoder makes it."""
+
+    sample_rate: int
+    channels: int
 
 
 RAW = "raw"
@@ -72,6 +88,7 @@ OUTPUT_FORMATS: dict[str, OutputFormat] = {
             codec="libx264",
             quality_option="crf",
             quality_scale=51,
+            audio_codec="aac",
         ),
         OutputFormat(
             "webm",
@@ -82,6 +99,7 @@ OUTPUT_FORMATS: dict[str, OutputFormat] = {
             codec="libvpx-vp9",
             quality_option="crf",
             quality_scale=63,
+            audio_codec="libopus",
         ),
         OutputFormat("gif", "image/gif", ".gif", video=True, codec="gif"),
         OutputFormat("png", "image/png", ".png", video=False),
@@ -146,12 +164,18 @@ class ResultEncoder:
         width: int,
         fps: float,
         *,
+        audio: AudioTrack | None = None,
         threads: int | None = ENCODER_THREADS,
         lookahead_frames: int | None = ENCODER_LOOKAHEAD_FRAMES,
     ) -> None:
-        """`threads` and `lookahead_frames` bound the encoder's memory; None leaves the codec's default."""
+        """`audio`: the sound track the result has (`add_audio`), None for a silent one. `threads` and
+        `lookahead_frames` bound the encoder's memory; None leaves the codec's default."""
         if output.name == RAW:
             raise ValueError("raw frames are not encoded")
+        if audio is not None and not output.audio_codec:
+            raise ValueError(f"output_format: {output.name} carries no sound; use mp4 or webm for a video with sound")
+        if audio is not None and audio.channels not in _LAYOUTS:
+            raise ValueError(f"sound of {audio.channels} channels; this encoder takes 1 or 2")
         self.output = output
         self.quality = quality if quality is not None else output.default_quality
         self.height, self.width = height, width
@@ -160,8 +184,13 @@ class ResultEncoder:
         self._frames = 0
         self._container: Any = None  # an av OutputContainer once a video is open
         self._bounds = memory_bounds(output, threads, lookahead_frames)
+        self.audio = audio
+        self._audio_stream: Any = None
+        self._audio_samples = 0
         if output.video:
             self._open_video(Fraction(fps).limit_denominator(_MAX_RATE_DENOMINATOR))
+        if audio is not None:
+            self._open_audio(audio)
 
     def _open_video(self, rate: Fraction) -> None:
         streaming = {"mp4": {"movflags": "frag_keyframe+empty_moov+default_base_moof"}}.get(self.output.name, {})
@@ -184,6 +213,34 @@ class ResultEncoder:
             options["cpu-used"] = "8"
         stream.codec_context.options = {**options, **self._bounds}
         self._stream = stream
+
+    def _open_audio(self, audio: AudioTrack) -> None:
+        rate = audio.sample_rate
+        if self.output.audio_codec == "libopus" and rate not in _OPUS_RATES:
+            rate = 48000
+        stream = self._container.add_stream(self.output.audio_codec, rate=rate)
+        stream.layout = _LAYOUTS[audio.channels]
+        self._audio_stream = stream
+
+    def add_audio(self, samples: np.ndarray) -> bytes:
+        """Encodes float32 sound [channels, n] in [-1, 1] (more may follow); returns the container bytes so far."""
+        if self.audio is None or self._audio_stream is None:
+            raise ValueError("this encoder was opened without a sound track")
+        if samples.dtype != np.float32 or samples.ndim != 2 or samples.shape[0] != self.audio.channels:
+            raise ValueError(
+                f"sound of {samples.dtype} {list(samples.shape)}; this encoder takes float32 [{self.audio.channels}, n]"
+            )
+        if not np.isfinite(samples).all():
+            raise ValueError("the sound holds NaN or infinite samples")
+        frame = av.AudioFrame.from_ndarray(
+            np.ascontiguousarray(samples), format="fltp", layout=_LAYOUTS[self.audio.channels]
+        )
+        frame.sample_rate = self.audio.sample_rate
+        frame.pts = self._audio_samples
+        frame.time_base = Fraction(1, self.audio.sample_rate)
+        self._audio_samples += samples.shape[1]
+        self._container.mux(self._audio_stream.encode(frame))
+        return self._take()
 
     # PyAV writes the container through this (the encoder is its file): bytes are kept until `add` returns them.
     def write(self, data: bytes) -> int:
@@ -229,6 +286,8 @@ class ResultEncoder:
             Image.fromarray(self._image).save(buffer, format=self.output.name.upper(), **options)
             return buffer.getvalue()
         self._container.mux(self._stream.encode(None))
+        if self._audio_stream is not None:
+            self._container.mux(self._audio_stream.encode(None))
         self._container.close()
         self._container = None
         return self._take()

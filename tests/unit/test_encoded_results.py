@@ -164,6 +164,68 @@ def test_webm_and_gif_decode_to_every_frame(name: str) -> None:
     assert psnr(decoded, frames) > 20  # gif: a 256-colour palette
 
 
+def chord(seconds: float, rate: int) -> np.ndarray:
+    """Two rising sweeps, one per channel (no period, so an offset aligns them once): float32 [2, n]."""
+    t = np.arange(round(seconds * rate)) / rate
+    sweeps = [np.sin(2 * np.pi * (start * t + 600 * t**2)) for start in (300, 450)]
+    return (0.4 * np.stack(sweeps)).astype(np.float32)
+
+
+def decoded_sound(data: bytes) -> tuple[np.ndarray, int, float]:
+    """The file's sound [channels, n] as decoded, its sample rate and its stream's duration in seconds."""
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.audio[0]
+        sound = np.concatenate([frame.to_ndarray() for frame in container.decode(stream)], axis=1)
+        duration = float(stream.duration * stream.time_base) if stream.duration else sound.shape[1] / stream.rate
+        return sound, stream.rate, duration
+
+
+@pytest.mark.parametrize(("name", "codec"), [("mp4", "aac"), ("webm", "opus")])
+def test_sound_is_muxed_beside_the_video(name: str, codec: str) -> None:
+    """0.5 s of stereo at 24 kHz beside 12 frames at 24 fps, the sound added before the frames: the file has both
+    streams, the sound at its rate and channels, about its duration (a codec frame of priming and padding at most),
+    and the sweeps themselves (aligned by cross-correlation, 20 dB above the coding noise)."""
+    from services.encoding import AudioTrack
+
+    frames, sound = smooth_clip(12, 48, 64), chord(0.5, 24000)
+    encoder = ResultEncoder(OUTPUT_FORMATS[name], None, 48, 64, 24.0, audio=AudioTrack(24000, 2))
+    data = encoder.add_audio(sound) + encoder.add(frames[:6]) + encoder.add(frames[6:]) + encoder.finish()
+    video, _ = decode(data)
+    assert video.shape == frames.shape and psnr(video, frames) > 30
+    decoded, rate, duration = decoded_sound(data)
+    with av.open(io.BytesIO(data)) as container:
+        assert container.streams.audio[0].codec_context.name == codec
+        assert container.streams.audio[0].channels == 2
+    # Opus decodes at 48 kHz whatever it was given; AAC at the given rate.
+    assert rate == (48000 if codec == "opus" else 24000)
+    assert abs(duration - 0.5) <= 2048 / rate, duration
+    reference = chord(0.5, rate)
+    window = reference[0, : rate // 10]
+    offset = max(range(0, 4096), key=lambda k: float(np.dot(decoded[0, k : k + window.size], window)))
+    aligned = decoded[:, offset : offset + reference.shape[1] - 2048]
+    part = reference[:, : aligned.shape[1]]
+    snr = 10 * np.log10(np.mean(part**2) / np.mean((aligned - part) ** 2))
+    print(f"{name}: sound {duration:.3f} s at {rate} Hz, offset {offset}, {snr:.1f} dB")
+    assert snr > 20
+
+
+def test_sound_is_refused_where_the_format_carries_none() -> None:
+    from services.encoding import AudioTrack
+
+    with pytest.raises(ValueError, match="gif carries no sound"):
+        ResultEncoder(OUTPUT_FORMATS["gif"], None, 8, 8, 16.0, audio=AudioTrack(24000, 2))
+    encoder = ResultEncoder(OUTPUT_FORMATS["mp4"], None, 16, 16, 16.0, audio=AudioTrack(24000, 1))
+    with pytest.raises(ValueError, match=r"float32 \[1, n\]"):
+        encoder.add_audio(chord(0.1, 24000))
+    with pytest.raises(ValueError, match="NaN"):
+        encoder.add_audio(np.full((1, 10), np.nan, np.float32))
+    silent = ResultEncoder(OUTPUT_FORMATS["mp4"], None, 16, 16, 16.0)
+    with pytest.raises(ValueError, match="without a sound track"):
+        silent.add_audio(chord(0.1, 24000)[:1])
+    encoder.close()
+    silent.close()
+
+
 def test_png_is_lossless_and_jpeg_and_webp_keep_the_size() -> None:
     (frame,) = smooth_clip(1, 45, 67)
     frame[0, 0] = [255, 0, 7]
