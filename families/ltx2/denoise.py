@@ -1,0 +1,430 @@
+"""The LTX-2 denoising loop: video and audio latents denoised together, step for step as LTX2Pipeline runs it.
+
+Latents. The video latents [1, C, T, h, w] (T = (frames - 1) / 8 + 1, h and w a 32nd of the size) and then the
+audio latents [1, Ca, A, M] (A = round(frames / frame_rate * 25): 16 kHz mel frames with a hop of 160, 4x
+compressed; M = the audio VAE's mel bins / 4) are drawn in that order from one generator seeded with the request's
+seed, in float32, as the pipeline draws them with generator=torch.Generator("cpu").manual_seed(seed). Both are
+packed into token sequences ([1, T*h*w, C] and [1, A, Ca*M]) and stay float32; the transformer takes them in its
+own dtype and returns a velocity for each.
+
+Schedule. Two FlowMatchEulerDiscreteSchedulers from the checkpoint's config, one per modality, with the
+pipeline's sigmas linspace(1, 1/steps, steps) shifted by `mu` from the video's token count (calculate_shift with
+the config's base and max sequence lengths and shifts).
+
+Guidance. Each step runs the passes LTX2Pipeline's guidance asks for (CFG's negative prompt, STG, modality
+isolation) and combines them in x0 space, each modality with its own scales (families/ltx2/guidance.py; the
+request's guidance_scale is the video's CFG scale, the rest `LTX2Guidance`, the pipeline's defaults), then turns
+the guided x0 back into a velocity for each modality's scheduler.
+
+The passes run as the pipeline runs them: CFG's negative and positive prompt as one batch of two (negative
+first), then the positive prompt alone for STG and for modality guidance. (A CFG-parallel layout would give each
+rank one row of that batch; the family has no parallel plan yet, so `stagekit.denoise.guidance_predictions`, which
+runs the branches one by one, is not used.) The text arrives already through the connectors
+(families/ltx2/encode.py). The result is what `LTX2Pipeline(output_type="latent")` returns: the video latents
+unpacked and de-normalised with the video VAE's latents_mean / latents_std and scaling_factor, and the audio latents
+de-normalised with the audio VAE's statistics and unpacked to [1, Ca, A, M].
+
+Left out: `num_frames=None` (the pipeline's duration head, which LTX-2.0 and LTX-2.3 checkpoints do not have:
+every request here names its frames), the prompt enhancer (off by default), given latents and noise_scale, and
+custom sigmas or timesteps.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, LTX2VideoTransformer3DModel
+from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import LATENT_DOWNSAMPLE_FACTOR
+from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, retrieve_timesteps
+from diffusers.utils.torch_utils import randn_tensor
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from families.ltx2.checkpoint import FPS, compression
+from families.ltx2.family import LTX2
+from families.ltx2.guidance import (
+    LTX2Guidance,
+    ModalityScales,
+    Predictions,
+    VideoAudio,
+    runs_cfg,
+    runs_modality,
+    runs_stg,
+)
+from stagekit.denoise import DenoiseSpec, stop_if_cancelled
+from stagekit.model_options import TransformerOptions
+from stagekit.parallel import ParallelConfig
+from stagekit.parallel.load import load_parallel_transformer
+from stagekit.parallel.mesh import ParallelConfigError
+from stagekit.weights.keys import weight_files
+
+
+@dataclass(frozen=True)
+class LTX2Text:
+    """One text's conditioning: the connectors' video [1, L, dim] and audio [1, L, audio dim] embeddings and the
+    mask [1, L] both streams attend with."""
+
+    video: torch.Tensor
+    audio: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def from_conditioning(
+        cls, conditioning: dict[str, torch.Tensor], role: str, device: torch.device, dtype: torch.dtype
+    ) -> LTX2Text:
+        """The text `role` ("prompt" or "negative_prompt") as the DiT stage received it, on `device`."""
+        video = conditioning[f"{role}_video_embeds"]
+        mask = conditioning.get(f"{role}_embeds_mask")
+        if mask is None:
+            mask = torch.ones(video.shape[:2], dtype=torch.long)
+        audio = conditioning[f"{role}_audio_embeds"]
+        return cls(video.to(device, dtype), audio.to(device, dtype), mask.to(device))
+
+    @classmethod
+    def stacked(cls, texts: list[LTX2Text]) -> LTX2Text:
+        """The texts as one batch, in order."""
+        return cls(
+            torch.cat([text.video for text in texts]),
+            torch.cat([text.audio for text in texts]),
+            torch.cat([text.mask for text in texts]),
+        )
+
+
+@dataclass(frozen=True)
+class LatentGrid:
+    """The latent sizes of a request: video frames, height and width, audio frames and latent mel bins."""
+
+    frames: int
+    height: int
+    width: int
+    audio_frames: int
+    mel_bins: int
+
+
+@dataclass(frozen=True)
+class Statistics:
+    """A VAE's per-channel latents_mean and latents_std (buffers saved with its weights), float32."""
+
+    mean: torch.Tensor
+    std: torch.Tensor
+
+    @classmethod
+    def read(cls, folder: Path) -> Statistics:
+        """The statistics in a VAE folder's safetensors (one file or the shards its index lists)."""
+        found: dict[str, torch.Tensor] = {}
+        for path in weight_files(folder):
+            with safe_open(path, "pt") as weights:
+                names = set(weights.keys())
+                for name in ("latents_mean", "latents_std"):
+                    if name in names:
+                        found[name] = weights.get_tensor(name).float()
+        missing = {"latents_mean", "latents_std"} - set(found)
+        if missing:
+            raise ValueError(f"{folder}: the VAE's weights hold no {', '.join(sorted(missing))}")
+        return cls(found["latents_mean"], found["latents_std"])
+
+
+@dataclass(frozen=True)
+class Step:
+    """What every pass of one step shares: the packed float32 latents, the scheduler's timestep and each modality's
+    sigma, the latent sizes, the positions' frame rate and the positions (of a batch of one)."""
+
+    latents: VideoAudio
+    timestep: torch.Tensor
+    sigmas: tuple[torch.Tensor, torch.Tensor]
+    grid: LatentGrid
+    fps: float
+    coords: tuple[torch.Tensor, torch.Tensor]
+
+    def x0(self, velocities: VideoAudio) -> VideoAudio:
+        """The pipeline's convert_velocity_to_x0 of both modalities: latents - velocity * sigma."""
+        return (
+            self.latents[0] - velocities[0] * self.sigmas[0],
+            self.latents[1] - velocities[1] * self.sigmas[1],
+        )
+
+    def velocity(self, modality: int, x0: torch.Tensor) -> torch.Tensor:
+        """The pipeline's convert_x0_to_velocity of one modality (0 video, 1 audio): (latents - x0) / sigma."""
+        return (self.latents[modality] - x0) / self.sigmas[modality]
+
+
+def _no_parallel_plan(transformer: nn.Module, config: ParallelConfig, mesh: DeviceMesh, device: torch.device) -> None:
+    """LTX-2 has no parallel plan yet; the family's features refuse every parallel method before this could run."""
+    raise ParallelConfigError(f"the {LTX2.name} family has no parallel plan yet")
+
+
+class LTX2Denoiser:
+    """The joint video and audio denoising loop on one rank."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        parallel: ParallelConfig | None = None,
+        options: TransformerOptions | None = None,
+        load_threads: int = 4,
+        guidance: LTX2Guidance | None = None,
+    ) -> None:
+        model_dir = Path(model_dir)
+        self.device = device
+        loaded = load_parallel_transformer(
+            LTX2VideoTransformer3DModel,
+            model_dir / "transformer",
+            device,
+            dtype,
+            family=LTX2,
+            parallelize=_no_parallel_plan,
+            parallel=parallel,
+            options=options,
+            load_threads=load_threads,
+        )
+        self.transformer = loaded.transformer
+        self.parallel, self.cfg_group = loaded.parallel, loaded.cfg_group
+        self.guidance = guidance if guidance is not None else LTX2Guidance()
+        self.scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model_dir / "scheduler")
+        vae_config = json.loads((model_dir / "vae" / "config.json").read_text())
+        self.vae_scale_spatial, self.vae_scale_temporal = compression(vae_config)
+        self.latent_channels = int(vae_config.get("latent_channels", 128))
+        self.scaling_factor = float(vae_config.get("scaling_factor", 1.0))
+        self.video_statistics = Statistics.read(model_dir / "vae")
+        audio_config = json.loads((model_dir / "audio_vae" / "config.json").read_text())
+        self.audio_channels = int(audio_config.get("latent_channels", 8))
+        self.mel_bins = int(audio_config.get("mel_bins", 64))
+        # Audio latent frames per second: mel frames per second (sample rate over hop) over the audio VAE's 4x.
+        self.audio_latents_per_second = (
+            audio_config.get("sample_rate", 16000)
+            / audio_config.get("mel_hop_length", 160)
+            / float(LATENT_DOWNSAMPLE_FACTOR)
+        )
+        self.audio_statistics = Statistics.read(model_dir / "audio_vae")
+
+    @property
+    def experts(self) -> list[LTX2VideoTransformer3DModel]:
+        return [self.transformer]
+
+    @property
+    def text_dim(self) -> int:
+        """The width of the video text embeddings: Gemma's (LTX-2.0, projected by the transformer) or the video
+        stream's (LTX-2.3)."""
+        config = self.transformer.config
+        return config.caption_channels if config.use_prompt_embeddings else config.cross_attention_dim
+
+    @property
+    def audio_text_dim(self) -> int:
+        """The width of the audio text embeddings: Gemma's (LTX-2.0) or the audio stream's (LTX-2.3)."""
+        config = self.transformer.config
+        return config.caption_channels if config.use_prompt_embeddings else config.audio_cross_attention_dim
+
+    def latent_grid(self, spec: DenoiseSpec, frame_rate: float) -> LatentGrid:
+        """As LTX2Pipeline computes them. Raises ValueError for a height or width that is not a whole number of latent
+        patches (the pipeline refuses sizes that are not multiples of 32, which that is for the published VAE)."""
+        config = self.transformer.config
+        multiple = self.vae_scale_spatial * config.patch_size
+        if spec.height % multiple or spec.width % multiple:
+            raise ValueError(f"height and width must be multiples of {multiple}, not {spec.height} and {spec.width}")
+        duration = spec.num_frames / frame_rate
+        return LatentGrid(
+            frames=(spec.num_frames - 1) // self.vae_scale_temporal + 1,
+            height=spec.height // self.vae_scale_spatial,
+            width=spec.width // self.vae_scale_spatial,
+            audio_frames=round(duration * self.audio_latents_per_second),
+            mel_bins=self.mel_bins // LATENT_DOWNSAMPLE_FACTOR,
+        )
+
+    def initial_noise(self, spec: DenoiseSpec, grid: LatentGrid) -> tuple[torch.Tensor, torch.Tensor]:
+        """The seed's video noise [1, C, T, h, w] and then audio noise [1, Ca, A, M], float32, drawn from one
+        generator as the pipeline draws them."""
+        generator = torch.Generator("cpu").manual_seed(spec.seed)
+        video_shape = (1, self.latent_channels, grid.frames, grid.height, grid.width)
+        video = randn_tensor(video_shape, generator=generator, device=self.device, dtype=torch.float32)
+        audio_shape = (1, self.audio_channels, grid.audio_frames, grid.mel_bins)
+        audio = randn_tensor(audio_shape, generator=generator, device=self.device, dtype=torch.float32)
+        return video, audio
+
+    def pack_video(self, latents: torch.Tensor) -> torch.Tensor:
+        """[B, C, T, h, w] -> [B, T/pt * h/p * w/p, C * pt * p * p], the tokens in frame, row, column order."""
+        p, pt = self.transformer.config.patch_size, self.transformer.config.patch_size_t
+        batch, channels, frames, height, width = latents.shape
+        patches = latents.reshape(batch, channels, frames // pt, pt, height // p, p, width // p, p)
+        return patches.permute(0, 2, 4, 6, 1, 3, 5, 7).flatten(4, 7).flatten(1, 3)
+
+    def unpack_video(self, tokens: torch.Tensor, grid: LatentGrid) -> torch.Tensor:
+        """The inverse of `pack_video` for the request's grid."""
+        p, pt = self.transformer.config.patch_size, self.transformer.config.patch_size_t
+        frames, height, width = grid.frames // pt, grid.height // p, grid.width // p
+        patches = tokens.reshape(tokens.shape[0], frames, height, width, -1, pt, p, p)
+        return patches.permute(0, 4, 1, 5, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+    @staticmethod
+    def pack_audio(latents: torch.Tensor) -> torch.Tensor:
+        """[B, Ca, A, M] -> [B, A, Ca * M]: one token per audio latent frame."""
+        return latents.transpose(1, 2).flatten(2, 3)
+
+    @staticmethod
+    def unpack_audio(tokens: torch.Tensor, grid: LatentGrid) -> torch.Tensor:
+        return tokens.unflatten(2, (-1, grid.mel_bins)).transpose(1, 2)
+
+    def schedulers(
+        self, steps: int, video_tokens: int
+    ) -> tuple[FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler, torch.Tensor]:
+        """(video scheduler, audio scheduler, timesteps): both set to the pipeline's shifted sigmas."""
+        video_scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+        audio_scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+        config = video_scheduler.config
+        mu = calculate_shift(
+            video_tokens,
+            config.get("base_image_seq_len", 1024),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.95),
+            config.get("max_shift", 2.05),
+        )
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        retrieve_timesteps(audio_scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        timesteps, _ = retrieve_timesteps(video_scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        video_scheduler.set_begin_index(0)
+        audio_scheduler.set_begin_index(0)
+        return video_scheduler, audio_scheduler, timesteps
+
+    def _predict(
+        self,
+        step: Step,
+        text: LTX2Text,
+        branch: str,
+        *,
+        isolate_modalities: bool = False,
+        stg_blocks: list[int] | None = None,
+    ) -> VideoAudio:
+        """The transformer's (video, audio) velocities in float32 for `text` (a batch of one or more texts, the
+        latents repeated for each). The branch names are the pipeline's cache contexts, which diffusers' step caches
+        key on."""
+        batch, dtype = text.video.shape[0], self.transformer.dtype
+        video, audio = step.latents
+        video_coords, audio_coords = step.coords
+        with self.transformer.cache_context(branch):
+            video_velocity, audio_velocity = self.transformer(
+                hidden_states=torch.cat([video] * batch).to(dtype),
+                audio_hidden_states=torch.cat([audio] * batch).to(dtype),
+                encoder_hidden_states=text.video,
+                audio_encoder_hidden_states=text.audio,
+                timestep=step.timestep.expand(batch),
+                sigma=step.timestep.expand(batch),
+                encoder_attention_mask=text.mask,
+                audio_encoder_attention_mask=text.mask,
+                num_frames=step.grid.frames,
+                height=step.grid.height,
+                width=step.grid.width,
+                fps=step.fps,
+                audio_num_frames=step.grid.audio_frames,
+                video_coords=video_coords.repeat(batch, *(1,) * (video_coords.ndim - 1)),
+                audio_coords=audio_coords.repeat(batch, *(1,) * (audio_coords.ndim - 1)),
+                isolate_modalities=isolate_modalities,
+                spatio_temporal_guidance_blocks=stg_blocks,
+                perturbation_mask=None,
+                use_cross_timestep=self.guidance.use_cross_timestep,
+                attention_kwargs=None,
+                return_dict=False,
+            )
+        return video_velocity.float(), audio_velocity.float()
+
+    def predictions(
+        self,
+        step: Step,
+        prompt: LTX2Text,
+        negative: LTX2Text | None,
+        scales: tuple[ModalityScales, ModalityScales],
+    ) -> Predictions:
+        """One step's passes as x0: the positive prompt's (with the negative prompt's in one batch of two, negative
+        first, where CFG runs, as the pipeline batches them), then the STG pass and the modality-isolated pass of the
+        positive prompt where they run."""
+        negative_x0 = None
+        if negative is not None:
+            video, audio = self._predict(step, LTX2Text.stacked([negative, prompt]), "cond_uncond")
+            (video_uncond, video_cond), (audio_uncond, audio_cond) = video.chunk(2), audio.chunk(2)
+            positive_x0, negative_x0 = step.x0((video_cond, audio_cond)), step.x0((video_uncond, audio_uncond))
+        else:
+            positive_x0 = step.x0(self._predict(step, prompt, "cond_uncond"))
+        stg_x0 = None
+        if runs_stg(*scales):
+            stg_x0 = step.x0(self._predict(step, prompt, "uncond_stg", stg_blocks=list(self.guidance.stg_blocks)))
+        isolated_x0 = None
+        if runs_modality(*scales):
+            isolated_x0 = step.x0(self._predict(step, prompt, "uncond_modality", isolate_modalities=True))
+        return Predictions(positive_x0, negative_x0, stg_x0, isolated_x0)
+
+    @torch.no_grad()
+    def denoise_av(
+        self,
+        spec: DenoiseSpec,
+        conditioning: dict[str, torch.Tensor],
+        on_step: Callable[[int, int], None],
+        cancelled: Callable[[], bool],
+        frame_rate: float = FPS,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs every step; returns (video latents [1, C, T, h, w], audio latents [1, Ca, A, M]), float32 and
+        de-normalised, as LTX2Pipeline(output_type="latent") returns them; on_step(step, total) after each.
+
+        `conditioning`: "prompt_video_embeds", "prompt_audio_embeds" (and "prompt_embeds_mask") and, when CFG runs
+        (`LTX2Guidance.scales`: the video's or the audio's scale above 1), the same for "negative_prompt".
+        `frame_rate` is the video's playback rate, which decides the audio's length.
+        """
+        dtype = self.transformer.dtype
+        video_scales, audio_scales = self.guidance.scales(spec.guidance_scale)
+        prompt = LTX2Text.from_conditioning(conditioning, "prompt", self.device, dtype)
+        negative = None
+        if runs_cfg(video_scales, audio_scales):
+            if "negative_prompt_video_embeds" not in conditioning:
+                raise ValueError(
+                    f"negative_prompt_video_embeds are required: CFG runs at video scale {video_scales.cfg:g} and "
+                    f"audio scale {audio_scales.cfg:g}"
+                )
+            negative = LTX2Text.from_conditioning(conditioning, "negative_prompt", self.device, dtype)
+
+        grid = self.latent_grid(spec, frame_rate)
+        video_noise, audio_noise = self.initial_noise(spec, grid)
+        video, audio = self.pack_video(video_noise), self.pack_audio(audio_noise)
+        steps = spec.num_inference_steps
+        video_scheduler, audio_scheduler, timesteps = self.schedulers(steps, video.shape[1])
+        fps = frame_rate / self.guidance.motion_speed
+        coords = (
+            self.transformer.rope.prepare_video_coords(1, grid.frames, grid.height, grid.width, self.device, fps=fps),
+            self.transformer.audio_rope.prepare_audio_coords(1, grid.audio_frames, self.device),
+        )
+
+        for i, t in enumerate(timesteps):
+            stop_if_cancelled(cancelled, self.parallel, self.device)
+            step = Step((video, audio), t, (video_scheduler.sigmas[i], audio_scheduler.sigmas[i]), grid, fps, coords)
+            predictions = self.predictions(step, prompt, negative, (video_scales, audio_scales))
+            # Guided in x0 space, each modality with its own scales, then back to velocities for the schedulers.
+            video_velocity = step.velocity(0, predictions.guided(0, video_scales))
+            audio_velocity = step.velocity(1, predictions.guided(1, audio_scales))
+            video = video_scheduler.step(video_velocity, t, video, return_dict=False)[0]
+            audio = audio_scheduler.step(audio_velocity, t, audio, return_dict=False)[0]
+            on_step(i + 1, len(timesteps))
+
+        video_latents = self.unpack_video(video, grid)
+        stats = self.video_statistics
+        mean = stats.mean.view(1, -1, 1, 1, 1).to(self.device, video_latents.dtype)
+        std = stats.std.view(1, -1, 1, 1, 1).to(self.device, video_latents.dtype)
+        video_latents = video_latents * std / self.scaling_factor + mean
+        audio_stats = self.audio_statistics
+        audio = audio * audio_stats.std.to(self.device, audio.dtype) + audio_stats.mean.to(self.device, audio.dtype)
+        return video_latents.float(), self.unpack_audio(audio, grid).float()
+
+    def denoise(
+        self,
+        spec: DenoiseSpec,
+        conditioning: dict[str, torch.Tensor],
+        on_step: Callable[[int, int], None],
+        cancelled: Callable[[], bool],
+    ) -> torch.Tensor:
+        """The Denoiser protocol's call: the video latents [1, C, T, h, w] of `denoise_av` at 24 frames per second
+        (the audio latents are left out until the stages carry them)."""
+        return self.denoise_av(spec, conditioning, on_step, cancelled)[0]

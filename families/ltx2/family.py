@@ -1,0 +1,92 @@
+"""LTX-2 text-to-audio+video: a Gemma 3 text encoder with LTX2TextConnectors, LTX2VideoTransformer3DModel (one
+transformer denoising video and audio latents together), AutoencoderKLLTX2Video (32x spatial, 8x temporal),
+AutoencoderKLLTX2Audio and a vocoder (LTX2Vocoder, or LTX2VocoderWithBWE in LTX-2.3).
+
+Declarations only (no torch); the compute is beside this file: encode.py (Gemma 3 and both connectors, in the text
+encoder stage), denoise.py (the joint audio-video loop with LTX2Pipeline's guidance), checkpoint.py and
+init_model.py. Not wired into the registry yet: there is no decode of either modality (the VAE stage's part) and
+no serving path for the audio latents, so nothing here is served.
+
+The request's guidance_scale is LTX2Pipeline's `guidance_scale` (the video's CFG scale). The pipeline's other
+guidance (audio CFG at 7.0, spatio-temporal guidance, modality guidance, rescale) runs at its defaults
+(families/ltx2/guidance.py `LTX2Guidance`). Its audio CFG runs at every video scale, so the negative prompt is
+always needed: `cfg_threshold` is below the lowest guidance_scale a request may send (0).
+"""
+
+from __future__ import annotations
+
+from families.base import Family, RequestDefaults, Support, TensorSlot
+
+CHAIN = ("text-encoder", "dit", "vae", "interp")
+# Per text, the connectors' output (families/ltx2/encode.py): the video stream's embeddings (width `text_dim`),
+# the audio stream's (width `audio_text_dim`) and the one mask both streams attend with. With the published
+# connectors' learnable registers every position is real and the mask is all ones.
+CONDITIONING = (
+    TensorSlot("prompt_video_embeds", "embeds", "always"),
+    TensorSlot("prompt_audio_embeds", "embeds", "always", width="audio_text_dim"),
+    TensorSlot("prompt_embeds_mask", "mask", "optional", of="prompt_video_embeds"),
+    TensorSlot("negative_prompt_video_embeds", "embeds", "cfg"),
+    TensorSlot("negative_prompt_audio_embeds", "embeds", "cfg", width="audio_text_dim"),
+    TensorSlot("negative_prompt_embeds_mask", "mask", "optional", of="negative_prompt_video_embeds"),
+)
+# LTX2Pipeline runs CFG when its video or its audio scale is above 1, and its audio scale defaults to 7.0.
+CFG_THRESHOLD = -1.0
+
+_NOT_BUILT = "not built yet for LTX-2"
+FEATURES = {
+    "ulysses": Support(reason=f"{_NOT_BUILT}: no sequence-parallel plan for the joint video and audio sequences"),
+    "ring": Support(reason=f"{_NOT_BUILT}: no sequence-parallel plan for the joint video and audio sequences"),
+    "cfg_parallel": Support(reason=f"{_NOT_BUILT}: the CFG, STG and modality passes run one after the other"),
+    "tensor_parallel": Support(reason=f"{_NOT_BUILT}: no tensor-parallel plan for LTX2VideoTransformerBlock"),
+    "hsdp": Support(reason=f"{_NOT_BUILT}: the transformer is not sharded"),
+    "vae_patch_parallel": Support(reason=f"{_NOT_BUILT}: there is no LTX-2 decode yet"),
+    "vae_tiling": Support(reason=f"{_NOT_BUILT}: there is no LTX-2 decode yet"),
+    "cpu_offload": Support(reason=f"{_NOT_BUILT}: not checked against the pipeline"),
+    "layerwise_offload": Support(reason=f"{_NOT_BUILT}: not checked against the pipeline"),
+    "fp8": Support(reason=f"{_NOT_BUILT}: not checked against the pipeline"),
+    "int8": Support(reason=f"{_NOT_BUILT}: not checked against the pipeline"),
+    "gguf": Support(reason=f"{_NOT_BUILT}: no GGUF tensor names are mapped for LTX2VideoTransformer3DModel"),
+    "multithread_loading": Support(reason=f"{_NOT_BUILT}: not checked through the stages"),
+    "compile": Support(reason=f"{_NOT_BUILT}: not checked against the pipeline"),
+    "interpolation": Support(reason=f"{_NOT_BUILT}: there is no LTX-2 decode yet, and the audio would not follow"),
+    "first_block_cache": Support(reason=f"{_NOT_BUILT}: not checked against diffusers' hooks"),
+    "mag_cache": Support(reason=f"{_NOT_BUILT}: not checked against diffusers' hooks"),
+    "teacache": Support(reason="TeaCache's rescaling polynomials are published for Wan2.1 only"),
+    "batching": Support(reason=f"{_NOT_BUILT}: one request at a time"),
+    "lora": Support(reason=f"{_NOT_BUILT}: not verified against LTX2Pipeline's load_lora_weights"),
+    "lora_fused": Support(reason=f"{_NOT_BUILT}: not verified against LTX2Pipeline's load_lora_weights"),
+}
+
+LTX2 = Family(
+    name="ltx-2",
+    pipeline="LTX2Pipeline",
+    description="LTX-2 text-to-video with audio (Gemma 3 text encoder and LTX2TextConnectors, "
+    "LTX2VideoTransformer3DModel, AutoencoderKLLTX2Video, AutoencoderKLLTX2Audio, a vocoder); guidance_scale is the "
+    "video's CFG scale, the other guidance at LTX2Pipeline's defaults",
+    class_name="LTX2Pipeline",
+    requires=(),
+    output="video",
+    chain=CHAIN,
+    optional_stages=("interp",),
+    conditioning=CONDITIONING,
+    # LTX2Pipeline.__call__'s defaults: 512x768, 121 frames (its num_frames=None without a duration head) at 24 fps,
+    # 30 steps, guidance_scale 3.0.
+    defaults=RequestDefaults(
+        height=512, width=768, num_frames=121, num_inference_steps=30, guidance_scale=3.0, fps=24.0
+    ),
+    checkpoint_reader="families.ltx2.checkpoint:read_geometry",
+    text_encoder="families.ltx2.encode:LTX2PromptEncoder",
+    denoiser="families.ltx2.denoise:LTX2Denoiser",
+    # Not built yet: the VAE stage's decode of the video latents and of the audio latents (audio VAE and vocoder).
+    decoder="",
+    writer="families.ltx2.init_model:write_checkpoint",
+    features=FEATURES,
+    own_presets={
+        "tiny-2.0": "the tiny sizes in LTX-2.0's layout (Lightricks/LTX-2: the transformer's caption projection, one "
+        "text projection shared by both connectors, no STG perturbation, LTX2Vocoder at 24 kHz); tiny and small "
+        "follow LTX-2.3's",
+    },
+    cfg_threshold=CFG_THRESHOLD,
+)
+
+FAMILIES = (LTX2,)
