@@ -25,9 +25,10 @@ at a time, as the cluster's stage processes hold them; theirs holds the whole pi
 sides' stages, their sums and the ratios ours / theirs, the two outputs' differences, the request's token counts
 and the section wall times.
 
-Budget (an estimate: no GPU has run it yet): on one H100, about 3 minutes to write the checkpoint, then loading and
-running ours (about 35 GB read from the page cache, 9 + 1 denoising steps at 14,310 video tokens) and theirs (the
-same), about 6 to 8 minutes in all, under bench-gpu's 10-minute slot. `--steps` trims the DiT's share.
+Budget (an estimate: no GPU has run it yet): on one H100 machine, about 3 minutes to write the checkpoint (163 s on
+the 2-core CPU machine of BENCHMARKS.md), then on each side about 35 GB read from the page cache, a 1-step warm-up
+and the 8 steps (two transformer passes each at 14,310 video tokens) and two decodes: about 6 to 8 minutes in all,
+under bench-gpu's 10-minute slot. `--steps` trims the DiT's share.
 
 `--dry-run` runs the same on the CPU with the tiny preset (48x80, 9 frames, 2 steps, float32) in seconds;
 tests/integration/test_bench_hunyuanvideo_gpu.py runs it. Without CUDA and without --dry-run the script stops with
