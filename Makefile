@@ -54,9 +54,11 @@ test-gpu: venv
 	$(BIN)/python -m pytest -m cuda -s -v tests/e2e/test_cuda.py
 
 # The GPU benchmarks on one CUDA GPU in bf16, written together to $OUT/bench-gpu.json: first bench/wan_gpu.py
-# (Wan2.1-1.3B at real size, our DiT and cluster against diffusers' WanPipeline) and bench/flux_gpu.py (FLUX.1-dev
-# at real size, 1024x1024, 28 steps, against FluxPipeline, eager and compiled), then the DiT's throughput
-# levers (step caches, regional compilation, request batching, LoRA); BENCH_GPU_QUICK=1 for the short variants.
+# (Wan2.1-1.3B at real size, our DiT and cluster against diffusers' WanPipeline), bench/flux_gpu.py (FLUX.1-dev
+# at real size, 1024x1024, 28 steps, against FluxPipeline, eager and compiled) and bench/hunyuanvideo_gpu.py
+# (HunyuanVideo 1.5 at real size, 480x848, 33 frames, 8 steps, our stages against HunyuanVideo15Pipeline's), then
+# the DiT's throughput levers (step caches, regional compilation, request batching, LoRA); BENCH_GPU_QUICK=1 for
+# the short variants.
 bench-gpu: venv
 	bash scripts/bench_gpu.sh
 

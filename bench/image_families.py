@@ -9,10 +9,11 @@
              memory guard's need of each stage in bf16 on this machine's CPU, computed from the components built
              on the meta device by the rule the stages load by (bf16, the classes' fp32 modules in fp32, plus the
              guard's runtime reserve), and its verdict against this machine's available memory. With
-             --write PRESET (repeatable) the checkpoint is written and, per stage in a fresh process, the need is
-             computed again from its files as the stage computes it (services/memory_budget.py stage_need), then
-             the stage's components are loaded as it loads them (stagekit load_pretrained, bf16, --threads
-             reads): seconds and peak resident memory beside the estimate.
+             --write PRESET (repeatable) the checkpoint is written (in a fresh process) and, per stage in a fresh
+             process, the need is computed again from its files as the stage computes it
+             (services/memory_budget.py stage_need), then the stage's components are loaded as it loads them
+             (stagekit load_pretrained, bf16, --threads reads): seconds and peak resident memory beside the
+             estimate. bench/family_stages.py holds these real-size measurements (bench/video_families.py's too).
 
     python bench/image_families.py [--families flux z-image ...] [--write z-image-turbo-config ...] [--threads 2]
 
@@ -24,19 +25,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import multiprocessing
 import os
 import platform
-import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from bench.family_stages import STAGES, in_fresh_process, measure_written, peak_rss  # noqa: E402
+from bench.family_stages import estimate as estimate_stages  # noqa: E402
 
 SMALL_FAMILIES = ("flux", "z-image", "flux2-klein", "qwen-image")
 # Real-size presets: (family, the module whose `real_size_builders(preset)` gives its components).
@@ -46,22 +47,8 @@ REAL_SIZE = {
     "z-image-turbo-config": ("z-image", "families.z_image.real_size"),
     "flux2-klein-4b-config": ("flux2-klein", "families.flux2_klein.real_size"),
 }
-STAGES = ("text-encoder", "dit", "vae")
 PROMPT = "a red fox running through fresh snow at dawn, cinematic light"
 NEGATIVE = "blurry, low quality"
-
-
-def peak_rss() -> int:
-    """This process's peak resident memory (VmHWM), in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _in_fresh_process(function: Any, *args: Any) -> Any:
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(function, *args).result()
 
 
 def _small_stage(stage: str, model: str, work: str, threads: int) -> dict[str, Any]:
@@ -128,7 +115,7 @@ def measure_small(families: list[str], threads: int, root: Path) -> dict[str, An
         model = init_model(name, "small", root / name)
         defaults = read_checkpoint(model).defaults
         work = tempfile.mkdtemp(dir=root)
-        stages = {stage: _in_fresh_process(_small_stage, stage, str(model), work, threads) for stage in STAGES}
+        stages = {stage: in_fresh_process(_small_stage, stage, str(model), work, threads) for stage in STAGES}
         results[name] = {
             "request": {
                 "size": f"{defaults.width}x{defaults.height}",
@@ -145,97 +132,10 @@ def measure_small(families: list[str], threads: int, root: Path) -> dict[str, An
     return results
 
 
-def _bf16_bytes(module: Any) -> int:
-    """What load_pretrained holds of `module` in bf16: two bytes a weight, four for the modules the class keeps
-    in fp32 (diffusers' `_keep_in_fp32_modules`; transformers' `_keep_in_fp32_modules_strict` in bf16)."""
-    keep = set(getattr(module, "_keep_in_fp32_modules", None) or ())
-    if hasattr(module, "config") and hasattr(module, "_keep_in_fp32_modules_strict"):
-        keep = set(module._keep_in_fp32_modules_strict or ())
-    # A tensor saved under two names (a tied embedding and head) is held once.
-    tensors = {id(tensor): (key, tensor) for key, tensor in module.state_dict(keep_vars=True).items()}
-    return sum(
-        tensor.numel() * (4 if keep.intersection(key.split(".")) else 2)
-        for key, tensor in tensors.values()
-        if tensor.is_floating_point()
-    )
-
-
-def _stage_of(component: str) -> str:
-    return {"transformer": "dit", "vae": "vae"}.get(component, "text-encoder")
-
-
 def estimate(preset: str) -> dict[str, Any]:
     """The guard's need per stage of a real-size preset, from its components on the meta device, and the verdict."""
-    import torch
-
-    from services.memory_budget import MemoryBudgetError, WeightNeed, available_bytes, check_weights_fit
-
     _, module = REAL_SIZE[preset]
-    builders = importlib.import_module(module).real_size_builders(preset)
-    components: dict[str, dict[str, int]] = {stage: {} for stage in STAGES}
-    parameters: dict[str, int] = {}
-    for name, build in builders.items():
-        with torch.device("meta"):
-            built = build()
-        components[_stage_of(name)][name] = _bf16_bytes(built)
-        parameters[name] = sum(p.numel() for p in built.parameters())
-        del built
-    available = available_bytes(torch.device("cpu"))
-    stages = {}
-    for stage, sizes in components.items():
-        need = WeightNeed(stage, torch.device("cpu"), torch.bfloat16, sizes)
-        try:
-            check_weights_fit(need, available)
-            refusal = None
-        except MemoryBudgetError as error:
-            refusal = f"stagediff serve {stage}: {error}"
-        stages[stage] = {
-            "components": sizes,
-            "need_bytes": need.total_bytes,
-            "fits": refusal is None,
-            "refusal": refusal,
-        }
-    return {"parameters": parameters, "available_bytes": available[0], "stages": stages}
-
-
-def _load_stage(stage: str, model: str, threads: int) -> dict[str, Any]:
-    """The stage's need from the checkpoint's files (as the stage computes it), then its components loaded."""
-    import torch
-
-    from services.memory_budget import checkpoint_components, stage_need
-    from stagekit.weights import load_pretrained
-
-    root = Path(model)
-    if stage == "text-encoder":
-        components = checkpoint_components(root, library="transformers")
-    else:
-        components = checkpoint_components(root, names=["transformer" if stage == "dit" else "vae"])
-    need = stage_need(stage, torch.device("cpu"), torch.bfloat16, components)
-    started = time.perf_counter()
-    loaded = [
-        load_pretrained(cls, folder, dtype=torch.bfloat16, num_threads=threads) for cls, folder in components.values()
-    ]
-    seconds = time.perf_counter() - started
-    return {
-        "guard_need_bytes": need.total_bytes,
-        "load_s": round(seconds, 2),
-        "peak_rss_bytes": peak_rss(),
-        "loaded_parameters": sum(p.numel() for module in loaded for p in module.parameters()),
-    }
-
-
-def measure_written(preset: str, threads: int, root: Path) -> dict[str, Any]:
-    from families.init_model import init_model
-
-    family, _ = REAL_SIZE[preset]
-    out = root / preset
-    started = time.perf_counter()
-    init_model(family, preset, out)
-    write_s = time.perf_counter() - started
-    disk = sum(path.stat().st_size for path in out.rglob("*") if path.is_file())
-    stages = {stage: _in_fresh_process(_load_stage, stage, str(out), threads) for stage in STAGES}
-    shutil.rmtree(out)
-    return {"write_s": round(write_s, 1), "disk_bytes": disk, "stages": stages}
+    return estimate_stages(importlib.import_module(module).real_size_builders(preset))
 
 
 def main() -> None:
@@ -259,8 +159,9 @@ def main() -> None:
         report["small"] = measure_small(args.families, args.threads, root)
         report["real_size"] = {preset: estimate(preset) for preset in args.estimate}
         for preset in args.write:
+            family, _ = REAL_SIZE[preset]
             report["real_size"].setdefault(preset, estimate(preset))["written"] = measure_written(
-                preset, args.threads, root
+                family, preset, args.threads, root
             )
     print(json.dumps(report, indent=2))
 

@@ -96,6 +96,10 @@ HUNYUANVIDEO_15 = Family(
     denoiser="families.hunyuanvideo_15.denoise:HunyuanVideo15Denoiser",
     decoder="families.hunyuanvideo_15.decode:HunyuanVideo15StreamingDecoder",
     writer="families.hunyuanvideo_15.init_model:write_checkpoint",
+    own_presets={
+        "hunyuanvideo-1.5-480p-config": "HunyuanVideo-1.5-Diffusers-480p_t2v's published configs (8.3B transformer, "
+        "Qwen2.5-VL-7B, Glyph ByT5), random bf16 weights",
+    },
     features=_features(_FEATURE_CLASSES, "test_hunyuanvideo_15_cluster_equals_pipeline"),
 )
 
@@ -130,6 +134,10 @@ HUNYUANVIDEO_15_I2V = Family(
     denoiser="families.hunyuanvideo_15.denoise:HunyuanVideo15Denoiser",
     decoder="families.hunyuanvideo_15.decode:HunyuanVideo15StreamingDecoder",
     writer="families.hunyuanvideo_15.init_model:write_checkpoint",
+    own_presets={
+        "hunyuanvideo-1.5-480p-i2v-config": "HunyuanVideo-1.5-Diffusers-480p_i2v's published configs (8.3B "
+        "transformer, Qwen2.5-VL-7B, Glyph ByT5, SigLIP so400m), random bf16 weights",
+    },
     features=_features(_FEATURE_CLASSES + "I2V", "test_hunyuanvideo_15_i2v_cluster_equals_pipeline"),
 )
 

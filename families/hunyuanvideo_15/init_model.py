@@ -5,7 +5,8 @@ HunyuanVideo15Transformer3DModel, AutoencoderKLHunyuanVideo15, a Qwen2.5-VL lang
 with a locally trained byte-level BPE tokenizer carrying a Qwen2.5 chat template, a ByT5 encoder
 (T5EncoderModel over bytes) with its byte tokenizer, the flow-matching scheduler and the CFG guider, written by
 `write_checkpoint`; image-to-video adds a SigLIP vision encoder and its image processor. The preset tables below
-size every component.
+size every component of "tiny" and "small"; the real-size presets (`*-config`, the published 480p configs with
+random bf16 weights) are real_size.py's.
 """
 
 from __future__ import annotations
@@ -110,7 +111,9 @@ TEMPLATE = (
     CROP_START,
 )
 
-# FlowMatchEulerDiscreteScheduler with a fixed shift (the 480p models' 5.0) and the guider's CFG scale (6.0).
+# FlowMatchEulerDiscreteScheduler's fixed shift and the guider's CFG scale as the published 480p checkpoints
+# (t2v and i2v) configure them: diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py, SCHEDULER_CONFIGS and
+# GUIDANCE_CONFIGS (720p: shift 9.0 for t2v, 7.0 for i2v, scale 6.0; the distilled checkpoints: scale 1.0).
 SCHEDULER_SHIFT = 5.0
 GUIDANCE_SCALE = 6.0
 
@@ -151,9 +154,13 @@ I2V_FAMILY = "hunyuanvideo-1.5-i2v"
 
 def write_checkpoint(family: Family, out: Path, preset: str, seed: int, save_kwargs: dict[str, Any]) -> None:
     """Both tokenizers and text encoders, transformer, VAE, scheduler, guider, model_index.json and defaults; for
-    image-to-video also SigLIP and its image processor."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from diffusers.guiders import ClassifierFreeGuidance
+    image-to-video also SigLIP and its image processor. A `*-config` preset is the published configs' (real_size.py).
+    """
+    if preset.endswith("-config"):
+        from families.hunyuanvideo_15.real_size import write_real_size_checkpoint
+
+        write_real_size_checkpoint(family, out, preset, seed, save_kwargs)
+        return
     from transformers import ByT5Tokenizer
 
     tokenizer = build_chat_tokenizer(preset)
@@ -169,8 +176,7 @@ def write_checkpoint(family: Family, out: Path, preset: str, seed: int, save_kwa
     save_component(build_transformer(preset, image_to_video), out, "transformer", save_kwargs)
     torch.manual_seed(seed)
     save_component(build_vae(preset), out, "vae", save_kwargs)
-    FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SCHEDULER_SHIFT).save_pretrained(out / "scheduler")
-    ClassifierFreeGuidance(guidance_scale=GUIDANCE_SCALE).save_pretrained(out / "guider")
+    save_scheduler_and_guider(out)
 
     components = dict(COMPONENT_CLASSES)
     if image_to_video:
@@ -181,6 +187,15 @@ def write_checkpoint(family: Family, out: Path, preset: str, seed: int, save_kwa
         components.update(IMAGE_COMPONENT_CLASSES)
     write_model_index(out, family, components)
     write_default_request(out, family, DEFAULT_REQUESTS[preset])
+
+
+def save_scheduler_and_guider(out: Path) -> None:
+    """The published 480p scheduler (its fixed shift) and CFG guider (its scale) in `out/scheduler`, `out/guider`."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SCHEDULER_SHIFT).save_pretrained(out / "scheduler")
+    ClassifierFreeGuidance(guidance_scale=GUIDANCE_SCALE).save_pretrained(out / "guider")
 
 
 def build_chat_tokenizer(preset: str) -> Any:
