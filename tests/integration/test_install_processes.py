@@ -26,9 +26,19 @@ import pytest
 from tests.helpers.client_only import NOT_INSTALLED_FINDER, SERVER_COMMAND_MODULES, SERVER_PACKAGES
 
 REPOSITORY = Path(__file__).resolve().parents[2]
-# Not part of a fresh clone: build outputs, environments, caches, local models.
+# Not part of a fresh clone: build outputs, environments, caches (the component identities `make demo` caches beside
+# the demo model's files included), local models.
 NOT_IN_A_CLONE = shutil.ignore_patterns(
-    ".git", ".venv*", "build", "dist", "models", "out", "__pycache__", "*.egg-info", ".*_cache"
+    ".git",
+    ".venv*",
+    "build",
+    "dist",
+    "models",
+    "out",
+    "__pycache__",
+    "*.egg-info",
+    ".*_cache",
+    ".stagediff-identity.json",
 )
 # What `--help` must not load: the client's heavy dependencies, used only once a command runs.
 HEAVY = ("grpc", "numpy", "av", "PIL", "google.protobuf", "rich", "torch", "yaml")
