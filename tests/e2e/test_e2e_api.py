@@ -93,9 +93,23 @@ def test_deadline_cancels_the_job(cluster) -> None:
         (job,) = [j for j in client.list_jobs() if j.request.request_id == "deadline-1"]
         deadline = time.monotonic() + 30
         while job.state not in (generation_pb2.JOB_STATE_CANCELLED, generation_pb2.JOB_STATE_FAILED):
-            assert time.monotonic() < deadline, "the job kept running after its deadline"
+            assert time.monotonic() < deadline, _still_running(cluster, job)
             time.sleep(0.1)
             job = client.get_job(job.job_id)
+
+
+def _still_running(cluster, job: generation_pb2.Job) -> str:
+    """Why a job outlived its deadline, as far as its record and the orchestrator's log say."""
+    state = generation_pb2.JobState.Name(job.state)
+    logged = [
+        line
+        for path in sorted(cluster.log_dir.glob("orchestrator*.log"))
+        for line in path.read_text(errors="replace").splitlines()
+        if job.job_id in line
+    ]
+    return f"the job kept running after its deadline: {state} in '{job.current_stage}'; its log:\n" + "\n".join(
+        logged[-40:]
+    )
 
 
 def test_list_models_and_cluster_info(cluster) -> None:

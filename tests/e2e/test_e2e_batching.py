@@ -102,11 +102,17 @@ def test_cancelling_one_request_of_a_batch_stops_only_it(batching_cluster) -> No
     cluster, keys, log_dir = batching_cluster
     progress: list[list[int]] = [[] for _ in REQUESTS]
     cancel_after = [0, 2, 0]  # the second request, of the other tenant, is cancelled after its second step
+    # Many steps, so that the cancel's trip (the step's event to the client, its cancel back to the DiT) ends
+    # long before the last step however loaded the machine is; that a dropped row leaves at the next step
+    # boundary is proven without the clock by the batching mixin (tests/helpers/feature_mixins/batching.py).
+    steps = {"num_inference_steps": 30}
 
     async def together():
         return await asyncio.gather(
             *(
-                _generate(cluster.endpoint, keys[tenant], prompt, arguments, progress[index], cancel_after[index])
+                _generate(
+                    cluster.endpoint, keys[tenant], prompt, {**arguments, **steps}, progress[index], cancel_after[index]
+                )
                 for index, (tenant, prompt, arguments) in enumerate(REQUESTS)
             ),
             return_exceptions=True,
@@ -117,10 +123,10 @@ def test_cancelling_one_request_of_a_batch_stops_only_it(batching_cluster) -> No
     assert any("a batch of 3 requests" in line for line in _batches_in(log_dir)[before:])
     cancelled = results[1]
     assert isinstance(cancelled, StageDiffError) and cancelled.code == grpc.StatusCode.CANCELLED, cancelled
-    # Stopped within a step of the cancel: the DiT reported at most one more step.
-    assert 2 <= max(progress[1]) <= 3, progress[1]
+    # Stopped after the cancel, long before its last step; the others ran every step.
+    assert progress[1] == list(range(1, len(progress[1]) + 1)) and 2 <= len(progress[1]) < 30, progress[1]
     for index in (0, 2):
         tenant, prompt, arguments = REQUESTS[index]
-        alone = _alone(cluster.endpoint, keys[tenant], prompt, arguments)
+        alone = _alone(cluster.endpoint, keys[tenant], prompt, {**arguments, **steps})
         assert np.abs(results[index].frames.astype(np.int16) - alone.astype(np.int16)).max() <= 1, index
-        assert progress[index] == list(range(1, CASE["num_inference_steps"] + 1))
+        assert progress[index] == list(range(1, 31))
