@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import inspect
 import ipaddress
 import logging
@@ -356,6 +357,9 @@ async def serve(
     if on_shutdown is not None:
         await on_shutdown()
     logger.info("%s stopped", name)
+    # The process exits next. Frozen, the heap (millions of objects torch and the model libraries made) is left
+    # out of the collections of the interpreter's teardown, which would otherwise take seconds.
+    gc.freeze()
 
 
 async def _bind(

@@ -3,6 +3,7 @@ the group's lead hands them (over a multiprocessing queue per rank) and reply on
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -84,6 +85,7 @@ def follower_main(
             replies.put((rank, "error", traceback.format_exc()))
             return
     dist.destroy_process_group()
+    gc.freeze()  # the process exits next: its teardown skips collecting the heap (services/server.py `serve`)
 
 
 def spawn_followers(

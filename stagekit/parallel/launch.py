@@ -9,6 +9,7 @@ itself (dit_svc/group.py).
 
 from __future__ import annotations
 
+import gc
 import io
 import multiprocessing
 import os
@@ -40,6 +41,9 @@ def _worker(rank: int, world_size: int, threads: int, init_file: str, fn: Callab
             dist.destroy_process_group()
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
+    # The process exits next: frozen, its heap is left out of the interpreter teardown's collections (seconds
+    # with torch and the model libraries imported).
+    gc.freeze()
 
 
 def run_ranks(
