@@ -501,3 +501,16 @@ def test_the_sdk_assembles_the_sound_and_writes_it_as_wav(tmp_path: Path) -> Non
     assert silent.audio is None and silent.audio_sample_rate == 0
     with pytest.raises(ValueError, match="no sound"):
         silent.save(tmp_path / "silent.wav")
+
+
+def test_the_cli_writes_the_sound_beside_raw_frames(tmp_path: Path, capsys) -> None:
+    import json
+
+    from stagediff.client_commands import _save
+
+    sound = chord(5)
+    result = GenerationResult("j", np.zeros((5, 4, 4, 3), np.uint8), 16.0, audio=sound, audio_sample_rate=RATE)
+    assert _save(result, tmp_path / "clip.npz", 0.0) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["audio"] == {"sample_rate": RATE, "channels": 2, "samples": sound.shape[1]}
+    assert summary["audio_out"] == str(tmp_path / "clip.wav") and (tmp_path / "clip.wav").is_file()
