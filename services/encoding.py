@@ -138,6 +138,40 @@ def check_output(name: str, quality: int | None, keep_raw_frames: bool, num_fram
     return output
 
 
+# GenerateRequest.audio_codec: "" picks the output format's own; "none" leaves the sound out; "raw" is the float32
+# waveform as a tensor (output_format raw). Each format's codecs, its default first; gif and images carry none.
+AUDIO_NONE = "none"
+AUDIO_RAW = "raw"
+AUDIO_CODECS: dict[str, tuple[str, ...]] = {RAW: (AUDIO_RAW,), "mp4": ("aac",), "webm": ("opus",)}
+_ALL_AUDIO_CODECS = ("", AUDIO_NONE, AUDIO_RAW, "aac", "opus")
+
+
+def check_audio(codec: str, output: OutputFormat, model: str, sample_rate: int) -> str:
+    """The audio_codec a request runs with ("" for a model without sound, "none" for a silent result); ValueError
+    naming the field and what is allowed. A format that carries no sound gets "none" for "" (the caller tells
+    the job why)."""
+    if codec not in _ALL_AUDIO_CODECS:
+        raise ValueError(
+            f"audio_codec: {codec[:32]!r} is not a codec; use one of {', '.join(repr(c) for c in _ALL_AUDIO_CODECS)}"
+        )
+    if sample_rate <= 0:
+        if codec:
+            raise ValueError(f"audio_codec: model '{model}' makes no sound; leave audio_codec empty")
+        return ""
+    allowed = AUDIO_CODECS.get(output.name, ())
+    if codec == AUDIO_NONE:
+        return codec
+    if not codec:
+        return allowed[0] if allowed else AUDIO_NONE
+    if codec not in allowed:
+        carries = f"carries only {', '.join(allowed)}" if allowed else "carries no sound"
+        raise ValueError(
+            f"audio_codec: output_format {output.name} {carries}; "
+            f"use {' or '.join(repr(c) for c in ('', AUDIO_NONE, *allowed))}"
+        )
+    return codec
+
+
 def memory_bounds(output: OutputFormat, threads: int | None, lookahead_frames: int | None) -> dict[str, str]:
     """The codec options that cap a video encoder's threads and lookahead (None: the codec's default)."""
     bounds = {}

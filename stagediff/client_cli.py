@@ -242,6 +242,13 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with an encoded --output-format, also receive the raw frames (default: the encoded file only)",
     )
+    parser.add_argument(
+        "--audio-codec",
+        choices=("none", "aac", "opus", "raw"),
+        default=None,
+        help="for a model that makes sound: none for a silent result, or the codec: aac (mp4), opus (webm), raw "
+        "(the waveform; written beside raw frames as a .wav) (default: the format's own)",
+    )
 
 
 def _add_output_format_argument(parser: argparse.ArgumentParser, default: str) -> None:

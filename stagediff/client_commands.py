@@ -202,10 +202,23 @@ def _save(result: GenerationResult, out: Path | None, started: float) -> int:
     print_notices(result.notices)
     try:
         path = result.save(out) if out is not None else None
+        # A file written from the raw frames (.npz, .png) holds no sound: the waveform goes beside it as a .wav.
+        sound = None
+        if path is not None and result.audio is not None and (result.data is None or path.suffix.lower() == ".npz"):
+            sound = result.save_audio(path.with_suffix(".wav"))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(_summary(result, path, started)))
+    summary = _summary(result, path, started)
+    if result.audio is not None:
+        summary["audio"] = {
+            "sample_rate": result.audio_sample_rate,
+            "channels": int(result.audio.shape[0]),
+            "samples": int(result.audio.shape[1]),
+        }
+        if sound is not None:
+            summary["audio_out"] = str(sound)
+    print(json.dumps(summary))
     return 0
 
 

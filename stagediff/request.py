@@ -68,6 +68,10 @@ class RequestOptions(TypedDict, total=False):
     output_quality: int
     # With an encoded output_format, also send (and keep on the server) the raw frames.
     keep_raw_frames: bool
+    # For a model that makes video with sound (LTX-2): "" or unset for the output format's own (aac in mp4,
+    # opus in webm, the float32 waveform in GenerationResult.audio with raw), "none" for a silent result, or
+    # "aac" (mp4), "opus" (webm), "raw" (raw) by name.
+    audio_codec: str
 
 
 OPTION_NAMES = frozenset(RequestOptions.__annotations__)
@@ -100,6 +104,7 @@ def build_request(prompt: str, **options: Unpack[RequestOptions]) -> generation_
         request_id=given.get("request_id") or uuid.uuid4().hex,
         output_format=given.get("output_format", ""),
         keep_raw_frames=given.get("keep_raw_frames", False),
+        audio_codec=given.get("audio_codec", ""),
     )
     for value, role in (
         (given.get("image"), image_pb2.IMAGE_ROLE_UNSPECIFIED),

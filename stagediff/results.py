@@ -17,6 +17,8 @@ from stagediff.protocol import MEDIA_TYPE_EXTENSIONS
 from stagediff.tensor_codec import TensorAssembler
 from stagediff.v1 import generation_pb2, stages_pb2
 
+AUDIO_TENSOR = "audio"  # the result tensor that holds a result's sound (ResultChunk in generation.proto)
+
 
 @dataclass
 class Queued:
@@ -79,6 +81,9 @@ class GenerationResult:
     holds the file in `data` and its `media_type` ("video/mp4", "image/png", ...); its `frames` are decoded
     from `data` on first access (PyAV for mp4, webm and gif; Pillow for png, jpeg and webp), unless the raw
     frames came too (`keep_raw_frames`). A raw result has `data` None and `media_type` "".
+    A result with sound (a model that makes video with sound, such as LTX-2) has its waveform in `audio`
+    (float32 [channels, samples]) at `audio_sample_rate` when the raw frames came, and muxed in `data` for
+    mp4 (AAC) and webm (Opus).
     """
 
     def __init__(
@@ -95,8 +100,11 @@ class GenerationResult:
         seed: int | None = None,
         num_frames: int | None = None,
         notices: list[Notice] | None = None,
+        audio: np.ndarray | None = None,
+        audio_sample_rate: int = 0,
     ) -> None:
-        """`frames` or `data` (with its `media_type`) or both; `num_frames` defaults to the frames' count."""
+        """`frames` or `data` (with its `media_type`) or both; `num_frames` defaults to the frames' count.
+        `audio`: the sound's waveform, float32 [channels, samples] at `audio_sample_rate`, for a result with sound."""
         if frames is None and data is None:
             raise ValueError("frames: give the frames, or data (an encoded file with its media_type), or both")
         self.job_id = job_id
@@ -114,6 +122,11 @@ class GenerationResult:
         self.num_frames = num_frames if num_frames is not None else len(frames) if frames is not None else 0
         # What was changed in the request without the caller asking (a truncated prompt), in the order it was made.
         self.notices = list(notices or [])
+        # The sound of a model that makes video with sound (LTX-2): float32 [channels, samples] in [-1, 1] at
+        # `audio_sample_rate` samples per second, beside the raw frames (output_format raw, or keep_raw_frames);
+        # None for a silent result, or an encoded one without its raw frames (its sound is muxed in `data`).
+        self.audio = audio
+        self.audio_sample_rate = audio_sample_rate if audio is not None else 0
 
     @property
     def frames(self) -> np.ndarray:
@@ -128,12 +141,15 @@ class GenerationResult:
 
         An encoded result is written as it is when the extension is its media type's (.mp4 for video/mp4;
         .webm, .gif, .png, .jpg or .jpeg, .webp likewise). Otherwise the frames are written by extension: .mp4
-        (H.264), .png (one frame) or .npz (lossless `frames` and `fps`).
+        (H.264), .png (one frame) or .npz (lossless `frames` and `fps`); .wav writes the sound (16-bit PCM) of a
+        result that has `audio`.
         """
         from stagediff.media import save_frames
 
         path = Path(path)
         extension = path.suffix.lower()
+        if extension == ".wav":
+            return self.save_audio(path)
         if self.data is not None and extension in MEDIA_TYPE_EXTENSIONS.get(self.media_type, ()):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(self.data)
@@ -146,8 +162,29 @@ class GenerationResult:
             )
         return save_frames(path, self.frames, self.fps)
 
+    def save_audio(self, path: str | Path) -> Path:
+        """Writes the sound to `path` as a WAV file (16-bit PCM at `audio_sample_rate`); ValueError without one."""
+        import wave
+
+        if self.audio is None:
+            raise ValueError(
+                "path: this result has no sound to write as .wav (its model makes none, or it was not sent)"
+            )
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        channels = self.audio.shape[0]
+        pcm = (np.clip(self.audio, -1.0, 1.0) * 32767.0).round().astype("<i2").T
+        with wave.open(str(path), "wb") as out:
+            out.setnchannels(channels)
+            out.setsampwidth(2)
+            out.setframerate(self.audio_sample_rate)
+            out.writeframes(np.ascontiguousarray(pcm).tobytes())
+        return path
+
     def __repr__(self) -> str:
         held = f"data={len(self.data)} bytes of {self.media_type}" if self.data is not None else "raw frames"
+        if self.audio is not None:
+            held += f", audio {list(self.audio.shape)} at {self.audio_sample_rate} Hz"
         return (
             f"GenerationResult(job_id={self.job_id!r}, num_frames={self.num_frames}, fps={self.fps}, {held}, "
             f"seed={self.seed})"
@@ -172,6 +209,8 @@ class ResultBuilder:
         self.encoded: list[bytes] = []
         self.encoded_size = 0
         self.media_type = ""
+        self.audio: np.ndarray | None = None
+        self.audio_sample_rate = 0
 
     def consume(self, event: generation_pb2.GenerateEvent) -> list[Event]:
         kind = event.WhichOneof("event")
@@ -184,7 +223,9 @@ class ResultBuilder:
             events: list[Event] = []
             if event.result.HasField("tensor"):
                 tensor = self.assembler.feed(event.result.tensor)
-                if tensor is not None:
+                if tensor is not None and tensor.name == AUDIO_TENSOR:
+                    self._add_audio(tensor.array, event.result.audio_sample_rate)
+                elif tensor is not None:
                     self.pieces[tensor.index] = tensor.array
                     events.append(FramesReceived(event.job_id, tensor.index, tensor.shape[0]))
             if event.result.HasField("encoded"):
@@ -193,6 +234,17 @@ class ResultBuilder:
         if kind == "completed":
             return [self._finish(event.job_id, event.completed)]
         return []
+
+    def _add_audio(self, waveform: np.ndarray, sample_rate: int) -> None:
+        if self.audio is not None:
+            raise InternalError(grpc.StatusCode.DATA_LOSS, "audio: the sound arrived twice")
+        if waveform.dtype != np.float32 or waveform.ndim != 2 or sample_rate <= 0:
+            raise InternalError(
+                grpc.StatusCode.DATA_LOSS,
+                f"audio: a {waveform.dtype} tensor of shape {list(waveform.shape)} at {sample_rate} Hz is not a "
+                "float32 [channels, samples] sound",
+            )
+        self.audio, self.audio_sample_rate = waveform, sample_rate
 
     def _add_encoded(self, job_id: str, chunk: generation_pb2.EncodedChunk) -> BytesReceived:
         if chunk.offset != self.encoded_size:
@@ -240,4 +292,6 @@ class ResultBuilder:
             seed=completed.seed,
             num_frames=completed.num_frames,
             notices=[Notice.from_proto(notice) for notice in completed.notices],
+            audio=self.audio,
+            audio_sample_rate=self.audio_sample_rate,
         )

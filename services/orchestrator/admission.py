@@ -19,8 +19,10 @@ A job never holds its input images' bytes (`without_image_bytes`).
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import TYPE_CHECKING
 
+from services.encoding import AUDIO_NONE
 from services.orchestrator.scheduler import AdmissionRefused, FairScheduler, JobLimits, TenantLimits
 from services.orchestrator.store import JobStore, MinFree, StoreFull
 from services.orchestrator.tenants import LimitExceeded, Tenant, output_frames
@@ -31,6 +33,10 @@ if TYPE_CHECKING:  # job.py imports without_image_bytes
 
 # When a refused job may try again after the state volume was found too full.
 DISK_FULL_RETRY_AFTER_S = 60.0
+# The sound a result with sound is reserved at, whatever its model's (LTX-2: 24 kHz stereo): bytes are not
+# known at admission for a job's model, only that it has sound.
+AUDIO_RESERVE_RATE = 48_000
+AUDIO_RESERVE_CHANNELS = 2
 
 
 class StorageRefused(AdmissionRefused):
@@ -84,11 +90,27 @@ def without_image_bytes(request: generation_pb2.GenerateRequest) -> generation_p
     return cleared
 
 
+def has_sound(request: generation_pb2.GenerateRequest) -> bool:
+    """Whether a completed request's result has sound (its model makes some and the request keeps it)."""
+    return request.audio_codec not in ("", AUDIO_NONE)
+
+
+def max_audio_samples(request: generation_pb2.GenerateRequest, sample_rate: int) -> int:
+    """The most samples per channel a result's sound may have: the video's length (the VAE's frames at the
+    request's fps; interpolation adds frames, never time) at `sample_rate`, with a quarter and a second to spare."""
+    if sample_rate <= 0 or request.fps <= 0:
+        return 0
+    return math.ceil(request.num_frames / request.fps * sample_rate * 1.25) + sample_rate
+
+
 def result_bytes(request: generation_pb2.GenerateRequest) -> int:
     """The bytes a job's result is reserved at admission: its raw frames, twice when an encoded result keeps them
-    too (an encoded file is not larger than the frames it encodes, but for a few bytes of header)."""
+    too (an encoded file is not larger than the frames it encodes, but for a few bytes of header), and its
+    sound's float32 waveform at its bound (at AUDIO_RESERVE_RATE and _CHANNELS, above any served model's)."""
     frames, height, width, channels = result_shape(request)
     raw = frames * height * width * channels
+    if has_sound(request):
+        raw += max_audio_samples(request, AUDIO_RESERVE_RATE) * AUDIO_RESERVE_CHANNELS * 4
     return raw * 2 if request.keep_raw_frames else raw
 
 

@@ -1,7 +1,9 @@
 """A job's encoded result, made while its frames arrive: each published piece of frames is fed to the job's
 `ResultEncoder` (encoding.py), and whatever the encoder writes is appended to the job's encoded file and
 announced to its followers (`Job.publish_encoded`), so that a client receives the start of an MP4 while the
-stages still make its end. Encoding runs off the event loop (PyAV releases the GIL while it encodes).
+stages still make its end. A result with sound has its waveform muxed in (`add_audio`: AAC in mp4, Opus in webm)
+when the VAE sends it, after its frames or, past an interpolator, between them. Encoding runs off the event
+loop (PyAV releases the GIL while it encodes).
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import av
+import numpy as np
 
-from services.encoding import ResultEncoder, output_format
+from services.encoding import AudioTrack, ResultEncoder, output_format
 from services.orchestrator.job import Job
 from services.orchestrator.store import EncodedWriter, ResultReader, ResultWriter
 
@@ -38,18 +41,34 @@ class EncodedResult:
         self._reader: ResultReader | None = None
         self.output = output_format(request.output_format)
         self.quality = request.output_quality if request.HasField("output_quality") else None
-        # Made with the first frames, once the pipeline knows the output frame rate (interpolation raises it).
+        # Made with the first frames or the sound, once the pipeline knows the output frame rate (interpolation
+        # raises it) and the model's sound (`sound`, set by the pipeline for a result with sound).
         self.encoder: ResultEncoder | None = None
+        self.sound: AudioTrack | None = None
+
+    def _encoder(self) -> ResultEncoder:
+        if self.encoder is None:
+            request = self.job.request
+            try:
+                self.encoder = ResultEncoder(
+                    self.output, self.quality, request.height, request.width, self.job.fps_out, audio=self.sound
+                )
+            except (ValueError, av.FFmpegError) as error:
+                raise EncodingError(f"encoding the result as {self.output.name}: {error}") from None
+        return self.encoder
 
     async def add(self, first: int, count: int) -> None:
         """Encodes frames [first, first + count), just written to the job's result file."""
-        if self.encoder is None:
-            request = self.job.request
-            self.encoder = ResultEncoder(self.output, self.quality, request.height, request.width, self.job.fps_out)
+        encoder = self._encoder()
         if self._reader is None:
             self._reader = await asyncio.to_thread(self._frames.open_reader)
         frames = await asyncio.to_thread(self._reader.frames, first, count)
-        await self._append(await self._encode(self.encoder.add, frames), last=False)
+        await self._append(await self._encode(encoder.add, frames), last=False)
+
+    async def add_audio(self, waveform: np.ndarray) -> None:
+        """Encodes the result's whole sound, float32 [channels, samples] (AAC in mp4, Opus in webm)."""
+        encoder = self._encoder()
+        await self._append(await self._encode(encoder.add_audio, waveform), last=False)
 
     async def finish(self) -> None:
         """Flushes the encoder: the file's last bytes, announced as its end."""

@@ -6,7 +6,9 @@ follow it, so a client that reconnects sees the whole history, result included.
 The log holds no frames: the pipeline writes them to the job's result file in
 the store and logs a `ResultPiece` (first frame, count) per piece; a follower
 reaching one reads the piece back from the file one wire chunk at a time, so
-memory grows neither with the video nor with the number of readers. A job with
+memory grows neither with the video nor with the number of readers. The sound of
+a result with sound is written whole to its own file and logged as an `AudioPiece`,
+read back the same way by the followers that receive raw frames. A job with
 an encoded output_format logs an `EncodedPiece` for each part of its encoded
 file the encoder wrote (followers read it back the same way), and sends its raw
 frames only when the request keeps them. A finished job read back from the
@@ -33,6 +35,8 @@ from services.encoding import output_format
 from services.orchestrator.admission import without_image_bytes
 from services.orchestrator.kept_outputs import PendingWrite
 from services.orchestrator.store import (
+    AudioReader,
+    AudioWriter,
     EncodedReader,
     EncodedWriter,
     JobRecord,
@@ -64,6 +68,16 @@ class ResultPiece:
 
 
 @dataclass(frozen=True)
+class AudioPiece:
+    """A log entry for the result's sound, written whole to the job's sound file (`Job.audio`).
+
+    Followers that receive the raw frames turn it into the chunks of tensor "audio" float32 [channels, samples].
+    """
+
+    sample_rate: int
+
+
+@dataclass(frozen=True)
 class EncodedPiece:
     """A log entry for bytes [offset, offset + size) of the job's encoded file; `last` marks the file's end."""
 
@@ -78,6 +92,7 @@ class JobIntermediates(TypedDict, total=False):
     outputs: dict[str, list[tensor_pb2.TensorChunk]]  # the finished stages' outputs, by stage
     cancel_reason: tuple[grpc.StatusCode, str]  # the status a cancelled run ends with
     frames_published: int  # frames of the result already published (services/orchestrator/result_publisher.py)
+    audio_published: bool  # the result's sound is written and published (a retried VAE's is dropped)
     lease_lost: bool  # another replica runs the job now: this run records nothing
     # The run stops to run again, elsewhere (the replica leaves and requeues the job itself) or after a restart
     # (the orchestrator shuts down): its outcome is not recorded, and its kept outputs are written at once.
@@ -119,12 +134,14 @@ class Job:
     # Results of finished stages, kept so that a failed later stage can be retried from them.
     intermediates: JobIntermediates = field(default_factory=JobIntermediates)
     # The log: events, and a ResultPiece for each piece of frames written to `result`.
-    events: list[generation_pb2.GenerateEvent | ResultPiece | EncodedPiece] = field(default_factory=list)
+    events: list[generation_pb2.GenerateEvent | ResultPiece | EncodedPiece | AudioPiece] = field(default_factory=list)
     # The result file the pipeline writes while the job runs (and followers read from).
     result: ResultWriter | None = None
     # The encoded file (output_format other than raw), written alongside, and the encoder that writes it.
     encoded: EncodedWriter | None = None
     encoder: EncodedResult | None = None
+    # The result's sound (a model that makes video with sound), written whole once the VAE sent it.
+    audio: AudioWriter | None = None
     # The stages the job runs through, and the latest step each reported (for progress_percent).
     chain: tuple[str, ...] = ()
     steps: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -171,6 +188,12 @@ class Job:
     async def publish_piece(self, first: int, count: int, fps: float) -> None:
         """Tells followers that frames [first, first + count) are in the result file."""
         self.events.append(ResultPiece(first, count, fps))
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def publish_audio(self, sample_rate: int) -> None:
+        """Tells followers that the result's sound is in its sound file (`audio`)."""
+        self.events.append(AudioPiece(sample_rate))
         async with self.changed:
             self.changed.notify_all()
 
@@ -223,6 +246,11 @@ class Job:
                         async for event in self._encoded_events(encoded, item, chunk_bytes):
                             yield event
                         continue
+                    if isinstance(item, AudioPiece):
+                        if not skip_frames:
+                            async for event in self._audio_events(item, chunk_bytes):
+                                yield event
+                        continue
                     if not isinstance(item, ResultPiece):
                         yield item
                         continue
@@ -266,6 +294,29 @@ class Job:
             if self.state == JobState.JOB_STATE_SUCCEEDED:
                 raise
             return None
+
+    async def _audio_events(self, piece: AudioPiece, chunk_bytes: int) -> AsyncIterator[generation_pb2.GenerateEvent]:
+        """The chunks of the result's sound, read from its file; none when the job did not succeed and the
+        file is gone."""
+        try:
+            if self.audio is None:
+                raise ResultGone(f"job {self.job_id}: it has no sound file")
+            reader: AudioReader = await asyncio.to_thread(self.audio.open_reader)
+        except ResultGone:
+            if self.state == JobState.JOB_STATE_SUCCEEDED:
+                raise
+            return
+        try:
+            chunks = reader.chunks(chunk_bytes=chunk_bytes)
+            while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+                yield generation_pb2.GenerateEvent(
+                    job_id=self.job_id,
+                    result=generation_pb2.ResultChunk(
+                        tensor=chunk, fps=self.fps_out, audio_sample_rate=piece.sample_rate
+                    ),
+                )
+        finally:
+            reader.close()
 
     async def _encoded_events(
         self, reader: EncodedReader, piece: EncodedPiece, chunk_bytes: int

@@ -5,7 +5,8 @@
   prompts are encoded; a request's input images go through the VAE's Encode at the same time (kept as
   "vae-encode"; its "image_latents" join the conditioning). Later stages run at the same time, joined by
   queues: each chunk is forwarded as it arrives and the last stage's frames go to the result
-  (`ResultPublisher`). The calls themselves are in services/orchestrator/stage_calls.py.
+  (`ResultPublisher`); the VAE's sound (a model that makes video with sound) goes straight to the result, past
+  the interpolator. The calls themselves are in services/orchestrator/stage_calls.py.
 - Finished stages leave their output (`KEPT_OUTPUTS`) in `job.intermediates` and, once the job has run on
   past them a while (services/orchestrator/kept_outputs.py), in the `JobStore`, so a retry or a restarted
   orchestrator resumes after the last finished stage (`restore_intermediates`).
@@ -30,10 +31,10 @@ from typing import Any
 
 import grpc
 
-from services.encoding import RAW, output_format
+from services.encoding import RAW, AudioTrack, output_format
 from services.metrics import OrchestratorMetrics
 from services.orchestrator import kept_outputs
-from services.orchestrator.admission import result_shape
+from services.orchestrator.admission import has_sound, result_shape
 from services.orchestrator.cache_namespace import cache_namespace_key
 from services.orchestrator.chain import stages_for
 from services.orchestrator.dispatch import MOVED, store_failure
@@ -116,7 +117,7 @@ class Pipeline:
                     await kept_outputs.flush(saving)
                 else:
                     kept_outputs.drop(saving)
-                for file in (job.result, job.encoded):
+                for file in (job.result, job.encoded, job.audio):
                     if file is not None:
                         await asyncio.to_thread(file.discard)
 
@@ -134,6 +135,8 @@ class Pipeline:
                     )
                     job.encoder = EncodedResult(job, result, encoded)
                 await self._run_with_retries(job)
+                if has_sound(job.request) and job.audio is None:
+                    raise WireError("audio: the VAE sent no sound for a model that makes video with sound")
                 if job.encoder is not None:
                     await job.encoder.finish()
         except TimeoutError:
@@ -190,6 +193,7 @@ class Pipeline:
                 job.fps_out,
                 passes=(job.transformer_passes.run, job.transformer_passes.skipped),
                 encoded=job.encoded,
+                audio=job.audio,
                 keep_raw=job.request.keep_raw_frames,
                 timings=job.timings,
             )
@@ -271,7 +275,11 @@ class Pipeline:
             # The conditioning is kept: a retry or a restart resumes from it, never from the images again.
             await asyncio.to_thread(self.store.drop_input_images, job.job_id)
         assert job.result is not None  # `_run_and_store` made it before the run
-        publisher = ResultPublisher(job, job.result, job.fps_out, self.metrics)
+        limits = route.info.limits
+        sound = AudioTrack(limits.audio_sample_rate, limits.audio_channels) if limits.audio_sample_rate > 0 else None
+        if job.encoder is not None and has_sound(request):
+            job.encoder.sound = sound  # muxed beside the frames (before the first: the container's streams)
+        publisher = ResultPublisher(job, job.result, job.fps_out, self.metrics, sound=sound, store=self.store)
         # The DiT's input is the conditioning; each later stage's is the stage before's output.
         inbox: asyncio.Queue[Any] = asyncio.Queue()
         for chunk in [*outputs["text-encoder"], *(outputs[VAE_ENCODE] if encode_images else [])]:
@@ -311,8 +319,11 @@ class Pipeline:
             else:
                 await publisher.publish(chunk)
 
-        stage_calls = {"dit": self.calls.denoise, "vae": self.calls.decode, "interp": self.calls.interpolate}
-        await stage_calls[stage](job, route, inbox, emit)
+        if stage == "vae":  # its sound goes straight to the result, past the interpolator
+            await self.calls.decode(job, route, inbox, emit, publisher.publish_audio)
+        else:
+            stage_calls = {"dit": self.calls.denoise, "interp": self.calls.interpolate}
+            await stage_calls[stage](job, route, inbox, emit)
         if outbox is not None:
             outbox.put_nowait(END)  # first, so that the next stage does not wait for the store
         if kept is not None:

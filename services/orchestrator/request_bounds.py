@@ -40,6 +40,7 @@ MAX_DIGEST_CHARS = 64  # a hex SHA-256
 MAX_CACHE_METHOD_CHARS = 32  # the longest step cache name is 11
 MAX_LORAS = MAX_LORAS_PER_REQUEST  # above any DiT's --max-loras-per-request
 MAX_OUTPUT_FORMAT_CHARS = 16  # the longest name in services/orchestrator/encoding.py OUTPUT_FORMATS, and room
+MAX_AUDIO_CODEC_CHARS = 16  # the longest of services/encoding.py's audio codecs is 4, and room
 MAX_LORA_NAME_CHARS = 129  # TENANT/NAME, 64 characters each (services/validation.py LORA_NAME)
 # A front end's notices of what it changed (GenerateRequest.notices): a few, each a field, values and a sentence.
 MAX_REQUEST_NOTICES = 8
@@ -56,6 +57,7 @@ FIELD_LIMITS: dict[str, dict[str, int]] = {
         "images": MAX_IMAGES,
         "loras": MAX_LORAS,
         "output_format": MAX_OUTPUT_FORMAT_CHARS,
+        "audio_codec": MAX_AUDIO_CODEC_CHARS,
         "notices": MAX_REQUEST_NOTICES,
     },
     "stagediff.v1.Notice": {

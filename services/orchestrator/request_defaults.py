@@ -6,7 +6,8 @@ Rules a reader must know:
   bounds, the values allowed. Height, width, frames, steps, guidance and seed are bounded by the model's
   limits in services/validation.py, which the DiT stage runs again on what it receives.
 - `complete_request` checks in a fixed order and the first failure is the error: prompts, images, size,
-  sampling, seed, cache, adapters, the table's bounds, output format, then the stages the request needs.
+  sampling, seed, cache, adapters, the table's bounds, output format, sound (audio_codec), then the stages
+  the request needs.
 - Every refusal is a RequestError (INVALID_ARGUMENT) naming the field and what is allowed.
 - The completed request is what the job stores and echoes: it holds only what runs (interpolation off
   clears its fields), with the cache, adapters and output format it runs with.
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from google.protobuf.message import Message
 
 from families.base import Family
-from services.encoding import check_output
+from services.encoding import AUDIO_NONE, check_audio, check_output
 from services.images import ImageInfo
 from services.orchestrator.chain import check_request
 from services.orchestrator.request_images import complete_images, size_from_images
@@ -194,6 +195,21 @@ def complete_request(
     except ValueError as error:
         raise RequestError(str(error)) from None
     full.output_format = output.name
+    try:
+        full.audio_codec = check_audio(request.audio_codec, output, model, limits.audio_sample_rate)
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+    if limits.audio_sample_rate > 0 and not request.audio_codec and full.audio_codec == AUDIO_NONE:
+        full.notices.append(
+            stages_pb2.Notice(
+                field="audio_codec",
+                given="",
+                used=AUDIO_NONE,
+                message=f"output_format {output.name} carries no sound: the result is silent; "
+                "use mp4, webm or raw to keep the sound",
+                source="orchestrator",
+            )
+        )
     if quality is None and output.default_quality is not None:
         full.output_quality = output.default_quality
     # The family's chain and this deployment's stages: a stage the request asks for must be in both.

@@ -1,5 +1,6 @@
 """Result files: a job's final frames as one .npy file, written piece by piece and read back in chunks;
-and its encoded file (an MP4, a PNG...), appended to as the encoder produces it.
+its sound (a model that makes video with sound) as a float32 .npy file, written whole; and its encoded file
+(an MP4, a PNG...), appended to as the encoder produces it.
 
 A result file is a .npy header (C-ordered uint8 [F, H, W, 3]) and the frames'
 bytes. The frame count and size are known when a job starts, so `ResultWriter`
@@ -36,12 +37,14 @@ RESULT_FILE = "result-frames.npy"
 ENCODED_FILE = "result"  # + the format's extension: result.mp4, result.png
 UPLOAD_PIECE_BYTES = 8 << 20  # read from the spool at a time when a result is sent to the blob store whole
 RESULT_TENSOR = "frames"  # the name result tensors travel under, as the VAE and the interpolator send them
+AUDIO_FILE = "result-audio.npy"  # a result's sound, float32 [channels, samples]
+AUDIO_TENSOR = "audio"  # the name the sound travels under, as the VAE sends it
 
 
-def npy_header(shape: tuple[int, ...]) -> bytes:
-    """The .npy header of a C-ordered uint8 array of `shape`, as `np.save` writes it."""
+def npy_header(shape: tuple[int, ...], dtype: type = np.uint8) -> bytes:
+    """The .npy header of a C-ordered array of `shape` (uint8 unless `dtype`), as `np.save` writes it."""
     buffer = io.BytesIO()
-    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False, "shape": shape}
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape}
     np.lib.format.write_array_header_1_0(buffer, header)
     return buffer.getvalue()
 
@@ -158,6 +161,35 @@ class EncodedReader(_RangeReader):
             offset = stop
             if offset >= end:
                 return
+
+
+class AudioReader(_RangeReader):
+    """Reads a result's sound back as wire chunks (blocking: iterate through `asyncio.to_thread`)."""
+
+    def __init__(self, source: int | ByteSource, shape: tuple[int, int], data_offset: int) -> None:
+        super().__init__(source)
+        self.shape = shape
+        self._data_offset = data_offset
+
+    def chunks(self, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[tensor_pb2.TensorChunk]:
+        """The chunks of the whole waveform as `encode_tensor(AUDIO_TENSOR, waveform)` makes."""
+        header = tensor_pb2.TensorHeader(name=AUDIO_TENSOR, datatype="FP32", shape=list(self.shape), index=0)
+        total = self.shape[0] * self.shape[1] * 4
+        offset = 0
+        while offset < total:
+            end = min(offset + chunk_bytes, total)
+            chunk = tensor_pb2.TensorChunk(
+                offset=offset, data=self._read(self._data_offset + offset, end - offset), last=end >= total
+            )
+            if offset == 0:
+                chunk.header.CopyFrom(header)
+            yield chunk
+            offset = end
+
+    def waveform(self) -> np.ndarray:
+        """The whole sound, float32 [channels, samples]."""
+        data = self._read(self._data_offset, self.shape[0] * self.shape[1] * 4)
+        return np.frombuffer(data, "<f4").reshape(self.shape)
 
 
 class _PartialFile:
@@ -369,6 +401,38 @@ class ResultWriter(_PartialFile):
         return ResultReader(self._reader_source(), self.shape, self.data_offset)
 
 
+class AudioWriter(_PartialFile):
+    """A running job's sound: written whole once the VAE sent it (float32 [channels, samples] .npy), read by
+    followers after; committed with the result by `JobStore.commit_result`, or thrown away by `discard`."""
+
+    kind = "sound"
+
+    def __init__(
+        self,
+        job_id: str,
+        directory: Path,
+        shape: tuple[int, int],
+        sample_rate: int,
+        fd: int,
+        partial: Path,
+        data_offset: int,
+    ) -> None:
+        super().__init__(job_id, directory / AUDIO_FILE, fd, partial)
+        self.shape = shape
+        self.sample_rate = sample_rate
+        self.data_offset = data_offset
+        self.nbytes = data_offset + shape[0] * shape[1] * 4
+
+    def write_all(self, header: bytes, data: bytes) -> None:
+        """Writes the file's header and the waveform's bytes (done once, before any reader opens it)."""
+        with self._lock:
+            self._pwrite(header + data, 0)
+
+    def open_reader(self) -> AudioReader:
+        """A reader of the sound; raises ResultGone once it was discarded or deleted."""
+        return AudioReader(self._reader_source(), self.shape, self.data_offset)
+
+
 @dataclass
 class StoredResult:
     """A finished job's result: its raw frames' file (unless an encoded result did not keep them), its
@@ -391,6 +455,13 @@ class StoredResult:
     blobs: BlobStore | None = None
     raw_key: str | None = None
     encoded_key: str | None = None
+    # The sound of a result with sound, kept with its raw frames: a local file or a blob, its shape
+    # [channels, samples] and samples per second.
+    audio_path: Path | None = None
+    audio_key: str | None = None
+    audio_shape: tuple[int, int] = (0, 0)
+    audio_rate: int = 0
+    audio_offset: int = 0
 
     @property
     def num_frames(self) -> int:
@@ -419,6 +490,30 @@ class StoredResult:
         if self.blobs is not None and self.raw_key is not None:
             return ResultReader(BlobSource(self.blobs, self.raw_key), self.shape, self.data_offset)
         raise ResultGone("the result kept only its encoded file")
+
+    @property
+    def has_audio(self) -> bool:
+        return self.audio_path is not None or self.audio_key is not None
+
+    @property
+    def audio_bytes(self) -> int:
+        return self.audio_offset + self.audio_shape[0] * self.audio_shape[1] * 4 if self.has_audio else 0
+
+    def open_audio(self) -> AudioReader:
+        """A reader of this result's sound; raises ResultGone if it has none or it was deleted since."""
+        if self.audio_path is not None:
+            return AudioReader(_open_read(self.audio_path), self.audio_shape, self.audio_offset)
+        if self.blobs is not None and self.audio_key is not None:
+            return AudioReader(BlobSource(self.blobs, self.audio_key), self.audio_shape, self.audio_offset)
+        raise ResultGone("the result has no sound")
+
+    @property
+    def audio(self) -> np.ndarray | None:
+        """The sound, float32 [channels, samples], None for a silent result: for tools and tests."""
+        if not self.has_audio:
+            return None
+        with self.open_audio() as reader:
+            return reader.waveform()
 
     def open_encoded(self) -> EncodedReader:
         """A reader of this result's encoded file; raises ResultGone if it was deleted since."""
@@ -449,7 +544,7 @@ class StoredResult:
         self, job_id: str = "", *, seed: int = 0, chunk_bytes: int = DEFAULT_CHUNK_BYTES
     ) -> Generator[generation_pb2.GenerateEvent]:
         """The result chunks and the completion event, as a watcher of the live job received them: the raw
-        frames (when kept), then the encoded file (when there is one).
+        frames (when kept) and their sound (when there is one), then the encoded file (when there is one).
 
         Read from the files one chunk at a time (blocking; a file is opened at the first `next` that needs it).
         """
@@ -460,6 +555,15 @@ class StoredResult:
                         yield generation_pb2.GenerateEvent(
                             job_id=job_id, result=generation_pb2.ResultChunk(tensor=chunk, fps=self.fps)
                         )
+        if self.has_audio:
+            with self.open_audio() as audio:
+                for chunk in audio.chunks(chunk_bytes=chunk_bytes):
+                    yield generation_pb2.GenerateEvent(
+                        job_id=job_id,
+                        result=generation_pb2.ResultChunk(
+                            tensor=chunk, fps=self.fps, audio_sample_rate=self.audio_rate
+                        ),
+                    )
         if self.has_encoded:
             with self.open_encoded() as reader:
                 for piece in reader.chunks(0, self.encoded_bytes, last=True, chunk_bytes=chunk_bytes):

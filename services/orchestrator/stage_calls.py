@@ -33,8 +33,9 @@ from services.orchestrator.job import Job
 from services.orchestrator.kept_outputs import DEFAULT_AFTER_S, PendingWrite
 from services.orchestrator.routes import ModelRoute
 from services.orchestrator.stage_clients import StageError, StagePool
-from services.orchestrator.store import JobStore
+from services.orchestrator.store import AUDIO_TENSOR, JobStore
 from services.orchestrator.store_retry import store_call
+from stagediff.tensor_codec import WireError
 from stagediff.v1 import generation_pb2, image_pb2, stages_pb2, tensor_pb2
 
 END = None  # closes a relay queue
@@ -235,7 +236,12 @@ class StageCalls:
                     await emit(response.tensor)
         job.timings["dit"] = time.perf_counter() - started
 
-    async def decode(self, job: Job, route: ModelRoute, latents: asyncio.Queue, emit: Emit) -> None:
+    async def decode(
+        self, job: Job, route: ModelRoute, latents: asyncio.Queue, emit: Emit, emit_audio: Emit | None = None
+    ) -> None:
+        """The VAE's Decode: its frames tensors go to `emit` (the interpolator, or the result), its tensor "audio"
+        (a model that makes video with sound) to `emit_audio`, straight to the result: interpolation changes the
+        frame rate, never the video's length. Progress counts the frames tensors only."""
         request = job.request
         stage = self.stages["vae"]
         # The DiT's checkpoint and the VAE replica's hold the same VAE, so the DiT's limits say its factor.
@@ -250,12 +256,20 @@ class StageCalls:
 
         started = None
         decoded = 0
+        tensor = ""  # the name of the tensor whose chunks arrive
         async with stage.call(route.accepts("vae", "decode"), route.model) as replica:
             call = replica.vae.Decode(requests(route.model_for(replica.info)), timeout=self.remaining(job))
             async for response in call:
                 if started is None:
                     started = time.perf_counter()
                     job.current_stage = "vae"
+                if response.tensor.HasField("header"):
+                    tensor = response.tensor.header.name
+                if tensor == AUDIO_TENSOR:
+                    if emit_audio is None:
+                        raise WireError("audio: the VAE sent sound where none is taken")
+                    await emit_audio(response.tensor)
+                    continue
                 await emit(response.tensor)
                 if response.tensor.last:
                     decoded += 1

@@ -41,7 +41,7 @@ class InterpolationParams(_message.Message):
     def __init__(self, enable: _Optional[bool] = ..., exp: _Optional[int] = ..., scale: _Optional[float] = ..., model_path: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps", "interpolation", "request_id", "images", "cache", "loras", "output_format", "output_quality", "keep_raw_frames", "notices", "embedded_guidance_scale")
+    __slots__ = ("model", "prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps", "interpolation", "request_id", "images", "cache", "loras", "output_format", "output_quality", "keep_raw_frames", "notices", "embedded_guidance_scale", "audio_codec")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class GenerateRequest(_message.Message):
     KEEP_RAW_FRAMES_FIELD_NUMBER: _ClassVar[int]
     NOTICES_FIELD_NUMBER: _ClassVar[int]
     EMBEDDED_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_CODEC_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     negative_prompt: str
@@ -82,7 +83,8 @@ class GenerateRequest(_message.Message):
     keep_raw_frames: bool
     notices: _containers.RepeatedCompositeFieldContainer[_stages_pb2.Notice]
     embedded_guidance_scale: float
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., fps: _Optional[float] = ..., interpolation: _Optional[_Union[InterpolationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_image_pb2.InputImage, _Mapping]]] = ..., cache: _Optional[_Union[_stages_pb2.StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_stages_pb2.LoraAdapter, _Mapping]]] = ..., output_format: _Optional[str] = ..., output_quality: _Optional[int] = ..., keep_raw_frames: _Optional[bool] = ..., notices: _Optional[_Iterable[_Union[_stages_pb2.Notice, _Mapping]]] = ..., embedded_guidance_scale: _Optional[float] = ...) -> None: ...
+    audio_codec: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., fps: _Optional[float] = ..., interpolation: _Optional[_Union[InterpolationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_image_pb2.InputImage, _Mapping]]] = ..., cache: _Optional[_Union[_stages_pb2.StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_stages_pb2.LoraAdapter, _Mapping]]] = ..., output_format: _Optional[str] = ..., output_quality: _Optional[int] = ..., keep_raw_frames: _Optional[bool] = ..., notices: _Optional[_Iterable[_Union[_stages_pb2.Notice, _Mapping]]] = ..., embedded_guidance_scale: _Optional[float] = ..., audio_codec: _Optional[str] = ...) -> None: ...
 
 class JobError(_message.Message):
     __slots__ = ("code", "message")
@@ -166,14 +168,16 @@ class EncodedChunk(_message.Message):
     def __init__(self, media_type: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class ResultChunk(_message.Message):
-    __slots__ = ("tensor", "fps", "encoded")
+    __slots__ = ("tensor", "fps", "encoded", "audio_sample_rate")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
     ENCODED_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     tensor: _tensor_pb2.TensorChunk
     fps: float
     encoded: EncodedChunk
-    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., fps: _Optional[float] = ..., encoded: _Optional[_Union[EncodedChunk, _Mapping]] = ...) -> None: ...
+    audio_sample_rate: int
+    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., fps: _Optional[float] = ..., encoded: _Optional[_Union[EncodedChunk, _Mapping]] = ..., audio_sample_rate: _Optional[int] = ...) -> None: ...
 
 class JobCompleted(_message.Message):
     __slots__ = ("timings", "num_frames", "fps", "transformer_passes", "media_type", "encoded_bytes", "seed", "notices")

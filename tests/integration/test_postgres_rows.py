@@ -88,8 +88,8 @@ def test_a_newer_schema_is_refused_and_replicas_starting_together_create_it_once
 
 
 def test_a_version_6_database_gains_notices_and_keeps_its_jobs(server: Postgres) -> None:
-    """Version 6 had no notices column: connecting adds it (its jobs have none) and the version becomes 7; a
-    running job's notices are then written and read back as SQLite's are."""
+    """Version 6 had no notices column (nor a result's sound): connecting adds them (its jobs have none) and the
+    version becomes the current one; a running job's notices are then written and read back as SQLite's are."""
     import psycopg
 
     from services.orchestrator.store.postgres import SCHEMA_VERSION
@@ -99,11 +99,13 @@ def test_a_version_6_database_gains_notices_and_keeps_its_jobs(server: Postgres)
     database.close()
     with psycopg.connect(server.dsn, autocommit=True) as connection:
         connection.execute("ALTER TABLE jobs DROP COLUMN notices")
+        for column in ("audio_file", "audio_shape", "audio_rate"):
+            connection.execute(f"ALTER TABLE results DROP COLUMN {column}")
         connection.execute("UPDATE schema_version SET version = 6")
     database = PostgresDatabase.connect(server.dsn)
     try:
         rows = JobRows(database)
-        assert database.fetchone("SELECT version FROM schema_version", ())[0] == SCHEMA_VERSION == 7
+        assert database.fetchone("SELECT version FROM schema_version", ())[0] == SCHEMA_VERSION == 8
         assert rows.get(job.job_id).notices == []
         rows.update_state(job.job_id, JobState.JOB_STATE_RUNNING, {"started_at": 2.0})
         notice = stages_pb2.Notice(field="prompt", given="721 tokens", used="512 tokens", source="text-encoder")
@@ -111,3 +113,27 @@ def test_a_version_6_database_gains_notices_and_keeps_its_jobs(server: Postgres)
         assert rows.get(job.job_id).notices == [notice]
     finally:
         database.close()
+
+
+def test_a_result_keeps_its_sound_as_on_sqlite(rows: JobRows) -> None:
+    """Version 8's sound columns: a result row names its sound file, shape and rate, and the file is in use."""
+    job = rows.insert(_record("a"), None)
+    rows.update_state(job.job_id, JobState.JOB_STATE_RUNNING, {"started_at": 2.0})
+    rows.commit_result(
+        job.job_id,
+        file="result-frames.npy",
+        shape=(9, 16, 32, 3),
+        fps=16.0,
+        pieces=[(0, 9)],
+        at=3.0,
+        nbytes=100,
+        media_type="",
+        encoded_file=None,
+        encoded_bytes=0,
+        raw_kept=True,
+        timings=None,
+        audio=("result-audio.npy", (2, 13500), 24000),
+    )
+    row = rows.result(job.job_id)
+    assert (row["audio_file"], row["audio_shape"], row["audio_rate"]) == ("result-audio.npy", "[2, 13500]", 24000)
+    assert (job.job_id, "result-audio.npy") in rows.files_in_use()[1]

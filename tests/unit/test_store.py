@@ -463,8 +463,15 @@ def _drop_leases(db: sqlite3.Connection) -> None:
 
 
 def _drop_notices(db: sqlite3.Connection) -> None:
-    """The jobs table as versions 1 to 6 had it, without notices."""
+    """The jobs table as versions 1 to 6 had it, without notices (and results as before 8)."""
     db.execute("ALTER TABLE jobs DROP COLUMN notices")
+    _drop_sound(db)
+
+
+def _drop_sound(db: sqlite3.Connection) -> None:
+    """The results table as versions 1 to 7 had it, without a result's sound."""
+    for column in ("audio_file", "audio_shape", "audio_rate"):
+        db.execute(f"ALTER TABLE results DROP COLUMN {column}")
 
 
 def test_version_3_gains_pass_counts_and_keeps_stage_outputs(tmp_path: Path) -> None:
@@ -720,9 +727,32 @@ def test_version_6_jobs_gain_notices(tmp_path: Path) -> None:
         _drop_notices(db)
         db.execute("PRAGMA user_version = 6")
     with JobStore.open(tmp_path) as store:
-        assert store._connection().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
+        assert store._connection().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         assert store.get("running").notices == []
         assert store.set_notices("running", [TRUNCATED]) and store.get("running").notices == [TRUNCATED]
+
+
+def test_version_7_results_are_silent(tmp_path: Path) -> None:
+    """Version 7 kept no sound: its results read back silent, and a new result keeps its sound."""
+    with JobStore.open(tmp_path) as store:
+        clock = FakeClock()
+        store.clock = clock
+        _finish(store, clock, "done", "acme", frames=3)
+    with sqlite3.connect(tmp_path / "jobs.sqlite3") as db:
+        _drop_sound(db)
+        db.execute("PRAGMA user_version = 7")
+    with JobStore.open(tmp_path) as store:
+        assert store._connection().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
+        result = store.load_result("done")
+        assert result.audio is None and np.array_equal(result.frames, _frames(3))
+        _add(store, "loud", "acme")
+        store.update_state("loud", RUNNING)
+        writer = store.create_result("loud", (1, 4, 4, 3))
+        writer.write(0, 0, np.zeros(48, np.uint8))
+        writer.add_piece(0, 1)
+        sound = np.linspace(-1, 1, 2 * 100, dtype=np.float32).reshape(2, 100)
+        store.commit_result(writer, 16.0, audio=store.create_audio("loud", sound, 24000))
+        assert np.array_equal(store.load_result("loud").audio, sound) and store.load_result("loud").audio_rate == 24000
 
 
 def test_served_models_are_kept_until_no_dit_reports_them_for_a_week(tmp_path: Path, open_store: OpenStore) -> None:

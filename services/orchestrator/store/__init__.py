@@ -18,8 +18,11 @@ Callers import the store's public names, with those errors and result files, fro
 """
 
 from services.orchestrator.result_files import (
+    AUDIO_TENSOR,
     RESULT_FILE,
     RESULT_TENSOR,
+    AudioReader,
+    AudioWriter,
     EncodedReader,
     EncodedWriter,
     ResultReader,
@@ -52,12 +55,15 @@ from services.orchestrator.store_errors import (
 
 __all__ = [
     "ACTIVE_STATES",
+    "AUDIO_TENSOR",
     "INPUT_IMAGES",
     "LOCK_NAME",
     "RESULT_FILE",
     "RESULT_TENSOR",
     "SCHEMA_VERSION",
     "TERMINAL_STATES",
+    "AudioReader",
+    "AudioWriter",
     "DuplicateRequestId",
     "EncodedReader",
     "EncodedWriter",

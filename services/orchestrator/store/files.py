@@ -8,6 +8,8 @@ Layout of `jobs_dir`, one folder per job:
     <job_id>/result-frames.npy                      the final frames, uint8 [F, H, W, 3]
     <job_id>/.result.<ext>.<hex>.partial            the encoded result of a running job, as encoded
     <job_id>/result.<ext>                           the encoded result (result.mp4, result.png...)
+    <job_id>/.result-audio.npy.<hex>.partial        the sound of a running job's result, once the VAE sent it
+    <job_id>/result-audio.npy                       the result's sound, float32 [channels, samples]
 
 With a blob store (`blobs`, e.g. S3), stage outputs, input images and committed results are blobs under the
 same names (`<job_id>/<file>`), and the jobs folder keeps only the spool of results being written, each
@@ -45,8 +47,10 @@ from google.protobuf.message import DecodeError
 from services.orchestrator import notices as job_notices
 from services.orchestrator.blobs.protocol import BlobError, BlobStore
 from services.orchestrator.result_files import (
+    AUDIO_FILE,
     ENCODED_FILE,
     RESULT_FILE,
+    AudioWriter,
     EncodedWriter,
     ResultWriter,
     StoredResult,
@@ -266,7 +270,32 @@ class JobFiles:
             self._attach(writer, f"e{epoch}/{RESULT_FILE}", header)
         return writer
 
-    def _attach(self, writer: ResultWriter | EncodedWriter, file: str, written: bytes) -> None:
+    def create_audio(self, job_id: str, waveform: np.ndarray, sample_rate: int, epoch: int = 0) -> AudioWriter:
+        """Writes a result's sound, float32 [channels, samples], under a temporary name (streamed to its blob, with
+        a blob store, under the claim of lease `epoch`)."""
+        if waveform.dtype != np.float32 or waveform.ndim != 2:
+            raise ValueError(
+                f"sound: float32 [channels, samples] expected, got {waveform.dtype} {list(waveform.shape)}"
+            )
+        shape = (int(waveform.shape[0]), int(waveform.shape[1]))
+        header = npy_header(shape, np.float32)
+        try:
+            directory = self.job_dir(job_id, create=True)
+            partial = directory / f".{AUDIO_FILE}.{uuid.uuid4().hex}{_PARTIAL_SUFFIX}"
+            fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            raise io_error(error, f"job {job_id}: creating its sound file") from None
+        writer = AudioWriter(job_id, directory, shape, sample_rate, fd, partial, len(header))
+        if self.blobs is not None:
+            self._attach(writer, f"e{epoch}/{AUDIO_FILE}", b"")
+        try:
+            writer.write_all(header, np.ascontiguousarray(waveform, "<f4").tobytes())
+        except BaseException:
+            writer.discard()
+            raise
+        return writer
+
+    def _attach(self, writer: ResultWriter | EncodedWriter | AudioWriter, file: str, written: bytes) -> None:
         try:
             assert self.blobs is not None
             writer.attach_upload(self.blobs, f"{writer.job_id}/{file}", written)
@@ -290,44 +319,48 @@ class JobFiles:
         return writer
 
     @staticmethod
-    def result_name(writer: ResultWriter | EncodedWriter) -> str:
+    def result_name(writer: ResultWriter | EncodedWriter | AudioWriter) -> str:
         """The name the store's row gives a result file: its blob's key in the job, or its file name."""
         return writer.blob_key.split("/", 1)[1] if writer.blob_key is not None else writer.path.name
 
-    def complete_result(self, writer: ResultWriter, encoded: EncodedWriter | None) -> None:
-        """Fsyncs a result's files and renames them into place, both or neither.
+    def complete_result(
+        self, writer: ResultWriter, encoded: EncodedWriter | None, audio: AudioWriter | None = None
+    ) -> None:
+        """Fsyncs a result's files (frames, encoded file, sound) and renames them into place, all or none.
 
         Raises FileNotFoundError if a file was deleted meanwhile (the caller knows why).
         """
-        if self.blobs is not None:
-            if encoded is not None:
-                encoded._finish_upload(encoded.size)
-            try:
-                writer._finish_upload(writer.nbytes)
-            except BaseException:
-                if encoded is not None:
-                    encoded._uncommit()
-                raise
-            return
+        extras = [file for file in (encoded, audio) if file is not None]
+        done: list[EncodedWriter | AudioWriter] = []
         try:
-            if encoded is not None:
-                encoded._finish_file()
             try:
-                writer._finish_file()
+                for extra in extras:
+                    if self.blobs is not None:
+                        extra._finish_upload(extra.size if isinstance(extra, EncodedWriter) else extra.nbytes)
+                    else:
+                        extra._finish_file()
+                    done.append(extra)
+                if self.blobs is not None:
+                    writer._finish_upload(writer.nbytes)
+                else:
+                    writer._finish_file()
             except BaseException:
-                if encoded is not None:
-                    encoded._uncommit()  # the two files are committed together or not at all
+                for extra in done:
+                    extra._uncommit()  # the files are committed together or not at all
                 raise
         except FileNotFoundError:
             raise
         except OSError as error:
             raise io_error(error, f"job {writer.job_id}: completing its result") from None
 
-    def uncommit_result(self, writer: ResultWriter, encoded: EncodedWriter | None) -> None:
+    def uncommit_result(
+        self, writer: ResultWriter, encoded: EncodedWriter | None, audio: AudioWriter | None = None
+    ) -> None:
         """Deletes a completed result's files again, when its row could not be committed."""
         writer._uncommit()
-        if encoded is not None:
-            encoded._uncommit()
+        for extra in (encoded, audio):
+            if extra is not None:
+                extra._uncommit()
 
     def check_raw_blob(self, job_id: str, file: str, shape: list[int]) -> tuple[str, tuple[int, int, int, int], int]:
         """(key, shape, data offset) of a committed result blob that must hold frames of `shape`."""
@@ -371,6 +404,25 @@ class JobFiles:
             raise StoreError(f"job {job_id}: the result file does not hold the frames its record describes")
         return path, found, data_offset
 
+    def check_audio(self, job_id: str, file: str, shape: list[int]) -> tuple[Path | None, str | None, int]:
+        """(path or blob key, data offset) of a committed sound file that must hold float32 [channels, samples]."""
+        if len(shape) != 2 or min(shape, default=0) < 1:
+            raise StoreError(f"job {job_id}: its record gives its sound the shape {shape}")
+        data_offset = len(npy_header(tuple(shape), np.float32))
+        size = data_offset + shape[0] * shape[1] * 4
+        if self.blobs is not None:
+            key = f"{job_id}/{file}"
+            self._check_blob_size(job_id, key, size, "sound")
+            return None, key, data_offset
+        path = self.jobs_dir / job_id / file
+        try:
+            found = path.stat().st_size
+        except OSError as error:
+            raise StoreError(f"job {job_id}: its sound cannot be read: {error}") from None
+        if found != size:
+            raise StoreError(f"job {job_id}: its sound has {found} bytes, its record says {size}")
+        return path, None, data_offset
+
     def check_encoded(self, job_id: str, file: str, size: int) -> Path:
         """The path of a committed encoded result that must hold `size` bytes."""
         path = self.jobs_dir / job_id / file
@@ -400,7 +452,18 @@ class JobFiles:
                 raw_key, shape, data_offset = self.check_raw_blob(job_id, row["file"], json.loads(row["shape"]))
             if row["encoded_file"]:
                 encoded_key = self.check_encoded_blob(job_id, row["encoded_file"], row["encoded_bytes"])
+        audio_path: Path | None = None
+        audio_key: str | None = None
+        audio_shape: list[int] = json.loads(row["audio_shape"] or "[]")
+        audio_offset = 0
+        if row["audio_file"]:
+            audio_path, audio_key, audio_offset = self.check_audio(job_id, row["audio_file"], audio_shape)
         return StoredResult(
+            audio_path=audio_path,
+            audio_key=audio_key,
+            audio_shape=(audio_shape[0], audio_shape[1]) if row["audio_file"] else (0, 0),
+            audio_rate=row["audio_rate"],
+            audio_offset=audio_offset,
             path=path,
             blobs=self.blobs,
             raw_key=raw_key,

@@ -33,7 +33,7 @@ from typing import IO, Any
 import numpy as np
 
 from services.orchestrator.blobs.protocol import BlobStore
-from services.orchestrator.result_files import EncodedWriter, ResultWriter, StoredResult, check_shape
+from services.orchestrator.result_files import AudioWriter, EncodedWriter, ResultWriter, StoredResult, check_shape
 from services.orchestrator.store import retention
 from services.orchestrator.store.database import (
     DB_NAME,
@@ -347,6 +347,12 @@ class JobStore:
         self._require_running(job_id)
         return self.files.create_encoded(job_id, extension, media_type, self._claims.epoch(job_id))
 
+    def create_audio(self, job_id: str, waveform: np.ndarray, sample_rate: int) -> AudioWriter:
+        """Writes a running job's sound, float32 [channels, samples], whole (committed with its result by
+        `commit_result`); blocking, use to_thread."""
+        self._require_running(job_id)
+        return self.files.create_audio(job_id, waveform, sample_rate, self._claims.epoch(job_id))
+
     def _require_running(self, job_id: str) -> None:
         """InvalidTransition unless the job runs (LeaseLost if this store's claim of it was lost)."""
         self._rows.require_state(job_id, RUNNING, self._claims.fence(job_id))
@@ -357,6 +363,7 @@ class JobStore:
         fps: float,
         *,
         encoded: EncodedWriter | None = None,
+        audio: AudioWriter | None = None,
         keep_raw: bool = True,
         timings: Mapping[str, float] | None = None,
         passes: tuple[int, int] | None = None,
@@ -366,8 +373,9 @@ class JobStore:
         transformer `passes`; blocking, use to_thread.
 
         The writer's pieces must cover every frame (ValueError otherwise). With `encoded`, its file is completed
-        too, and the raw frames are deleted once committed unless `keep_raw`. Raises InvalidTransition (keeping
-        nothing) if the job is not running, e.g. it was cancelled meanwhile.
+        too, and the raw frames are deleted once committed unless `keep_raw`. With `audio` (the result's sound),
+        its file is kept beside the raw frames, and deleted with them (the encoded file has the sound muxed in).
+        Raises InvalidTransition (keeping nothing) if the job is not running, e.g. it was cancelled meanwhile.
         """
         job_id = writer.job_id
         check_pieces(writer.pieces, writer.shape[0])
@@ -375,7 +383,7 @@ class JobStore:
         fence = self._claims.fence(job_id)
         self._require_running(job_id)
         try:
-            self.files.complete_result(writer, encoded)
+            self.files.complete_result(writer, encoded, audio)
         except FileNotFoundError:
             if self._rows.finished_or_gone(job_id):  # cancelled and deleted while writing
                 raise InvalidTransition(f"job {job_id} finished or was deleted while its result was written") from None
@@ -390,20 +398,26 @@ class JobStore:
                 fps=fps,
                 pieces=writer.pieces,
                 at=at,
-                nbytes=(writer.nbytes if keep_raw else 0) + (encoded.size if encoded is not None else 0),
+                nbytes=(writer.nbytes + (audio.nbytes if audio is not None else 0) if keep_raw else 0)
+                + (encoded.size if encoded is not None else 0),
                 media_type=encoded.media_type if encoded is not None else "",
                 encoded_file=self.files.result_name(encoded) if encoded is not None else None,
                 encoded_bytes=encoded.size if encoded is not None else 0,
                 raw_kept=keep_raw,
                 timings=timings,
                 passes=passes,
+                audio=(self.files.result_name(audio), audio.shape, audio.sample_rate)
+                if audio is not None and keep_raw
+                else None,
             )
         except BaseException:
-            self.files.uncommit_result(writer, encoded)
+            self.files.uncommit_result(writer, encoded, audio)
             raise
         self.forget_claim(job_id)
         if not keep_raw:
             files.append(self.files.result_name(writer))
+            if audio is not None:
+                files.append(self.files.result_name(audio))
         self.files.unlink(job_id, files)
         return record
 

@@ -16,7 +16,7 @@ from typing import Any
 from services.orchestrator.store.models import POSTGRES_TABLE as POSTGRES_MODELS_TABLE
 from services.orchestrator.store_errors import StoreError, StoreUnavailable
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -69,14 +69,20 @@ CREATE TABLE IF NOT EXISTS results (
     media_type TEXT NOT NULL DEFAULT '',
     encoded_file TEXT,
     encoded_bytes BIGINT NOT NULL DEFAULT 0,
-    raw_kept INTEGER NOT NULL DEFAULT 1
+    raw_kept INTEGER NOT NULL DEFAULT 1,
+    audio_file TEXT,
+    audio_shape TEXT NOT NULL DEFAULT '[]',
+    audio_rate INTEGER NOT NULL DEFAULT 0
 )
 """
 
 # What a database of an older version lacks, added to it (each statement a no-op on a newer one). Version 7
-# keeps each job's notices.
+# keeps each job's notices, version 8 a result's sound.
 MIGRATIONS = """
-ALTER TABLE jobs ADD COLUMN IF NOT EXISTS notices TEXT NOT NULL DEFAULT '[]'
+ALTER TABLE jobs ADD COLUMN IF NOT EXISTS notices TEXT NOT NULL DEFAULT '[]';
+ALTER TABLE results ADD COLUMN IF NOT EXISTS audio_file TEXT;
+ALTER TABLE results ADD COLUMN IF NOT EXISTS audio_shape TEXT NOT NULL DEFAULT '[]';
+ALTER TABLE results ADD COLUMN IF NOT EXISTS audio_rate INTEGER NOT NULL DEFAULT 0
 """
 
 CONNECT_TIMEOUT_S = 5

@@ -296,19 +296,23 @@ class JobRows:
         timings: Mapping[str, float] | None,
         passes: tuple[int, int] | None = None,
         fence: Fence | None = None,
+        audio: tuple[str, tuple[int, int], int] | None = None,
     ) -> tuple[JobRecord, list[str]]:
         """Records a running job's result and marks it SUCCEEDED; returns the job and the files of the
         intermediates it no longer has. InvalidTransition (keeping nothing) if the job is not running,
-        LeaseLost if `fence` no longer holds."""
+        LeaseLost if `fence` no longer holds. `audio`: the sound's (file, [channels, samples], rate), if kept."""
+        audio_file, audio_shape, audio_rate = audio if audio is not None else (None, (), 0)
         with self.database.transaction() as db:
             _require(job_id, self._locked_state(db, job_id, fence), (JobState.JOB_STATE_RUNNING,))
             db.execute(
                 "INSERT INTO results (job_id, file, shape, fps, pieces, saved_at, bytes, media_type, encoded_file,"
-                " encoded_bytes, raw_kept) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job_id) DO UPDATE SET"
+                " encoded_bytes, raw_kept, audio_file, audio_shape, audio_rate)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job_id) DO UPDATE SET"
                 " file = excluded.file, shape = excluded.shape, fps = excluded.fps, pieces = excluded.pieces,"
                 " saved_at = excluded.saved_at, bytes = excluded.bytes, media_type = excluded.media_type,"
                 " encoded_file = excluded.encoded_file, encoded_bytes = excluded.encoded_bytes,"
-                " raw_kept = excluded.raw_kept",
+                " raw_kept = excluded.raw_kept, audio_file = excluded.audio_file,"
+                " audio_shape = excluded.audio_shape, audio_rate = excluded.audio_rate",
                 (
                     job_id,
                     file,
@@ -321,6 +325,9 @@ class JobRows:
                     encoded_file,
                     encoded_bytes,
                     int(raw_kept),
+                    audio_file,
+                    json.dumps(list(audio_shape)),
+                    audio_rate,
                 ),
             )
             updates = "state = ?, finished_at = ?, num_frames_out = ?, fps_out = ?, error_code = NULL"
@@ -387,6 +394,7 @@ class JobRows:
                 for row in db.execute(
                     "SELECT job_id, file FROM intermediates UNION ALL SELECT job_id, file FROM results"
                     " UNION ALL SELECT job_id, encoded_file FROM results WHERE encoded_file IS NOT NULL"
+                    " UNION ALL SELECT job_id, audio_file FROM results WHERE audio_file IS NOT NULL"
                 )
             }
         return known, referenced

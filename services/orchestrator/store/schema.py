@@ -15,7 +15,7 @@ from services.orchestrator.store.database import Database
 from services.orchestrator.store.models import SQLITE_TABLE as MODELS_TABLE
 from services.orchestrator.store_errors import StoreError
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 SCHEMA = """
 CREATE TABLE jobs (
@@ -67,7 +67,10 @@ CREATE TABLE results (
     media_type TEXT NOT NULL DEFAULT '',    -- of the encoded file, '' for a raw result
     encoded_file TEXT,                      -- the encoded file (output_format), NULL for a raw result
     encoded_bytes INTEGER NOT NULL DEFAULT 0,
-    raw_kept INTEGER NOT NULL DEFAULT 1     -- 0: an encoded result whose raw frames were not kept
+    raw_kept INTEGER NOT NULL DEFAULT 1,    -- 0: an encoded result whose raw frames were not kept
+    audio_file TEXT,                        -- the sound's waveform (float32 .npy), NULL for a silent result
+    audio_shape TEXT NOT NULL DEFAULT '[]', -- JSON [channels, samples]
+    audio_rate INTEGER NOT NULL DEFAULT 0   -- samples per second
 );
 """
 
@@ -118,6 +121,14 @@ ALTER TABLE jobs ADD COLUMN notices TEXT NOT NULL DEFAULT '[]';
 """
 
 
+# Version 8 keeps a result's sound (a model that makes video with sound) beside its frames; older results are silent.
+MIGRATE_7_TO_8 = """
+ALTER TABLE results ADD COLUMN audio_file TEXT;
+ALTER TABLE results ADD COLUMN audio_shape TEXT NOT NULL DEFAULT '[]';
+ALTER TABLE results ADD COLUMN audio_rate INTEGER NOT NULL DEFAULT 0;
+"""
+
+
 def migrate(database: Database, path: Path, size_of: Callable[[str, str], int]) -> None:
     """Brings the database at `path` to SCHEMA_VERSION. `size_of(job_id, file)`: a job file's size, 0 if absent."""
     with database.transaction() as db:
@@ -143,6 +154,8 @@ def migrate(database: Database, path: Path, size_of: Callable[[str, str], int]) 
             _run_script(db, MIGRATE_5_TO_6)
         if version in (1, 2, 3, 4, 5, 6):
             _run_script(db, MIGRATE_6_TO_7)
+        if version in (1, 2, 3, 4, 5, 6, 7):
+            _run_script(db, MIGRATE_7_TO_8)
         if version != SCHEMA_VERSION:
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         _run_script(db, MODELS_TABLE)  # additive, whatever the version (store/models.py)
