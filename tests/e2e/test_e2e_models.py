@@ -32,6 +32,7 @@ import pytest
 
 from families.init_model import init_model
 from families.qwen_image.init_model import DEFAULT_REQUESTS as QWEN_DEFAULT_REQUESTS
+from services.orchestrator.stage_clients import REPLICA_WAIT_S
 from services.orchestrator.tenants import hash_api_key, new_api_key
 from stagediff import Client, StageDiffError
 from stagediff.local.supervisor import LocalCluster
@@ -47,7 +48,9 @@ from tests.helpers.wan_i2v import input_image
 
 SHARED = ("text_encoder", "tokenizer", "vae")  # the components the Wan models share
 COLD_START_TIMEOUT_S = 300  # how long a job waits for a DiT that starts on demand
-SCALED_TO_ZERO_S = 30.0  # how long t2v's DiT stays at zero with a job waiting for it
+# How long t2v's DiT stays at zero with a job waiting for it: three times as long as a call waits for a replica
+# without --cold-start-timeout.
+SCALED_TO_ZERO_S = 3 * REPLICA_WAIT_S
 
 
 @pytest.fixture(scope="module")
