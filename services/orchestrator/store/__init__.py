@@ -4,16 +4,19 @@ Layout of `state_dir`: jobs.sqlite3 (+ -wal, -shm) holds the job records, which 
 exist and their sizes; LOCK is held (flock) by the one process that owns the directory; jobs/<job_id>/ holds
 each job's files (see files.py).
 
-    jobstore.py   JobStore: every operation, composing the rows and the files, and their guarantees
-    rows.py       the SQL of each operation on the jobs, intermediates and results tables
-    schema.py     the tables and the migrations from older state directories
-    database.py   the connection, transactions and the state directory's lock
-    files.py      the jobs' files: stage outputs, input images, results; atomic writes; name checks
-    retention.py  a tenant's bytes, and which finished jobs `prune` deletes
-    records.py    JobRecord, SavedImages, Usage, and a row as a JobRecord
+    jobstore.py     JobStore: every operation, composing the rows and the files, and their guarantees
+    job_results.py  its result operations: a result's files made, committed with its row, loaded back
+    rows.py         the SQL of each operation on the jobs, intermediates and results tables
+    schema.py       the tables and the migrations from older state directories
+    database.py     the connection, transactions and the state directory's lock
+    files.py        the jobs' files: stage outputs, input images; atomic writes; name checks; the sweep
+    results.py      a result's files: the spool of a running job's result, completed all or none, found again
+    retention.py    a tenant's bytes, and which finished jobs `prune` deletes
+    records.py      JobRecord, SavedImages, Usage, and a row as a JobRecord
 
 Rows know no file and files know no row: they meet only in JobStore, by (job_id, file name). The errors, and
-how OS and SQLite failures map to them, are in store_errors.py; the result file formats in result_files.py.
+how OS and SQLite failures map to them, are in store_errors.py; the result file formats and readers in
+result_files.py, their writers in result_writers.py, a committed result (StoredResult) in stored_result.py.
 Callers import the store's public names, with those errors and result files, from this package.
 """
 
@@ -22,13 +25,10 @@ from services.orchestrator.result_files import (
     RESULT_FILE,
     RESULT_TENSOR,
     AudioReader,
-    AudioWriter,
     EncodedReader,
-    EncodedWriter,
     ResultReader,
-    ResultWriter,
-    StoredResult,
 )
+from services.orchestrator.result_writers import AudioWriter, EncodedWriter, ResultWriter
 from services.orchestrator.sizes import MinFree, parse_size
 from services.orchestrator.store.database import LOCK_NAME
 from services.orchestrator.store.jobstore import JobStore
@@ -52,6 +52,7 @@ from services.orchestrator.store_errors import (
     StoreFull,
     UnknownJob,
 )
+from services.orchestrator.stored_result import StoredResult
 
 __all__ = [
     "ACTIVE_STATES",

@@ -1,10 +1,12 @@
 """`JobStore`: durable job records (rows) and their files (a state directory, or blobs).
 
 It composes the rows (rows.py: SQLite in the state directory, or PostgreSQL) and the files (files.py: the directory, or
-a BlobStore such as S3); every operation that touches both follows one rule: a file is complete before the row that
-names it is committed, and a row's files are deleted only after the transaction that drops the row. So a row always
-points at a complete file, and a file without a row (a crash between the two, a result still being written, a fenced-out
-owner's upload) is never read as a result: `open` sweeps the directory, and `collect_garbage` the blob store.
+a BlobStore such as S3; results.py: a result's files); its result operations (a running job's result files made, then
+committed with its row; a result loaded back) are `JobResults`, in job_results.py. Every operation that touches both
+follows one rule: a file is complete before the row that names it is committed, and a row's files are deleted only after
+the transaction that drops the row. So a row always points at a complete file, and a file without a row (a crash between
+the two, a result still being written, a fenced-out owner's upload) is never read as a result: `open` sweeps the
+directory, and `collect_garbage` the blob store.
 
 Durability. SQLite runs in WAL mode with `synchronous=NORMAL` by default: a committed transaction survives a
 crash or SIGKILL of the process; only a power loss or kernel crash can lose the last transactions (never
@@ -30,10 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
-import numpy as np
-
 from services.orchestrator.blobs.protocol import BlobStore
-from services.orchestrator.result_files import AudioWriter, EncodedWriter, ResultWriter, StoredResult, check_shape
 from services.orchestrator.store import retention
 from services.orchestrator.store.database import (
     DB_NAME,
@@ -43,24 +42,26 @@ from services.orchestrator.store.database import (
     close_quietly,
     lock_state_dir,
 )
-from services.orchestrator.store.files import JOBS_DIR, JobFiles, check_frames, check_name, check_pieces
+from services.orchestrator.store.files import JOBS_DIR, JobFiles, check_name
+from services.orchestrator.store.job_results import JobResults
 from services.orchestrator.store.leases import HeldClaims, JobLeases
 from services.orchestrator.store.models import ModelRows
 from services.orchestrator.store.postgres import PostgresDatabase
 from services.orchestrator.store.records import TERMINAL_STATES, JobRecord, JobState, SavedImages, Usage
+from services.orchestrator.store.results import ResultFiles
 from services.orchestrator.store.rows import JobRows
 from services.orchestrator.store.schema import migrate
 from services.orchestrator.store_errors import InvalidTransition, StoreError, io_error
 from stagediff.v1 import image_pb2, stages_pb2, tensor_pb2
 
-RUNNING = (JobState.JOB_STATE_RUNNING,)
 EMBEDDED_OWNER = "embedded"  # the owner of every job a lone orchestrator claims
 DEFAULT_LEASE_TTL_S = 30.0
 GARBAGE_MIN_AGE_S = 3600.0  # blobs no row names are deleted once this old (the clocks of replicas and store may differ)
 
 
-class JobStore:
-    """Job records and their files; see the module docstring for the guarantees."""
+class JobStore(JobResults):
+    """Job records and their files; see the module docstring for the guarantees (its result operations are
+    JobResults', job_results.py)."""
 
     def __init__(
         self,
@@ -77,6 +78,7 @@ class JobStore:
         self.jobs_dir = state_dir / JOBS_DIR
         self.clock = clock
         self.files = JobFiles(self.jobs_dir, blobs)
+        self.result_files = ResultFiles(self.files)  # a result's files: the spool, completed, found again
         self.owner = owner
         self.lease_ttl_s = lease_ttl_s
         self._db = database
@@ -330,129 +332,6 @@ class JobStore:
     def load_intermediates(self, job_id: str) -> dict[str, list[tensor_pb2.TensorChunk]]:
         """{stage: the chunks it sent} of every saved stage, in the order they finished; blocking."""
         return {stage: self.files.load_stage(job_id, stage, file) for stage, file in self._rows.stage_files(job_id)}
-
-    # ------------------------------------------------------------ results --
-
-    def create_result(self, job_id: str, shape: tuple[int, ...]) -> ResultWriter:
-        """Preallocates a running job's result file of `shape` [F, H, W, 3]; blocking, use to_thread.
-
-        Raises InvalidTransition if the job is not running, StoreError (StoreFull) if the file cannot be made.
-        """
-        checked = check_shape(shape)
-        self._require_running(job_id)
-        return self.files.create_result(job_id, checked, self._claims.epoch(job_id))
-
-    def create_encoded(self, job_id: str, extension: str, media_type: str) -> EncodedWriter:
-        """Opens a running job's encoded result file (empty, appended to); blocking, use to_thread."""
-        self._require_running(job_id)
-        return self.files.create_encoded(job_id, extension, media_type, self._claims.epoch(job_id))
-
-    def create_audio(self, job_id: str, waveform: np.ndarray, sample_rate: int) -> AudioWriter:
-        """Writes a running job's sound, float32 [channels, samples], whole (committed with its result by
-        `commit_result`); blocking, use to_thread."""
-        self._require_running(job_id)
-        return self.files.create_audio(job_id, waveform, sample_rate, self._claims.epoch(job_id))
-
-    def _require_running(self, job_id: str) -> None:
-        """InvalidTransition unless the job runs (LeaseLost if this store's claim of it was lost)."""
-        self._rows.require_state(job_id, RUNNING, self._claims.fence(job_id))
-
-    def commit_result(
-        self,
-        writer: ResultWriter,
-        fps: float,
-        *,
-        encoded: EncodedWriter | None = None,
-        audio: AudioWriter | None = None,
-        keep_raw: bool = True,
-        timings: Mapping[str, float] | None = None,
-        passes: tuple[int, int] | None = None,
-        at: float | None = None,
-    ) -> JobRecord:
-        """Completes a written result and marks its job SUCCEEDED in one step, with the DiT's (run, skipped)
-        transformer `passes`; blocking, use to_thread.
-
-        The writer's pieces must cover every frame (ValueError otherwise). With `encoded`, its file is completed
-        too, and the raw frames are deleted once committed unless `keep_raw`. With `audio` (the result's sound),
-        its file is kept beside the raw frames, and deleted with them (the encoded file has the sound muxed in).
-        Raises InvalidTransition (keeping nothing) if the job is not running, e.g. it was cancelled meanwhile.
-        """
-        job_id = writer.job_id
-        check_pieces(writer.pieces, writer.shape[0])
-        keep_raw = keep_raw or encoded is None
-        fence = self._claims.fence(job_id)
-        self._require_running(job_id)
-        try:
-            self.files.complete_result(writer, encoded, audio)
-        except FileNotFoundError:
-            if self._rows.finished_or_gone(job_id):  # cancelled and deleted while writing
-                raise InvalidTransition(f"job {job_id} finished or was deleted while its result was written") from None
-            raise StoreError(f"job {job_id}: its result file disappeared before it was complete") from None
-        at = self.clock() if at is None else at
-        try:
-            record, files = self._rows.commit_result(
-                job_id,
-                fence=fence,
-                file=self.files.result_name(writer),
-                shape=writer.shape,
-                fps=fps,
-                pieces=writer.pieces,
-                at=at,
-                nbytes=(writer.nbytes + (audio.nbytes if audio is not None else 0) if keep_raw else 0)
-                + (encoded.size if encoded is not None else 0),
-                media_type=encoded.media_type if encoded is not None else "",
-                encoded_file=self.files.result_name(encoded) if encoded is not None else None,
-                encoded_bytes=encoded.size if encoded is not None else 0,
-                raw_kept=keep_raw,
-                timings=timings,
-                passes=passes,
-                audio=(self.files.result_name(audio), audio.shape, audio.sample_rate)
-                if audio is not None and keep_raw
-                else None,
-            )
-        except BaseException:
-            self.files.uncommit_result(writer, encoded, audio)
-            raise
-        self.forget_claim(job_id)
-        if not keep_raw:
-            files.append(self.files.result_name(writer))
-            if audio is not None:
-                files.append(self.files.result_name(audio))
-        self.files.unlink(job_id, files)
-        return record
-
-    def save_result(
-        self,
-        job_id: str,
-        frames: np.ndarray,
-        fps: float,
-        *,
-        pieces: list[tuple[int, int]] | None = None,
-        timings: Mapping[str, float] | None = None,
-        at: float | None = None,
-    ) -> JobRecord:
-        """Stores frames the caller already holds whole and marks the job SUCCEEDED; blocking, use to_thread.
-
-        `create_result` + `ResultWriter.write` + `commit_result` in one call.
-        `pieces` are the (first frame, count) of the tensors as first published;
-        the default is one piece.
-        """
-        check_frames(frames)
-        pieces = [(int(first), int(count)) for first, count in (pieces or [(0, frames.shape[0])])]
-        check_pieces(pieces, frames.shape[0])
-        writer = self.create_result(job_id, frames.shape)
-        try:
-            writer.write(0, 0, np.ascontiguousarray(frames).reshape(-1).data)
-            for first, count in pieces:
-                writer.add_piece(first, count)
-            return self.commit_result(writer, fps, timings=timings, at=at)
-        finally:
-            writer.discard()
-
-    def load_result(self, job_id: str) -> StoredResult | None:
-        """A succeeded job's result (file, shape, pieces), None if it has none; reads the file's header only."""
-        row = self._rows.result(job_id)
-        return None if row is None else self.files.stored_result(job_id, row)
 
     # ---------------------------------------------------------- retention --
 
