@@ -67,7 +67,7 @@ class StageInfo(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., device: _Optional[str] = ..., parallel_config: _Optional[_Mapping[str, str]] = ..., parameter_bytes: _Optional[_Mapping[str, int]] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., version: _Optional[str] = ..., weights_path: _Optional[str] = ..., base_model: _Optional[str] = ..., components: _Optional[_Mapping[str, str]] = ..., model_components: _Optional[_Mapping[str, str]] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelLimits(_message.Message):
-    __slots__ = ("height_multiple", "width_multiple", "temporal_factor", "max_height", "max_width", "max_frames", "max_inference_steps", "max_sequence_length", "max_prompt_chars", "default_height", "default_width", "default_num_frames", "default_inference_steps", "default_guidance_scale", "default_fps", "min_height", "image_roles", "required_image_roles", "max_images", "max_image_bytes", "max_image_pixels", "cache_methods", "default_cache", "loras", "max_loras", "fused_loras", "lora_cache_bytes", "default_embedded_guidance_scale", "image_size_base")
+    __slots__ = ("height_multiple", "width_multiple", "temporal_factor", "max_height", "max_width", "max_frames", "max_inference_steps", "max_sequence_length", "max_prompt_chars", "default_height", "default_width", "default_num_frames", "default_inference_steps", "default_guidance_scale", "default_fps", "min_height", "image_roles", "required_image_roles", "max_images", "max_image_bytes", "max_image_pixels", "cache_methods", "default_cache", "loras", "max_loras", "fused_loras", "lora_cache_bytes", "default_embedded_guidance_scale", "image_size_base", "audio_sample_rate", "audio_channels")
     HEIGHT_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
     WIDTH_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
     TEMPORAL_FACTOR_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,8 @@ class ModelLimits(_message.Message):
     LORA_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_EMBEDDED_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     IMAGE_SIZE_BASE_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     height_multiple: int
     width_multiple: int
     temporal_factor: int
@@ -126,7 +128,9 @@ class ModelLimits(_message.Message):
     lora_cache_bytes: int
     default_embedded_guidance_scale: float
     image_size_base: int
-    def __init__(self, height_multiple: _Optional[int] = ..., width_multiple: _Optional[int] = ..., temporal_factor: _Optional[int] = ..., max_height: _Optional[int] = ..., max_width: _Optional[int] = ..., max_frames: _Optional[int] = ..., max_inference_steps: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., default_height: _Optional[int] = ..., default_width: _Optional[int] = ..., default_num_frames: _Optional[int] = ..., default_inference_steps: _Optional[int] = ..., default_guidance_scale: _Optional[float] = ..., default_fps: _Optional[float] = ..., min_height: _Optional[int] = ..., image_roles: _Optional[_Iterable[str]] = ..., required_image_roles: _Optional[_Iterable[str]] = ..., max_images: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., cache_methods: _Optional[_Iterable[_Union[StepCache, _Mapping]]] = ..., default_cache: _Optional[_Union[StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[LoraInfo, _Mapping]]] = ..., max_loras: _Optional[int] = ..., fused_loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., lora_cache_bytes: _Optional[int] = ..., default_embedded_guidance_scale: _Optional[float] = ..., image_size_base: _Optional[int] = ...) -> None: ...
+    audio_sample_rate: int
+    audio_channels: int
+    def __init__(self, height_multiple: _Optional[int] = ..., width_multiple: _Optional[int] = ..., temporal_factor: _Optional[int] = ..., max_height: _Optional[int] = ..., max_width: _Optional[int] = ..., max_frames: _Optional[int] = ..., max_inference_steps: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., default_height: _Optional[int] = ..., default_width: _Optional[int] = ..., default_num_frames: _Optional[int] = ..., default_inference_steps: _Optional[int] = ..., default_guidance_scale: _Optional[float] = ..., default_fps: _Optional[float] = ..., min_height: _Optional[int] = ..., image_roles: _Optional[_Iterable[str]] = ..., required_image_roles: _Optional[_Iterable[str]] = ..., max_images: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., cache_methods: _Optional[_Iterable[_Union[StepCache, _Mapping]]] = ..., default_cache: _Optional[_Union[StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[LoraInfo, _Mapping]]] = ..., max_loras: _Optional[int] = ..., fused_loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., lora_cache_bytes: _Optional[int] = ..., default_embedded_guidance_scale: _Optional[float] = ..., image_size_base: _Optional[int] = ..., audio_sample_rate: _Optional[int] = ..., audio_channels: _Optional[int] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "scale")
