@@ -24,7 +24,7 @@ from dit_svc.lora import AdapterCache
 from dit_svc.model_options import ModelOptions
 from dit_svc.step_cache import CachePasses, CacheSetting, GroupConsensus, step_cache
 from services.checkpoint import read_checkpoint
-from stagekit.denoise import Denoiser, DenoiseSpec, runs_batches
+from stagekit.denoise import AudioDenoiser, Denoiser, DenoiseSpec, makes_audio, runs_batches
 from stagekit.errors import NotFoundError
 
 if TYPE_CHECKING:
@@ -121,6 +121,26 @@ def denoise_request(
     return latents, passes
 
 
+def denoise_av_request(
+    denoiser: AudioDenoiser,
+    spec: DenoiseSpec,
+    conditioning: dict[str, torch.Tensor],
+    on_step: Callable[[int, int], None],
+    cancelled: Callable[[], bool],
+    adapters: AdapterCache | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, CachePasses]:
+    """A request of a family that makes sound (stagekit.denoise.AudioDenoiser) on this rank: its video latents, its
+    audio latents and its passes. Such a family has no step cache, adapters or parallel plan (its features refuse
+    them at startup and the servicer refuses a request naming them); a direct caller naming adapters without a cache
+    of them is refused as in `denoise_request`."""
+    if spec.cache.enabled:
+        raise ValueError(f"cache: {spec.cache.method} is not offered for {type(denoiser).__name__}")
+    with adapters_applied(adapters, spec):
+        video, audio = denoiser.denoise_av(spec, conditioning, on_step, cancelled)
+    branches = 2 if spec.do_classifier_free_guidance else 1
+    return video, audio, CachePasses(run=spec.num_inference_steps * branches)
+
+
 def batch_key(spec: DenoiseSpec, conditioning: dict[str, torch.Tensor]) -> tuple | None:
     """Requests with the same key can be denoised as one batch: the same batch group (one tenant's, when the
     orchestrator keeps batches to one tenant), latent shape, schedule and guidance branches, the same LoRA
@@ -181,6 +201,18 @@ class OneRank:
         return denoise_request(
             self.denoiser, spec, conditioning, on_step, cancelled, mag_ratios=self.mag_ratios, adapters=self.adapters
         )
+
+    def denoise_av_request(
+        self,
+        spec: DenoiseSpec,
+        conditioning: dict[str, torch.Tensor],
+        on_step: Callable[[int, int], None],
+        cancelled: Callable[[], bool],
+    ) -> tuple[torch.Tensor, torch.Tensor, CachePasses]:
+        """`denoise_av_request` on this rank's denoiser, which must make sound (`stagekit.denoise.makes_audio`)."""
+        denoiser = self.denoiser
+        assert makes_audio(denoiser), f"{type(denoiser).__name__} makes no sound"
+        return denoise_av_request(denoiser, spec, conditioning, on_step, cancelled, adapters=self.adapters)
 
     def denoise_batch_request(
         self,

@@ -4,14 +4,18 @@ The checkpoint's family names its denoiser (families/<family>/denoise.py) and th
 takes (`Family.conditioning`), by the names the text encoder sends them under: embeddings [1, L, text_dim]
 ("prompt_embeds" and, with CFG, "negative_prompt_embeds") and, where the family declares them, masks
 [1, L] ("<embeddings>_mask", 1 for a token, 0 for padding). The servicer checks each against its slot and
-hands them to the denoiser by name. `main()` checks the options once (dit_svc/config.py `DitConfig.from_args`) and hands
-the servicer, or a follower node's group, the sections of the resulting `DitConfig`.
+hands them to the denoiser by name. The stream ends with the latents, one tensor "latents" per latent frame; a family
+that makes sound with its video (stagekit.denoise.AudioDenoiser: LTX-2) then sends one more, "audio_latents" FP32
+[1, Ca, A, M] (index 0), which the VAE stage decodes to the waveform. `main()` checks the options once
+(dit_svc/config.py `DitConfig.from_args`) and hands the servicer, or a follower node's group, the sections of the
+resulting `DitConfig`.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import cast
 
 import grpc
@@ -37,7 +41,7 @@ from services.torch_wire import encode_tensor, to_torch
 from services.validation import resolve_cache, resolve_loras, validate_sampling, validate_seed, validate_size
 from stagediff.tensor_codec import TensorAssembler, WireError, WireTensor, expect_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
-from stagekit.denoise import CacheSpec, Denoiser, DenoiseSpec, PooledTextDenoiser, takes_images
+from stagekit.denoise import CacheSpec, Denoiser, DenoiseSpec, PooledTextDenoiser, makes_audio, takes_images
 from stagekit.gguf import gguf_file
 from stagekit.parallel.hsdp import local_parameter_bytes
 
@@ -46,6 +50,13 @@ GGUF_FIX = (
     "--quantization gguf with a .gguf file in each transformer folder (held at its size: about 1.06 bytes per "
     "parameter for Q8_0, 0.56 for Q4_0)"
 )
+
+
+@dataclass(frozen=True)
+class AudioLatents:
+    """The audio latents [1, Ca, A, M] of a family that makes sound, as the compute thread hands them to the stream."""
+
+    latents: torch.Tensor
 
 
 class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
@@ -376,15 +387,26 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         except Exception as error:
             await abort_for(error, context, self.runtime.stage)
 
+        # A family that makes sound runs its joint loop on this rank (it has no parallel plan, so no group) and
+        # alone (it does not batch).
+        with_audio = isinstance(runner, OneRank) and makes_audio(runner.denoiser)
+
         def work(emit: Callable[[object], None], cancel: threading.Event) -> None:
             def on_step(step: int, total: int) -> None:
                 emit(stages_pb2.DenoiseProgress(step=step, total=total))
 
+            if with_audio:
+                assert isinstance(runner, OneRank)
+                latents, audio_latents, passes = runner.denoise_av_request(spec, conditioning, on_step, cancel.is_set)
+                emit(passes)
+                emit(latents)
+                emit(AudioLatents(audio_latents))
+                return
             latents, passes = runner.denoise_request(spec, conditioning, on_step, cancel.is_set)
             emit(passes)
             emit(latents)
 
-        key = batch_key(spec, conditioning) if batcher is not None else None
+        key = batch_key(spec, conditioning) if batcher is not None and not with_audio else None
         items = self.runtime.stream(work) if key is None or batcher is None else batcher.stream(spec, conditioning, key)
         try:
             async for item in items:
@@ -394,6 +416,11 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
                 if isinstance(item, CachePasses):
                     passes = stages_pb2.TransformerPasses(run=item.run, skipped=item.skipped)
                     yield stages_pb2.DenoiseResponse(passes=passes)
+                    continue
+                if isinstance(item, AudioLatents):
+                    # After the video's last latent frame: the audio latents whole, for the VAE stage's audio decoder.
+                    for chunk in encode_tensor("audio_latents", item.latents.float(), index=0):
+                        yield stages_pb2.DenoiseResponse(tensor=chunk)
                     continue
                 # One tensor per latent frame, so the VAE can decode frame t while t+1 travels.
                 for t in range(item.shape[2]):

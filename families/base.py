@@ -9,8 +9,11 @@ What a stage asks of a family's compute (the protocols of stagekit/, the layer b
 stagekit/encoder.py, stagekit/denoise.py, stagekit/decode.py; the parts that build them are typed by
 stagekit/family_parts.py):
 - the text encoder: `encode(texts, max_sequence_length, namespace) -> ({name: [N, ...]}, cache_hit)`;
-- the DiT: `denoise(spec, conditioning, on_step, cancelled) -> latents [1, C, T, H, W]`;
-- the VAE: `session().decode_next(latent_frame) -> uint8 frames [F, H, W, 3]`; for a family that takes
+- the DiT: `denoise(spec, conditioning, on_step, cancelled) -> latents [1, C, T, H, W]`; for a family that makes
+  sound with its video (LTX-2, stagekit.denoise.AudioDenoiser), `denoise_av(...) -> (video latents, audio latents)`;
+- the VAE: `session().decode_next(latent_frame) -> uint8 frames [F, H, W, 3]` (`session(num_latent_frames)` for a
+  decoder that needs the count: LTX-2's decodes at the last latent frame); for a family that makes sound,
+  `decode_audio(audio_latents) -> (waveform float32 [channels, samples], sample rate)`; for a family that takes
   input images, `image_encoder(model_dir)(decoder, images, height, width, num_frames) -> {name: tensor}`,
   on the decoder's VAE.
 """

@@ -27,6 +27,7 @@ _FAMILY_MODULES = (
     "families.flux_kontext.family",
     "families.qwen_image_21.family",
     "families.hunyuanvideo_15.family",
+    "families.ltx2.family",
 )
 
 FAMILIES: dict[str, Family] = {

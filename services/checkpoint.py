@@ -59,6 +59,10 @@ class CheckpointSpec:
     # For a family whose pipeline takes the output size from an input image by crop buckets (HunyuanVideo 1.5
     # image-to-video): the side of the square whose area the buckets have; 0 otherwise.
     image_size_base: int = 0
+    # For a model that makes sound with its video (LTX-2): the sample rate and channels of the waveform its VAE
+    # stage sends (its vocoder's output); 0 and 0 for a model without sound.
+    audio_sample_rate: int = 0
+    audio_channels: int = 0
 
     @property
     def traits(self) -> Family:
@@ -105,6 +109,8 @@ class CheckpointSpec:
             max_image_pixels=self.max_image_pixels if self.image_roles else 0,
             default_embedded_guidance_scale=embedded,
             image_size_base=self.image_size_base,
+            audio_sample_rate=self.audio_sample_rate,
+            audio_channels=self.audio_channels,
         )
 
 
@@ -138,6 +144,9 @@ def read_checkpoint(path: str | Path, model_id: str | None = None) -> Checkpoint
     if "guider" in index:
         # A pipeline whose guidance is a diffusers guider component (HunyuanVideo 1.5): its scale is the default.
         configs["guider"] = _read_json(root / "guider" / "guider_config.json")
+    if "vocoder" in index:
+        # A pipeline that makes sound (LTX-2): its vocoder's output rate and channels are the waveform's.
+        configs["vocoder"] = _read_json(root / "vocoder" / "config.json")
     # The family reads its geometry (VAE and patch factors, latent channels, its limits) from the configs, and
     # may choose defaults by variant (FLUX.1-dev's and schnell's).
     geometry = {

@@ -152,7 +152,6 @@ def checkpoint_components(root: Path, names: Sequence[str] = (), library: str = 
     "diffusers") when `names` is empty. Components without weights (tokenizers, processors, schedulers) and
     folders without safetensors files are left out.
     """
-    import importlib
     import json
 
     index = json.loads((root / "model_index.json").read_text())
@@ -165,8 +164,19 @@ def checkpoint_components(root: Path, names: Sequence[str] = (), library: str = 
         folder = root / name
         if not any(folder.glob("*.safetensors")):
             continue
-        found[name] = (getattr(importlib.import_module(entry[0]), entry[1]), folder)
+        found[name] = (getattr(_library_module(entry[0]), entry[1]), folder)
     return found
+
+
+def _library_module(library: str) -> object:
+    """The module a model_index.json library names, as diffusers resolves it: an installed package ("diffusers",
+    "transformers"), or one of diffusers' pipeline folders ("ltx2": the LTX-2 vocoder and connectors)."""
+    import importlib
+
+    try:
+        return importlib.import_module(library)
+    except ModuleNotFoundError:
+        return importlib.import_module(f"diffusers.pipelines.{library}")
 
 
 def stage_need(

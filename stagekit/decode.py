@@ -10,10 +10,12 @@ rank's band of latent rows (vae_svc/patch_parallel.py).
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, TypeGuard, runtime_checkable
 
+import numpy as np
 import torch
 
 from stagekit.weights import load_pretrained
@@ -31,6 +33,9 @@ class LatentDecoder(ABC):
     """A family's VAE, its weights read with the stage's --num-weight-load-threads."""
 
     vae_class: ClassVar[type[torch.nn.Module]]
+    # The checkpoint's components it loads, which the VAE stage's memory guard counts (LTX-2's adds its audio VAE
+    # and vocoder).
+    components: ClassVar[tuple[str, ...]] = ("vae",)
 
     def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype, load_threads: int = 4) -> None:
         self.device = device
@@ -46,6 +51,33 @@ class LatentDecoder(ABC):
     @abstractmethod
     def session(self) -> DecodeSession:
         """One request's decode."""
+
+
+@runtime_checkable
+class AudioDecoder(Protocol):
+    """The VAE stage's decoder of a family that makes sound with its video (LTX-2: an audio VAE and a vocoder beside
+    the video VAE): the DiT's audio latents [1, Ca, A, M] to a waveform."""
+
+    # Ca and M of the audio latents it takes, and audio latent frames per second of sound.
+    audio_latent_channels: int
+    audio_latent_mel_bins: int
+    audio_latents_per_second: float
+
+    def decode_audio(self, audio_latents: torch.Tensor) -> tuple[np.ndarray, int]:
+        """Audio latents [1, Ca, A, M] -> (waveform float32 [channels, samples], sample rate)."""
+        ...
+
+
+def decodes_audio(decoder: object) -> TypeGuard[AudioDecoder]:
+    """Whether `decoder` is an AudioDecoder (its family makes sound)."""
+    return isinstance(decoder, AudioDecoder)
+
+
+def session_takes_frame_count(decoder: object) -> bool:
+    """Whether the decoder's `session` takes `num_latent_frames` (a decoder that needs to know which latent frame
+    is the last: LTX-2's decodes the whole video there)."""
+    session = getattr(decoder, "session", None)
+    return callable(session) and "num_latent_frames" in inspect.signature(session).parameters
 
 
 def denormalize_latents(latents: torch.Tensor, latents_mean: torch.Tensor, latents_std: torch.Tensor) -> torch.Tensor:

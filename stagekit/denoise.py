@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeGuard
+from typing import Protocol, TypeGuard, runtime_checkable
 
 import torch
 
@@ -132,6 +132,29 @@ class BatchDenoiser(Denoiser, Protocol):
         a member dropped once is not denoised further.
         """
         ...
+
+
+@runtime_checkable
+class AudioDenoiser(Denoiser, Protocol):
+    """The denoiser of a family that makes sound with its video (LTX-2): one loop denoises both, and the DiT stage
+    sends the audio latents after the video's ("audio_latents", for the VAE stage's audio decoder). Such a family
+    runs one request at a time (its `batching` feature is refused)."""
+
+    def denoise_av(
+        self,
+        spec: DenoiseSpec,
+        conditioning: dict[str, torch.Tensor],
+        on_step: Callable[[int, int], None],
+        cancelled: Callable[[], bool],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs every step; returns float32 (video latents [1, C, T, h, w], audio latents [1, Ca, A, M]), both as
+        the VAE stage decodes them; on_step(step, total) after each, `cancelled` checked before each."""
+        ...
+
+
+def makes_audio(denoiser: object) -> TypeGuard[AudioDenoiser]:
+    """Whether `denoiser` is an AudioDenoiser (its family makes sound with its video)."""
+    return callable(getattr(denoiser, "denoise_av", None))
 
 
 def takes_images(denoiser: Denoiser) -> TypeGuard[ImageDenoiser]:

@@ -13,11 +13,18 @@ whole video. Patch parallelism runs the family's decoder split by rows (vae_svc/
 decoder, Qwen-Image's, and the 2D AutoencoderKL decoder of FLUX.1, Z-Image and FLUX.2 klein), tiling the Wan
 VAE's causal decoder (vae_svc/tiled.py); a family that does not support them refuses the flags at startup with
 the registry's reason.
+
+A family that makes sound with its video (LTX-2: stagekit.decode.AudioDecoder, an audio VAE and a vocoder beside
+the video VAE) gets one more tensor after the last latent frame, "audio_latents" [1, Ca, A, M] as the DiT sent it,
+and answers it, after the last frames, with the waveform: one tensor "audio" FP32 [channels, samples] at
+ModelLimits.audio_sample_rate. A decoder whose session returns no frames for a latent frame (LTX-2's decodes the
+whole video at the last one, told which that is by DecodeParams.num_latent_frames) sends nothing for it.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import AsyncIterator
 
 import grpc
@@ -37,7 +44,7 @@ from services.torch_wire import encode_tensor, to_torch
 from services.validation import validate_size
 from stagediff.tensor_codec import TensorAssembler, WireError, WireTensor, expect_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
-from stagekit.decode import DecodeSession, LatentDecoder
+from stagekit.decode import DecodeSession, LatentDecoder, decodes_audio, session_takes_frame_count
 from stagekit.family_parts import ImageLatentEncoder
 from stagekit.images import DecodedImage
 from vae_svc.config import VaeConfig
@@ -46,6 +53,7 @@ from vae_svc.options import build_parser
 from vae_svc.tiled import TiledDecodeSession
 
 LATENT_DATATYPES = ("FP32", "BF16", "FP16")
+AUDIO_LATENTS = "audio_latents"
 
 
 class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
@@ -118,17 +126,53 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
         fixes = []
         if on_cpu and copies > 1:
             fixes.append(f"a smaller --vae-patch-parallel-size (now {copies}: each CPU rank holds the whole VAE)")
-        components = checkpoint_components(runtime.checkpoint.path, names=("vae",))
+        # The decoder's components: the VAE, and for a family that makes sound its audio VAE and vocoder too.
+        names = runtime.checkpoint.traits.load("decoder").components
+        components = checkpoint_components(runtime.checkpoint.path, names=names)
         return stage_need(runtime.stage, runtime.device, runtime.dtype, components, copies=copies, fixes=fixes)
 
-    def _open_session(self) -> DecodeSession | GroupDecodeSession | TiledDecodeSession:
+    def _open_session(self, num_latent_frames: int) -> DecodeSession | GroupDecodeSession | TiledDecodeSession:
         decoder = self._loaded
         if self.decode.use_tiling:
             # Startup refuses --vae-use-tiling for a family whose decoder is not Wan's.
             assert isinstance(decoder, WanStreamingDecoder)
             tile = self.decode.tile
             return TiledDecodeSession(decoder, tile.min_height, tile.min_width, tile.stride_height, tile.stride_width)
+        if session_takes_frame_count(decoder):
+            # A decoder that decodes at the last latent frame (LTX-2's) is told which one that is.
+            return decoder.session(num_latent_frames=num_latent_frames)  # type: ignore[call-arg]
         return decoder.session()
+
+    def _check_audio_latents(self, tensor: WireTensor, received: int, num_latent_frames: int, seen: bool) -> None:
+        """The audio latents of a model that makes sound: once, after every latent frame, [1, Ca, A, M] with A at
+        most the sound of the longest video the model allows at its default frame rate."""
+        spec, decoder = self.runtime.checkpoint, self._loaded
+        if not decodes_audio(decoder):
+            raise WireError(f"tensor '{AUDIO_LATENTS}': model '{spec.model_id}' ({spec.family}) makes no sound")
+        if seen:
+            raise WireError(f"tensor '{AUDIO_LATENTS}': sent twice; send it once, after the last latent frame")
+        if received != num_latent_frames:
+            raise WireError(
+                f"tensor '{AUDIO_LATENTS}': arrived after {received} of the {num_latent_frames} latent frames; send "
+                "it after the last"
+            )
+        expect_tensor(tensor, name=AUDIO_LATENTS, datatypes=LATENT_DATATYPES, ndim=4)
+        channels, mel_bins = decoder.audio_latent_channels, decoder.audio_latent_mel_bins
+        max_frames = math.ceil(spec.max_frames / spec.defaults.fps * decoder.audio_latents_per_second)
+        batch, got_channels, frames, got_mel_bins = tensor.shape
+        if batch != 1 or got_channels != channels or got_mel_bins != mel_bins or not 1 <= frames <= max_frames:
+            raise WireError(
+                f"tensor '{AUDIO_LATENTS}': shape {list(tensor.shape)} is not allowed; expected [1, {channels}, A, "
+                f"{mel_bins}] with 1 <= A <= {max_frames}"
+            )
+        if tensor.index != 0:
+            raise WireError(f"tensor '{AUDIO_LATENTS}': index {tensor.index}; send it whole, at index 0")
+
+    def _decode_audio(self, audio_latents: torch.Tensor) -> torch.Tensor:
+        decoder = self._loaded
+        assert decodes_audio(decoder)  # `_check_audio_latents` refused the tensor otherwise
+        waveform, _ = decoder.decode_audio(audio_latents)
+        return torch.from_numpy(waveform).float()
 
     def failure(self) -> str | None:
         return self.decoder.failure() if isinstance(self.decoder, PatchParallelDecoder) else None
@@ -177,6 +221,7 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
             session: DecodeSession | TiledDecodeSession | GroupDecodeSession | None = None
             first: WireTensor | None = None
             received = 0
+            audio_sent = False
             async for request in request_iterator:
                 if request.HasField("params"):
                     if params is not None:
@@ -188,7 +233,7 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
                             f"num_latent_frames: {params.num_latent_frames} is not allowed; "
                             f"use 1 to {max_latent_frames}"
                         )
-                    session = self._open_session()
+                    session = self._open_session(params.num_latent_frames)
                     continue
                 if not request.HasField("tensor"):
                     raise RequestError("part: each message must set params or tensor")
@@ -197,6 +242,13 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
                 tensor = assembler.feed(request.tensor)
                 if tensor is None:
                     continue
+                if tensor.name == AUDIO_LATENTS:
+                    self._check_audio_latents(tensor, received, params.num_latent_frames, audio_sent)
+                    audio_sent = True
+                    waveform = await self.runtime.run(self._decode_audio, to_torch(tensor))
+                    for chunk in encode_tensor("audio", waveform, index=0):
+                        yield stages_pb2.DecodeResponse(tensor=chunk)
+                    continue
                 if received >= params.num_latent_frames:
                     raise WireError(f"tensor 'latents': more than the {params.num_latent_frames} frames announced")
                 self._check_latent(tensor, received, first)
@@ -204,6 +256,8 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
                 received += 1
                 first_frame = session.frames_decoded
                 frames = await self.runtime.run(session.decode_next, to_torch(tensor))
+                if frames.shape[0] == 0:
+                    continue  # a decoder that decodes later (LTX-2's, at the last latent frame) has none yet
                 for chunk in encode_tensor("frames", frames, index=first_frame):
                     yield stages_pb2.DecodeResponse(tensor=chunk)
             assembler.finish()
@@ -211,6 +265,11 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
                 raise RequestError("params: missing; the first message must carry DecodeParams")
             if received != params.num_latent_frames:
                 raise WireError(f"tensor 'latents': {received} of the {params.num_latent_frames} announced frames came")
+            if decodes_audio(self._loaded) and not audio_sent:
+                raise WireError(
+                    f"tensor '{AUDIO_LATENTS}': missing; model '{spec.model_id}' makes sound, so send its audio "
+                    "latents after the last latent frame"
+                )
         except GroupFailure as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"vae: {error}")
         except Exception as error:

@@ -16,6 +16,19 @@ GUIDANCE_SCALE = 3.0
 # LTX2Pipeline's max_sequence_length: every text is padded (on the left) to this many Gemma tokens, and the
 # connectors' output has this length (their learnable registers fill the padding).
 MAX_SEQUENCE_LENGTH = 1024
+# The vocoder classes' default output rates (diffusers' LTX2Vocoder and LTX2VocoderWithBWE), for a config that
+# leaves output_sampling_rate out.
+VOCODER_SAMPLE_RATES = {"LTX2Vocoder": 24_000, "LTX2VocoderWithBWE": 48_000}
+
+
+def audio_format(vocoder: dict[str, Any]) -> tuple[int, int]:
+    """(sample rate, channels) of the waveform the vocoder gives: its `output_sampling_rate` (24 kHz for LTX2Vocoder,
+    LTX-2.0; 48 kHz for LTX2VocoderWithBWE, LTX-2.3) and its `out_channels` (2, stereo, in both)."""
+    name = vocoder.get("_class_name", "")
+    if name not in VOCODER_SAMPLE_RATES:
+        raise ValueError(f"vocoder class {name!r} is not one of {', '.join(VOCODER_SAMPLE_RATES)}")
+    rate = int(vocoder.get("output_sampling_rate", VOCODER_SAMPLE_RATES[name]))
+    return rate, int(vocoder.get("out_channels", 2))
 
 
 def compression(vae: dict[str, Any]) -> tuple[int, int]:
@@ -33,8 +46,11 @@ def compression(vae: dict[str, Any]) -> tuple[int, int]:
 def read_geometry(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """A video model: AutoencoderKLLTX2Video latents (32x spatial and 8x temporal compression, 128 channels in the
     published VAE), the transformer's patch sizes (1x1x1 published), Gemma prompts padded to 1024 tokens, and
-    LTX2Pipeline's defaults."""
+    LTX2Pipeline's defaults; and the sound's sample rate and channels, from the vocoder's config."""
     vae, transformer = configs["vae"], configs["transformer"]
+    if "vocoder" not in configs:
+        raise ValueError("an LTX-2 checkpoint names a vocoder in its model_index.json; this one does not")
+    sample_rate, channels = audio_format(configs["vocoder"])
     spatial, temporal = compression(vae)
     patch, patch_t = int(transformer.get("patch_size", 1)), int(transformer.get("patch_size_t", 1))
     return {
@@ -44,6 +60,8 @@ def read_geometry(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "latent_channels": int(vae.get("latent_channels", 128)),
         "max_sequence_length": MAX_SEQUENCE_LENGTH,
         "sequence_length_limit": MAX_SEQUENCE_LENGTH,
+        "audio_sample_rate": sample_rate,
+        "audio_channels": channels,
         "defaults": RequestDefaults(
             height=HEIGHT,
             width=WIDTH,

@@ -53,6 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
+from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import LATENT_DOWNSAMPLE_FACTOR
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from torch import nn
 
@@ -89,6 +90,11 @@ class LTX2AudioDecoder:
             vocoder_class(folder), folder, device=device, dtype=dtype, num_threads=load_threads
         ).eval()
         self.sample_rate = int(self.vocoder.config.output_sampling_rate)
+        config = self.audio_vae.config
+        self.latent_channels = int(config.latent_channels)
+        self.latent_mel_bins = int(config.mel_bins) // LATENT_DOWNSAMPLE_FACTOR
+        # As the denoiser counts them: mel frames per second (sample rate over hop) over the audio VAE's 4x.
+        self.latents_per_second = config.sample_rate / config.mel_hop_length / float(LATENT_DOWNSAMPLE_FACTOR)
 
     @torch.no_grad()
     def decode(self, audio_latents: torch.Tensor) -> tuple[np.ndarray, int]:
@@ -105,6 +111,7 @@ class LTX2Decoder(LatentDecoder):
     """The VAE stage's models for LTX-2: the video VAE (`self.vae`) and the audio decoder (`self.audio`)."""
 
     vae_class = AutoencoderKLLTX2Video
+    components = ("vae", "audio_vae", "vocoder")
 
     def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype, load_threads: int = 4) -> None:
         # Not LatentDecoder's: the latents arrive de-normalised, and the config names its channels latent_channels.
@@ -115,6 +122,10 @@ class LTX2Decoder(LatentDecoder):
         self.latent_channels = int(self.vae.config.latent_channels)
         self.spatial_compression = int(self.vae.spatial_compression_ratio)
         self.audio = LTX2AudioDecoder(model_dir, device, dtype, load_threads)
+        # stagekit.decode.AudioDecoder: what the VAE stage checks the DiT's audio latents against.
+        self.audio_latent_channels = self.audio.latent_channels
+        self.audio_latent_mel_bins = self.audio.latent_mel_bins
+        self.audio_latents_per_second = self.audio.latents_per_second
 
     def session(self, num_latent_frames: int | None = None) -> LTX2DecodeSession:
         """One request's decode of `num_latent_frames` latent frames (the stage's DecodeParams.num_latent_frames),

@@ -425,6 +425,6 @@ class LTX2Denoiser:
         on_step: Callable[[int, int], None],
         cancelled: Callable[[], bool],
     ) -> torch.Tensor:
-        """The Denoiser protocol's call: the video latents [1, C, T, h, w] of `denoise_av` at 24 frames per second
-        (the audio latents are left out until the stages carry them)."""
+        """The Denoiser protocol's call: the video latents [1, C, T, h, w] of `denoise_av` at 24 frames per second,
+        without the audio latents (the DiT stage runs `denoise_av` and sends both)."""
         return self.denoise_av(spec, conditioning, on_step, cancelled)[0]

@@ -3,9 +3,15 @@ transformer denoising video and audio latents together), AutoencoderKLLTX2Video 
 AutoencoderKLLTX2Audio and a vocoder (LTX2Vocoder, or LTX2VocoderWithBWE in LTX-2.3).
 
 Declarations only (no torch); the compute is beside this file: encode.py (Gemma 3 and both connectors, in the text
-encoder stage), denoise.py (the joint audio-video loop with LTX2Pipeline's guidance), checkpoint.py and
-init_model.py. Not wired into the registry yet: there is no decode of either modality (the VAE stage's part) and
-no serving path for the audio latents, so nothing here is served.
+encoder stage), denoise.py (the joint audio-video loop with LTX2Pipeline's guidance, in the DiT stage), decode.py
+(the video VAE, and the audio VAE and vocoder, both in the VAE stage), checkpoint.py and init_model.py.
+
+The stages carry both modalities: the DiT stage sends the video latents frame by frame as for every video family,
+then the audio latents ("audio_latents" [1, Ca, A, M], stagekit.denoise.AudioDenoiser); the VAE stage sends the
+frames (all at the last latent frame: the published decoders are not causal in time, decode.py) and then the
+waveform ("audio" FP32 [channels, samples] at ModelLimits.audio_sample_rate, the vocoder's rate). The audio follows
+the video's 24 frames per second (the DiT stage's DenoiseParams carry no frame rate). Frame interpolation stays
+refused: the frames it would add change the video's length against the sound's.
 
 The request's guidance_scale is LTX2Pipeline's `guidance_scale` (the video's CFG scale). The pipeline's other
 guidance (audio CFG at 7.0, spatio-temporal guidance, modality guidance, rescale) runs at its defaults
@@ -39,16 +45,21 @@ FEATURES = {
     "cfg_parallel": Support(reason=f"{_NOT_BUILT}: the CFG, STG and modality passes run one after the other"),
     "tensor_parallel": Support(reason=f"{_NOT_BUILT}: no tensor-parallel plan for LTX2VideoTransformerBlock"),
     "hsdp": Support(reason=f"{_NOT_BUILT}: the transformer is not sharded"),
-    "vae_patch_parallel": Support(reason=f"{_NOT_BUILT}: there is no LTX-2 decode yet"),
-    "vae_tiling": Support(reason=f"{_NOT_BUILT}: there is no LTX-2 decode yet"),
+    "vae_patch_parallel": Support(reason=f"{_NOT_BUILT}: no row-band plan for AutoencoderKLLTX2Video's decoder"),
+    "vae_tiling": Support(reason="tiled decode is implemented for the Wan VAE only; this VAE decodes the video whole"),
     "cpu_offload": Support(reason=f"{_NOT_BUILT}: not checked against the pipeline"),
     "layerwise_offload": Support(reason=f"{_NOT_BUILT}: not checked against the pipeline"),
     "fp8": Support(reason=f"{_NOT_BUILT}: not checked against the pipeline"),
     "int8": Support(reason=f"{_NOT_BUILT}: not checked against the pipeline"),
     "gguf": Support(reason=f"{_NOT_BUILT}: no GGUF tensor names are mapped for LTX2VideoTransformer3DModel"),
     "multithread_loading": Support(reason=f"{_NOT_BUILT}: not checked through the stages"),
-    "compile": Support(reason=f"{_NOT_BUILT}: not checked against the pipeline"),
-    "interpolation": Support(reason=f"{_NOT_BUILT}: there is no LTX-2 decode yet, and the audio would not follow"),
+    "compile": Support(
+        reason=f"{_NOT_BUILT}: not checked against the pipeline",
+        refusal_tests=("tests/integration/test_compile.py::test_compile_is_refused_at_startup_where_unverified",),
+    ),
+    "interpolation": Support(
+        reason=f"{_NOT_BUILT}: interpolated frames would change the video's length and frame rate against its sound"
+    ),
     "first_block_cache": Support(reason=f"{_NOT_BUILT}: not checked against diffusers' hooks"),
     "mag_cache": Support(reason=f"{_NOT_BUILT}: not checked against diffusers' hooks"),
     "teacache": Support(reason="TeaCache's rescaling polynomials are published for Wan2.1 only"),
@@ -77,8 +88,8 @@ LTX2 = Family(
     checkpoint_reader="families.ltx2.checkpoint:read_geometry",
     text_encoder="families.ltx2.encode:LTX2PromptEncoder",
     denoiser="families.ltx2.denoise:LTX2Denoiser",
-    # Not built yet: the VAE stage's decode of the video latents and of the audio latents (audio VAE and vocoder).
-    decoder="",
+    # The video VAE, and the audio VAE and vocoder: one VAE stage decodes both modalities (docs/design.md).
+    decoder="families.ltx2.decode:LTX2Decoder",
     writer="families.ltx2.init_model:write_checkpoint",
     features=FEATURES,
     own_presets={

@@ -42,7 +42,7 @@ PRESET_SIZES = {"tiny": "tiny", "small": "small", "tiny-2.0": "tiny"}
 # layer's output, num_hidden_layers + 1 of them), so the connectors' input is hidden_size * (layers + 1) wide. One
 # sliding-window layer and one global layer as in the published pattern; the window is shorter than the 1024
 # padded tokens, so it takes effect.
-GEMMA_CONFIGS: dict[str, dict[str, Any]] = {
+TEXT_ENCODER_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         hidden_size=32,
         intermediate_size=64,
@@ -93,7 +93,7 @@ BYTE_PIECES = tuple(f"<0x{value:02X}>" for value in range(256))
 #       streams have as many heads
 #   cross_attention_dim / audio_cross_attention_dim       the text each stream attends to (its inner width)
 #   num_layers                                            joint blocks (48 published)
-TRANSFORMER_SIZES: dict[str, dict[str, Any]] = {
+TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         num_attention_heads=4,
         attention_head_dim=8,
@@ -145,7 +145,7 @@ CONNECTOR_SIZES: dict[str, dict[str, int]] = {
 # AutoencoderKLLTX2Video: 4x4 pixel patches and three 2x spatio-temporal steps, 32x spatial and 8x temporal
 # compression as published, narrower and one layer per block.
 LATENT_CHANNELS = {"tiny": 8, "small": 32}
-VAE_SIZES: dict[str, dict[str, Any]] = {
+VAE_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": dict(encoder=(8, 16, 32, 32), decoder_2_0=(8, 16, 32), decoder_2_3=(8, 16, 16, 32)),
     "small": dict(encoder=(16, 32, 64, 64), decoder_2_0=(16, 32, 64), decoder_2_3=(16, 32, 32, 64)),
 }
@@ -267,7 +267,7 @@ def build_text_encoder(size: str, tokenizer: Any) -> torch.nn.Module:
         pad_token_id=ids["<pad>"],
         eos_token_id=ids["<eos>"],
         bos_token_id=ids["<bos>"],
-        **GEMMA_CONFIGS[size],
+        **TEXT_ENCODER_CONFIGS[size],
     )
     config = Gemma3Config(
         text_config=text_config,
@@ -284,7 +284,7 @@ def build_connectors(size: str, layout: str) -> torch.nn.Module:
     """The preset's LTX2TextConnectors over every Gemma hidden state, in `layout`."""
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
-    gemma, transformer, sizes = GEMMA_CONFIGS[size], TRANSFORMER_SIZES[size], CONNECTOR_SIZES[size]
+    gemma, transformer, sizes = TEXT_ENCODER_CONFIGS[size], TRANSFORMER_CONFIGS[size], CONNECTOR_SIZES[size]
     hidden = gemma["hidden_size"]
     if layout == "2.0":
         # Both connectors as wide as Gemma; the transformer's caption projections take them to each stream's width.
@@ -339,10 +339,10 @@ def build_transformer(size: str, layout: str) -> torch.nn.Module:
         audio_out_channels=audio_features,
         audio_sampling_rate=AUDIO_SAMPLE_RATE,
         audio_hop_length=MEL_HOP_LENGTH,
-        caption_channels=GEMMA_CONFIGS[size]["hidden_size"],
+        caption_channels=TEXT_ENCODER_CONFIGS[size]["hidden_size"],
         rope_type="split",
         rope_double_precision=True,
-        **TRANSFORMER_SIZES[size],
+        **TRANSFORMER_CONFIGS[size],
         **TRANSFORMER_LAYOUTS[layout],
     ).eval()
 
@@ -351,7 +351,7 @@ def build_vae(size: str, layout: str, seed: int) -> torch.nn.Module:
     """The preset's AutoencoderKLLTX2Video (LTX-2.0's or LTX-2.3's decoder), latent statistics drawn from `seed`."""
     from diffusers import AutoencoderKLLTX2Video
 
-    widths, channels = VAE_SIZES[size], LATENT_CHANNELS[size]
+    widths, channels = VAE_CONFIGS[size], LATENT_CHANNELS[size]
     if layout == "2.0":
         decoder: dict[str, Any] = dict(
             decoder_block_out_channels=widths["decoder_2_0"],

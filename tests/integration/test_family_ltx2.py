@@ -313,13 +313,16 @@ def test_audio_latents_decode_to_the_pipelines_waveform(
     assert output.frames.shape == (1, SPEC.num_frames, SPEC.height, SPEC.width, 3)
 
 
-def test_checkpoint_reader(model: Path) -> None:
-    """32x spatial and 8x temporal compression as published, 1x1x1 patches, LTX2Pipeline's defaults."""
+def test_checkpoint_reader(preset: str, model: Path) -> None:
+    """32x spatial and 8x temporal compression as published, 1x1x1 patches, LTX2Pipeline's defaults, and the
+    vocoder's sample rate and channels (what the stages report as ModelLimits.audio_sample_rate, audio_channels)."""
     configs = {
-        "vae": json.loads((model / "vae" / "config.json").read_text()),
-        "transformer": json.loads((model / "transformer" / "config.json").read_text()),
+        name: json.loads((model / name / "config.json").read_text()) for name in ("vae", "transformer", "vocoder")
     }
     geometry = read_geometry(configs)
+    assert (geometry["audio_sample_rate"], geometry["audio_channels"]) == (VOCODERS[preset][2], 2)
+    with pytest.raises(ValueError, match="names a vocoder"):
+        read_geometry({name: config for name, config in configs.items() if name != "vocoder"})
     assert (geometry["vae_scale_spatial"], geometry["vae_scale_temporal"]) == (32, 8)
     assert geometry["patch_size"] == (1, 1, 1) and geometry["latent_channels"] == 8
     assert geometry["max_sequence_length"] == MAX_SEQUENCE_LENGTH

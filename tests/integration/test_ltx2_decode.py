@@ -24,18 +24,19 @@ from diffusers import AutoencoderKLLTX2Video, LTX2Pipeline
 
 from families.ltx2.decode import LTX2Decoder
 from families.ltx2.denoise import LTX2Denoiser
-from families.ltx2.encode import LTX2PromptEncoder
-from families.ltx2.family import LTX2
-from families.ltx2.init_model import write_checkpoint
 from stagekit.denoise import DenoiseSpec
+from tests.helpers.ltx2 import (
+    CPU,
+    FRAME_RATE,
+    compare_frames,
+    conditioning,
+    reference_pipeline,
+    run_pipeline,
+    tiny_checkpoint,
+)
 
-CPU = torch.device("cpu")
-PROMPT = "A red fox trots across a snowy field at dawn, its breath rising in small white clouds"
-NEGATIVE = "worst quality, inconsistent motion, blurry, jittery, distorted"
-MAX_SEQUENCE_LENGTH = 1024
 # 64x96 pixels: 2x3 latents; 17 frames: 3 latent frames (1 + 8 + 8 frames), 18 audio latent frames at 24 fps.
 SPEC = DenoiseSpec(height=64, width=96, num_frames=17, num_inference_steps=2, guidance_scale=3.0, seed=7)
-FRAME_RATE = 24.0
 # The waveform is a few float32 ops from the latents, which the denoiser gives within 1e-5 of the pipeline's; the
 # vocoder ends in tanh (LTX-2.0) or a clamp to [-1, 1] (LTX-2.3), so differences do not grow past that.
 WAVEFORM_TOLERANCE = 1e-5
@@ -58,73 +59,30 @@ def preset(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def model(preset: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp(f"ltx2-{preset}")
-    with torch.random.fork_rng(devices=[]):
-        write_checkpoint(LTX2, out, preset, 0, {})
-    return out
+    return tiny_checkpoint(preset, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def pipeline(model: Path) -> LTX2Pipeline:
-    pipeline = LTX2Pipeline.from_pretrained(model)
-    pipeline.set_progress_bar_config(disable=True)
-    return pipeline
-
-
-def _run_pipeline(pipeline: LTX2Pipeline) -> Any:
-    """LTX2Pipeline end to end from the prompts and the seed, its frames as float [1, F, H, W, 3] in [0, 1]."""
-    return pipeline(
-        prompt=PROMPT,
-        negative_prompt=NEGATIVE,
-        height=SPEC.height,
-        width=SPEC.width,
-        num_frames=SPEC.num_frames,
-        frame_rate=FRAME_RATE,
-        num_inference_steps=SPEC.num_inference_steps,
-        guidance_scale=SPEC.guidance_scale,
-        max_sequence_length=MAX_SEQUENCE_LENGTH,
-        generator=torch.Generator("cpu").manual_seed(SPEC.seed),
-        output_type="np",
-    )
+    return reference_pipeline(model)
 
 
 @pytest.fixture(scope="module")
 def expected(pipeline: LTX2Pipeline) -> Any:
-    return _run_pipeline(pipeline)
+    return run_pipeline(pipeline, SPEC).output
 
 
 @pytest.fixture(scope="module")
 def latents(model: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """The family's text encoder and denoiser: the (video, audio) latents the DiT stage sends to the VAE stage."""
-    encoder = LTX2PromptEncoder(model, "ltx-2-tiny", CPU, torch.float32)
-    tensors, _ = encoder.encode([PROMPT, NEGATIVE], MAX_SEQUENCE_LENGTH)
-    conditioning = {
-        f"{role}_{name}": tensor[index : index + 1]
-        for index, role in enumerate(("prompt", "negative_prompt"))
-        for name, tensor in tensors.items()
-    }
     return LTX2Denoiser(model, CPU, torch.float32).denoise_av(
-        SPEC, conditioning, on_step=lambda step, total: None, cancelled=lambda: False, frame_rate=FRAME_RATE
+        SPEC, conditioning(model), on_step=lambda step, total: None, cancelled=lambda: False, frame_rate=FRAME_RATE
     )
 
 
 @pytest.fixture(scope="module")
 def decoder(model: Path) -> LTX2Decoder:
     return LTX2Decoder(model, CPU, torch.float32)
-
-
-def _compare_frames(label: str, ours: torch.Tensor, theirs: np.ndarray) -> None:
-    """uint8 frames [F, H, W, 3] against the pipeline's float frames [F, H, W, 3] in [0, 1]: within one level."""
-    assert ours.dtype == torch.uint8 and tuple(ours.shape) == theirs.shape
-    levels = torch.from_numpy(theirs * 255).round().to(torch.int16)
-    difference = (ours.to(torch.int16) - levels).abs()
-    print(
-        f"{label}: frames {tuple(ours.shape)}, max {int(difference.max())} levels, {int((difference > 0).sum())} "
-        f"of {difference.numel()} values differ"
-    )
-    assert int(difference.max()) <= 1
-    # Random weights still give frames that vary, so a decode of the wrong latents would not pass.
-    assert float(levels.float().std()) > 5
 
 
 def test_frames_equal_pipeline(
@@ -136,7 +94,7 @@ def test_frames_equal_pipeline(
     frames = decoder.decode_video(video_latents)
     print(f"{preset}: video decode {time.perf_counter() - start:.3f} s")
     assert frames.shape == (SPEC.num_frames, SPEC.height, SPEC.width, 3)
-    _compare_frames(preset, frames, expected.frames[0])
+    compare_frames(preset, frames, expected.frames[0])
 
 
 def test_waveform_equals_pipeline(
@@ -207,11 +165,11 @@ def test_timestep_conditioned_vae_decodes_at_the_pipelines_timestep(
     reference = LTX2Pipeline.from_pretrained(conditioned)
     reference.set_progress_bar_config(disable=True)
     assert reference.vae.config.timestep_conditioning
-    expected = _run_pipeline(reference)
+    expected = run_pipeline(reference, SPEC).output
     decoder = LTX2Decoder(conditioned, CPU, torch.float32)
     video_latents, _ = latents
     frames = decoder.decode_video(video_latents)
-    _compare_frames(f"{preset} timestep-conditioned", frames, expected.frames[0])
+    compare_frames(f"{preset} timestep-conditioned", frames, expected.frames[0])
     with torch.no_grad():
         other = decoder.vae.decode(video_latents, torch.tensor([0.5]), return_dict=False)[0]
     assert (other.clamp(-1, 1) - decoder.decode_video_float(video_latents)).abs().max() > 1e-2
