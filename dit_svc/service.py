@@ -13,6 +13,7 @@ resulting `DitConfig`.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -38,7 +39,15 @@ from services.stage import RequestError, StageRuntime, abort_for
 from services.stage_config import StageConfig
 from services.stage_main import StageServicer, prepare_stage_process, run_stage
 from services.torch_wire import encode_tensor, to_torch
-from services.validation import resolve_cache, resolve_loras, validate_sampling, validate_seed, validate_size
+from services.validation import (
+    MAX_FPS,
+    resolve_cache,
+    resolve_loras,
+    validate_sampling,
+    validate_seed,
+    validate_size,
+    validate_sound_length,
+)
 from stagediff.tensor_codec import TensorAssembler, WireError, WireTensor, expect_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 from stagekit.denoise import CacheSpec, Denoiser, DenoiseSpec, PooledTextDenoiser, makes_audio, takes_images
@@ -219,6 +228,12 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
             embedded = limits.default_embedded_guidance_scale
         validate_sampling(limits, params.num_inference_steps, params.guidance_scale, embedded)
         validate_seed(params.seed)
+        fps = params.fps or limits.default_fps
+        if not (math.isfinite(fps) and 0 < fps <= MAX_FPS):
+            raise RequestError(
+                f"fps: {params.fps:g} is not allowed; use a value in (0, {MAX_FPS:g}], or 0 for the model's default"
+            )
+        validate_sound_length(limits, params.num_frames, fps)
         cache = resolve_cache(limits, params.cache if params.HasField("cache") else None)
         loras = resolve_loras(limits, list(params.loras))
         return DenoiseSpec(
@@ -233,6 +248,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
             cache=CacheSpec(cache.method, cache.threshold),
             loras=tuple((lora.name, lora.scale) for lora in loras),
             batch_group=checked_batch_group(params.batch_group),
+            fps=fps,
             **self._images(params),
         )
 

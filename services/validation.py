@@ -73,6 +73,22 @@ def validate_size(limits: stages_pb2.ModelLimits, height: int, width: int, num_f
         )
 
 
+def validate_sound_length(limits: stages_pb2.ModelLimits, num_frames: int, fps: float) -> None:
+    """For a model that makes sound with its video (ModelLimits.audio_sample_rate > 0), the video, whose length
+    the sound has, lasts at most as long as its longest at its default frame rate (max_frames / default_fps):
+    a low fps would otherwise ask for hours of sound from a few frames."""
+    if limits.audio_sample_rate <= 0 or limits.default_fps <= 0:
+        return
+    longest = limits.max_frames / limits.default_fps
+    seconds = num_frames / fps
+    if seconds > longest:
+        raise RequestError(
+            f"fps: {num_frames} frames at {fps:g} fps last {seconds:.3g} s; this model makes at most {longest:.3g} s "
+            f"of video with its sound ({limits.max_frames} frames at {limits.default_fps:g} fps); raise fps or "
+            "send fewer frames"
+        )
+
+
 def validate_sampling(
     limits: stages_pb2.ModelLimits,
     num_inference_steps: int,

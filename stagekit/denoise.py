@@ -58,6 +58,9 @@ class DenoiseSpec:
     embedded_guidance_scale: float | None = None
     # guidance_scale above this runs CFG: the family's `cfg_threshold` (families/base.py), 0 for Z-Image.
     cfg_threshold: float = 1.0
+    # The video's frames per second, for a family whose transformer or sound depends on it (LTX-2); 0: the
+    # family's default.
+    fps: float = 0.0
 
     @property
     def do_classifier_free_guidance(self) -> bool:

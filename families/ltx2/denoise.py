@@ -366,14 +366,14 @@ class LTX2Denoiser:
         conditioning: dict[str, torch.Tensor],
         on_step: Callable[[int, int], None],
         cancelled: Callable[[], bool],
-        frame_rate: float = FPS,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Runs every step; returns (video latents [1, C, T, h, w], audio latents [1, Ca, A, M]), float32 and
         de-normalised, as LTX2Pipeline(output_type="latent") returns them; on_step(step, total) after each.
 
         `conditioning`: "prompt_video_embeds", "prompt_audio_embeds" (and "prompt_embeds_mask") and, when CFG runs
         (`LTX2Guidance.scales`: the video's or the audio's scale above 1), the same for "negative_prompt".
-        `frame_rate` is the video's playback rate, which decides the audio's length.
+        `spec.fps` (0: LTX2Pipeline's default, 24) is the video's playback rate: it decides the sound's length and
+        the video's positions in time, as LTX2Pipeline's `frame_rate` does.
         """
         dtype = self.transformer.dtype
         video_scales, audio_scales = self.guidance.scales(spec.guidance_scale)
@@ -387,6 +387,7 @@ class LTX2Denoiser:
                 )
             negative = LTX2Text.from_conditioning(conditioning, "negative_prompt", self.device, dtype)
 
+        frame_rate = spec.fps or FPS
         grid = self.latent_grid(spec, frame_rate)
         video_noise, audio_noise = self.initial_noise(spec, grid)
         video, audio = self.pack_video(video_noise), self.pack_audio(audio_noise)

@@ -37,6 +37,7 @@ from services.validation import (
     validate_sampling,
     validate_seed,
     validate_size,
+    validate_sound_length,
 )
 from stagediff.v1 import generation_pb2, stages_pb2
 from stagekit.errors import RequestError
@@ -178,6 +179,7 @@ def complete_request(
         full.embedded_guidance_scale = limits.default_embedded_guidance_scale
     embedded = full.embedded_guidance_scale if full.HasField("embedded_guidance_scale") else None
     validate_sampling(limits, full.num_inference_steps, full.guidance_scale, embedded)
+    validate_sound_length(limits, full.num_frames, full.fps)
     validate_seed(full.seed)
     # The job records the cache it ran with, the model's default filled in.
     full.cache.CopyFrom(resolve_cache(limits, request.cache if request.HasField("cache") else None))

@@ -203,6 +203,7 @@ class StageCalls:
                         request.embedded_guidance_scale if request.HasField("embedded_guidance_scale") else None
                     ),
                     seed=request.seed,
+                    fps=request.fps,
                     cache=request.cache,
                     loras=request.loras,
                     batch_group=self.batch_group(job),

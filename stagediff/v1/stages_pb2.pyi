@@ -209,7 +209,7 @@ class EncodeResponse(_message.Message):
     def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., notices: _Optional[_Iterable[_Union[Notice, _Mapping]]] = ...) -> None: ...
 
 class DenoiseParams(_message.Message):
-    __slots__ = ("model", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "image_roles", "image_sizes", "cache", "loras", "batch_group", "embedded_guidance_scale")
+    __slots__ = ("model", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "image_roles", "image_sizes", "cache", "loras", "batch_group", "embedded_guidance_scale", "fps")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +223,7 @@ class DenoiseParams(_message.Message):
     LORAS_FIELD_NUMBER: _ClassVar[int]
     BATCH_GROUP_FIELD_NUMBER: _ClassVar[int]
     EMBEDDED_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     height: int
     width: int
@@ -236,7 +237,8 @@ class DenoiseParams(_message.Message):
     loras: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
     batch_group: bytes
     embedded_guidance_scale: float
-    def __init__(self, model: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., image_roles: _Optional[_Iterable[str]] = ..., image_sizes: _Optional[_Iterable[_Union[_image_pb2.ImageSize, _Mapping]]] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., batch_group: _Optional[bytes] = ..., embedded_guidance_scale: _Optional[float] = ...) -> None: ...
+    fps: float
+    def __init__(self, model: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., image_roles: _Optional[_Iterable[str]] = ..., image_sizes: _Optional[_Iterable[_Union[_image_pb2.ImageSize, _Mapping]]] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., batch_group: _Optional[bytes] = ..., embedded_guidance_scale: _Optional[float] = ..., fps: _Optional[float] = ...) -> None: ...
 
 class DenoiseRequest(_message.Message):
     __slots__ = ("params", "tensor")

@@ -50,7 +50,8 @@ class PipelineRun:
 
 
 def run_pipeline(pipeline: LTX2Pipeline, spec: DenoiseSpec) -> PipelineRun:
-    """LTX2Pipeline end to end from PROMPT, NEGATIVE and the spec's seed, output_type "np"."""
+    """LTX2Pipeline end to end from PROMPT, NEGATIVE and the spec's seed (its fps, 0: FRAME_RATE), output_type
+    "np"."""
     received: dict[str, torch.Tensor] = {}
     vae_decode, audio_decode = pipeline.vae.decode, pipeline.audio_vae.decode
 
@@ -70,7 +71,7 @@ def run_pipeline(pipeline: LTX2Pipeline, spec: DenoiseSpec) -> PipelineRun:
             height=spec.height,
             width=spec.width,
             num_frames=spec.num_frames,
-            frame_rate=FRAME_RATE,
+            frame_rate=spec.fps or FRAME_RATE,
             num_inference_steps=spec.num_inference_steps,
             guidance_scale=spec.guidance_scale,
             max_sequence_length=MAX_SEQUENCE_LENGTH,

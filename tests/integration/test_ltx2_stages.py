@@ -13,6 +13,7 @@ the wrong shape or not at all. A silent family (Wan) sends no audio tensor, refu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -140,6 +141,7 @@ def _denoise_params(spec: DenoiseSpec) -> stages_pb2.DenoiseRequest:
             num_inference_steps=spec.num_inference_steps,
             guidance_scale=spec.guidance_scale,
             seed=spec.seed,
+            fps=spec.fps,
         )
     )
 
@@ -164,6 +166,10 @@ async def _decode(
     requests = [stages_pb2.DecodeRequest(params=stages_pb2.DecodeParams(num_latent_frames=num_latent_frames))]
     requests += [stages_pb2.DecodeRequest(tensor=chunk) for chunk in chunks]
     return _assembled([response.tensor async for response in vae.Decode(iter(requests))])
+
+
+async def _responses(call: Any) -> list[Any]:
+    return [response async for response in call]
 
 
 async def _refused(call: Any) -> str:
@@ -221,6 +227,30 @@ def test_stages_send_the_pipelines_audio_latents_frames_and_audio(
         info = runtime.info()  # what GetStageInfo answers
         assert info.family == "ltx-2"
         assert (info.limits.audio_sample_rate, info.limits.audio_channels) == (SAMPLE_RATES[preset], 2)
+
+
+def test_the_requests_fps_is_the_pipelines_frame_rate(model: Path, stages: Stages) -> None:
+    """At 12 fps the sound lasts twice as long as at 24 and the video's positions in time are spaced twice as far:
+    the DiT's latents equal LTX2Pipeline's at frame_rate 12. A frame rate that would make the sound longer than
+    the model's longest video is refused, naming fps."""
+    slow = dataclasses.replace(SPEC, fps=12.0)
+    expected = run_pipeline(reference_pipeline(model), slow)
+    texts = conditioning(model)
+
+    async def scenario(dit: stages_pb2_grpc.DenoiserStub, vae: stages_pb2_grpc.VaeDecoderStub) -> None:
+        _, chunks = await _denoise(dit, slow, texts)
+        sent = _assembled(chunks)
+        video = torch.cat([to_torch(tensor) for tensor in sent[:3]], dim=2)
+        audio_latents = to_torch(sent[3])
+        assert audio_latents.shape == expected.audio_latents.shape
+        assert (video - expected.video_latents).abs().max() <= TOLERANCE
+        assert (audio_latents - expected.audio_latents).abs().max() <= TOLERANCE
+        # Refused at the params, the first message: the call sends nothing more.
+        call = dit.Denoise(iter([_denoise_params(dataclasses.replace(slow, fps=0.01))]))
+        refused = await _refused(_responses(call))
+        assert refused.startswith("fps: 17 frames at 0.01 fps last 1.7e+03 s"), refused
+
+    stages.serve(scenario)
 
 
 def test_stages_refuse_audio_input_out_of_place(preset: str, model: Path, stages: Stages) -> None:

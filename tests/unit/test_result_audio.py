@@ -472,6 +472,15 @@ def test_complete_request_records_the_codec_refuses_and_notices() -> None:
     assert not _complete(sound_limits(), output_format="gif", audio_codec="none").notices
 
 
+def test_a_frame_rate_asking_for_more_sound_than_the_longest_video_is_refused() -> None:
+    """The sound lasts as long as the video: at most max_frames (33) at the model's default 16 fps, 2.06 s."""
+    assert _complete(sound_limits(), num_frames=33, fps=16.0).fps == 16.0
+    assert _complete(sound_limits(), num_frames=17, fps=8.5).fps == 8.5  # 2 s
+    with pytest.raises(RequestError, match=r"^fps: 17 frames at 8 fps last 2.12 s; this model makes at most 2.06 s"):
+        _complete(sound_limits(), num_frames=17, fps=8.0)
+    assert _complete(LIMITS, num_frames=17, fps=0.5).fps == 0.5  # a silent model's video may be slow
+
+
 # ------------------------------------------------------------------------------------------------ SDK --
 
 
