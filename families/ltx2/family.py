@@ -9,9 +9,9 @@ encoder stage), denoise.py (the joint audio-video loop with LTX2Pipeline's guida
 The stages carry both modalities: the DiT stage sends the video latents frame by frame as for every video family,
 then the audio latents ("audio_latents" [1, Ca, A, M], stagekit.denoise.AudioDenoiser); the VAE stage sends the
 frames (all at the last latent frame: the published decoders are not causal in time, decode.py) and then the
-waveform ("audio" FP32 [channels, samples] at ModelLimits.audio_sample_rate, the vocoder's rate). The audio follows
-the video's 24 frames per second (the DiT stage's DenoiseParams carry no frame rate). Frame interpolation stays
-refused: the frames it would add change the video's length against the sound's.
+waveform ("audio" FP32 [channels, samples] at ModelLimits.audio_sample_rate, the vocoder's rate). The request's fps
+is LTX2Pipeline's `frame_rate` (DenoiseParams.fps): the sound lasts num_frames / fps seconds. The orchestrator takes
+the sound past the interpolator to the result: interpolated frames raise the frame rate, never the video's length.
 
 The request's guidance_scale is LTX2Pipeline's `guidance_scale` (the video's CFG scale). The pipeline's other
 guidance (audio CFG at 7.0, spatio-temporal guidance, modality guidance, rescale) runs at its defaults
@@ -58,7 +58,7 @@ FEATURES = {
         refusal_tests=("tests/integration/test_compile.py::test_compile_is_refused_at_startup_where_unverified",),
     ),
     "interpolation": Support(
-        reason=f"{_NOT_BUILT}: interpolated frames would change the video's length and frame rate against its sound"
+        tests=("tests/e2e/test_ltx2_cluster.py::test_interpolation_doubles_the_frames_and_keeps_the_sound",)
     ),
     "first_block_cache": Support(reason=f"{_NOT_BUILT}: not checked against diffusers' hooks"),
     "mag_cache": Support(reason=f"{_NOT_BUILT}: not checked against diffusers' hooks"),

@@ -118,6 +118,9 @@ class VideoCreate(Diffusion):
     # The interpolator's flow scale: one of ALLOWED_INTERP_SCALES (0 means 1).
     frame_interpolation_scale: InterpScale = 0.0
     output_format: Literal["mp4", "webm", "gif"] = "mp4"
+    # A model that makes sound (LTX-2): the sound's codec, "" the format's own (aac in mp4, opus in webm), "none" a
+    # silent video; refused for a model without sound (GenerateRequest.audio_codec).
+    audio_codec: Literal["", "none", "aac", "opus"] = ""
     # 1 (smallest) to 100 (best); unset, the format's default.
     output_quality: Annotated[int, Field(ge=1, le=100)] | None = None
     # An image as a data URL ("data:image/png;base64,...") or {"image_url": "data:..."}; as a file in a

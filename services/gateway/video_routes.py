@@ -54,6 +54,7 @@ def video_routes(orchestrator: Orchestrator, downloads: DownloadSlots) -> APIRou
             grpc_request.interpolation.exp = body.frame_interpolation_exp
             grpc_request.interpolation.scale = body.frame_interpolation_scale
         grpc_request.output_format = body.output_format
+        grpc_request.audio_codec = body.audio_codec
         if body.output_quality is not None:
             grpc_request.output_quality = body.output_quality
         if image is not None:
