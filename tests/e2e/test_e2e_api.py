@@ -84,10 +84,11 @@ def test_deadline_cancels_the_job(cluster) -> None:
                 seed=1,
                 request_id="deadline-1",
                 timeout=1.5,
-                height=64,
-                width=64,
-                num_frames=9,
-                num_inference_steps=400,
+                # Far longer than the deadline however fast the machine (400 steps of 64x64x9 took under 2 s).
+                height=128,
+                width=128,
+                num_frames=17,
+                num_inference_steps=1000,
             )
         assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         (job,) = [j for j in client.list_jobs() if j.request.request_id == "deadline-1"]
