@@ -76,7 +76,7 @@ def expected(pipeline: LTX2Pipeline) -> Any:
 def latents(model: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """The family's text encoder and denoiser: the (video, audio) latents the DiT stage sends to the VAE stage."""
     return LTX2Denoiser(model, CPU, torch.float32).denoise_av(
-        SPEC, conditioning(model), on_step=lambda step, total: None, cancelled=lambda: False, frame_rate=FRAME_RATE
+        SPEC, conditioning(model), on_step=lambda step, total: None, cancelled=lambda: False
     )
 
 
