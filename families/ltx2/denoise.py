@@ -24,6 +24,13 @@ runs the branches one by one, is not used.) The text arrives already through the
 unpacked and de-normalised with the video VAE's latents_mean / latents_std and scaling_factor, and the audio latents
 de-normalised with the audio VAE's statistics and unpacked to [1, Ca, A, M].
 
+Image-to-video (LTX2ImageToVideoPipeline, `ltx-2-i2v`). The VAE stage's Encode sends the first frame's normalised
+latents ("image_latents" [1, C, 1, h, w], families/ltx2/vae_encode.py). The loop starts from them at latent frame 0
+and from the seed's noise at the others (the same draws as text-to-video: the pipeline encodes the image with the
+mode of the VAE's distribution, which draws nothing). Every pass gives the first frame's tokens timestep 0 (the
+pipeline's per-token `timestep * (1 - conditioning_mask)`) and the audio the step's timestep; the guidance is
+text-to-video's, over every token, and the scheduler steps only the later frames, so the first stays the image's.
+
 Left out: `num_frames=None` (the pipeline's duration head, which LTX-2.0 and LTX-2.3 checkpoints do not have:
 every request here names its frames), the prompt enhancer (off by default), given latents and noise_scale, and
 custom sigmas or timesteps.
@@ -133,7 +140,8 @@ class Statistics:
 @dataclass(frozen=True)
 class Step:
     """What every pass of one step shares: the packed float32 latents, the scheduler's timestep and each modality's
-    sigma, the latent sizes, the positions' frame rate and the positions (of a batch of one)."""
+    sigma, the latent sizes, the positions' frame rate, the positions (of a batch of one) and, for image-to-video,
+    the packed conditioning mask [1, tokens] (1 at the first frame's tokens, which are kept clean)."""
 
     latents: VideoAudio
     timestep: torch.Tensor
@@ -141,6 +149,15 @@ class Step:
     grid: LatentGrid
     fps: float
     coords: tuple[torch.Tensor, torch.Tensor]
+    conditioning_mask: torch.Tensor | None = None
+
+    def video_timestep(self, batch: int) -> torch.Tensor:
+        """The video's timestep for a batch: [batch], or per token [batch, tokens] with the conditioned tokens at 0
+        (the image-to-video pipeline's `timestep.unsqueeze(-1) * (1 - conditioning_mask)`)."""
+        timestep = self.timestep.expand(batch)
+        if self.conditioning_mask is None:
+            return timestep
+        return timestep.unsqueeze(-1) * (1 - self.conditioning_mask.expand(batch, -1))
 
     def x0(self, velocities: VideoAudio) -> VideoAudio:
         """The pipeline's convert_velocity_to_x0 of both modalities: latents - velocity * sigma."""
@@ -239,6 +256,46 @@ class LTX2Denoiser:
             mel_bins=self.mel_bins // LATENT_DOWNSAMPLE_FACTOR,
         )
 
+    def image_tensor_shape(self, name: str, spec: DenoiseSpec) -> tuple[int | None, ...] | None:
+        """Image-to-video's first frame latents [1, C, 1, h, w] (from the VAE stage's Encode)."""
+        if spec.image_roles != ("first_frame",) or name != "image_latents":
+            return None
+        height, width = spec.height // self.vae_scale_spatial, spec.width // self.vae_scale_spatial
+        return (1, self.latent_channels, 1, height, width)
+
+    def first_frame_conditioned(
+        self, noise: torch.Tensor, image_latents: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(initial video latents [1, C, T, h, w], packed conditioning mask [1, tokens]): the image's latents at frame
+        0 and the noise at the others, as LTX2ImageToVideoPipeline.prepare_latents mixes them."""
+        if image_latents.shape != (*noise.shape[:2], 1, *noise.shape[3:]):
+            raise ValueError(
+                f"image_latents: shape {list(image_latents.shape)} does not fit the request's latents "
+                f"{list(noise.shape)}; expected [1, C, 1, h, w]"
+            )
+        image = image_latents.to(self.device, torch.float32).repeat(1, 1, noise.shape[2], 1, 1)
+        mask = torch.zeros((1, 1, *noise.shape[2:]), device=self.device, dtype=torch.float32)
+        mask[:, :, 0] = 1.0
+        latents = image * mask + noise * (1 - mask)
+        return latents, self.pack_video(mask).squeeze(-1)
+
+    def step_video(
+        self,
+        scheduler: FlowMatchEulerDiscreteScheduler,
+        velocity: torch.Tensor,
+        t: torch.Tensor,
+        latents: torch.Tensor,
+        grid: LatentGrid,
+        conditioned: bool,
+    ) -> torch.Tensor:
+        """The scheduler's step of the packed video latents; with a conditioned first frame only the later frames
+        step and the first is kept, as the image-to-video pipeline steps them."""
+        if not conditioned:
+            return scheduler.step(velocity, t, latents, return_dict=False)[0]
+        velocity, latents = self.unpack_video(velocity, grid), self.unpack_video(latents, grid)
+        stepped = scheduler.step(velocity[:, :, 1:], t, latents[:, :, 1:], return_dict=False)[0]
+        return self.pack_video(torch.cat([latents[:, :, :1], stepped], dim=2))
+
     def initial_noise(self, spec: DenoiseSpec, grid: LatentGrid) -> tuple[torch.Tensor, torch.Tensor]:
         """The seed's video noise [1, C, T, h, w] and then audio noise [1, Ca, A, M], float32, drawn from one
         generator as the pipeline draws them."""
@@ -314,7 +371,9 @@ class LTX2Denoiser:
                 audio_hidden_states=torch.cat([audio] * batch).to(dtype),
                 encoder_hidden_states=text.video,
                 audio_encoder_hidden_states=text.audio,
-                timestep=step.timestep.expand(batch),
+                timestep=step.video_timestep(batch),
+                # The transformer's default (the video's timestep) for text-to-video, as the pipelines pass it.
+                audio_timestep=step.timestep.expand(batch),
                 sigma=step.timestep.expand(batch),
                 encoder_attention_mask=text.mask,
                 audio_encoder_attention_mask=text.mask,
@@ -373,7 +432,8 @@ class LTX2Denoiser:
         `conditioning`: "prompt_video_embeds", "prompt_audio_embeds" (and "prompt_embeds_mask") and, when CFG runs
         (`LTX2Guidance.scales`: the video's or the audio's scale above 1), the same for "negative_prompt".
         `spec.fps` (0: LTX2Pipeline's default, 24) is the video's playback rate: it decides the sound's length and
-        the video's positions in time, as LTX2Pipeline's `frame_rate` does.
+        the video's positions in time, as LTX2Pipeline's `frame_rate` does. With "image_latents" (image-to-video)
+        the first latent frame is the image's, as LTX2ImageToVideoPipeline(output_type="latent") returns it.
         """
         dtype = self.transformer.dtype
         video_scales, audio_scales = self.guidance.scales(spec.guidance_scale)
@@ -389,8 +449,12 @@ class LTX2Denoiser:
 
         frame_rate = spec.fps or FPS
         grid = self.latent_grid(spec, frame_rate)
-        video_noise, audio_noise = self.initial_noise(spec, grid)
-        video, audio = self.pack_video(video_noise), self.pack_audio(audio_noise)
+        video_start, audio_noise = self.initial_noise(spec, grid)
+        mask = None
+        image_latents = conditioning.get("image_latents")
+        if image_latents is not None:
+            video_start, mask = self.first_frame_conditioned(video_start, image_latents)
+        video, audio = self.pack_video(video_start), self.pack_audio(audio_noise)
         steps = spec.num_inference_steps
         video_scheduler, audio_scheduler, timesteps = self.schedulers(steps, video.shape[1])
         fps = frame_rate / self.guidance.motion_speed
@@ -401,12 +465,13 @@ class LTX2Denoiser:
 
         for i, t in enumerate(timesteps):
             stop_if_cancelled(cancelled, self.parallel, self.device)
-            step = Step((video, audio), t, (video_scheduler.sigmas[i], audio_scheduler.sigmas[i]), grid, fps, coords)
+            sigmas = (video_scheduler.sigmas[i], audio_scheduler.sigmas[i])
+            step = Step((video, audio), t, sigmas, grid, fps, coords, mask)
             predictions = self.predictions(step, prompt, negative, (video_scales, audio_scales))
             # Guided in x0 space, each modality with its own scales, then back to velocities for the schedulers.
             video_velocity = step.velocity(0, predictions.guided(0, video_scales))
             audio_velocity = step.velocity(1, predictions.guided(1, audio_scales))
-            video = video_scheduler.step(video_velocity, t, video, return_dict=False)[0]
+            video = self.step_video(video_scheduler, video_velocity, t, video, grid, mask is not None)
             audio = audio_scheduler.step(audio_velocity, t, audio, return_dict=False)[0]
             on_step(i + 1, len(timesteps))
 

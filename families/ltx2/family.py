@@ -1,6 +1,6 @@
-"""LTX-2 text-to-audio+video: a Gemma 3 text encoder with LTX2TextConnectors, LTX2VideoTransformer3DModel (one
-transformer denoising video and audio latents together), AutoencoderKLLTX2Video (32x spatial, 8x temporal),
-AutoencoderKLLTX2Audio and a vocoder (LTX2Vocoder, or LTX2VocoderWithBWE in LTX-2.3).
+"""LTX-2 text-to-audio+video and image-to-audio+video: a Gemma 3 text encoder with LTX2TextConnectors,
+LTX2VideoTransformer3DModel (one transformer denoising video and audio latents together), AutoencoderKLLTX2Video
+(32x spatial, 8x temporal), AutoencoderKLLTX2Audio and a vocoder (LTX2Vocoder, or LTX2VocoderWithBWE in LTX-2.3).
 
 Declarations only (no torch); the compute is beside this file: encode.py (Gemma 3 and both connectors, in the text
 encoder stage), denoise.py (the joint audio-video loop with LTX2Pipeline's guidance, in the DiT stage), decode.py
@@ -13,6 +13,12 @@ waveform ("audio" FP32 [channels, samples] at ModelLimits.audio_sample_rate, the
 is LTX2Pipeline's `frame_rate` (DenoiseParams.fps): the sound lasts num_frames / fps seconds. The orchestrator takes
 the sound past the interpolator to the result: interpolated frames raise the frame rate, never the video's length.
 
+Image-to-video (`ltx-2-i2v`, LTX2ImageToVideoPipeline) is the same loop with the request's first frame kept clean:
+the VAE stage's Encode makes its latents (families/ltx2/vae_encode.py: the image re-compressed as H.264 and resized
+as the pipeline does, the mode of the video VAE's encoding, normalised), the DiT puts them at latent frame 0, gives
+that frame's tokens timestep 0 and steps only the later frames (families/ltx2/denoise.py); the sound is made as in
+text-to-video. The output size is the request's (the pipeline resizes the image to it, whatever its aspect ratio).
+
 The request's guidance_scale is LTX2Pipeline's `guidance_scale` (the video's CFG scale). The pipeline's other
 guidance (audio CFG at 7.0, spatio-temporal guidance, modality guidance, rescale) runs at its defaults
 (families/ltx2/guidance.py `LTX2Guidance`). Its audio CFG runs at every video scale, so the negative prompt is
@@ -21,7 +27,7 @@ always needed: `cfg_threshold` is below the lowest guidance_scale a request may 
 
 from __future__ import annotations
 
-from families.base import Family, RequestDefaults, Support, TensorSlot
+from families.base import Family, ImageInputs, RequestDefaults, Support, TensorSlot
 
 CHAIN = ("text-encoder", "dit", "vae", "interp")
 # Per text, the connectors' output (families/ltx2/encode.py): the video stream's embeddings (width `text_dim`),
@@ -100,4 +106,38 @@ LTX2 = Family(
     cfg_threshold=CFG_THRESHOLD,
 )
 
-FAMILIES = (LTX2,)
+# Image-to-video: the features as text-to-video's, and interpolation checked with an image as the first frame.
+I2V_FEATURES = {
+    **FEATURES,
+    "interpolation": Support(
+        tests=("tests/e2e/test_ltx2_cluster.py::test_image_to_video_beside_text_to_video_equals_the_pipeline",)
+    ),
+}
+
+LTX2_I2V = Family(
+    name="ltx-2-i2v",
+    pipeline="LTX2ImageToVideoPipeline",
+    description="LTX-2 image-to-video with audio: the first frame's latents (the video VAE's Encode) kept clean at "
+    "latent frame 0 while the later frames and the sound are denoised, as LTX2ImageToVideoPipeline makes them; "
+    "the image is resized to the request's size; guidance_scale is the video's CFG scale",
+    class_name="LTX2ImageToVideoPipeline",
+    requires=(),
+    output="video",
+    chain=CHAIN,
+    optional_stages=("interp",),
+    conditioning=(*CONDITIONING, TensorSlot("image_latents", "latents", "always", source="vae", image=True)),
+    # LTX2ImageToVideoPipeline.__call__'s defaults are LTX2Pipeline's.
+    defaults=LTX2.defaults,
+    images=ImageInputs(roles=("first_frame",), required=("first_frame",), encoded_by=("vae",)),
+    checkpoint_reader=LTX2.checkpoint_reader,
+    text_encoder=LTX2.text_encoder,
+    image_encoder="families.ltx2.vae_encode:LTX2ImageLatentEncoder",
+    denoiser=LTX2.denoiser,
+    decoder=LTX2.decoder,
+    writer=LTX2.writer,
+    features=I2V_FEATURES,
+    own_presets=LTX2.own_presets,
+    cfg_threshold=CFG_THRESHOLD,
+)
+
+FAMILIES = (LTX2, LTX2_I2V)

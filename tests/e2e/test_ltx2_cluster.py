@@ -3,7 +3,9 @@
 AUDIO_TOLERANCE of its own audio output (raw results over gRPC); an mp4 with an AAC stream of the sound's rate,
 channels and duration whose samples are the pipeline's within the coding noise, from the SDK and from the HTTP
 gateway through the official `openai` package; frame interpolation doubling the frames and the frame rate while
-the sound stays the pipeline's, as long as the video; and a silent mp4 on request.
+the sound stays the pipeline's, as long as the video; and a silent mp4 on request. The image-to-video checkpoint
+(`ltx-2-i2v`, the same weights) is served beside it: an image sent as the first frame gives
+LTX2ImageToVideoPipeline's frames and sound, interpolated.
 
 How the stages carry the sound (the DiT's "audio_latents", the VAE's "audio") and every refusal on the way are
 in tests/integration/test_ltx2_stages.py; the orchestrator's handling of the sound (past the interpolator, into
@@ -23,6 +25,7 @@ import openai
 import pytest
 import torch
 
+from families.ltx2.family import LTX2_I2V
 from stagediff import Client
 from stagediff.local.supervisor import LocalCluster
 from stagekit.denoise import DenoiseSpec
@@ -36,12 +39,14 @@ from tests.helpers.ltx2 import (
     tiny_checkpoint,
 )
 from tests.helpers.serving import THREADS_PER_STAGE
+from tests.helpers.wan_i2v import input_image
 
 pytestmark = pytest.mark.e2e
 
 # 64x96 pixels, 17 frames (0.71 s at 24 fps), 2 steps with CFG (the audio guidance always runs it).
 SPEC = DenoiseSpec(height=64, width=96, num_frames=17, num_inference_steps=2, guidance_scale=3.0, seed=7)
 ARGUMENTS = dict(
+    model="ltx-2",
     negative_prompt=NEGATIVE,
     height=SPEC.height,
     width=SPEC.width,
@@ -69,13 +74,22 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def i2v_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint as LTX2ImageToVideoPipeline's, served under the id "ltx-2-i2v"."""
+    given = tiny_checkpoint("tiny", tmp_path_factory, LTX2_I2V)
+    return Path(shutil.copytree(given, tmp_path_factory.mktemp("ltx2-i2v-served") / "ltx-2-i2v"))
+
+
+@pytest.fixture(scope="module")
 def reference(model: Path) -> PipelineRun:
     return run_pipeline(reference_pipeline(model), SPEC)
 
 
 @pytest.fixture(scope="module")
-def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    local = LocalCluster(model, threads_per_stage=THREADS_PER_STAGE, log_dir=tmp_path_factory.mktemp("ltx2-logs"))
+def cluster(model: Path, i2v_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    local = LocalCluster(
+        [model, i2v_model], threads_per_stage=THREADS_PER_STAGE, log_dir=tmp_path_factory.mktemp("ltx2-logs")
+    )
     local.start(timeout=300)
     try:
         yield local
@@ -125,9 +139,11 @@ def _check_mp4_sound(data: bytes, expected: np.ndarray, label: str) -> None:
 
 def test_raw_frames_and_sound_equal_the_pipeline(cluster: LocalCluster, reference: PipelineRun) -> None:
     with Client(cluster.endpoint) as client:
-        (listed,) = client.list_models()
+        listed = {model.id: model for model in client.list_models()}
         result = client.generate(PROMPT, output_format="raw", **ARGUMENTS)
-    assert (listed.id, listed.limits.audio_sample_rate, listed.limits.audio_channels) == ("ltx-2", RATE, 2)
+    assert set(listed) == {"ltx-2", "ltx-2-i2v"}
+    for model in listed.values():
+        assert (model.limits.audio_sample_rate, model.limits.audio_channels) == (RATE, 2), model.id
     compare_frames("cluster", torch.from_numpy(result.frames), reference.output.frames[0])
     expected = _pipeline_sound(reference)
     assert result.audio is not None and result.audio_sample_rate == RATE
@@ -150,7 +166,7 @@ def test_an_mp4_carries_the_sound_as_aac(cluster: LocalCluster, reference: Pipel
 
 def test_the_http_gateway_serves_the_mp4_with_its_sound(cluster: LocalCluster, reference: PipelineRun) -> None:
     http = openai.OpenAI(api_key="unused", base_url=f"{cluster.http_url}/v1", max_retries=0, timeout=120)
-    fields = {key: value for key, value in ARGUMENTS.items() if key not in ("height", "width")}
+    fields = {key: value for key, value in ARGUMENTS.items() if key not in ("model", "height", "width")}
     video = http.videos.create_and_poll(
         model="ltx-2", prompt=PROMPT, size=f"{SPEC.width}x{SPEC.height}", extra_body=fields
     )
@@ -168,3 +184,23 @@ def test_interpolation_doubles_the_frames_and_keeps_the_sound(cluster: LocalClus
     expected = _pipeline_sound(reference)
     assert result.audio is not None and result.audio.shape == expected.shape
     assert float(np.abs(result.audio - expected).max()) <= AUDIO_TOLERANCE
+
+
+def test_image_to_video_beside_text_to_video_equals_the_pipeline(cluster: LocalCluster, i2v_model: Path) -> None:
+    """A 100x70 image sent as the first frame of "ltx-2-i2v" (resized to the request's 96x64 by its VAE stage's
+    Encode) gives LTX2ImageToVideoPipeline's frames within one level and its sound, interpolated: the decoded frames
+    stay in place between the interpolated ones, the sound is as long as the video."""
+    frame = input_image(100, 70, 3)
+    reference = run_pipeline(reference_pipeline(i2v_model, image_to_video=True), SPEC, image=frame)
+    arguments = {**ARGUMENTS, "model": "ltx-2-i2v"}
+    with Client(cluster.endpoint) as client:
+        result = client.generate(PROMPT, image=frame, output_format="raw", interp_exp=1, **arguments)
+        job = client.get_job(result.job_id)
+    assert job.timings["vae-encode"] > 0
+    assert result.frames.shape[0] == 2 * SPEC.num_frames - 1 and result.fps == 48.0
+    compare_frames("image-to-video cluster", torch.from_numpy(result.frames[::2].copy()), reference.output.frames[0])
+    expected = _pipeline_sound(reference)
+    assert result.audio is not None and result.audio.shape == expected.shape
+    difference = float(np.abs(result.audio - expected).max())
+    print(f"image-to-video cluster: sound max abs diff {difference:.2e} from the pipeline's")
+    assert difference <= AUDIO_TOLERANCE and float(np.abs(expected).max()) > 0.01

@@ -1,6 +1,8 @@
 """LTX-2 references shared by the tests of its decoder (tests/integration/test_ltx2_decode.py) and of its stages
-(tests/integration/test_ltx2_stages.py): the prompts, a tiny checkpoint, LTX2Pipeline end to end with the latents
-its own decoders received, the family's text encoder's tensors as the DiT stage takes them, and the frame check."""
+(tests/integration/test_ltx2_stages.py), of image-to-video (tests/integration/test_family_ltx2_i2v.py) and of a cluster
+(tests/e2e/test_ltx2_cluster.py): the prompts, a tiny checkpoint, LTX2Pipeline (or LTX2ImageToVideoPipeline) end to
+end with the latents its own decoders received, the family's text encoder's tensors as the DiT stage takes them, and
+the frame check."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from diffusers import LTX2Pipeline
+from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline
+from PIL import Image
 
+from families.base import Family
 from families.ltx2.encode import LTX2PromptEncoder
 from families.ltx2.family import LTX2
 from families.ltx2.init_model import write_checkpoint
@@ -25,16 +29,19 @@ MAX_SEQUENCE_LENGTH = 1024
 FRAME_RATE = 24.0
 
 
-def tiny_checkpoint(preset: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An LTX-2 checkpoint of `preset` ("tiny": LTX-2.3's layout, "tiny-2.0": LTX-2.0's), seed 0."""
-    out = tmp_path_factory.mktemp(f"ltx2-{preset}")
+def tiny_checkpoint(preset: str, tmp_path_factory: pytest.TempPathFactory, family: Family = LTX2) -> Path:
+    """An LTX-2 checkpoint of `preset` ("tiny": LTX-2.3's layout, "tiny-2.0": LTX-2.0's), seed 0, its model_index.json
+    naming `family`'s pipeline (the weights are the same for image-to-video)."""
+    out = tmp_path_factory.mktemp(f"{family.name}-{preset}")
     with torch.random.fork_rng(devices=[]):
-        write_checkpoint(LTX2, out, preset, 0, {})
+        write_checkpoint(family, out, preset, 0, {})
     return out
 
 
-def reference_pipeline(model: Path) -> LTX2Pipeline:
-    pipeline = LTX2Pipeline.from_pretrained(model)
+def reference_pipeline(model: Path, image_to_video: bool = False) -> Any:
+    """LTX2Pipeline, or LTX2ImageToVideoPipeline, from the checkpoint."""
+    pipeline_class = LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline
+    pipeline = pipeline_class.from_pretrained(model)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
 
@@ -49,9 +56,10 @@ class PipelineRun:
     audio_latents: torch.Tensor
 
 
-def run_pipeline(pipeline: LTX2Pipeline, spec: DenoiseSpec) -> PipelineRun:
+def run_pipeline(pipeline: Any, spec: DenoiseSpec, image: Image.Image | None = None) -> PipelineRun:
     """LTX2Pipeline end to end from PROMPT, NEGATIVE and the spec's seed (its fps, 0: FRAME_RATE), output_type
-    "np"."""
+    "np"; LTX2ImageToVideoPipeline with `image` as the first frame (at its default CRF)."""
+    first_frame = {} if image is None else {"image": image}
     received: dict[str, torch.Tensor] = {}
     vae_decode, audio_decode = pipeline.vae.decode, pipeline.audio_vae.decode
 
@@ -66,6 +74,7 @@ def run_pipeline(pipeline: LTX2Pipeline, spec: DenoiseSpec) -> PipelineRun:
     pipeline.vae.decode, pipeline.audio_vae.decode = video, audio
     try:
         output = pipeline(
+            **first_frame,
             prompt=PROMPT,
             negative_prompt=NEGATIVE,
             height=spec.height,
