@@ -475,6 +475,14 @@ class LTX2Denoiser:
             audio = audio_scheduler.step(audio_velocity, t, audio, return_dict=False)[0]
             on_step(i + 1, len(timesteps))
 
+        return self.output_latents(video, audio, grid)
+
+    def output_latents(
+        self, video: torch.Tensor, audio: torch.Tensor, grid: LatentGrid
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed video [1, T*h*w, C] and audio [1, A, Ca*M] latents as LTX2Pipeline(output_type="latent") returns
+        them: the video unpacked and de-normalised with the video VAE's latents_mean / latents_std and
+        scaling_factor, the audio de-normalised with the audio VAE's statistics and unpacked, both float32."""
         video_latents = self.unpack_video(video, grid)
         stats = self.video_statistics
         mean = stats.mean.view(1, -1, 1, 1, 1).to(self.device, video_latents.dtype)

@@ -45,22 +45,34 @@ CONDITIONING = (
 CFG_THRESHOLD = -1.0
 
 _NOT_BUILT = "not built yet for LTX-2"
+# The family's classes in tests/integration/test_family_features.py (LTX2TesterConfig with a feature's mixin): each
+# compares the video latents and the audio latents the DiT stage sends.
+_FEATURE_CLASSES = "tests/integration/test_family_features.py::TestLTX2"
 FEATURES = {
     "ulysses": Support(reason=f"{_NOT_BUILT}: no sequence-parallel plan for the joint video and audio sequences"),
     "ring": Support(reason=f"{_NOT_BUILT}: no sequence-parallel plan for the joint video and audio sequences"),
     "cfg_parallel": Support(reason=f"{_NOT_BUILT}: the CFG, STG and modality passes run one after the other"),
     "tensor_parallel": Support(reason=f"{_NOT_BUILT}: no tensor-parallel plan for LTX2VideoTransformerBlock"),
-    "hsdp": Support(reason=f"{_NOT_BUILT}: the transformer is not sharded"),
+    "hsdp": Support(
+        reason=f"{_NOT_BUILT}: a group of DiT ranks (dit_svc/group.py) returns no audio latents, and the family has no "
+        "parallelize that shards the transformer"
+    ),
     "vae_patch_parallel": Support(reason=f"{_NOT_BUILT}: no row-band plan for AutoencoderKLLTX2Video's decoder"),
     "vae_tiling": Support(reason="tiled decode is implemented for the Wan VAE only; this VAE decodes the video whole"),
-    "cpu_offload": Support(reason=f"{_NOT_BUILT}: not checked against the pipeline"),
-    "layerwise_offload": Support(reason=f"{_NOT_BUILT}: not checked against the pipeline"),
-    "fp8": Support(reason=f"{_NOT_BUILT}: not checked against the pipeline"),
-    "int8": Support(reason=f"{_NOT_BUILT}: not checked against the pipeline"),
+    "cpu_offload": Support(tests=(_FEATURE_CLASSES + "ModuleOffload",)),
+    "layerwise_offload": Support(tests=(_FEATURE_CLASSES + "LayerwiseOffload",)),
+    "fp8": Support(tests=(_FEATURE_CLASSES + "Quantization",)),
+    "int8": Support(tests=(_FEATURE_CLASSES + "Quantization",)),
     "gguf": Support(reason=f"{_NOT_BUILT}: no GGUF tensor names are mapped for LTX2VideoTransformer3DModel"),
-    "multithread_loading": Support(reason=f"{_NOT_BUILT}: not checked through the stages"),
+    "multithread_loading": Support(
+        tests=(
+            _FEATURE_CLASSES + "Loading",
+            "tests/e2e/test_ltx2_cluster.py::test_raw_frames_and_sound_equal_the_pipeline",
+        )
+    ),
     "compile": Support(
-        reason=f"{_NOT_BUILT}: not checked against the pipeline",
+        reason=f"{_NOT_BUILT}: its check compiles six graphs of the joint audio-video block (the CFG batch, the "
+        "single passes, the modality-isolated pass), minutes on a CPU, too long for the test suite",
         refusal_tests=("tests/integration/test_compile.py::test_compile_is_refused_at_startup_where_unverified",),
     ),
     "interpolation": Support(

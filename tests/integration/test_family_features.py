@@ -21,6 +21,7 @@ from tests.helpers.feature_mixins import (
     LayerwiseOffloadTesterMixin,
     LoadingTesterMixin,
     LoRATesterMixin,
+    LTX2TesterConfig,
     ModuleOffloadTesterMixin,
     ParallelLayoutsTesterMixin,
     QuantizationTesterMixin,
@@ -439,4 +440,20 @@ class TestHunyuanVideo15I2VLoading(HunyuanVideo15I2VTesterConfig, LoadingTesterM
 
 
 class TestHunyuanVideo15I2VCompile(HunyuanVideo15I2VTesterConfig, CompileTesterMixin):
+    pass
+
+
+class TestLTX2ModuleOffload(LTX2TesterConfig, ModuleOffloadTesterMixin):
+    pass
+
+
+class TestLTX2LayerwiseOffload(LTX2TesterConfig, LayerwiseOffloadTesterMixin):
+    pass
+
+
+class TestLTX2Quantization(LTX2TesterConfig, QuantizationTesterMixin):
+    pass
+
+
+class TestLTX2Loading(LTX2TesterConfig, LoadingTesterMixin):
     pass

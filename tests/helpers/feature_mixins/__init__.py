@@ -45,6 +45,7 @@ from tests.helpers.feature_mixins.configs_hunyuanvideo_15 import (
     HunyuanVideo15I2VTesterConfig,
     HunyuanVideo15TesterConfig,
 )
+from tests.helpers.feature_mixins.configs_ltx2 import LTX2TesterConfig
 from tests.helpers.feature_mixins.configs_qwen_image_21 import QwenImage21TesterConfig
 from tests.helpers.feature_mixins.configs_z_image import ZImageTesterConfig
 from tests.helpers.feature_mixins.gguf import GGUFTesterMixin
@@ -66,6 +67,7 @@ TESTER_CONFIGS: tuple[type[FamilyTesterConfig], ...] = (
     QwenImage21TesterConfig,
     HunyuanVideo15TesterConfig,
     HunyuanVideo15I2VTesterConfig,
+    LTX2TesterConfig,
 )
 
 # The feature whose supported cells must name a test class that mixes in this mixin (tests/unit/test_families.py).
@@ -103,6 +105,7 @@ __all__ = [
     "HunyuanVideo15I2VTesterConfig",
     "HunyuanVideo15TesterConfig",
     "GGUFTesterMixin",
+    "LTX2TesterConfig",
     "LayerwiseOffloadTesterMixin",
     "LoRATesterMixin",
     "LoadingTesterMixin",

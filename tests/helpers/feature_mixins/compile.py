@@ -34,8 +34,7 @@ def eager_then_compiled(config: FamilyTesterConfig, model_dir: Path, parallel: P
 
     def denoise(index: int) -> torch.Tensor:
         spec = config.compile_specs[index]
-        conditioning = config.compile_conditioning(denoiser, index)
-        return denoiser.denoise(spec, conditioning, on_step=lambda step, total: None, cancelled=lambda: False)
+        return config.denoised(denoiser, spec, config.compile_conditioning(denoiser, index))
 
     eager = [denoise(index) for index in range(len(config.compile_specs))]
     listed = sum(

@@ -71,7 +71,7 @@ class QuantizationTesterMixin:
         print(f"{method} ({backend}): {report.summary()}")
         assert report.quantized == names and report.skipped == []
         assert report.bytes_before == bf16_bytes and report.bytes_after == parameter_bytes(model)
-        assert report.bytes_after <= 0.55 * bf16_bytes, report.summary()
+        assert report.bytes_after <= self.max_quantized_fraction * bf16_bytes, report.summary()
 
         model = load()
         before = {name: weight_storage_dtype(model.get_submodule(name)) for name in names}
@@ -94,7 +94,9 @@ class QuantizationTesterMixin:
                 if not ignored:
                     ratio = parameter_bytes(expert) / reference.expert_bytes[index]
                     print(f"{method} expert {index}: parameters at {ratio:.1%} of bf16")
-                    assert ratio <= 0.55, f"{method} expert {index}: {ratio:.1%} of the bf16 bytes"
+                    assert ratio <= self.max_quantized_fraction, (
+                        f"{method} expert {index}: {ratio:.1%} of the bf16 bytes"
+                    )
                     continue
                 for name, before in reference.dtypes[index].items():
                     stored = weight_storage_dtype(expert.get_submodule(name))
