@@ -149,11 +149,17 @@ def read_checkpoint(path: str | Path, model_id: str | None = None) -> Checkpoint
         configs["vocoder"] = _read_json(root / "vocoder" / "config.json")
     # The family reads its geometry (VAE and patch factors, latent channels, its limits) from the configs, and
     # may choose defaults by variant (FLUX.1-dev's and schnell's).
+    try:
+        read_geometry = family.load("checkpoint_reader")(configs)
+    except CheckpointError:
+        raise
+    except ValueError as error:  # the family's reader names what it cannot serve
+        raise CheckpointError(f"{root}: {error}") from None
     geometry = {
         "image_roles": family.images.roles,
         "required_image_roles": family.images.required,
         "attention_heads": configs["transformer"].get("num_attention_heads"),
-        **family.load("checkpoint_reader")(configs),
+        **read_geometry,
     }
     defaults = geometry.pop("defaults", family.defaults)
     defaults_path = root / DEFAULTS_FILE

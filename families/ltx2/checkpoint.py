@@ -48,6 +48,13 @@ def read_geometry(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     published VAE), the transformer's patch sizes (1x1x1 published), Gemma prompts padded to 1024 tokens, and
     LTX2Pipeline's defaults; and the sound's sample rate and channels, from the vocoder's config."""
     vae, transformer = configs["vae"], configs["transformer"]
+    duration_head = configs.get("model_index", {}).get("duration_head")
+    if isinstance(duration_head, list) and duration_head and duration_head[0] is not None:
+        raise ValueError(
+            "its model_index.json lists a duration_head, with which LTX2Pipeline picks the video's length from the "
+            "prompt when a request leaves num_frames out; that is not served (every request here gets the model's "
+            "default num_frames), so serve a checkpoint without one (LTX-2.0, LTX-2.3)"
+        )
     if "vocoder" not in configs:
         raise ValueError("an LTX-2 checkpoint names a vocoder in its model_index.json; this one does not")
     sample_rate, channels = audio_format(configs["vocoder"])

@@ -323,6 +323,11 @@ def test_checkpoint_reader(preset: str, model: Path) -> None:
     assert (geometry["audio_sample_rate"], geometry["audio_channels"]) == (VOCODERS[preset][2], 2)
     with pytest.raises(ValueError, match="names a vocoder"):
         read_geometry({name: config for name, config in configs.items() if name != "vocoder"})
+    # A duration head (LTX-2.5's automatic length) would make the pipeline's default length differ from ours.
+    index = {"duration_head": ["diffusers", "LTX2DurationHead"], "prompt_enhancer": [None, None]}
+    with pytest.raises(ValueError, match="lists a duration_head"):
+        read_geometry({**configs, "model_index": index})
+    assert read_geometry({**configs, "model_index": {**index, "duration_head": [None, None]}}) == geometry
     assert (geometry["vae_scale_spatial"], geometry["vae_scale_temporal"]) == (32, 8)
     assert geometry["patch_size"] == (1, 1, 1) and geometry["latent_channels"] == 8
     assert geometry["max_sequence_length"] == MAX_SEQUENCE_LENGTH
