@@ -134,6 +134,16 @@ def load_stage(stage: str, family: str, model: str, threads: int) -> dict[str, A
     }
 
 
+def need_from_files(stage: str, family: str, model: str) -> int:
+    """The stage's need in bf16 on the CPU from the checkpoint's files, as the stage computes it before loading."""
+    import torch
+
+    from services.memory_budget import stage_need
+
+    components = stage_components(stage, family, Path(model))
+    return stage_need(stage, torch.device("cpu"), torch.bfloat16, components).total_bytes
+
+
 def _write(family: str, preset: str, out: str, components: list[str] | None) -> dict[str, Any]:
     """init_model's preset; only `components` of it (and the files without weights) when given, through the
     family's writer (LTX-2's takes them)."""
@@ -149,8 +159,26 @@ def _write(family: str, preset: str, out: str, components: list[str] | None) -> 
     return {"write_s": round(time.perf_counter() - started, 1), "write_peak_rss_bytes": peak_rss()}
 
 
+def write_refused_stage(family: str, preset: str, stage: str, components: list[str], root: Path) -> dict[str, Any]:
+    """A stage the guard refuses here, written alone (a writer that takes `components`): the write's seconds and
+    peak, its size, and the need from its files; nothing is loaded, and it is removed after."""
+    out = root / f"{preset}-{stage}"
+    try:
+        written = in_fresh_process(_write, family, preset, str(out), components)
+        disk = sum(path.stat().st_size for path in out.rglob("*") if path.is_file())
+        need = in_fresh_process(need_from_files, stage, family, str(out))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return {**written, "disk_bytes": disk, "guard_need_bytes": need}
+
+
 def measure_written(
-    family: str, preset: str, threads: int, root: Path, estimated: dict[str, dict[str, Any]] | None = None
+    family: str,
+    preset: str,
+    threads: int,
+    root: Path,
+    estimated: dict[str, dict[str, Any]] | None = None,
+    write_refused: bool = False,
 ) -> dict[str, Any]:
     """Writes the preset under `root` (in a fresh process: the writer's peak is its own and nothing of it stays
     in this one), loads each stage's components from it in a fresh process, then removes it.
@@ -158,7 +186,8 @@ def measure_written(
     `estimated`: the guard's verdict per stage from the meta device (`estimate(...)["stages"]`). The components of
     a stage it refuses on this machine are neither written nor loaded (a real-size LTX-2 text encoder or DiT would
     fill the disk and could not load); the other stages' components are then written alone, by the family's writer
-    (one that takes `components`, as LTX-2's).
+    (one that takes `components`, as LTX-2's). `write_refused`: each refused stage is then written alone too
+    (`write_refused_stage`), for its write and its need from the files.
     """
     estimated = estimated or {}
     refused = [stage for stage in STAGES if stage in estimated and not estimated[stage]["fits"]]
@@ -173,5 +202,8 @@ def measure_written(
         loads = {stage: in_fresh_process(load_stage, stage, family, str(out), threads) for stage in stages}
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    skipped = {stage: {"not_written": estimated[stage]["refusal"]} for stage in refused}
+    skipped: dict[str, dict[str, Any]] = {stage: {"not_loaded": estimated[stage]["refusal"]} for stage in refused}
+    for stage in refused if write_refused else ():
+        components_of = list(estimated[stage]["components"])
+        skipped[stage]["written_alone"] = write_refused_stage(family, preset, stage, components_of, root)
     return {**written, "disk_bytes": disk, "components_written": components, "stages": {**loads, **skipped}}

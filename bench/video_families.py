@@ -21,13 +21,15 @@
              removed after (bench/family_stages.py, shared with bench/image_families.py). One stage loads at a
              time: a real-size text encoder and DiT together do not fit a 24 GB machine. A stage the estimate
              refuses here is neither written nor loaded, its refusal reported instead (LTX-2's text encoder
-             and DiT on 24 GB: they would also fill the disk); the stages that fit are written alone.
+             and DiT on 24 GB: they would also fill the disk); the stages that fit are written alone. With
+             --write-refused each refused stage is then written alone as well, for the write's seconds and peak
+             and the need from its files (nothing loaded), and removed.
 
 A family is one entry of VIDEO_FAMILIES: its name in the registry and its real-size presets with the module
 that builds them. Everything else (stages, image inputs, output size) comes from the family's declarations.
 
     python bench/video_families.py [--families hunyuanvideo-1.5 ltx-2 ...] [--estimate PRESET ...]
-                                   [--write hunyuanvideo-1.5-480p-config ...] [--threads 2]
+                                   [--write hunyuanvideo-1.5-480p-config ...] [--write-refused] [--threads 2]
 
 Prints one JSON object.
 """
@@ -269,6 +271,12 @@ def main() -> None:
     parser.add_argument("--families", nargs="*", default=list(VIDEO_FAMILIES), help="small presets to run")
     parser.add_argument("--estimate", nargs="*", default=list(REAL_SIZE), help="real-size presets to estimate")
     parser.add_argument("--write", action="append", default=[], choices=list(REAL_SIZE), help="also write and load")
+    parser.add_argument(
+        "--write-refused",
+        action="store_true",
+        help="with --write, also write each stage the guard refuses here alone and compute its need from the files "
+        "(nothing loaded; LTX-2's text encoder and DiT)",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
 
@@ -304,7 +312,9 @@ def main() -> None:
             started, load = time.perf_counter(), os.getloadavg()[0]
             family, _ = REAL_SIZE[preset]
             estimated = report["real_size"].setdefault(preset, estimate_preset(preset))
-            estimated["written"] = measure_written(family, preset, args.threads, root, estimated["stages"])
+            estimated["written"] = measure_written(
+                family, preset, args.threads, root, estimated["stages"], args.write_refused
+            )
             section(preset, started, load)
     print(json.dumps(report, indent=2))
 
