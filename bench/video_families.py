@@ -7,7 +7,9 @@
              the cluster's order, the next reading what the last one made: the text encoder (the prompt and,
              with CFG, the negative prompt; the input image too where the family's text encoder embeds it), the
              VAE's Encode of the input image (families that take one: the first frame for image-to-video), the
-             denoising loop, and the decode, streamed one latent frame at a time as the VAE stage decodes.
+             denoising loop, and the decode, streamed one latent frame at a time as the VAE stage decodes. A
+             family that makes sound (LTX-2) denoises its audio latents in the same loop, and its VAE stage
+             decodes them after the frames (the audio VAE and the vocoder).
              An image-to-video family gets a generated first frame of the default size; its output size is the
              one the family makes from the image (HunyuanVideo 1.5's crop bucket), as the orchestrator makes it.
   real_size  per real-size preset (`*-config`: the published configs with random bf16 weights), the memory
@@ -17,13 +19,17 @@
              again from its files as the stage computes it, then the stage's weights are loaded as it loads them
              (bf16, --threads reads): seconds and peak resident memory beside the estimate; the checkpoint is
              removed after (bench/family_stages.py, shared with bench/image_families.py). One stage loads at a
-             time: a real-size text encoder and DiT together do not fit a 24 GB machine.
+             time: a real-size text encoder and DiT together do not fit a 24 GB machine. A stage the estimate
+             refuses here is neither written nor loaded, its refusal reported instead (LTX-2's text encoder
+             and DiT on 24 GB: they would also fill the disk); the stages that fit are written alone. With
+             --write-refused each refused stage is then written alone as well, for the write's seconds and peak
+             and the need from its files (nothing loaded), and removed.
 
 A family is one entry of VIDEO_FAMILIES: its name in the registry and its real-size presets with the module
 that builds them. Everything else (stages, image inputs, output size) comes from the family's declarations.
 
-    python bench/video_families.py [--families hunyuanvideo-1.5 ...] [--estimate PRESET ...]
-                                   [--write hunyuanvideo-1.5-480p-config ...] [--threads 2]
+    python bench/video_families.py [--families hunyuanvideo-1.5 ltx-2 ...] [--estimate PRESET ...]
+                                   [--write hunyuanvideo-1.5-480p-config ...] [--write-refused] [--threads 2]
 
 Prints one JSON object.
 """
@@ -52,6 +58,7 @@ from bench.family_stages import estimate, in_fresh_process, measure_written, pea
 VIDEO_FAMILIES: dict[str, dict[str, str]] = {
     "hunyuanvideo-1.5": {"hunyuanvideo-1.5-480p-config": "families.hunyuanvideo_15.real_size"},
     "hunyuanvideo-1.5-i2v": {"hunyuanvideo-1.5-480p-i2v-config": "families.hunyuanvideo_15.real_size"},
+    "ltx-2": {"ltx-2-config": "families.ltx2.real_size", "ltx-2.3-config": "families.ltx2.real_size"},
 }
 REAL_SIZE = {
     preset: (family, module) for family, presets in VIDEO_FAMILIES.items() for preset, module in presets.items()
@@ -61,6 +68,7 @@ NEGATIVE = "blurry, low quality"
 # Files the stages of one request share in its work directory.
 REQUEST, FIRST_FRAME = "request.json", "first_frame.png"
 CONDITIONING, IMAGE_TENSORS, LATENTS = "conditioning.pt", "image_tensors.pt", "latents.pt"
+AUDIO_LATENTS = "audio_latents.pt"
 
 
 def stages_of(family_name: str) -> tuple[str, ...]:
@@ -100,6 +108,7 @@ def prepare_request(model: Path, work: Path) -> dict[str, Any]:
         "num_frames": defaults.num_frames,
         "num_inference_steps": defaults.num_inference_steps,
         "guidance_scale": defaults.guidance_scale,
+        "fps": defaults.fps,
         "image_roles": [],
         "image_sizes": [],
     }
@@ -130,7 +139,8 @@ def _small_stage(stage: str, model: str, work: str, threads: int) -> dict[str, A
 
     from dit_svc.denoise import make_denoiser
     from services.checkpoint import read_checkpoint
-    from stagekit.denoise import DenoiseSpec
+    from stagekit.decode import session_takes_frame_count
+    from stagekit.denoise import DenoiseSpec, makes_audio
     from stagekit.images import DecodedImage
 
     torch.set_num_threads(threads)
@@ -146,6 +156,8 @@ def _small_stage(stage: str, model: str, work: str, threads: int) -> dict[str, A
         seed=0,
         image_roles=tuple(request["image_roles"]),
         image_sizes=tuple((width, height) for width, height in request["image_sizes"]),
+        cfg_threshold=family.cfg_threshold,
+        fps=request["fps"],
     )
     images = [
         DecodedImage(role, Image.open(directory / FIRST_FRAME).convert("RGB"), request["image_sha256"])
@@ -183,19 +195,35 @@ def _small_stage(stage: str, model: str, work: str, threads: int) -> dict[str, A
             conditioning = torch.load(directory / CONDITIONING)
             if (directory / IMAGE_TENSORS).exists():
                 conditioning.update(torch.load(directory / IMAGE_TENSORS))
-            latents = denoiser.denoise(denoise_spec, conditioning, lambda step, total: None, lambda: False)
+            if makes_audio(denoiser):
+                # The video and the sound in one loop (LTX-2); the sound's latents go to the VAE stage too.
+                latents, audio_latents = denoiser.denoise_av(
+                    denoise_spec, conditioning, lambda step, total: None, lambda: False
+                )
+                torch.save(audio_latents, directory / AUDIO_LATENTS)
+                outputs["audio_latents"] = list(audio_latents.shape)
+            else:
+                latents = denoiser.denoise(denoise_spec, conditioning, lambda step, total: None, lambda: False)
             torch.save(latents, directory / LATENTS)
             outputs["latents"] = list(latents.shape)
         else:
             decoder = family.load("decoder")(model, cpu, torch.float32)
             loaded = time.perf_counter()
             latents = torch.load(directory / LATENTS)
-            session = decoder.session()
+            count = latents.shape[2]
+            # LTX-2's session decodes the whole video at the last latent frame, so it is told which that is.
+            session = (
+                decoder.session(num_latent_frames=count) if session_takes_frame_count(decoder) else decoder.session()
+            )
             # One latent frame at a time, as the DiT streams them to the VAE stage.
-            frames = torch.cat([session.decode_next(latents[:, :, t : t + 1]) for t in range(latents.shape[2])])
+            frames = torch.cat([session.decode_next(latents[:, :, t : t + 1]) for t in range(count)])
             expected = (denoise_spec.num_frames, denoise_spec.height, denoise_spec.width, 3)
             assert tuple(frames.shape) == expected, (tuple(frames.shape), expected)
             outputs["frames"] = list(frames.shape)
+            if (directory / AUDIO_LATENTS).exists():
+                # Then the sound, as the VAE stage decodes it after the frames: the audio VAE and the vocoder.
+                waveform, rate = decoder.decode_audio(torch.load(directory / AUDIO_LATENTS))
+                outputs["audio"] = {"shape": list(waveform.shape), "sample_rate": rate}
     finished = time.perf_counter()
     return {
         "load_s": round(loaded - started, 3),
@@ -243,6 +271,12 @@ def main() -> None:
     parser.add_argument("--families", nargs="*", default=list(VIDEO_FAMILIES), help="small presets to run")
     parser.add_argument("--estimate", nargs="*", default=list(REAL_SIZE), help="real-size presets to estimate")
     parser.add_argument("--write", action="append", default=[], choices=list(REAL_SIZE), help="also write and load")
+    parser.add_argument(
+        "--write-refused",
+        action="store_true",
+        help="with --write, also write each stage the guard refuses here alone and compute its need from the files "
+        "(nothing loaded; LTX-2's text encoder and DiT)",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
 
@@ -277,8 +311,9 @@ def main() -> None:
         for preset in args.write:
             started, load = time.perf_counter(), os.getloadavg()[0]
             family, _ = REAL_SIZE[preset]
-            report["real_size"].setdefault(preset, estimate_preset(preset))["written"] = measure_written(
-                family, preset, args.threads, root
+            estimated = report["real_size"].setdefault(preset, estimate_preset(preset))
+            estimated["written"] = measure_written(
+                family, preset, args.threads, root, estimated["stages"], args.write_refused
             )
             section(preset, started, load)
     print(json.dumps(report, indent=2))

@@ -168,6 +168,16 @@ def checkpoint_components(root: Path, names: Sequence[str] = (), library: str = 
     return found
 
 
+def text_encoder_components(root: Path, others: Sequence[str] = ()) -> dict[str, tuple[type, Path]]:
+    """The text encoder stage's components of the checkpoint at `root`: every transformers model (the text encoders,
+    and the image encoder of families that have one) and `others`, the components of other libraries its encoder
+    loads too (`PromptEncoder.other_components`: LTX-2's connectors)."""
+    components = checkpoint_components(root, library="transformers")
+    if others:
+        components.update(checkpoint_components(root, names=others))
+    return components
+
+
 def _library_module(library: str) -> object:
     """The module a model_index.json library names, as diffusers resolves it: an installed package ("diffusers",
     "transformers"), or one of diffusers' pipeline folders ("ltx2": the LTX-2 vocoder and connectors)."""

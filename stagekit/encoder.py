@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias
+from typing import Any, ClassVar, Protocol, TypeAlias
 
 import torch
 from PIL import Image
@@ -125,6 +125,10 @@ class PromptEncoder(ABC):
     as its diffusers pipeline encodes it) and `batch(embeddings) -> {name: [N, ...]}` (the tensors the
     text encoder stage sends, batched over the request's texts; see families/base.py).
     """
+
+    # The checkpoint's components it loads beside its transformers models (which the text encoder stage's memory
+    # guard counts all of): LTX-2's connectors.
+    other_components: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,

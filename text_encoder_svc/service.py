@@ -34,7 +34,7 @@ from services.environment_options import parse_args
 from services.image_work import ImageWorkers
 from services.images import Stop
 from services.input_images import decode_stage_images
-from services.memory_budget import WeightNeed, checkpoint_components, stage_need
+from services.memory_budget import WeightNeed, stage_need, text_encoder_components
 from services.model_source import stage_model
 from services.stage import RequestError, StageRuntime, abort_for, parameter_bytes
 from services.stage_config import StageConfig
@@ -96,9 +96,11 @@ class TextEncoderServicer(stages_pb2_grpc.TextEncoderServicer, StageServicer):
 
     def memory_need(self) -> WeightNeed:
         """The checkpoint's transformers models (the text encoder, and the image encoder of families that have
-        one) in the stage's dtype; the stage has no offload, so a smaller dtype is the only fix."""
+        one) and the other components the family's encoder loads (LTX-2's connectors) in the stage's dtype; the
+        stage has no offload, so a smaller dtype is the only fix."""
         runtime = self.runtime
-        components = checkpoint_components(runtime.checkpoint.path, library="transformers")
+        others = getattr(runtime.checkpoint.traits.load("text_encoder"), "other_components", ())
+        components = text_encoder_components(runtime.checkpoint.path, others)
         fixes = ["--device cpu, where this machine's memory holds them"] if runtime.device.type == "cuda" else []
         return stage_need(runtime.stage, runtime.device, runtime.dtype, components, fixes=fixes)
 

@@ -41,6 +41,8 @@ NAMES = ("video_embeds", "audio_embeds", "embeds_mask")
 class LTX2PromptEncoder(PromptEncoder):
     """Gemma 3 and LTX2TextConnectors, with LTX2Pipeline's tokenization, padding and stacking of hidden states."""
 
+    other_components = ("connectors",)
+
     def __init__(
         self,
         model_dir: str | Path,

@@ -114,6 +114,10 @@ LTX2 = Family(
         "tiny-2.0": "the tiny sizes in LTX-2.0's layout (Lightricks/LTX-2: the transformer's caption projection, one "
         "text projection shared by both connectors, no STG perturbation, LTX2Vocoder at 24 kHz); tiny and small "
         "follow LTX-2.3's",
+        "ltx-2-config": "Lightricks/LTX-2's published configs (19B transformer, Gemma-3-12B, the connectors, video "
+        "and audio VAEs, LTX2Vocoder), random bf16 weights, written streamed",
+        "ltx-2.3-config": "Lightricks/LTX-2.3's published configs (19B transformer, Gemma-3-12B, the connectors, video "
+        "and audio VAEs, LTX2VocoderWithBWE), random bf16 weights, written streamed",
     },
     cfg_threshold=CFG_THRESHOLD,
 )

@@ -13,12 +13,14 @@ Two published layouts share the pipeline (scripts/convert_ltx2_to_diffusers.py i
 - LTX-2.0 ("tiny-2.0", Lightricks/LTX-2): the transformer projects the captions itself, one text projection
   (after a masked mean/range norm per Gemma layer) feeds both connectors, STG perturbs nothing, LTX2Vocoder at
   24 kHz.
-The preset tables below size every component; the layout tables give what differs between the two.
+The preset tables below size every component; the layout tables give what differs between the two. The
+"ltx-2-config" and "ltx-2.3-config" presets are the published configs with random bf16 weights (real_size.py).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -197,10 +199,25 @@ COMPONENT_CLASSES: dict[str, tuple[str, str]] = {
 VOCODER_CLASSES = {"2.0": ("ltx2", "LTX2Vocoder"), "2.3": ("ltx2", "LTX2VocoderWithBWE")}
 
 
-def write_checkpoint(family: Family, out: Path, preset: str, seed: int, save_kwargs: dict[str, Any]) -> None:
-    """Tokenizer, Gemma 3, connectors, transformer, both VAEs, vocoder, scheduler, model_index.json and defaults."""
+def write_checkpoint(
+    family: Family,
+    out: Path,
+    preset: str,
+    seed: int,
+    save_kwargs: dict[str, Any],
+    components: Collection[str] | None = None,
+) -> None:
+    """Tokenizer, Gemma 3, connectors, transformer, both VAEs, vocoder, scheduler, model_index.json and defaults.
+    A `*-config` preset is the published configs' (real_size.py), of which `components` writes a part."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
+    if preset.endswith("-config"):
+        from families.ltx2.real_size import write_real_size_checkpoint
+
+        write_real_size_checkpoint(family, out, preset, seed, save_kwargs, components)
+        return
+    if components is not None:
+        raise ValueError(f"{preset}: only a real-size preset is written in part")
     layout, size = PRESET_LAYOUTS[preset], PRESET_SIZES[preset]
     tokenizer = build_tokenizer(size)
     save_tokenizer(tokenizer, out)
