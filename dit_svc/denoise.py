@@ -130,9 +130,9 @@ def denoise_av_request(
     adapters: AdapterCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, CachePasses]:
     """A request of a family that makes sound (stagekit.denoise.AudioDenoiser) on this rank: its video latents, its
-    audio latents and its passes. Such a family has no step cache, adapters or parallel plan (its features refuse
-    them at startup and the servicer refuses a request naming them); a direct caller naming adapters without a cache
-    of them is refused as in `denoise_request`."""
+    audio latents and its passes. Every rank of a group calls it with the same request (dit_svc/group.py). Such a
+    family has no step cache or adapters (its features refuse them at startup and the servicer refuses a request
+    naming them); a direct caller naming adapters without a cache of them is refused as in `denoise_request`."""
     if spec.cache.enabled:
         raise ValueError(f"cache: {spec.cache.method} is not offered for {type(denoiser).__name__}")
     with adapters_applied(adapters, spec):

@@ -1,16 +1,18 @@
 """The DiT stage as a process group (see services/rank_group/ for how the group runs).
 
-The group may span several machines: node 0 is the stage (`DenoiserGroup`), every other node runs
-`serve_dit_node`, which follows it. Every rank holds the family's denoiser (dit_svc/denoise.py make_denoiser) with
-the same parallel layout; for each request rank 0 hands the embeddings to the followers and all ranks
-run the denoising loop in step. At the start of each step rank 0 tells the group whether to go on
-(stagekit/parallel/cfg.py), so a cancelled request stops every rank within a step. A request's LoRA
-adapters are read and checked on rank 0 before the group runs it (dit_svc/lora/cache.py `AdapterCache.check`): a bad
-adapter fails that request alone, while an error on a rank inside the group would end the group.
+The group may span several machines: node 0 is the stage (`DenoiserGroup`), every other node runs `serve_dit_node`,
+which follows it. Every rank holds the family's denoiser (dit_svc/denoise.py make_denoiser) with the same parallel
+layout; for each request rank 0 hands the embeddings to the followers and all ranks run the denoising loop in step.
+At the start of each step rank 0 tells the group whether to go on (stagekit/parallel/cfg.py), so a cancelled request
+stops every rank within a step. A family that makes sound (LTX-2) runs its joint video and audio loop the same way
+(`denoise_av_request`), rank 0 answering with both latents. A request's LoRA adapters are read and checked on rank 0
+before the group runs it (dit_svc/lora/cache.py `AdapterCache.check`): a bad adapter fails that request alone, while
+an error on a rank inside the group would end the group.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +21,18 @@ import grpc
 import torch
 
 from dit_svc.config import DenoiserBuild, DitConfig
-from dit_svc.denoise import denoise_batch_request, denoise_request, make_adapter_cache, make_denoiser
+from dit_svc.denoise import (
+    denoise_av_request,
+    denoise_batch_request,
+    denoise_request,
+    make_adapter_cache,
+    make_denoiser,
+)
 from dit_svc.lora import AdapterCache
 from dit_svc.step_cache import CachePasses
 from services.rank_group import ONE_NODE, NodeLayout, RankGroup, serve_follower_node
-from stagekit.denoise import Denoiser, DenoiseSpec, takes_images
-from stagekit.errors import NotFoundError
+from stagekit.denoise import Denoiser, DenoiseSpec, makes_audio, takes_images
+from stagekit.errors import Cancelled, NotFoundError
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,15 @@ class BatchMessage:
     conditionings: list[dict[str, torch.Tensor]]
 
 
+@dataclass(frozen=True)
+class AudioVideoMessage:
+    """One request of a family that makes sound (stagekit.denoise.AudioDenoiser: LTX-2), which the group runs
+    through its joint video and audio loop (dit_svc/denoise.py `denoise_av_request`)."""
+
+    spec: DenoiseSpec
+    conditioning: dict[str, torch.Tensor]
+
+
 class DitWorker:
     def __init__(
         self,
@@ -56,8 +73,12 @@ class DitWorker:
         self.adapters = adapters
 
     def handle(
-        self, message: tuple[DenoiseSpec, dict[str, torch.Tensor]] | BatchMessage
-    ) -> tuple[torch.Tensor, CachePasses] | list[tuple[torch.Tensor | None, CachePasses]]:
+        self, message: tuple[DenoiseSpec, dict[str, torch.Tensor]] | BatchMessage | AudioVideoMessage
+    ) -> (
+        tuple[torch.Tensor, CachePasses]
+        | list[tuple[torch.Tensor | None, CachePasses]]
+        | tuple[torch.Tensor, torch.Tensor, CachePasses]
+    ):
         if isinstance(message, BatchMessage):
             # Rank 0's cancellations reach every rank inside the loop (members_still_wanted).
             everyone = [True] * len(message.specs)
@@ -67,6 +88,17 @@ class DitWorker:
                 message.conditionings,
                 lambda *step: None,
                 lambda: everyone,
+                adapters=self.adapters,
+            )
+        if isinstance(message, AudioVideoMessage):
+            denoiser = self.denoiser
+            assert makes_audio(denoiser), f"{type(denoiser).__name__} makes no sound"
+            return denoise_av_request(
+                denoiser,
+                message.spec,
+                message.conditioning,
+                on_step=lambda step, total: None,
+                cancelled=lambda: False,
                 adapters=self.adapters,
             )
         spec, conditioning = message
@@ -87,6 +119,18 @@ def make_dit_worker(rank: int, device: torch.device, payload: DitPayload) -> Dit
     return DitWorker(
         denoiser, payload.mag_ratios, make_adapter_cache(denoiser, build.options, load_threads=build.load_threads)
     )
+
+
+def _progress(on_step: Callable[[int, int], None]) -> Callable[[int, int], None]:
+    """Rank 0's `on_step` in a group. A call cancelled while its progress goes out stops at the next step, where rank 0
+    tells every rank to stop (stagekit.denoise.stop_if_cancelled): the stream's emit raises Cancelled then
+    (services/stage.py), which on rank 0 alone would leave the other ranks waiting in that step's collectives."""
+
+    def report(step: int, total: int) -> None:
+        with contextlib.suppress(Cancelled):
+            on_step(step, total)
+
+    return report
 
 
 class DenoiserGroup:
@@ -148,8 +192,36 @@ class DenoiserGroup:
         return self.group.run(
             (spec, conditioning),
             lambda: denoise_request(
-                self.denoiser, spec, conditioning, on_step, stop, mag_ratios=self.mag_ratios, adapters=self.adapters
+                self.denoiser,
+                spec,
+                conditioning,
+                _progress(on_step),
+                stop,
+                mag_ratios=self.mag_ratios,
+                adapters=self.adapters,
             ),
+        )
+
+    def denoise_av_request(
+        self,
+        spec: DenoiseSpec,
+        conditioning: dict[str, torch.Tensor],
+        on_step: Callable[[int, int], None],
+        cancelled: Callable[[], bool],
+    ) -> tuple[torch.Tensor, torch.Tensor, CachePasses]:
+        """dit_svc.denoise.denoise_av_request on every rank of the group in step, for a denoiser that makes sound
+        (`stagekit.denoise.makes_audio`); rank 0's video latents, audio latents and passes."""
+        denoiser = self.denoiser
+        assert makes_audio(denoiser), f"{type(denoiser).__name__} makes no sound"
+
+        # As denoise_request: a group that lost a rank or a node stops the request at the next step.
+        def stop() -> bool:
+            return cancelled() or self.group.failure() is not None
+
+        self._check_adapters(spec)
+        return self.group.run(
+            AudioVideoMessage(spec, conditioning),
+            lambda: denoise_av_request(denoiser, spec, conditioning, _progress(on_step), stop, adapters=self.adapters),
         )
 
     def _check_adapters(self, spec: DenoiseSpec) -> None:

@@ -403,16 +403,15 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         except Exception as error:
             await abort_for(error, context, self.runtime.stage)
 
-        # A family that makes sound runs its joint loop on this rank (it has no parallel plan, so no group) and
-        # alone (it does not batch).
-        with_audio = isinstance(runner, OneRank) and makes_audio(runner.denoiser)
+        # A family that makes sound runs its joint loop, on this rank or on every rank of its group, and alone (it
+        # does not batch).
+        with_audio = makes_audio(runner.denoiser)
 
         def work(emit: Callable[[object], None], cancel: threading.Event) -> None:
             def on_step(step: int, total: int) -> None:
                 emit(stages_pb2.DenoiseProgress(step=step, total=total))
 
             if with_audio:
-                assert isinstance(runner, OneRank)
                 latents, audio_latents, passes = runner.denoise_av_request(spec, conditioning, on_step, cancel.is_set)
                 emit(passes)
                 emit(latents)

@@ -16,13 +16,13 @@ isolation) and combines them in x0 space, each modality with its own scales (fam
 request's guidance_scale is the video's CFG scale, the rest `LTX2Guidance`, the pipeline's defaults), then turns
 the guided x0 back into a velocity for each modality's scheduler.
 
-The passes run as the pipeline runs them: CFG's negative and positive prompt as one batch of two (negative
-first), then the positive prompt alone for STG and for modality guidance. (A CFG-parallel layout would give each
-rank one row of that batch; the family has no parallel plan yet, so `stagekit.denoise.guidance_predictions`, which
-runs the branches one by one, is not used.) The text arrives already through the connectors
-(families/ltx2/encode.py). The result is what `LTX2Pipeline(output_type="latent")` returns: the video latents
-unpacked and de-normalised with the video VAE's latents_mean / latents_std and scaling_factor, and the audio latents
-de-normalised with the audio VAE's statistics and unpacked to [1, Ca, A, M].
+The passes run as the pipeline runs them: CFG's negative and positive prompt as one batch of two (negative first),
+then the positive prompt alone for STG and for modality guidance. (A CFG-parallel layout would give each rank one
+row of that batch; the family's parallel plan is HSDP only (families/ltx2/parallel.py), so
+`stagekit.denoise.guidance_predictions`, which runs the branches one by one, is not used.) The text arrives already
+through the connectors (families/ltx2/encode.py). The result is what `LTX2Pipeline(output_type="latent")` returns:
+the video latents unpacked and de-normalised with the video VAE's latents_mean / latents_std and scaling_factor, and
+the audio latents de-normalised with the audio VAE's statistics and unpacked to [1, Ca, A, M].
 
 Image-to-video (LTX2ImageToVideoPipeline, `ltx-2-i2v`). The VAE stage's Encode sends the first frame's normalised
 latents ("image_latents" [1, C, 1, h, w], families/ltx2/vae_encode.py). The loop starts from them at latent frame 0
@@ -50,8 +50,6 @@ from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import LATENT_DOWNS
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 from safetensors import safe_open
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from families.ltx2.checkpoint import FPS, compression
 from families.ltx2.family import LTX2
@@ -64,11 +62,11 @@ from families.ltx2.guidance import (
     runs_modality,
     runs_stg,
 )
+from families.ltx2.parallel import parallelize
 from stagekit.denoise import DenoiseSpec, stop_if_cancelled
 from stagekit.model_options import TransformerOptions
 from stagekit.parallel import ParallelConfig
 from stagekit.parallel.load import load_parallel_transformer
-from stagekit.parallel.mesh import ParallelConfigError
 from stagekit.weights.keys import weight_files
 
 
@@ -171,13 +169,9 @@ class Step:
         return (self.latents[modality] - x0) / self.sigmas[modality]
 
 
-def _no_parallel_plan(transformer: nn.Module, config: ParallelConfig, mesh: DeviceMesh, device: torch.device) -> None:
-    """LTX-2 has no parallel plan yet; the family's features refuse every parallel method before this could run."""
-    raise ParallelConfigError(f"the {LTX2.name} family has no parallel plan yet")
-
-
 class LTX2Denoiser:
-    """The joint video and audio denoising loop on one rank."""
+    """The joint video and audio denoising loop on one rank, or on one rank of an HSDP group (families/ltx2/parallel.py:
+    every rank runs the same loop with its shards of the transformer)."""
 
     def __init__(
         self,
@@ -198,7 +192,7 @@ class LTX2Denoiser:
             device,
             dtype,
             family=LTX2,
-            parallelize=_no_parallel_plan,
+            parallelize=parallelize,
             parallel=parallel,
             options=options,
             load_threads=load_threads,

@@ -54,8 +54,10 @@ FEATURES = {
     "cfg_parallel": Support(reason=f"{_NOT_BUILT}: the CFG, STG and modality passes run one after the other"),
     "tensor_parallel": Support(reason=f"{_NOT_BUILT}: no tensor-parallel plan for LTX2VideoTransformerBlock"),
     "hsdp": Support(
-        reason=f"{_NOT_BUILT}: a group of DiT ranks (dit_svc/group.py) returns no audio latents, and the family has no "
-        "parallelize that shards the transformer"
+        tests=(
+            _FEATURE_CLASSES + "ParallelLayouts",
+            "tests/integration/test_ltx2_stages.py::test_hsdp_group_sends_the_pipelines_video_and_audio_latents",
+        )
     ),
     "vae_patch_parallel": Support(reason=f"{_NOT_BUILT}: no row-band plan for AutoencoderKLLTX2Video's decoder"),
     "vae_tiling": Support(reason="tiled decode is implemented for the Wan VAE only; this VAE decodes the video whole"),

@@ -457,3 +457,7 @@ class TestLTX2Quantization(LTX2TesterConfig, QuantizationTesterMixin):
 
 class TestLTX2Loading(LTX2TesterConfig, LoadingTesterMixin):
     pass
+
+
+class TestLTX2ParallelLayouts(LTX2TesterConfig, ParallelLayoutsTesterMixin):
+    pass

@@ -26,7 +26,10 @@ from families.ltx2.encode import LTX2PromptEncoder
 from families.ltx2.family import LTX2
 from families.ltx2.guidance import LTX2Guidance
 from families.ltx2.init_model import write_checkpoint
+from families.ltx2.parallel import parallelize
 from stagekit.denoise import DenoiseSpec
+from stagekit.parallel import ParallelConfig
+from stagekit.parallel.mesh import ParallelConfigError
 
 CPU = torch.device("cpu")
 PROMPT = "A red fox trots across a snowy field at dawn, its breath rising in small white clouds"
@@ -338,3 +341,22 @@ def test_checkpoint_reader(preset: str, model: Path) -> None:
     computed = {key: value for key, value in configs["vae"].items() if not key.endswith("_compression_ratio")}
     computed_geometry = read_geometry({**configs, "vae": computed})
     assert (computed_geometry["vae_scale_spatial"], computed_geometry["vae_scale_temporal"]) == (64, 16)
+
+
+@pytest.mark.parametrize(
+    ("layout", "flag", "words"),
+    [
+        (ParallelConfig(ulysses_degree=2), "--ulysses-degree", "joint video and audio sequences"),
+        (ParallelConfig(ring_degree=2), "--ring-degree", "joint video and audio sequences"),
+        (ParallelConfig(cfg_degree=2), "--cfg-parallel-size", "CFG, STG and modality passes"),
+        (ParallelConfig(tp_degree=2), "--tensor-parallel-size", "LTX2VideoTransformerBlock"),
+        (ParallelConfig(ulysses_degree=2, use_hsdp=True, hsdp_shard_size=2), "--ulysses-degree", "audio sequences"),
+    ],
+)
+def test_parallel_plan_is_hsdp_alone(layout: ParallelConfig, flag: str, words: str) -> None:
+    """The family's `parallelize` refuses every method but HSDP, with the family's reason and naming HSDP as what it
+    runs, before it touches the model or the mesh."""
+    with pytest.raises(ParallelConfigError) as raised:
+        parallelize(torch.nn.Linear(1, 1), layout, None, torch.device("cpu"))  # type: ignore[arg-type]
+    message = str(raised.value)
+    assert flag in message and words in message and "it runs --use-hsdp" in message, message

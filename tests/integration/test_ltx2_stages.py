@@ -26,6 +26,7 @@ import torch
 
 from dit_svc.config import DitConfig
 from dit_svc.denoise import OneRank
+from dit_svc.group import DenoiserGroup
 from dit_svc.service import DenoiserServicer
 from services.checkpoint import read_checkpoint
 from services.stage import StageRuntime
@@ -132,6 +133,19 @@ def _assembled(chunks: list[tensor_pb2.TensorChunk]) -> list[WireTensor]:
     return tensors
 
 
+def _video_and_audio_latents(chunks: list[tensor_pb2.TensorChunk]) -> tuple[torch.Tensor, WireTensor]:
+    """The video latents [1, C, 3, h, w] and the audio latents of SPEC's Denoise stream, checking that they came as
+    the video's three latent frames one by one, then the audio latents once, at index 0."""
+    sent = _assembled(chunks)
+    assert [(tensor.name, tensor.index) for tensor in sent] == [
+        ("latents", 0),
+        ("latents", 1),
+        ("latents", 2),
+        ("audio_latents", 0),
+    ]
+    return torch.cat([to_torch(tensor) for tensor in sent[:3]], dim=2), sent[3]
+
+
 def _denoise_params(spec: DenoiseSpec) -> stages_pb2.DenoiseRequest:
     return stages_pb2.DenoiseRequest(
         params=stages_pb2.DenoiseParams(
@@ -192,16 +206,7 @@ def test_stages_send_the_pipelines_audio_latents_frames_and_audio(
         denoised = time.perf_counter()
         progress = [response.progress.step for response in responses if response.HasField("progress")]
         assert progress == list(range(1, SPEC.num_inference_steps + 1))
-        sent = _assembled(chunks)
-        # The video latents frame by frame, then the audio latents once, at index 0.
-        assert [(tensor.name, tensor.index) for tensor in sent] == [
-            ("latents", 0),
-            ("latents", 1),
-            ("latents", 2),
-            ("audio_latents", 0),
-        ]
-        video = torch.cat([to_torch(tensor) for tensor in sent[:3]], dim=2)
-        audio_latents = sent[3]
+        video, audio_latents = _video_and_audio_latents(chunks)
         assert audio_latents.datatype == "FP32"
         assert list(audio_latents.shape) == list(reference.audio_latents.shape)
         assert (video - reference.video_latents).abs().max() <= TOLERANCE
@@ -317,6 +322,49 @@ def test_cancelled_denoise_stops_between_steps(model: Path, stages: Stages) -> N
     finally:
         stages.dit.runner = runner
     assert progress == [1] and steps == [1]
+
+
+# One layout is enough for the group's sound path: the presets differ only in their weights.
+@pytest.mark.parametrize("preset", ["tiny"], indirect=True)
+def test_hsdp_group_sends_the_pipelines_video_and_audio_latents(model: Path, reference: PipelineRun) -> None:
+    """The DiT stage on two ranks with `--use-hsdp` (each rank holding half the transformer, dit_svc/group.py): the
+    video latents frame by frame and then the audio latents, both equal to LTX2Pipeline's. A request cancelled
+    after its first step stops every rank there: the group still answers the next request, and the same."""
+    flags = ["dit", "--model", str(model), "--use-hsdp", "--hsdp-shard-size", "2"]
+    runtime = StageRuntime("dit", read_checkpoint(model), CPU, torch.float32)
+    dit = DenoiserServicer(DitConfig.from_args(parse_serve(flags)), runtime)
+    dit.load()
+    texts = conditioning(model)
+    long = dataclasses.replace(SPEC, num_inference_steps=12)
+    requests = [_denoise_params(long)]
+    requests += [stages_pb2.DenoiseRequest(tensor=chunk) for n, t in texts.items() for chunk in encode_tensor(n, t)]
+
+    async def scenario() -> None:
+        server = grpc.aio.server()
+        dit.add_to_server(server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            stub = stages_pb2_grpc.DenoiserStub(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
+            cancelled = stub.Denoise(iter(requests))
+            async for response in cancelled:
+                assert response.HasField("progress") and response.progress.step == 1
+                cancelled.cancel()
+                break
+            for _ in range(2):  # after the cancelled call, and once more
+                _, chunks = await _denoise(stub, SPEC, texts)
+                video, audio_latents = _video_and_audio_latents(chunks)
+                assert (video - reference.video_latents).abs().max() <= TOLERANCE
+                assert (to_torch(audio_latents) - reference.audio_latents).abs().max() <= TOLERANCE
+        finally:
+            await server.stop(None)
+
+    try:
+        assert isinstance(dit.denoiser, DenoiserGroup)
+        asyncio.run(scenario())
+        assert dit.denoiser.failure() is None
+    finally:
+        dit.close()
 
 
 def test_silent_family_sends_no_audio_and_reports_none(tiny_model: Path) -> None:

@@ -16,6 +16,7 @@ from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
 from families.ltx2.checkpoint import FPS
 from stagekit.denoise import DenoiseSpec
 from tests.helpers.feature_mixins.base import FamilyTesterConfig
+from tests.helpers.feature_mixins.configs import HSDP2
 
 # Text tokens of both prompts in `spec`'s conditioning (the text encoder pads the prompt and the negative prompt to
 # one length); the connectors' registers make every position real, so the mask is all ones.
@@ -52,6 +53,9 @@ class LTX2TesterConfig(FamilyTesterConfig):
     # predictions: FP8 of every linear moves the update by 6.3% (video 6.0%, audio 6.4%; 4.5% with plain CFG at 3 for
     # both modalities), INT8 by 3.5%.
     quantized_limit = 0.07
+    # HSDP is the family's only parallel method (families/ltx2/parallel.py): each rank's video and audio latents are
+    # one rank's.
+    parallel_layouts = {2: [HSDP2]}
 
     # Video tokens 8 and audio tokens 9, then 18 and 18, then 12 and 9, 32 and 26, each with its own text length
     # (compile_text_lengths); every request runs the batch of two texts, the STG pass and the isolated pass. No
