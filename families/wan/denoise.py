@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import ClassVar
 
 import diffusers
 import torch
@@ -20,6 +22,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from families.wan.parallel import parallelize
 from stagekit.denoise import BatchRows, DenoiseSpec, guidance_predictions, guide_rows, stop_if_cancelled
+from stagekit.denoise_steps import DenoiseRun, DenoiseState, request_digest, run_to_end
 from stagekit.gguf import load_gguf_transformer
 from stagekit.model_options import TransformerOptions
 from stagekit.parallel import ParallelConfig, build_mesh
@@ -27,8 +30,20 @@ from stagekit.parallel.mesh import device_type_for
 from stagekit.weights import load_pretrained
 
 
+@dataclass
+class WanRun(DenoiseRun):
+    """A Wan request being denoised step by step: its embeddings on the device and the A14B expert boundary."""
+
+    prompt_embeds: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    negative_prompt_embeds: torch.Tensor | None = None
+    boundary_timestep: float | None = None
+
+
 class WanDenoiser:
-    """The denoising loop on one rank; with a parallel layout, every rank of the group runs it in step."""
+    """The denoising loop on one rank; with a parallel layout, every rank of the group runs it in step. Its loop is
+    written as steps (stagekit/denoise_steps.py), so the DiT stage may yield, resume and batch it at the step."""
+
+    runs_steps: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -124,6 +139,85 @@ class WanDenoiser:
         noise_pred, noise_uncond = guidance_predictions(predict, prompt_embeds, negative_prompt_embeds, self.cfg_group)
         return noise_uncond + spec.guidance_scale * (noise_pred - noise_uncond)
 
+    def begin(
+        self, spec: DenoiseSpec, conditioning: dict[str, torch.Tensor], state: DenoiseState | None = None
+    ) -> WanRun:
+        """A run of the request at step 0 (the seed's noise, a fresh scheduler), or continued from `state`.
+
+        `conditioning`: "prompt_embeds" [1, L, text_dim] and, with guidance_scale > 1, "negative_prompt_embeds".
+        """
+        transformer_dtype = self.transformer.dtype
+        prompt_embeds = conditioning["prompt_embeds"].to(self.device, transformer_dtype)
+        negative_prompt_embeds = None
+        if spec.do_classifier_free_guidance:
+            if conditioning.get("negative_prompt_embeds") is None:
+                raise ValueError("negative_prompt_embeds are required when guidance_scale > 1")
+            negative_prompt_embeds = conditioning["negative_prompt_embeds"].to(self.device, transformer_dtype)
+        scheduler = self.scheduler_class.from_config(self.scheduler_config)
+        scheduler.set_timesteps(spec.num_inference_steps, device=self.device)
+        scheduler.set_begin_index(0)
+        boundary_timestep = None
+        if self.boundary_ratio is not None:
+            boundary_timestep = self.boundary_ratio * scheduler.config.num_train_timesteps
+        run = WanRun(
+            spec=spec,
+            latents=self.initial_noise(spec) if state is None else torch.empty(0),
+            scheduler=scheduler,
+            timesteps=scheduler.timesteps,
+            digest=request_digest(spec, conditioning, type(scheduler).__name__),
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            boundary_timestep=boundary_timestep,
+        )
+        if state is not None:
+            run.latents = torch.empty(self.latent_shape(spec), dtype=torch.float32, device=self.device)
+            run.restore(state)
+        return run
+
+    def step(self, runs: list[WanRun]) -> None:  # type: ignore[override]
+        """One step of each run: the runs at the same expert share one transformer pass per guidance branch, each
+        row at its own timestep; each run's scheduler steps its own row. One run alone computes what WanPipeline's
+        loop computes for that step."""
+        by_expert: dict[int, list[WanRun]] = {}
+        for run in runs:
+            expert = self.expert_for(run.timesteps[run.step_index], run.boundary_timestep)
+            by_expert.setdefault(id(expert), []).append(run)
+        for group in by_expert.values():
+            self._step_group(group)
+
+    def _step_group(self, runs: list[WanRun]) -> None:
+        transformer_dtype = self.transformer.dtype
+        ts = [run.timesteps[run.step_index] for run in runs]
+        model = self.expert_for(ts[0], runs[0].boundary_timestep)
+        latents = torch.cat([run.latents for run in runs]) if len(runs) > 1 else runs[0].latents
+        latent_model_input = latents.to(transformer_dtype)
+        if self.expand_timesteps:
+            if len(runs) > 1:
+                raise ValueError("runs with per-token timesteps step one at a time")
+            mask = torch.ones(latents.shape, dtype=torch.float32, device=self.device)
+            timestep = (mask[0][0][:, ::2, ::2] * ts[0]).flatten().unsqueeze(0).expand(latents.shape[0], -1)
+        elif len(runs) == 1:
+            timestep = ts[0].expand(latents.shape[0])
+        else:
+            timestep = torch.stack(ts)
+        # guidance_scale_2 of WanPipeline is not exposed: both experts use the request's guidance scale.
+        predict = partial(self._predict, model, latent_model_input, timestep)
+        prompt_embeds = torch.cat([run.prompt_embeds for run in runs]) if len(runs) > 1 else runs[0].prompt_embeds
+        if len(runs) == 1:
+            noise_pred = self.guided_prediction(
+                predict, runs[0].spec, runs[0].prompt_embeds, runs[0].negative_prompt_embeds
+            )
+        elif not runs[0].spec.do_classifier_free_guidance:
+            noise_pred = predict(prompt_embeds, "cond")
+        else:
+            negative = torch.cat([run.negative_prompt_embeds for run in runs])  # type: ignore[misc]
+            noise_cond, noise_uncond = guidance_predictions(predict, prompt_embeds, negative, self.cfg_group)
+            noise_pred = guide_rows(noise_cond, noise_uncond, [run.spec.guidance_scale for run in runs])
+        for row, (run, t) in enumerate(zip(runs, ts, strict=True)):
+            prediction = noise_pred if len(runs) == 1 else noise_pred[row : row + 1]
+            run.latents = run.scheduler.step(prediction, t, run.latents, return_dict=False)[0]
+            run.step_index += 1
+
     @torch.no_grad()
     def denoise(
         self,
@@ -136,37 +230,8 @@ class WanDenoiser:
 
         `conditioning`: "prompt_embeds" [1, L, text_dim] and, with guidance_scale > 1, "negative_prompt_embeds".
         """
-        transformer_dtype = self.transformer.dtype
-        prompt_embeds = conditioning["prompt_embeds"].to(self.device, transformer_dtype)
-        negative_prompt_embeds = None
-        if spec.do_classifier_free_guidance:
-            if conditioning.get("negative_prompt_embeds") is None:
-                raise ValueError("negative_prompt_embeds are required when guidance_scale > 1")
-            negative_prompt_embeds = conditioning["negative_prompt_embeds"].to(self.device, transformer_dtype)
-
-        scheduler = self.scheduler_class.from_config(self.scheduler_config)
-        scheduler.set_timesteps(spec.num_inference_steps, device=self.device)
-        scheduler.set_begin_index(0)
-        timesteps = scheduler.timesteps
-        latents = self.initial_noise(spec)
-        mask = torch.ones(latents.shape, dtype=torch.float32, device=self.device)
-        boundary_timestep = None
-        if self.boundary_ratio is not None:
-            boundary_timestep = self.boundary_ratio * scheduler.config.num_train_timesteps
-
-        for i, t in enumerate(timesteps):
-            stop_if_cancelled(cancelled, self.parallel, self.device)
-            latent_model_input = latents.to(transformer_dtype)
-            if self.expand_timesteps:
-                timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(latents.shape[0], -1)
-            else:
-                timestep = t.expand(latents.shape[0])
-            # guidance_scale_2 of WanPipeline is not exposed: both experts use the request's guidance scale.
-            predict = partial(self._predict, self.expert_for(t, boundary_timestep), latent_model_input, timestep)
-            noise_pred = self.guided_prediction(predict, spec, prompt_embeds, negative_prompt_embeds)
-            latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-            on_step(i + 1, len(timesteps))
-        return latents
+        run = self.begin(spec, conditioning)
+        return run_to_end(self, run, on_step, lambda run: stop_if_cancelled(cancelled, self.parallel, self.device))
 
     @torch.no_grad()
     def denoise_batch(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import ClassVar
 
 import torch
 
@@ -24,6 +25,10 @@ from stagekit.denoise import DenoiseSpec, stop_if_cancelled
 
 class WanImageToVideoDenoiser(WanDenoiser):
     """One, or two expert, Wan transformers conditioned on input frames."""
+
+    # Its loop (below) conditions every step on the input frames, and is not written as steps: its requests are
+    # not yielded, resumed or batched at the step.
+    runs_steps: ClassVar[bool] = False
 
     @property
     def image_dim(self) -> int | None:

@@ -41,7 +41,7 @@ class InterpolationParams(_message.Message):
     def __init__(self, enable: _Optional[bool] = ..., exp: _Optional[int] = ..., scale: _Optional[float] = ..., model_path: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps", "interpolation", "request_id", "images", "cache", "loras", "output_format", "output_quality", "keep_raw_frames", "notices", "embedded_guidance_scale", "audio_codec")
+    __slots__ = ("model", "prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps", "interpolation", "request_id", "images", "cache", "loras", "output_format", "output_quality", "keep_raw_frames", "notices", "embedded_guidance_scale", "audio_codec", "deadline_s")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class GenerateRequest(_message.Message):
     NOTICES_FIELD_NUMBER: _ClassVar[int]
     EMBEDDED_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     AUDIO_CODEC_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     negative_prompt: str
@@ -84,7 +85,8 @@ class GenerateRequest(_message.Message):
     notices: _containers.RepeatedCompositeFieldContainer[_stages_pb2.Notice]
     embedded_guidance_scale: float
     audio_codec: str
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., fps: _Optional[float] = ..., interpolation: _Optional[_Union[InterpolationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_image_pb2.InputImage, _Mapping]]] = ..., cache: _Optional[_Union[_stages_pb2.StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_stages_pb2.LoraAdapter, _Mapping]]] = ..., output_format: _Optional[str] = ..., output_quality: _Optional[int] = ..., keep_raw_frames: _Optional[bool] = ..., notices: _Optional[_Iterable[_Union[_stages_pb2.Notice, _Mapping]]] = ..., embedded_guidance_scale: _Optional[float] = ..., audio_codec: _Optional[str] = ...) -> None: ...
+    deadline_s: float
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., fps: _Optional[float] = ..., interpolation: _Optional[_Union[InterpolationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_image_pb2.InputImage, _Mapping]]] = ..., cache: _Optional[_Union[_stages_pb2.StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_stages_pb2.LoraAdapter, _Mapping]]] = ..., output_format: _Optional[str] = ..., output_quality: _Optional[int] = ..., keep_raw_frames: _Optional[bool] = ..., notices: _Optional[_Iterable[_Union[_stages_pb2.Notice, _Mapping]]] = ..., embedded_guidance_scale: _Optional[float] = ..., audio_codec: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class JobError(_message.Message):
     __slots__ = ("code", "message")
@@ -95,7 +97,7 @@ class JobError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "state", "request", "created_at", "finished_at", "queue_position", "current_stage", "error", "timings", "num_frames_out", "fps_out", "transformer_passes", "progress", "progress_percent", "media_type", "download_url", "notices")
+    __slots__ = ("job_id", "state", "request", "created_at", "finished_at", "queue_position", "current_stage", "error", "timings", "num_frames_out", "fps_out", "transformer_passes", "progress", "progress_percent", "media_type", "download_url", "notices", "preemptions")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +122,7 @@ class Job(_message.Message):
     MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
     DOWNLOAD_URL_FIELD_NUMBER: _ClassVar[int]
     NOTICES_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     request: GenerateRequest
@@ -137,13 +140,38 @@ class Job(_message.Message):
     media_type: str
     download_url: str
     notices: _containers.RepeatedCompositeFieldContainer[_stages_pb2.Notice]
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., queue_position: _Optional[int] = ..., current_stage: _Optional[str] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., timings: _Optional[_Mapping[str, float]] = ..., num_frames_out: _Optional[int] = ..., fps_out: _Optional[float] = ..., transformer_passes: _Optional[_Union[_stages_pb2.TransformerPasses, _Mapping]] = ..., progress: _Optional[_Union[StageProgress, _Mapping]] = ..., progress_percent: _Optional[float] = ..., media_type: _Optional[str] = ..., download_url: _Optional[str] = ..., notices: _Optional[_Iterable[_Union[_stages_pb2.Notice, _Mapping]]] = ...) -> None: ...
+    preemptions: int
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., queue_position: _Optional[int] = ..., current_stage: _Optional[str] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., timings: _Optional[_Mapping[str, float]] = ..., num_frames_out: _Optional[int] = ..., fps_out: _Optional[float] = ..., transformer_passes: _Optional[_Union[_stages_pb2.TransformerPasses, _Mapping]] = ..., progress: _Optional[_Union[StageProgress, _Mapping]] = ..., progress_percent: _Optional[float] = ..., media_type: _Optional[str] = ..., download_url: _Optional[str] = ..., notices: _Optional[_Iterable[_Union[_stages_pb2.Notice, _Mapping]]] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class JobQueued(_message.Message):
     __slots__ = ("position",)
     POSITION_FIELD_NUMBER: _ClassVar[int]
     position: int
     def __init__(self, position: _Optional[int] = ...) -> None: ...
+
+class JobPaused(_message.Message):
+    __slots__ = ("stage", "step", "total", "reason", "preemptions")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    step: int
+    total: int
+    reason: str
+    preemptions: int
+    def __init__(self, stage: _Optional[str] = ..., step: _Optional[int] = ..., total: _Optional[int] = ..., reason: _Optional[str] = ..., preemptions: _Optional[int] = ...) -> None: ...
+
+class JobResumed(_message.Message):
+    __slots__ = ("stage", "step", "total")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    step: int
+    total: int
+    def __init__(self, stage: _Optional[str] = ..., step: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
 
 class StageProgress(_message.Message):
     __slots__ = ("stage", "step", "total")
@@ -207,18 +235,22 @@ class JobCompleted(_message.Message):
     def __init__(self, timings: _Optional[_Mapping[str, float]] = ..., num_frames: _Optional[int] = ..., fps: _Optional[float] = ..., transformer_passes: _Optional[_Union[_stages_pb2.TransformerPasses, _Mapping]] = ..., media_type: _Optional[str] = ..., encoded_bytes: _Optional[int] = ..., seed: _Optional[int] = ..., notices: _Optional[_Iterable[_Union[_stages_pb2.Notice, _Mapping]]] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("job_id", "queued", "progress", "result", "completed")
+    __slots__ = ("job_id", "queued", "progress", "result", "completed", "paused", "resumed")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     queued: JobQueued
     progress: StageProgress
     result: ResultChunk
     completed: JobCompleted
-    def __init__(self, job_id: _Optional[str] = ..., queued: _Optional[_Union[JobQueued, _Mapping]] = ..., progress: _Optional[_Union[StageProgress, _Mapping]] = ..., result: _Optional[_Union[ResultChunk, _Mapping]] = ..., completed: _Optional[_Union[JobCompleted, _Mapping]] = ...) -> None: ...
+    paused: JobPaused
+    resumed: JobResumed
+    def __init__(self, job_id: _Optional[str] = ..., queued: _Optional[_Union[JobQueued, _Mapping]] = ..., progress: _Optional[_Union[StageProgress, _Mapping]] = ..., result: _Optional[_Union[ResultChunk, _Mapping]] = ..., completed: _Optional[_Union[JobCompleted, _Mapping]] = ..., paused: _Optional[_Union[JobPaused, _Mapping]] = ..., resumed: _Optional[_Union[JobResumed, _Mapping]] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StageInfo(_message.Message):
-    __slots__ = ("stage", "model", "family", "device", "parallel_config", "parameter_bytes", "limits", "version", "weights_path", "base_model", "components", "model_components", "models")
+    __slots__ = ("stage", "model", "family", "device", "parallel_config", "parameter_bytes", "limits", "version", "weights_path", "base_model", "components", "model_components", "models", "step_scheduling", "step_slots")
     class ParallelConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,8 @@ class StageInfo(_message.Message):
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
+    STEP_SLOTS_FIELD_NUMBER: _ClassVar[int]
     stage: str
     model: str
     family: str
@@ -64,7 +66,9 @@ class StageInfo(_message.Message):
     components: _containers.ScalarMap[str, str]
     model_components: _containers.ScalarMap[str, str]
     models: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., device: _Optional[str] = ..., parallel_config: _Optional[_Mapping[str, str]] = ..., parameter_bytes: _Optional[_Mapping[str, int]] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., version: _Optional[str] = ..., weights_path: _Optional[str] = ..., base_model: _Optional[str] = ..., components: _Optional[_Mapping[str, str]] = ..., model_components: _Optional[_Mapping[str, str]] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
+    step_scheduling: bool
+    step_slots: int
+    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., device: _Optional[str] = ..., parallel_config: _Optional[_Mapping[str, str]] = ..., parameter_bytes: _Optional[_Mapping[str, int]] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., version: _Optional[str] = ..., weights_path: _Optional[str] = ..., base_model: _Optional[str] = ..., components: _Optional[_Mapping[str, str]] = ..., model_components: _Optional[_Mapping[str, str]] = ..., models: _Optional[_Iterable[str]] = ..., step_scheduling: _Optional[bool] = ..., step_slots: _Optional[int] = ...) -> None: ...
 
 class ModelLimits(_message.Message):
     __slots__ = ("height_multiple", "width_multiple", "temporal_factor", "max_height", "max_width", "max_frames", "max_inference_steps", "max_sequence_length", "max_prompt_chars", "default_height", "default_width", "default_num_frames", "default_inference_steps", "default_guidance_scale", "default_fps", "min_height", "image_roles", "required_image_roles", "max_images", "max_image_bytes", "max_image_pixels", "cache_methods", "default_cache", "loras", "max_loras", "fused_loras", "lora_cache_bytes", "default_embedded_guidance_scale", "image_size_base", "audio_sample_rate", "audio_channels")
@@ -209,7 +213,7 @@ class EncodeResponse(_message.Message):
     def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., notices: _Optional[_Iterable[_Union[Notice, _Mapping]]] = ...) -> None: ...
 
 class DenoiseParams(_message.Message):
-    __slots__ = ("model", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "image_roles", "image_sizes", "cache", "loras", "batch_group", "embedded_guidance_scale", "fps")
+    __slots__ = ("model", "height", "width", "num_frames", "num_inference_steps", "guidance_scale", "seed", "image_roles", "image_sizes", "cache", "loras", "batch_group", "embedded_guidance_scale", "fps", "call_id", "checkpoint_every")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +228,8 @@ class DenoiseParams(_message.Message):
     BATCH_GROUP_FIELD_NUMBER: _ClassVar[int]
     EMBEDDED_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
     model: str
     height: int
     width: int
@@ -238,7 +244,9 @@ class DenoiseParams(_message.Message):
     batch_group: bytes
     embedded_guidance_scale: float
     fps: float
-    def __init__(self, model: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., image_roles: _Optional[_Iterable[str]] = ..., image_sizes: _Optional[_Iterable[_Union[_image_pb2.ImageSize, _Mapping]]] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., batch_group: _Optional[bytes] = ..., embedded_guidance_scale: _Optional[float] = ..., fps: _Optional[float] = ...) -> None: ...
+    call_id: str
+    checkpoint_every: int
+    def __init__(self, model: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., image_roles: _Optional[_Iterable[str]] = ..., image_sizes: _Optional[_Iterable[_Union[_image_pb2.ImageSize, _Mapping]]] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., batch_group: _Optional[bytes] = ..., embedded_guidance_scale: _Optional[float] = ..., fps: _Optional[float] = ..., call_id: _Optional[str] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
 
 class DenoiseRequest(_message.Message):
     __slots__ = ("params", "tensor")
@@ -257,14 +265,40 @@ class DenoiseProgress(_message.Message):
     def __init__(self, step: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
 
 class DenoiseResponse(_message.Message):
-    __slots__ = ("progress", "tensor", "passes")
+    __slots__ = ("progress", "tensor", "passes", "yielded")
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     PASSES_FIELD_NUMBER: _ClassVar[int]
+    YIELDED_FIELD_NUMBER: _ClassVar[int]
     progress: DenoiseProgress
     tensor: _tensor_pb2.TensorChunk
     passes: TransformerPasses
-    def __init__(self, progress: _Optional[_Union[DenoiseProgress, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., passes: _Optional[_Union[TransformerPasses, _Mapping]] = ...) -> None: ...
+    yielded: DenoiseYielded
+    def __init__(self, progress: _Optional[_Union[DenoiseProgress, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., passes: _Optional[_Union[TransformerPasses, _Mapping]] = ..., yielded: _Optional[_Union[DenoiseYielded, _Mapping]] = ...) -> None: ...
+
+class DenoiseYielded(_message.Message):
+    __slots__ = ("step", "total", "draining")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    total: int
+    draining: bool
+    def __init__(self, step: _Optional[int] = ..., total: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class YieldRequest(_message.Message):
+    __slots__ = ("call_id",)
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    def __init__(self, call_id: _Optional[str] = ...) -> None: ...
+
+class YieldResponse(_message.Message):
+    __slots__ = ("yielding", "reason")
+    YIELDING_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    yielding: bool
+    reason: str
+    def __init__(self, yielding: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DecodeParams(_message.Message):
     __slots__ = ("model", "num_latent_frames")

@@ -183,6 +183,11 @@ class DenoiserStub:
                 request_serializer=stagediff_dot_v1_dot_stages__pb2.DenoiseRequest.SerializeToString,
                 response_deserializer=stagediff_dot_v1_dot_stages__pb2.DenoiseResponse.FromString,
                 _registered_method=True)
+        self.Yield = channel.unary_unary(
+                '/stagediff.v1.Denoiser/Yield',
+                request_serializer=stagediff_dot_v1_dot_stages__pb2.YieldRequest.SerializeToString,
+                response_deserializer=stagediff_dot_v1_dot_stages__pb2.YieldResponse.FromString,
+                _registered_method=True)
 
 
 class DenoiserServicer:
@@ -194,6 +199,14 @@ class DenoiserServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Yield(self, request, context):
+        """Asks a running Denoise call to stop at its next step boundary and send its state; NOT_FOUND when no call
+        of that id runs (it ended, or never began).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DenoiserServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +214,11 @@ def add_DenoiserServicer_to_server(servicer, server):
                     servicer.Denoise,
                     request_deserializer=stagediff_dot_v1_dot_stages__pb2.DenoiseRequest.FromString,
                     response_serializer=stagediff_dot_v1_dot_stages__pb2.DenoiseResponse.SerializeToString,
+            ),
+            'Yield': grpc.unary_unary_rpc_method_handler(
+                    servicer.Yield,
+                    request_deserializer=stagediff_dot_v1_dot_stages__pb2.YieldRequest.FromString,
+                    response_serializer=stagediff_dot_v1_dot_stages__pb2.YieldResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -230,6 +248,33 @@ class Denoiser:
             '/stagediff.v1.Denoiser/Denoise',
             stagediff_dot_v1_dot_stages__pb2.DenoiseRequest.SerializeToString,
             stagediff_dot_v1_dot_stages__pb2.DenoiseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Yield(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagediff.v1.Denoiser/Yield',
+            stagediff_dot_v1_dot_stages__pb2.YieldRequest.SerializeToString,
+            stagediff_dot_v1_dot_stages__pb2.YieldResponse.FromString,
             options,
             channel_credentials,
             insecure,
