@@ -43,7 +43,17 @@ from stagediff.errors import (
 )
 from stagediff.interrupts import interrupts_ignored
 from stagediff.request import RequestOptions, build_request
-from stagediff.results import BytesReceived, Event, FramesReceived, GenerationResult, Notice, Progress, Queued
+from stagediff.results import (
+    BytesReceived,
+    Event,
+    FramesReceived,
+    GenerationResult,
+    Notice,
+    Paused,
+    Progress,
+    Queued,
+    Resumed,
+)
 from stagediff.retries import RetryPolicy
 from stagediff.v1 import generation_pb2
 
@@ -64,9 +74,11 @@ __all__ = [
     "InvalidEndpoint",
     "NotFound",
     "Notice",
+    "Paused",
     "PermissionDenied",
     "Progress",
     "Queued",
+    "Resumed",
     "RateLimitError",
     "RetryPolicy",
     "StageDiffError",

@@ -72,6 +72,9 @@ class RequestOptions(TypedDict, total=False):
     # opus in webm, the float32 waveform in GenerationResult.audio with raw), "none" for a silent result, or
     # "aac" (mp4), "opus" (webm), "raw" (raw) by name.
     audio_codec: str
+    # Seconds from submission by which the job should be done: jobs of a priority class are ordered by their
+    # slack, and a job that cannot be done in time is refused at once (RESOURCE_EXHAUSTED, with the estimate).
+    deadline_s: float
 
 
 OPTION_NAMES = frozenset(RequestOptions.__annotations__)
@@ -123,6 +126,7 @@ def build_request(prompt: str, **options: Unpack[RequestOptions]) -> generation_
         "seed",
         "fps",
         "output_quality",
+        "deadline_s",
     ):
         if name in given:
             setattr(request, name, given[name])

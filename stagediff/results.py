@@ -39,6 +39,30 @@ class Progress:
 
 
 @dataclass
+class Paused:
+    """The job's denoising stopped at step `step` of `total`, its state kept: `reason` "preempted" (a job of a
+    higher priority class took its DiT slot; `preemptions` counts them) or "handoff" (its DiT replica is shutting
+    down). It resumes from that step (`Resumed`), never from the start."""
+
+    job_id: str
+    stage: str
+    step: int
+    total: int
+    reason: str
+    preemptions: int
+
+
+@dataclass
+class Resumed:
+    """The job's denoising continues from step `step` of `total`."""
+
+    job_id: str
+    stage: str
+    step: int
+    total: int
+
+
+@dataclass
 class FramesReceived:
     """Raw frames `first_frame` .. `first_frame + count - 1` of the result arrived."""
 
@@ -191,7 +215,7 @@ class GenerationResult:
         )
 
 
-Event = Queued | Progress | FramesReceived | BytesReceived | GenerationResult
+Event = Queued | Progress | Paused | Resumed | FramesReceived | BytesReceived | GenerationResult
 
 
 class ResultBuilder:
@@ -218,6 +242,11 @@ class ResultBuilder:
             return [Queued(event.job_id, event.queued.position)]
         if kind == "progress":
             return [Progress(event.job_id, event.progress.stage, event.progress.step, event.progress.total)]
+        if kind == "paused":
+            paused = event.paused
+            return [Paused(event.job_id, paused.stage, paused.step, paused.total, paused.reason, paused.preemptions)]
+        if kind == "resumed":
+            return [Resumed(event.job_id, event.resumed.stage, event.resumed.step, event.resumed.total)]
         if kind == "result":
             self.fps = event.result.fps
             events: list[Event] = []

@@ -98,6 +98,7 @@ class JobIntermediates(TypedDict, total=False):
     # (the orchestrator shuts down): its outcome is not recorded, and its kept outputs are written at once.
     handing_back: bool
     saving: list[PendingWrite]  # kept stage outputs on their way to the store (kept_outputs.py)
+    state_write: PendingWrite  # the newest denoising state's write
 
 
 # Rough share of a job's time in each stage on the served models, to turn stage steps into one percentage.
@@ -150,6 +151,8 @@ class Job:
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     task: asyncio.Task | None = None
     priority: str = "normal"
+    # How many times the job's denoising yielded its DiT slot to a job of a higher class (denoise_call.py).
+    preemptions: int = 0
     # The trace context of the request that submitted the job: its task runs under it, so the stage calls
     # join the client's trace.
     trace_context: otel_context.Context | None = None
@@ -366,6 +369,7 @@ class Job:
             transformer_passes=self.transformer_passes,
             progress_percent=self.progress_percent(),
             notices=self.notices,
+            preemptions=self.preemptions,
         )
         if self.state == JobState.JOB_STATE_SUCCEEDED:
             job.media_type = output_format(self.request.output_format).media_type
@@ -396,6 +400,7 @@ class Job:
             transformer_passes=stages_pb2.TransformerPasses(run=record.passes_run, skipped=record.passes_skipped),
             notices=list(record.notices),
             priority=record.priority,
+            preemptions=record.preemptions,
         )
         if record.error_code is not None:
             job.error_code = _status_code(record.error_code)

@@ -34,12 +34,13 @@ from services.encoding import output_format
 from services.metrics import OrchestratorMetrics
 from services.orchestrator.admission import StorageLimits, queue_limits, result_bytes, without_image_bytes
 from services.orchestrator.blobs.protocol import PresignsDownloads
+from services.orchestrator.deadlines import DeadlineAdmission
 from services.orchestrator.dispatch import MOVED, Dispatcher, RunJob
 from services.orchestrator.job import Job, JobState, JobTable
 from services.orchestrator.notices import take_request_notices
 from services.orchestrator.pruning import Pruner
 from services.orchestrator.recovery import Recovery, RestoreJob
-from services.orchestrator.scheduler import FairScheduler
+from services.orchestrator.scheduler import FairScheduler, Priority
 from services.orchestrator.store import (
     InvalidTransition,
     JobRecord,
@@ -78,8 +79,12 @@ class JobManager:
         max_attempts: int = 3,
         tenants: Mapping[str, Tenant] | None = None,
         metrics: OrchestratorMetrics | None = None,
+        deadlines: DeadlineAdmission | None = None,
     ) -> None:
+        """`deadlines`: refuses at admission a job whose deadline the DiT cannot meet (None: every job is admitted
+        and its deadline only cancels it)."""
         self.restore_job = restore_job
+        self.deadlines = deadlines
         # Whether other replicas share the store (and may delete what this one remembers).
         self.shared_store = False
         self.scheduler = scheduler
@@ -140,6 +145,11 @@ class JobManager:
         # The tenant as it is now (its quotas) is what pruning and recovery use for its jobs.
         self.tenants[tenant.name] = tenant
         self.limits.check_free_space(tenant.name)
+        if self.deadlines is not None and deadline is not None:
+            due_in = deadline - asyncio.get_running_loop().time()
+            self.deadlines.check(
+                request, tenant.name, Priority.parse(tenant.priority.value), due_in, self.table.jobs.values()
+            )
         await self.check_stored_bytes(tenant, result_bytes(request) + sum(len(image.data) for image in request.images))
         job_id = uuid.uuid4().hex
         # The images' bytes go to a file beside the job (counted in its tenant's bytes), never into its row or

@@ -37,13 +37,17 @@ from services.orchestrator import kept_outputs
 from services.orchestrator.admission import has_sound, result_shape
 from services.orchestrator.cache_namespace import cache_namespace_key
 from services.orchestrator.chain import stages_for
+from services.orchestrator.denoise_call import DIT_STATE
 from services.orchestrator.dispatch import MOVED, store_failure
+from services.orchestrator.dit_gate import DitGate
 from services.orchestrator.encoded_results import EncodedResult, EncodingError
 from services.orchestrator.job import Job, JobState
+from services.orchestrator.preemption import CheckpointPolicy
 from services.orchestrator.result_publisher import ResultPublisher
 from services.orchestrator.routes import ModelRoute, accept_any
 from services.orchestrator.stage_calls import END, VAE_ENCODE, StageCalls
 from services.orchestrator.stage_clients import StageError, StagePool
+from services.orchestrator.step_times import StepTimes
 from services.orchestrator.store import InvalidTransition, JobStore, LeaseLost, StoreError
 from services.orchestrator.store_retry import store_call
 from stagediff.tensor_codec import WireError
@@ -73,7 +77,8 @@ def _first_stage_error(group: BaseExceptionGroup) -> BaseException:
 
 def restore_intermediates(job: Job, stored: dict[str, list[tensor_pb2.TensorChunk]]) -> None:
     """Puts the stage outputs a store kept for an unfinished job back where `_run_once` resumes from them."""
-    job.intermediates["outputs"] = {stage: chunks for stage, chunks in stored.items() if stage in KEPT_OUTPUTS}
+    kept = (*KEPT_OUTPUTS, DIT_STATE)
+    job.intermediates["outputs"] = {stage: chunks for stage, chunks in stored.items() if stage in kept}
 
 
 class Pipeline:
@@ -89,7 +94,11 @@ class Pipeline:
         cluster_secret: str | None = None,
         batch_per_tenant: bool = False,
         keep_outputs_after_s: float = kept_outputs.DEFAULT_AFTER_S,
+        gate: DitGate | None = None,
+        checkpoints: CheckpointPolicy | None = None,
+        step_times: StepTimes | None = None,
     ) -> None:
+        """`gate`, `checkpoints`, `step_times`: the DiT's step-level scheduling (StageCalls says what each is)."""
         self.stages = stages
         self.store = store
         self.metrics = metrics
@@ -97,7 +106,15 @@ class Pipeline:
         self.stage_retries = stage_retries
         self.retry_backoff_s = retry_backoff_s
         self.calls = StageCalls(
-            stages, store, metrics, cache_namespace_key(cluster_secret), batch_per_tenant, keep_outputs_after_s
+            stages,
+            store,
+            metrics,
+            cache_namespace_key(cluster_secret),
+            batch_per_tenant,
+            keep_outputs_after_s,
+            gate=gate,
+            checkpoints=checkpoints,
+            step_times=step_times,
         )
 
     async def run(self, job: Job) -> None:

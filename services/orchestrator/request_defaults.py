@@ -72,6 +72,9 @@ class FieldSpec:
     bound: Bound | None = None
 
 
+# The longest deadline a request may set (GenerateRequest.deadline_s): a week, beyond any job's time.
+MAX_DEADLINE_S = 7 * 24 * 3600.0
+
 REQUEST_FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("height", default=lambda source: source.size[1]),
     FieldSpec("width", default=lambda source: source.size[0]),
@@ -83,6 +86,13 @@ REQUEST_FIELDS: tuple[FieldSpec, ...] = (
         "fps",
         default=lambda source: source.limits.default_fps,
         bound=Bound(lambda value: math.isfinite(value) and 0 < value <= MAX_FPS, f"a value in (0, {MAX_FPS:g}]"),
+    ),
+    FieldSpec(
+        "deadline_s",
+        bound=Bound(
+            lambda value: math.isfinite(value) and 0 <= value <= MAX_DEADLINE_S,
+            f"seconds in (0, {MAX_DEADLINE_S:g}], or 0 for none",
+        ),
     ),
     # Checked once interpolation is known to be on: off, its fields are cleared (and so allowed).
     FieldSpec(

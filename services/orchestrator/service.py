@@ -29,7 +29,9 @@ from services.environment_options import parse_args
 from services.metrics import OrchestratorMetrics, ServerMetrics, start_metrics_server
 from services.orchestrator.adapter_rate import AdapterRate
 from services.orchestrator.config import OrchestratorConfig
+from services.orchestrator.deadlines import DeadlineAdmission
 from services.orchestrator.demand import PoolDemandCollector
+from services.orchestrator.dit_gate import DitGate
 from services.orchestrator.janitor import BlobJanitor
 from services.orchestrator.jobs import JobManager
 from services.orchestrator.membership import PostgresMembership
@@ -41,6 +43,7 @@ from services.orchestrator.request_bounds import RequestBoundsInterceptor
 from services.orchestrator.scheduler import FairScheduler
 from services.orchestrator.servicer import GenerationServicer
 from services.orchestrator.stage_clients import StagePool
+from services.orchestrator.step_times import StepTimes
 from services.orchestrator.store import JobStore
 from services.orchestrator.store_errors import StoreError
 from services.orchestrator.store_location import PostgresLocation, open_blobs, replica_owner
@@ -175,6 +178,17 @@ async def _serve(
         except StoreError as error:
             logger.warning("the models kept in the job store could not be read (%s): the DiT replicas will say", error)
         stages.on_models = catalog.saw
+    # Step-level scheduling: jobs take DiT slots at the gate in priority and slack order, a higher class may have a
+    # lower one yield at a step boundary, and deadlines are checked against the DiT's recent step times.
+    step_times = StepTimes()
+
+    def tenant_info(name: str) -> tuple[float, bool]:
+        scheduling = tenants.scheduling(name)
+        return scheduling.weight, scheduling.preemptible
+
+    gate = DitGate(stages["dit"], config.preemption, tenant_info)
+    deadlines = DeadlineAdmission(step_times, gate, stages.routes, preemption=config.preemption.enabled)
+    gate.estimate = deadlines.remaining_s  # the slack of a waiting job with a deadline
     pipeline = Pipeline(
         stages,
         stage_retries=config.stage_retries,
@@ -183,6 +197,9 @@ async def _serve(
         cluster_secret=secret,
         batch_per_tenant=batch_per_tenant(config.batch_per_tenant, has_tenants=not tenants.is_open),
         keep_outputs_after_s=config.keep_outputs_after_s,
+        gate=gate,
+        checkpoints=config.checkpoint,
+        step_times=step_times,
     )
     scheduler = FairScheduler(max_queued=config.max_queued_jobs, max_running=config.max_running_jobs)
     metrics.registry.register(PoolDemandCollector(stages, scheduler.queued_by_model))  # demand.py
@@ -199,6 +216,7 @@ async def _serve(
         max_attempts=config.max_job_attempts,
         tenants=tenants.tenants,
         metrics=metrics,
+        deadlines=deadlines,
     )
     membership, relay = None, None
     if isinstance(config.store, PostgresLocation):

@@ -234,6 +234,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             check_loras(tenant, full.loras, self._models()[full.model].limits)
             self.adapter_rate.take(tenant, [lora.name for lora in full.loras])
             remaining = context.time_remaining()
+            if full.deadline_s > 0:  # the request's own deadline; the call's, when earlier, holds
+                remaining = full.deadline_s if remaining is None else min(remaining, full.deadline_s)
             deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
             job, created = await self.jobs.submit(full, tenant, deadline)
             self.uploads.discard(tenant.name, upload_ids)

@@ -25,14 +25,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 
 from families.base import Family
-from services.input_images import ROLE_NAMES
 from services.metrics import OrchestratorMetrics
 from services.orchestrator import notices as job_notices
 from services.orchestrator.cache_namespace import tenant_cache_namespace
+from services.orchestrator.denoise_call import Denoising
+from services.orchestrator.dit_gate import DitGate
 from services.orchestrator.job import Job
 from services.orchestrator.kept_outputs import DEFAULT_AFTER_S, PendingWrite
+from services.orchestrator.preemption import CheckpointPolicy
 from services.orchestrator.routes import ModelRoute
 from services.orchestrator.stage_clients import StageError, StagePool
+from services.orchestrator.step_times import StepTimes
 from services.orchestrator.store import AUDIO_TENSOR, JobStore
 from services.orchestrator.store_retry import store_call
 from stagediff.tensor_codec import WireError
@@ -77,7 +80,13 @@ class StageCalls:
         cache_namespace_key: bytes,
         batch_per_tenant: bool,
         keep_outputs_after_s: float = DEFAULT_AFTER_S,
+        gate: DitGate | None = None,
+        checkpoints: CheckpointPolicy | None = None,
+        step_times: StepTimes | None = None,
     ) -> None:
+        """`gate`: the DiT gate (None: calls go straight to the least busy replica, never preempted);
+        `checkpoints`: how often the DiT sends a job's state (None: never); `step_times`: where the DiT's step
+        times are recorded (for deadlines)."""
         self.stages = stages
         self.store = store
         self.metrics = metrics
@@ -87,6 +96,16 @@ class StageCalls:
         self.batch_per_tenant = batch_per_tenant
         # How long the job runs on past a finished stage before its output is written to the store.
         self.keep_outputs_after_s = keep_outputs_after_s
+        self.step_times = step_times if step_times is not None else StepTimes()
+        self.denoising = Denoising(
+            stages,
+            store,
+            gate,
+            checkpoints if checkpoints is not None else CheckpointPolicy(),
+            self.step_times,
+            keep_outputs_after_s,
+            self._dit_progress,
+        )
 
     async def keep_output(self, job: Job, stage: str, chunks: list[tensor_pb2.TensorChunk]) -> None:
         """Keeps a finished stage's output in the job, so that a retry resumes after it, and in the store once
@@ -187,55 +206,28 @@ class StageCalls:
         return tenant_cache_namespace(self.cache_namespace_key, job.tenant) if self.batch_per_tenant else b""
 
     async def denoise(self, job: Job, route: ModelRoute, conditioning: asyncio.Queue, emit: Emit) -> None:
-        request = job.request
-        stage = self.stages["dit"]
-
-        async def requests() -> AsyncIterator[stages_pb2.DenoiseRequest]:
-            yield stages_pb2.DenoiseRequest(
-                params=stages_pb2.DenoiseParams(
-                    model=request.model,
-                    height=request.height,
-                    width=request.width,
-                    num_frames=request.num_frames,
-                    num_inference_steps=request.num_inference_steps,
-                    guidance_scale=request.guidance_scale,
-                    embedded_guidance_scale=(
-                        request.embedded_guidance_scale if request.HasField("embedded_guidance_scale") else None
-                    ),
-                    seed=request.seed,
-                    fps=request.fps,
-                    cache=request.cache,
-                    loras=request.loras,
-                    batch_group=self.batch_group(job),
-                    image_roles=[ROLE_NAMES[image.role] for image in request.images],
-                    image_sizes=[
-                        image_pb2.ImageSize(width=image.width, height=image.height) for image in request.images
-                    ],
-                )
-            )
-            while (chunk := await conditioning.get()) is not END:
-                yield stages_pb2.DenoiseRequest(tensor=chunk)
-
+        """The DiT's Denoise, through the DiT gate (services/orchestrator/denoise_call.py): its latents go to
+        `emit`; progress and passes become the job's events and metrics."""
         job.current_stage = "dit"
         started = time.perf_counter()
-        async with stage.call(route.accepts("dit"), route.model) as replica:
-            async for response in replica.denoiser.Denoise(requests(), timeout=self.remaining(job)):
-                if response.HasField("progress"):
-                    progress = response.progress
-                    if self.metrics is not None:
-                        self.metrics.add_denoising_steps(job.tenant)
-                    await job.publish(
-                        generation_pb2.GenerateEvent(
-                            progress=generation_pb2.StageProgress(stage="dit", step=progress.step, total=progress.total)
-                        )
-                    )
-                elif response.HasField("passes"):
-                    job.transformer_passes.CopyFrom(response.passes)
-                    if self.metrics is not None:
-                        self.metrics.add_transformer_passes(job.tenant, request.cache.method, response.passes)
-                else:
-                    await emit(response.tensor)
+        await self.denoising.run(job, route, conditioning, emit, self.batch_group(job), lambda: self.remaining(job))
         job.timings["dit"] = time.perf_counter() - started
+
+    async def _dit_progress(self, job: Job, response: stages_pb2.DenoiseResponse) -> None:
+        request = job.request
+        if response.HasField("progress"):
+            progress = response.progress
+            if self.metrics is not None:
+                self.metrics.add_denoising_steps(job.tenant)
+            await job.publish(
+                generation_pb2.GenerateEvent(
+                    progress=generation_pb2.StageProgress(stage="dit", step=progress.step, total=progress.total)
+                )
+            )
+        elif response.HasField("passes"):
+            job.transformer_passes.CopyFrom(response.passes)
+            if self.metrics is not None:
+                self.metrics.add_transformer_passes(job.tenant, request.cache.method, response.passes)
 
     async def decode(
         self, job: Job, route: ModelRoute, latents: asyncio.Queue, emit: Emit, emit_audio: Emit | None = None

@@ -273,36 +273,42 @@ class Stage:
         return chosen
 
     @contextlib.asynccontextmanager
-    async def acquire(self, accepts: Accepts = accept_any, model: str = "") -> AsyncIterator[StageClient]:
-        """A replica for one call (one that `accepts` takes: one serving `model`), counted in flight until the
-        block ends.
+    async def acquire(
+        self, accepts: Accepts = accept_any, model: str = "", replica: StageClient | None = None
+    ) -> AsyncIterator[StageClient]:
+        """A replica for one call (one that `accepts` takes: one serving `model`; `replica` where it still serves,
+        the DiT gate's choice), counted in flight until the block ends.
 
         When no such replica is serving, waits up to `replica_wait_s` for one to come
         back (the job's own deadline still applies), then raises UNAVAILABLE.
         """
-        replica = self.pick(accepts) or await self._wait_for_replica(accepts, model)
-        replica.in_flight += 1
-        replica.calls += 1
+        chosen = replica if replica is not None and replica.serving else None
+        if chosen is None:
+            chosen = self.pick(accepts) or await self._wait_for_replica(accepts, model)
+        chosen.in_flight += 1
+        chosen.calls += 1
         try:
             with self.demand.calling(model):
-                yield replica
+                yield chosen
         finally:
-            replica.in_flight -= 1
+            chosen.in_flight -= 1
 
     @contextlib.asynccontextmanager
-    async def call(self, accepts: Accepts = accept_any, model: str = "") -> AsyncIterator[StageClient]:
+    async def call(
+        self, accepts: Accepts = accept_any, model: str = "", replica: StageClient | None = None
+    ) -> AsyncIterator[StageClient]:
         """`acquire`, and a failed call in the block raised as the StageError that `failed` makes of it."""
-        async with self.acquire(accepts, model) as replica:
+        async with self.acquire(accepts, model, replica) as chosen:
             timed = (
-                self.metrics.time_stage_call(self.name, replica.endpoint, model)
+                self.metrics.time_stage_call(self.name, chosen.endpoint, model)
                 if self.metrics is not None
                 else contextlib.nullcontext()
             )
             with timed:
                 try:
-                    yield replica
+                    yield chosen
                 except grpc.aio.AioRpcError as error:
-                    raise self.failed(replica, error) from None
+                    raise self.failed(chosen, error) from None
 
     def _scaled_to_zero(self) -> str:
         if not self.cold_start_s:

@@ -329,6 +329,10 @@ class JobStore(JobResults):
         """Replaces a running job's notices; blocking. False (nothing changed) if it finished or was claimed again."""
         return self._rows.set_notices(job_id, notices, self._claims.fence(job_id))
 
+    def count_preemption(self, job_id: str) -> bool:
+        """Counts one preemption of a running job; blocking. False if it finished or was claimed again."""
+        return self._rows.count_preemption(job_id, self._claims.fence(job_id))
+
     def load_intermediates(self, job_id: str) -> dict[str, list[tensor_pb2.TensorChunk]]:
         """{stage: the chunks it sent} of every saved stage, in the order they finished; blocking."""
         return {stage: self.files.load_stage(job_id, stage, file) for stage, file in self._rows.stage_files(job_id)}

@@ -16,7 +16,7 @@ from typing import Any
 from services.orchestrator.store.models import POSTGRES_TABLE as POSTGRES_MODELS_TABLE
 from services.orchestrator.store_errors import StoreError, StoreUnavailable
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -45,6 +45,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     lease_epoch BIGINT NOT NULL DEFAULT 0,  -- +1 per claim: fences a former owner's writes
     lease_until DOUBLE PRECISION,           -- the database's unix seconds the owner's lease lasts to
     notices TEXT NOT NULL DEFAULT '[]',     -- JSON [Notice] (services/orchestrator/notices.py)
+    preemptions INTEGER NOT NULL DEFAULT 0, -- times the job yielded its DiT slot to a higher class
     UNIQUE (tenant, request_id)
 );
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, seq);
@@ -77,8 +78,9 @@ CREATE TABLE IF NOT EXISTS results (
 """
 
 # What a database of an older version lacks, added to it (each statement a no-op on a newer one). Version 7
-# keeps each job's notices, version 8 a result's sound.
+# keeps each job's notices, version 8 a result's sound, version 9 each job's preemptions.
 MIGRATIONS = """
+ALTER TABLE jobs ADD COLUMN IF NOT EXISTS preemptions INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE jobs ADD COLUMN IF NOT EXISTS notices TEXT NOT NULL DEFAULT '[]';
 ALTER TABLE results ADD COLUMN IF NOT EXISTS audio_file TEXT;
 ALTER TABLE results ADD COLUMN IF NOT EXISTS audio_shape TEXT NOT NULL DEFAULT '[]';

@@ -58,6 +58,8 @@ class JobRecord:
     # The changes made to the request that its caller did not ask for (services/orchestrator/notices.py).
     notices: list[stages_pb2.Notice] = field(default_factory=list)
     seq: int = 0
+    # Times the job yielded its DiT slot to a job of a higher class.
+    preemptions: int = 0
 
     @classmethod
     def new(
@@ -135,4 +137,5 @@ def record_from_row(row: Row) -> JobRecord:
         passes_skipped=row["passes_skipped"],
         notices=job_notices.from_json(row["notices"]),
         seq=row["seq"],
+        preemptions=row["preemptions"],
     )

@@ -264,6 +264,17 @@ class JobRows:
             db.execute("UPDATE jobs SET notices = ? WHERE job_id = ?", (job_notices.to_json(notices), job_id))
             return True
 
+    def count_preemption(self, job_id: str, fence: Fence | None = None) -> bool:
+        """Adds one to the job's preemptions unless it finished meanwhile or `fence` no longer holds."""
+        with self.database.transaction() as db:
+            try:
+                if self._locked_state(db, job_id, fence) in TERMINAL_STATES:
+                    return False
+            except LeaseLost:
+                return False
+            db.execute("UPDATE jobs SET preemptions = preemptions + 1 WHERE job_id = ?", (job_id,))
+            return True
+
     def stage_files(self, job_id: str) -> list[tuple[str, str]]:
         """(stage, file) of every saved stage output, in the order the stages finished."""
         rows = self.database.fetchall(

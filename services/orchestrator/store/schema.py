@@ -15,7 +15,7 @@ from services.orchestrator.store.database import Database
 from services.orchestrator.store.models import SQLITE_TABLE as MODELS_TABLE
 from services.orchestrator.store_errors import StoreError
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 SCHEMA = """
 CREATE TABLE jobs (
@@ -43,6 +43,7 @@ CREATE TABLE jobs (
     lease_epoch INTEGER NOT NULL DEFAULT 0, -- +1 per claim: fences a former owner's writes
     lease_until REAL,                       -- until when the owner's lease lasts
     notices TEXT NOT NULL DEFAULT '[]',     -- JSON [Notice]: changes made to the request (orchestrator/notices.py)
+    preemptions INTEGER NOT NULL DEFAULT 0, -- times the job yielded its DiT slot to a higher class
     UNIQUE (tenant, request_id)
 );
 CREATE INDEX jobs_by_state ON jobs (state, seq);
@@ -128,6 +129,11 @@ ALTER TABLE results ADD COLUMN audio_shape TEXT NOT NULL DEFAULT '[]';
 ALTER TABLE results ADD COLUMN audio_rate INTEGER NOT NULL DEFAULT 0;
 """
 
+# Version 9 counts each job's preemptions (services/orchestrator/denoise_call.py); older jobs have none.
+MIGRATE_8_TO_9 = """
+ALTER TABLE jobs ADD COLUMN preemptions INTEGER NOT NULL DEFAULT 0;
+"""
+
 
 def migrate(database: Database, path: Path, size_of: Callable[[str, str], int]) -> None:
     """Brings the database at `path` to SCHEMA_VERSION. `size_of(job_id, file)`: a job file's size, 0 if absent."""
@@ -156,6 +162,8 @@ def migrate(database: Database, path: Path, size_of: Callable[[str, str], int]) 
             _run_script(db, MIGRATE_6_TO_7)
         if version in (1, 2, 3, 4, 5, 6, 7):
             _run_script(db, MIGRATE_7_TO_8)
+        if version in (1, 2, 3, 4, 5, 6, 7, 8):
+            _run_script(db, MIGRATE_8_TO_9)
         if version != SCHEMA_VERSION:
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         _run_script(db, MODELS_TABLE)  # additive, whatever the version (store/models.py)

@@ -1,0 +1,225 @@
+"""Scheduling at the step through running clusters: a job preempted twice (resumed once on the other DiT replica),
+a job handed off by a draining DiT, and a request that joins a running continuous batch each give the frames of
+their runs alone, to the byte.
+
+The preemption cluster has two DiT replicas (one slot each) and tenants of three classes. The policy itself (who
+yields, the bounds, the off switches) is proven by tests/unit/test_preemption_policy.py; the state round trip of
+each scheduler by the step-scheduling feature mixin. The tests assert on outcomes and on the job's events, never
+on time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from services.orchestrator.tenants import hash_api_key, new_api_key
+from stagediff.client import AsyncClient, Client, GenerationResult, Paused, Progress, Resumed
+from stagediff.local.supervisor import LocalCluster
+from tests.helpers.serving import THREADS_PER_STAGE
+
+pytestmark = pytest.mark.e2e
+
+# Tens of milliseconds a step: seconds of denoising for the long jobs, a few steps' time for a round trip.
+SHAPE = dict(height=256, width=256, num_frames=9, guidance_scale=5.0)
+LONG = dict(SHAPE, num_inference_steps=100)
+SHORT = dict(SHAPE, num_inference_steps=6)
+TENANTS = {"bulk": "low", "standard": "normal", "vip": "high"}
+WAIT_S = 120.0
+
+
+def _tenants_file(directory: Path, keys: dict[str, str]) -> Path:
+    path = directory / "tenants.yaml"
+    tenants = [
+        {"name": name, "api_keys": [hash_api_key(keys[name])], "priority": priority}
+        for name, priority in TENANTS.items()
+    ]
+    path.write_text(yaml.safe_dump({"tenants": tenants}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_dits(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    keys = {name: new_api_key() for name in TENANTS}
+    tenants_file = _tenants_file(tmp_path_factory.mktemp("tenants"), keys)
+    log_dir = tmp_path_factory.mktemp("step-scheduling-logs")
+    cluster = LocalCluster(
+        tiny_model,
+        threads_per_stage=THREADS_PER_STAGE,
+        log_dir=log_dir,
+        replicas={"dit": 2},
+        extra_args={
+            "orchestrator": ["--tenants", str(tenants_file), "--max-running-jobs", "8"],
+            "dit": ["--drain-grace", "30"],
+        },
+    )
+    cluster.start(timeout=300)
+    try:
+        yield cluster, keys, log_dir
+    finally:
+        cluster.stop()
+
+
+class Watched:
+    """A job followed through its events: its DiT steps, pauses and resumes, and its result."""
+
+    def __init__(self) -> None:
+        self.job_id = ""
+        self.steps: list[int] = []
+        self.step_times: list[float] = []  # when each DiT step was reported (the loop's clock)
+        self.paused: list[Paused] = []
+        self.resumed: list[Resumed] = []
+        self.result: GenerationResult | None = None
+        self.changed = asyncio.Event()
+
+    async def follow(self, endpoint: str, key: str, prompt: str, arguments: dict) -> GenerationResult:
+        async with AsyncClient(endpoint, api_key=key) as client:
+            async for event in client.stream(prompt, **arguments):
+                self.job_id = self.job_id or getattr(event, "job_id", "")
+                if isinstance(event, Progress) and event.stage == "dit":
+                    self.steps.append(event.step)
+                    self.step_times.append(asyncio.get_running_loop().time())
+                elif isinstance(event, Paused):
+                    self.paused.append(event)
+                elif isinstance(event, Resumed):
+                    self.resumed.append(event)
+                elif isinstance(event, GenerationResult):
+                    self.result = event
+                self.changed.set()
+                if self.result is not None:
+                    return self.result
+        raise AssertionError("the stream ended without a result")
+
+    async def until(self, condition, what: str) -> None:
+        async def wait() -> None:
+            while not condition():
+                self.changed.clear()
+                await self.changed.wait()
+
+        try:
+            await asyncio.wait_for(wait(), WAIT_S)
+        except TimeoutError:
+            raise AssertionError(f"job {self.job_id}: {what} did not happen; steps {self.steps[-5:]}") from None
+
+
+def _alone(endpoint: str, key: str, prompt: str, arguments: dict) -> np.ndarray:
+    with Client(endpoint, api_key=key) as client:
+        return client.generate(prompt, **arguments).frames
+
+
+def _dit_endpoints_of(log_dir: Path, job_id: str) -> list[str]:
+    """The DiT replicas the orchestrator sent the job's Denoise calls to, in order (its log says each)."""
+    log = (log_dir / "orchestrator.log").read_text()
+    return re.findall(rf"job {job_id}: denoising on (\S+) from step", log)
+
+
+def test_a_job_preempted_twice_and_resumed_on_the_other_replica_keeps_its_frames(two_dits) -> None:
+    cluster, keys, log_dir = two_dits
+    endpoint = cluster.endpoint
+    low = dict(LONG, seed=11)
+    reference = _alone(endpoint, keys["bulk"], "a red circle moves right", low)
+
+    async def scenario() -> tuple[Watched, list[Watched]]:
+        victim, first, second, high = Watched(), Watched(), Watched(), Watched()
+        tasks = [asyncio.create_task(victim.follow(endpoint, keys["bulk"], "a red circle moves right", low))]
+        await victim.until(lambda: len(victim.steps) >= 3, "the low job's first steps")
+        # A normal job takes the other replica; a second one finds both busy and the low job yields to it.
+        tasks.append(
+            asyncio.create_task(first.follow(endpoint, keys["standard"], "a blue square", dict(LONG, seed=12)))
+        )
+        await first.until(lambda: len(first.steps) >= 1, "the first normal job's first step")
+        tasks.append(asyncio.create_task(second.follow(endpoint, keys["standard"], "a triangle", dict(LONG, seed=13))))
+        await victim.until(lambda: len(victim.paused) == 1, "the first preemption")
+        # The first normal job ends first: the low job resumes on its replica, then yields again to a high job.
+        await victim.until(lambda: len(victim.resumed) == 1 and len(victim.steps) > victim.paused[0].step + 2, "resume")
+        tasks.append(asyncio.create_task(high.follow(endpoint, keys["vip"], "a green star", dict(SHORT, seed=14))))
+        await asyncio.gather(*tasks)
+        return victim, [first, second, high]
+
+    victim, others = asyncio.run(scenario())
+    assert victim.result is not None
+    assert [pause.reason for pause in victim.paused] == ["preempted", "preempted"]
+    assert [pause.preemptions for pause in victim.paused] == [1, 2]
+    # It resumed where it paused: each step ran once.
+    assert [resume.step for resume in victim.resumed] == [pause.step for pause in victim.paused]
+    assert sorted(victim.steps) == list(range(1, LONG["num_inference_steps"] + 1))
+    calls = _dit_endpoints_of(log_dir, victim.job_id)
+    print(f"the low job's calls: {calls}; paused at {[p.step for p in victim.paused]}")
+    assert len(calls) == 3 and calls[1] != calls[0], f"resumed on the replica it left: {calls}"
+    np.testing.assert_array_equal(victim.result.frames, reference)
+    with Client(endpoint, api_key=keys["bulk"]) as client:
+        assert client.get_job(victim.job_id).preemptions == 2
+    assert all(other.result is not None and not other.paused for other in others)
+
+
+def test_a_draining_dit_hands_its_job_off_without_repeating_steps(two_dits) -> None:
+    cluster, keys, log_dir = two_dits
+    endpoint = cluster.endpoint
+    request = dict(LONG, seed=21)
+    reference = _alone(endpoint, keys["bulk"], "a yellow circle", request)
+
+    async def scenario() -> Watched:
+        job = Watched()
+        task = asyncio.create_task(job.follow(endpoint, keys["bulk"], "a yellow circle", request))
+        await job.until(lambda: len(job.steps) >= 5, "the job's first steps")
+        running_on = _dit_endpoints_of(log_dir, job.job_id)[-1]
+        name = next(name for name, service in cluster.services.items() if service.endpoint == running_on)
+        cluster.kill(name, signal.SIGTERM)
+        await task
+        return job
+
+    job = asyncio.run(scenario())
+    assert [pause.reason for pause in job.paused] == ["handoff"]
+    assert job.result is not None
+    np.testing.assert_array_equal(job.result.frames, reference)
+    # The DiTs' step counter: every step once, at most one run again.
+    total = LONG["num_inference_steps"]
+    assert set(job.steps) == set(range(1, total + 1)) and len(job.steps) <= total + 1, job.steps
+    calls = _dit_endpoints_of(log_dir, job.job_id)
+    assert len(calls) == 2 and calls[0] != calls[1]
+
+
+@pytest.fixture(scope="module")
+def continuous(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    cluster = LocalCluster(
+        tiny_model,
+        threads_per_stage=THREADS_PER_STAGE,
+        log_dir=tmp_path_factory.mktemp("continuous-logs"),
+        extra_args={"dit": ["--max-batch-size", "2", "--continuous-batching"]},
+    )
+    cluster.start(timeout=300)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_a_request_joins_a_running_continuous_batch_and_keeps_its_frames(continuous) -> None:
+    endpoint = continuous.endpoint
+    first_request = dict(SHAPE, num_inference_steps=30, seed=31)
+    joining_request = dict(SHAPE, num_inference_steps=12, seed=32, guidance_scale=4.0)
+    first_alone = _alone(endpoint, "", "a red circle", first_request)
+    joining_alone = _alone(endpoint, "", "a blue square", joining_request)
+
+    async def scenario() -> tuple[Watched, Watched]:
+        first, joining = Watched(), Watched()
+        task = asyncio.create_task(first.follow(endpoint, "", "a red circle", first_request))
+        await first.until(lambda: len(first.steps) >= 7, "the first request's seventh step")
+        await joining.follow(endpoint, "", "a blue square", joining_request)
+        await task
+        return first, joining
+
+    first, joining = asyncio.run(scenario())
+    # It joined the running batch: all of its steps ran before the first request's last one.
+    assert joining.steps == list(range(1, 13))
+    assert joining.step_times[-1] < first.step_times[-1]
+    assert first.steps[-1] == 30 and len(first.steps) == 30
+    assert first.result is not None and joining.result is not None
+    np.testing.assert_array_equal(first.result.frames, first_alone)
+    np.testing.assert_array_equal(joining.result.frames, joining_alone)
