@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.orchestrator.discovery import StageSources
+from services.orchestrator.preemption import CheckpointPolicy, PreemptionPolicy
 from services.orchestrator.sizes import MinFree
 from services.orchestrator.stage_clients import STAGE_ORDER
 from services.orchestrator.store_location import (
@@ -37,6 +38,13 @@ _LEAST = (
     ("max_kept_jobs", "--max-kept-jobs", 1),
     ("max_job_attempts", "--max-job-attempts", 1),
     ("adapters_per_minute", "--adapters-per-minute", 0),
+)
+# The step-scheduling flags, each with the policy field it sets and the least value it allows.
+_STEP_LEAST = (
+    ("max_preemptions", "--max-preemptions", 0),
+    ("preemption_protect_steps", "--preemption-protect-steps", 0),
+    ("checkpoint_every", "--checkpoint-every", 0),
+    ("checkpoint_min_steps", "--checkpoint-min-steps", 0),
 )
 MAX_DETACH_GRACE_S = 3600
 MAX_COLD_START_S = 24 * 3600  # a day: a pool that takes longer to start is not starting
@@ -84,6 +92,10 @@ class OrchestratorConfig:
     adapters_per_minute: int
     # --[no-]batch-per-tenant; None: on with a tenants file, off without (options.batch_per_tenant).
     batch_per_tenant: bool | None
+    # Who yields a DiT slot to a waiting job (--preemption, --max-preemptions, --preemption-protect-steps).
+    preemption: PreemptionPolicy = PreemptionPolicy()
+    # How often a running job's denoising state is saved (--checkpoint-every, --checkpoint-min-steps).
+    checkpoint: CheckpointPolicy = CheckpointPolicy()
 
     def __post_init__(self) -> None:
         for name, flag, least in _LEAST:
@@ -126,6 +138,10 @@ class OrchestratorConfig:
             raise ValueError("--store-password-file: only with --store postgresql://...")
         if args.blobs_endpoint and not args.blobs:
             raise ValueError("--blobs-endpoint: only with --blobs s3://...")
+        for name, flag, least in _STEP_LEAST:
+            value = getattr(args, name)
+            if value < least:
+                raise ValueError(f"{flag} {value}: use {least} or more")
         return cls(
             server=ServerConfig.from_options(args),
             stage_endpoints={stage: value for stage, value in endpoints.items() if value is not None},
@@ -156,4 +172,10 @@ class OrchestratorConfig:
             max_job_attempts=args.max_job_attempts,
             adapters_per_minute=args.adapters_per_minute,
             batch_per_tenant=args.batch_per_tenant,
+            preemption=PreemptionPolicy(
+                enabled=args.preemption == "on",
+                max_preemptions=args.max_preemptions,
+                protect_last_steps=args.preemption_protect_steps,
+            ),
+            checkpoint=CheckpointPolicy(every=args.checkpoint_every, min_steps=args.checkpoint_min_steps),
         )

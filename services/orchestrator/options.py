@@ -18,6 +18,12 @@ from services.orchestrator.adapter_rate import DEFAULT_ADAPTERS_PER_MINUTE
 from services.orchestrator.blobs.s3 import CHECKSUM_MODES
 from services.orchestrator.kept_outputs import DEFAULT_AFTER_S as KEEP_OUTPUTS_AFTER_S
 from services.orchestrator.membership import LEADER_LEASE_S
+from services.orchestrator.preemption import (
+    DEFAULT_CHECKPOINT_EVERY,
+    DEFAULT_CHECKPOINT_MIN_STEPS,
+    DEFAULT_MAX_PREEMPTIONS,
+    DEFAULT_PROTECT_LAST_STEPS,
+)
 from services.orchestrator.sizes import MinFree, parse_size
 from services.orchestrator.stage_clients import PROBE_INTERVAL_S, REPLICA_WAIT_S
 from services.orchestrator.store.jobstore import DEFAULT_LEASE_TTL_S
@@ -236,6 +242,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="let the DiT batch a request only with the same tenant's, so that no tenant shares a batch (or its "
         "timing) with another (default: on with --tenants, off without)",
     )
+    add_step_scheduling_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
     add_logging_arguments(parser)
     add_metrics_arguments(parser)
@@ -247,6 +254,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start anyway without a cluster secret, or with --tenants on a non-loopback --host without TLS "
         "(default: refuse)",
+    )
+
+
+def add_step_scheduling_arguments(parser: argparse.ArgumentParser) -> None:
+    """Preemption at the DiT gate and checkpoints of denoising state (services/orchestrator/preemption.py)."""
+    group = parser.add_argument_group("step scheduling", "jobs waiting for a DiT slot, and the DiT's running ones")
+    group.add_argument(
+        "--preemption",
+        choices=("on", "off"),
+        default="on",
+        help="let a waiting job of a higher priority class take the DiT slot of a running job of a lower one, which "
+        "yields at a step boundary and continues later from the same step (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-preemptions",
+        type=int,
+        default=DEFAULT_MAX_PREEMPTIONS,
+        metavar="N",
+        help="times one job may be made to yield (0: never; default: %(default)s)",
+    )
+    group.add_argument(
+        "--preemption-protect-steps",
+        type=int,
+        default=DEFAULT_PROTECT_LAST_STEPS,
+        metavar="N",
+        help="a job with at most this many denoising steps left is never made to yield (default: %(default)s)",
+    )
+    group.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=DEFAULT_CHECKPOINT_EVERY,
+        metavar="K",
+        help="save a running job's denoising state every K steps, so that another DiT replica continues it if its "
+        "own fails (0: off, the job starts its DiT stage again; default: %(default)s)",
+    )
+    group.add_argument(
+        "--checkpoint-min-steps",
+        type=int,
+        default=DEFAULT_CHECKPOINT_MIN_STEPS,
+        metavar="M",
+        help="with --checkpoint-every: jobs of fewer steps are not checkpointed, as running them again costs less "
+        "(default: %(default)s)",
     )
 
 

@@ -25,7 +25,13 @@ from services.orchestrator.tenants.keys import (
     new_api_key,
 )
 from services.orchestrator.tenants.rate_limit import Clock, RateLimiter
-from services.orchestrator.tenants.registry import SizedRequest, TenantRegistry, output_frames, visible_models
+from services.orchestrator.tenants.registry import (
+    SizedRequest,
+    TenantRegistry,
+    TenantScheduling,
+    output_frames,
+    visible_models,
+)
 from services.orchestrator.tenants.schema import (
     DEFAULT_MAX_OUTPUT_FRAMES,
     DEFAULT_MAX_OUTPUT_PIXELS,
@@ -72,6 +78,7 @@ __all__ = [
     "TenantConfigError",
     "TenantError",
     "TenantRegistry",
+    "TenantScheduling",
     "bearer_token",
     "hash_api_key",
     "main",

@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from services.orchestrator.tenants.errors import AuthenticationError, LimitExceeded, ModelNotAllowed, RateLimited
 from services.orchestrator.tenants.keys import bearer_token, hash_api_key
 from services.orchestrator.tenants.rate_limit import Clock, RateLimiter
-from services.orchestrator.tenants.schema import DEFAULT_TENANT_NAME, Tenant, parse_tenants, read_tenants_file
+from services.orchestrator.tenants.schema import (
+    DEFAULT_TENANT_NAME,
+    PriorityClass,
+    Tenant,
+    parse_tenants,
+    read_tenants_file,
+)
 
 
 class SizedRequest(Protocol):
@@ -30,6 +37,16 @@ class SizedRequest(Protocol):
     num_frames: int
     num_inference_steps: int
     interpolation: Any  # InterpolationParams: enable, exp
+
+
+@dataclass(frozen=True)
+class TenantScheduling:
+    """What scheduling reads of a tenant: its priority class, its weight inside the class, and whether its jobs may
+    yield their DiT slot to a waiting job of a higher class (services/orchestrator/preemption.py)."""
+
+    priority: PriorityClass = PriorityClass.NORMAL
+    weight: float = 1.0
+    preemptible: bool = True
 
 
 def visible_models(tenant: Tenant, models: Iterable[str]) -> list[str]:
@@ -79,6 +96,14 @@ class TenantRegistry:
     @property
     def is_open(self) -> bool:
         return self.open_tenant is not None
+
+    def scheduling(self, name: str) -> TenantScheduling:
+        """The scheduling properties of the tenant named `name`; a name the registry does not know (the tenant of a
+        job recovered after it left the file) has the defaults: normal class, weight 1, preemptible."""
+        tenant = self.tenants.get(name)
+        if tenant is None:
+            return TenantScheduling()
+        return TenantScheduling(tenant.priority, tenant.weight, tenant.preemptible)
 
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Tenant:
         """The tenant whose key the call presents; raises AuthenticationError (never repeating the key)."""

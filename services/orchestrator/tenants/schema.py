@@ -126,8 +126,8 @@ TENANT_WIDE_QUOTAS = (
 
 
 class Tenant(BaseModel):
-    """One tenant: its name, the hashes of its API keys, its priority class, weight and quotas, and the models it
-    may use with their own quotas."""
+    """One tenant: its name, the hashes of its API keys, its priority class, weight, whether its jobs may be
+    preempted, its quotas, and the models it may use with their own quotas."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -135,6 +135,9 @@ class Tenant(BaseModel):
     api_keys: tuple[str, ...] = ()
     priority: PriorityClass = PriorityClass.NORMAL
     weight: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
+    # False: its jobs never yield their DiT slot to a waiting job of a higher class (services/orchestrator/
+    # preemption.py); they still wait for slots like any other.
+    preemptible: bool = True
     quotas: Quotas = Quotas()
     # An operator's tenant: may read the cluster's internals (GetClusterInfo: endpoints, devices, weights,
     # every tenant's load). The open tenant of a cluster without a tenants file is one too.
