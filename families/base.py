@@ -57,6 +57,7 @@ FEATURES = {
     "mag_cache": "MagCache (`cache.method mag`)",
     "teacache": "TeaCache (`cache.method teacache`)",
     "batching": "Request batching (`--max-batch-size`)",
+    "step_scheduling": "Step-level scheduling (preemption, handoff, `--continuous-batching`)",
     "lora": "LoRA adapters per request (`--lora-dir`, `loras`)",
     "lora_fused": "LoRA adapters fused at startup (`--lora`)",
 }

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from families.qwen_image.family import QWEN_IMAGE
 from families.qwen_image.parallel import parallelize
 from stagekit.denoise import DenoiseSpec, guidance_predictions, stop_if_cancelled
+from stagekit.denoise_steps import DenoiseRun, DenoiseState, request_digest, run_to_end
 from stagekit.model_options import TransformerOptions
 from stagekit.parallel import ParallelConfig
 from stagekit.parallel.load import load_parallel_transformer
@@ -67,8 +69,49 @@ class QwenTextEmbeds:
         return QwenTextEmbeds(self.embeds.to(device, dtype), mask)
 
 
+def padded_texts(texts: list[QwenTextEmbeds]) -> QwenTextEmbeds:
+    """Several runs' texts as one batch: padded with zeros to the longest, each with its mask (ones where it has
+    none), the padding masked out; texts of one length and no mask stay as they are."""
+    length = max(text.embeds.shape[1] for text in texts)
+    if all(text.mask is None and text.embeds.shape[1] == length for text in texts):
+        return QwenTextEmbeds(torch.cat([text.embeds for text in texts]), None)
+    embeds, masks = [], []
+    for text in texts:
+        pad = length - text.embeds.shape[1]
+        embeds.append(torch.nn.functional.pad(text.embeds, (0, 0, 0, pad)))
+        mask = text.mask if text.mask is not None else torch.ones(text.embeds.shape[:2], dtype=torch.long)
+        masks.append(torch.nn.functional.pad(mask.to(text.embeds.device, torch.long), (0, pad)))
+    return QwenTextEmbeds(torch.cat(embeds), torch.cat(masks))
+
+
+def true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scales: list[float]) -> torch.Tensor:
+    """QwenImagePipeline's true CFG row by row, each with its request's scale as a Python number: the combined
+    prediction rescaled to the norm of the conditional one, per token."""
+    rows = []
+    for row, scale in enumerate(scales):
+        positive = cond[row : row + 1] if len(scales) > 1 else cond
+        negative = uncond[row : row + 1] if len(scales) > 1 else uncond
+        combined = negative + scale * (positive - negative)
+        cond_norm = torch.norm(positive, dim=-1, keepdim=True)
+        noise_norm = torch.norm(combined, dim=-1, keepdim=True)
+        rows.append(combined * (cond_norm / noise_norm))
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
+@dataclass
+class QwenImageRun(DenoiseRun):
+    """A Qwen-Image request being denoised step by step: its texts on the device and its latent grid."""
+
+    prompt: QwenTextEmbeds | None = None
+    negative: QwenTextEmbeds | None = None
+    img_shapes: list = field(default_factory=list)
+
+
 class QwenImageDenoiser:
-    """The denoising loop on one rank; with a parallel layout, every rank of the group runs it in step."""
+    """The denoising loop on one rank; with a parallel layout, every rank of the group runs it in step. Its loop is
+    written as steps (stagekit/denoise_steps.py), so the DiT stage may yield, resume and batch it at the step."""
+
+    runs_steps: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -141,24 +184,18 @@ class QwenImageDenoiser:
                 return_dict=False,
             )[0]
 
-    @torch.no_grad()
-    def denoise(
-        self,
-        spec: DenoiseSpec,
-        conditioning: dict[str, torch.Tensor],
-        on_step: Callable[[int, int], None],
-        cancelled: Callable[[], bool],
-    ) -> torch.Tensor:
-        """Runs every step and returns the latents unpacked to [1, C, 1, h, w]; on_step(step, total) after each.
+    def begin(
+        self, spec: DenoiseSpec, conditioning: dict[str, torch.Tensor], state: DenoiseState | None = None
+    ) -> QwenImageRun:
+        """A run of the request at step 0 (the seed's packed noise, the shifted schedule), or continued from `state`.
 
         `conditioning`: "prompt_embeds" [1, L, dim] with, optionally, "prompt_embeds_mask" [1, L]; with
         guidance_scale > 1 also "negative_prompt_embeds" (and its mask).
         """
         dtype = self.transformer.dtype
         prompt = QwenTextEmbeds.from_conditioning(conditioning, "prompt_embeds").to(self.device, dtype)
-        do_true_cfg = spec.do_classifier_free_guidance
         negative = None
-        if do_true_cfg:
+        if spec.do_classifier_free_guidance:
             if conditioning.get("negative_prompt_embeds") is None:
                 raise ValueError("negative_prompt_embeds are required when guidance_scale (true_cfg_scale) > 1")
             negative = QwenTextEmbeds.from_conditioning(conditioning, "negative_prompt_embeds").to(self.device, dtype)
@@ -178,19 +215,61 @@ class QwenImageDenoiser:
         )
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
         scheduler.set_begin_index(0)
+        run = QwenImageRun(
+            spec=spec,
+            latents=latents,
+            scheduler=scheduler,
+            timesteps=timesteps,
+            digest=request_digest(spec, conditioning, type(scheduler).__name__),
+            prompt=prompt,
+            negative=negative,
+            img_shapes=img_shapes,
+        )
+        if state is not None:
+            run.restore(state)
+        return run
 
-        for i, t in enumerate(timesteps):
-            stop_if_cancelled(cancelled, self.parallel, self.device)
-            timestep = t.expand(latents.shape[0]).to(latents.dtype)
-            predict = partial(self._predict, latents, timestep, img_shapes)
-            if not do_true_cfg:
-                noise_pred = predict(prompt, "cond")
-            else:
-                noise_pred, neg_noise_pred = guidance_predictions(predict, prompt, negative, self.cfg_group)
-                comb_pred = neg_noise_pred + spec.guidance_scale * (noise_pred - neg_noise_pred)
-                cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
-                noise_norm = torch.norm(comb_pred, dim=-1, keepdim=True)
-                noise_pred = comb_pred * (cond_norm / noise_norm)
-            latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-            on_step(i + 1, len(timesteps))
+    def step(self, runs: list[QwenImageRun]) -> None:  # type: ignore[override]
+        """One step of each run: one transformer pass per guidance branch for all of them, each row at its own
+        timestep with its own texts (padded to the longest, with masks); each run's scheduler steps its own row.
+        One run alone computes what QwenImagePipeline's loop computes for that step."""
+        ts = [run.timesteps[run.step_index] for run in runs]
+        if len(runs) == 1:
+            latents = runs[0].latents
+            timestep = ts[0].expand(latents.shape[0]).to(latents.dtype)
+            prompt, negative, img_shapes = runs[0].prompt, runs[0].negative, runs[0].img_shapes
+        else:
+            latents = torch.cat([run.latents for run in runs])
+            timestep = torch.stack(ts).to(latents.dtype)
+            prompt = padded_texts([run.prompt for run in runs])  # type: ignore[misc]
+            negative = None
+            if runs[0].spec.do_classifier_free_guidance:
+                negative = padded_texts([run.negative for run in runs])  # type: ignore[misc]
+            img_shapes = [shape for run in runs for shape in run.img_shapes]
+        predict = partial(self._predict, latents, timestep, img_shapes)
+        if not runs[0].spec.do_classifier_free_guidance:
+            noise_pred = predict(prompt, "cond")
+        else:
+            noise_cond, noise_uncond = guidance_predictions(predict, prompt, negative, self.cfg_group)
+            noise_pred = true_cfg(noise_cond, noise_uncond, [run.spec.guidance_scale for run in runs])
+        for row, (run, t) in enumerate(zip(runs, ts, strict=True)):
+            prediction = noise_pred if len(runs) == 1 else noise_pred[row : row + 1]
+            run.latents = run.scheduler.step(prediction, t, run.latents, return_dict=False)[0]
+            run.step_index += 1
+
+    @torch.no_grad()
+    def denoise(
+        self,
+        spec: DenoiseSpec,
+        conditioning: dict[str, torch.Tensor],
+        on_step: Callable[[int, int], None],
+        cancelled: Callable[[], bool],
+    ) -> torch.Tensor:
+        """Runs every step and returns the latents unpacked to [1, C, 1, h, w]; on_step(step, total) after each.
+
+        `conditioning`: "prompt_embeds" [1, L, dim] with, optionally, "prompt_embeds_mask" [1, L]; with
+        guidance_scale > 1 also "negative_prompt_embeds" (and its mask).
+        """
+        run = self.begin(spec, conditioning)
+        latents = run_to_end(self, run, on_step, lambda run: stop_if_cancelled(cancelled, self.parallel, self.device))
         return QwenImagePipeline._unpack_latents(latents, spec.height, spec.width, self.vae_scale_factor)

@@ -94,6 +94,7 @@ QWEN_IMAGE = Family(
         "teacache": Support(
             reason="TeaCache's rescaling polynomials are published for Wan2.1 only; none is fitted to Qwen-Image"
         ),
+        "step_scheduling": Support(tests=(_FEATURE_CLASSES + "StepScheduling",)),
         "batching": Support(
             reason="not built yet: each text has its own length and mask, which a batch would have to pad and "
             "check against QwenImagePipeline"

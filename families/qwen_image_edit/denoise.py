@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -34,7 +35,10 @@ from stagekit.parallel.mesh import refuse_unsupported_methods
 
 class QwenImageEditDenoiser(QwenImageDenoiser):
     """Qwen-Image's denoiser with the input images' latents in the sequence; one request at a time (the DiT
-    stage's compute thread), so the request's image latents are held for the duration of `denoise`."""
+    stage's compute thread), so the request's image latents are held for the duration of `denoise`; its runs
+    are not scheduled by the step (`runs_steps` False)."""
+
+    runs_steps: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -116,6 +116,7 @@ _WAN_TESTS = {
         "tests/e2e/test_e2e_lora.py::test_cluster_adapters_equal_diffusers_frames",
         "tests/e2e/test_demo_model_cluster.py::test_demo_adapter_swaps_a_colour_for_its_tenant_only",
     ),
+    "step_scheduling": (_T2V_CLASSES + "StepScheduling",),
     "lora_fused": (
         _LORA + "test_fused_adapter_equals_the_adapter_per_request",
         "tests/e2e/test_e2e_lora.py::test_fused_adapter_is_served_as_its_own_model",
@@ -202,6 +203,7 @@ WAN22_A14B = Family(
         ),
         "teacache": Support(tests=_TWO_EXPERTS_CACHE),
         "batching": Support(tests=(_FEATURE_CLASSES + "Batching",)),
+        "step_scheduling": Support(tests=(_FEATURE_CLASSES + "StepScheduling",)),
         "lora": _A14B_LORA,
         "lora_fused": _A14B_LORA,
     },

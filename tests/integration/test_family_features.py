@@ -30,6 +30,7 @@ from tests.helpers.feature_mixins import (
     QwenImageEditTesterConfig,
     QwenImageTesterConfig,
     StepCacheTesterMixin,
+    StepSchedulingTesterMixin,
     WanA14BTesterConfig,
     WanI2VA14BTesterConfig,
     WanI2VTesterConfig,
@@ -76,6 +77,14 @@ class TestWanT2VCompile(WanT2VTesterConfig, CompileTesterMixin):
 
 
 class TestWanT2VLoRA(WanT2VTesterConfig, LoRATesterMixin):
+    pass
+
+
+class TestWanT2VStepScheduling(WanT2VTesterConfig, StepSchedulingTesterMixin):
+    pass
+
+
+class TestWanA14BStepScheduling(WanA14BTesterConfig, StepSchedulingTesterMixin):
     pass
 
 
@@ -200,6 +209,10 @@ class TestQwenImageCompile(QwenImageTesterConfig, CompileTesterMixin):
 
 
 class TestQwenImageLoRA(QwenImageTesterConfig, LoRATesterMixin):
+    pass
+
+
+class TestQwenImageStepScheduling(QwenImageTesterConfig, StepSchedulingTesterMixin):
     pass
 
 

@@ -273,6 +273,19 @@ def test_each_registered_part_follows_its_protocol(family: Family, part: str) ->
     assert problems == [], f"{family.name} {part} ({PART_PROTOCOLS[part].__name__}):\n" + "\n".join(problems)
 
 
+@pytest.mark.parametrize("family", list(FAMILIES.values()), ids=list(FAMILIES))
+def test_a_denoiser_runs_steps_exactly_where_its_family_declares_step_scheduling(family: Family) -> None:
+    """A denoiser class that says its loop is written as steps (`runs_steps = True`, stagekit/denoise_steps.py)
+    has `begin` and `step`, and its family's step_scheduling cell is supported; a family that declares the
+    feature has such a denoiser."""
+    denoiser = family.load("denoiser")
+    steps = getattr(denoiser, "runs_steps", False) is True
+    if steps:
+        assert callable(getattr(denoiser, "begin", None)) and callable(getattr(denoiser, "step", None)), family.name
+    supported = family.support("step_scheduling").supported
+    assert steps == supported, f"{family.name}: runs_steps {steps}, step_scheduling supported {supported}"
+
+
 def test_every_family_taking_images_on_the_vae_names_its_image_encoder() -> None:
     missing = [
         family.name for family in FAMILIES.values() if "vae" in family.images.encoded_by and not family.image_encoder

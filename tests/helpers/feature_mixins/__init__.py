@@ -56,6 +56,7 @@ from tests.helpers.feature_mixins.module_offload import ModuleOffloadTesterMixin
 from tests.helpers.feature_mixins.parallel_layouts import ParallelLayoutsTesterMixin
 from tests.helpers.feature_mixins.quantization import QuantizationTesterMixin
 from tests.helpers.feature_mixins.step_cache import StepCacheTesterMixin
+from tests.helpers.feature_mixins.step_scheduling import StepSchedulingTesterMixin
 
 # Every family's tester config: configs.py's, then those kept in modules of their own.
 TESTER_CONFIGS: tuple[type[FamilyTesterConfig], ...] = (
@@ -90,6 +91,7 @@ FEATURE_MIXINS: dict[str, type] = {
     "mag_cache": StepCacheTesterMixin,
     "teacache": StepCacheTesterMixin,
     "lora": LoRATesterMixin,
+    "step_scheduling": StepSchedulingTesterMixin,
 }
 
 __all__ = [
@@ -118,6 +120,7 @@ __all__ = [
     "QwenImageTesterConfig",
     "Reference",
     "StepCacheTesterMixin",
+    "StepSchedulingTesterMixin",
     "WanA14BTesterConfig",
     "WanI2VA14BTesterConfig",
     "WanI2VTesterConfig",

@@ -98,6 +98,13 @@ class FamilyTesterConfig:
     batch_layouts: ClassVar[list[tuple[str, ParallelConfig]]] = []
     """The layouts on two ranks batches run under, rank 0 alone seeing a member leave (one spawn for every config,
     tests/integration/test_batching.py)."""
+    step_scheduling_specs: ClassVar[tuple[DenoiseSpec, DenoiseSpec]]
+    """The two requests the step scheduling checks run (one latent shape, the same guidance branches): the first
+    is exported and resumed at every step boundary; the second, with another seed, guidance scale and step count,
+    joins the first's continuous batch."""
+    step_scheduling_schedulers: ClassVar[dict[str, dict[str, Any]]] = {}
+    """Further schedulers (class name: scheduler config) the exported states must resume exactly with, each on a
+    copy of the checkpoint with that scheduler."""
     compile_specs: ClassVar[tuple[DenoiseSpec, ...]] = ()
     """The requests the compile check runs eagerly, then compiled (their conditioning: `compile_conditioning`):
     the first two bring every variant of structure dynamo compiles, the others only new sizes and text lengths."""
@@ -124,6 +131,10 @@ class FamilyTesterConfig:
         more than the video's latents returns all of it (LTX-2 its audio latents too), so a feature that breaks any
         of it fails its check."""
         return denoiser.denoise(spec, conditioning, on_step=lambda step, total: None, cancelled=lambda: False)
+
+    def run_latents(self, denoiser: Any, run: Any) -> torch.Tensor:
+        """A finished step run's latents in the layout `denoised` returns them."""
+        return run.latents
 
     def compile_conditioning(self, denoiser: Any, index: int) -> dict[str, torch.Tensor]:
         """The conditioning of `compile_specs[index]`, with that request's text lengths (and masks)."""

@@ -111,6 +111,12 @@ class WanT2VTesterConfig(WanTesterConfig):
     step_cache_layouts = {2: SEQUENCE_AND_CFG_2, 4: [USP2X2, ULYSSES2_CFG2]}
     lora_spec = dataclasses.replace(spec, num_inference_steps=4)
     lora_targets = tuple(WAN_TARGETS)
+    step_scheduling_specs = (
+        dataclasses.replace(spec, num_inference_steps=5),
+        dataclasses.replace(spec, num_inference_steps=3, guidance_scale=5.5, seed=2),
+    )
+    # Flow-matching Euler (the other scheduler family Wan checkpoints ship with), beside the tiny one's UniPC.
+    step_scheduling_schedulers = {"FlowMatchEulerDiscreteScheduler": {"num_train_timesteps": 1000, "shift": 3.0}}
     lora_layouts = SEQUENCE_AND_CFG_2
     # Every method: the batch's rows travel together through the all-to-alls, the ring and the sharded weights.
     batch_layouts = EACH_METHOD
@@ -163,6 +169,11 @@ class WanA14BTesterConfig(WanTesterConfig):
     step_cache_spec = dataclasses.replace(spec, num_inference_steps=8)
     step_caches = (CacheSpec("first_block", 0.2), CacheSpec("teacache", 0.2))
     step_cache_layouts = {2: [ULYSSES2, CFG2]}
+    # Five steps (999, 923 | 818, 667, 429): the expert switches at step 2, so states are taken on both sides.
+    step_scheduling_specs = (
+        dataclasses.replace(spec, num_inference_steps=5),
+        dataclasses.replace(spec, num_inference_steps=3, guidance_scale=5.5, seed=2),
+    )
 
     def check_parallel_outputs(
         self, name: str, layout: ParallelConfig, per_rank: list[dict[str, Any]], one_rank: dict[str, Any]
@@ -261,6 +272,11 @@ class QwenImageTesterConfig(QwenTesterConfig):
     lora_spec = dataclasses.replace(step_cache_spec, num_inference_steps=4)
     lora_targets = tuple(QWEN_TARGETS)
     lora_layouts = [ULYSSES2]
+    # The second request's texts are shorter than the first's: a shared pass pads them, with their masks.
+    step_scheduling_specs = (
+        dataclasses.replace(spec, num_inference_steps=5),
+        dataclasses.replace(spec, num_inference_steps=3, guidance_scale=3.0, seed=1),
+    )
     # Image tokens: 16, 15 (padded), then 12 and 15 (padded). The (prompt, negative prompt) masks: a hole keeps
     # a mask, an all-ones one is dropped, so both kinds reach the blocks.
     compile_specs = (
@@ -316,6 +332,11 @@ class QwenImageTesterConfig(QwenTesterConfig):
             **self.conditioning(denoiser, spec),
         ).images
         return QwenImagePipeline._unpack_latents(packed, spec.height, spec.width, pipeline.vae_scale_factor)
+
+    def run_latents(self, denoiser: Any, run: Any) -> torch.Tensor:
+        return QwenImagePipeline._unpack_latents(
+            run.latents, run.spec.height, run.spec.width, denoiser.vae_scale_factor
+        )
 
     def compile_conditioning(self, denoiser: Any, index: int) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(index)
