@@ -249,6 +249,15 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
         help="for a model that makes sound: none for a silent result, or the codec: aac (mp4), opus (webm), raw "
         "(the waveform; written beside raw frames as a .wav) (default: the format's own)",
     )
+    parser.add_argument(
+        "--deadline",
+        dest="deadline_s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds from submission by which the job should be done: it is refused at once when the cluster "
+        "estimates it cannot be (default: none)",
+    )
 
 
 def _add_output_format_argument(parser: argparse.ArgumentParser, default: str) -> None:

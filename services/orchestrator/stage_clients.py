@@ -277,21 +277,17 @@ class Stage:
         self, accepts: Accepts = accept_any, model: str = "", replica: StageClient | None = None
     ) -> AsyncIterator[StageClient]:
         """A replica for one call (one that `accepts` takes: one serving `model`; `replica` where it still serves,
-        the DiT gate's choice), counted in flight until the block ends.
-
-        When no such replica is serving, waits up to `replica_wait_s` for one to come
-        back (the job's own deadline still applies), then raises UNAVAILABLE.
-        """
-        chosen = replica if replica is not None and replica.serving else None
-        if chosen is None:
-            chosen = self.pick(accepts) or await self._wait_for_replica(accepts, model)
-        chosen.in_flight += 1
-        chosen.calls += 1
+        the DiT gate's choice), counted in flight until the block ends. When no such replica is serving, waits up to
+        `replica_wait_s` for one to come back (the job's own deadline still applies), then raises UNAVAILABLE."""
+        if replica is None or not replica.serving:
+            replica = self.pick(accepts) or await self._wait_for_replica(accepts, model)
+        replica.in_flight += 1
+        replica.calls += 1
         try:
             with self.demand.calling(model):
-                yield chosen
+                yield replica
         finally:
-            chosen.in_flight -= 1
+            replica.in_flight -= 1
 
     @contextlib.asynccontextmanager
     async def call(

@@ -182,6 +182,6 @@ def test_an_unknown_keyword_is_refused_naming_it_its_close_match_and_every_keywo
     message = str(refused.value)
     assert message.startswith(
         "unknown keywords 'colour', 'num_inference_step' (did you mean 'num_inference_steps'?); the request "
-        "keywords are audio_codec, cache, cache_threshold, embedded_guidance_scale, fps, guidance_scale,"
+        "keywords are audio_codec, cache, cache_threshold, deadline_s, embedded_guidance_scale, fps, guidance_scale,"
     )
     assert "RequestOptions'" not in message and message.endswith("seed, width")

@@ -469,9 +469,15 @@ def _drop_notices(db: sqlite3.Connection) -> None:
 
 
 def _drop_sound(db: sqlite3.Connection) -> None:
-    """The results table as versions 1 to 7 had it, without a result's sound."""
+    """The results table as versions 1 to 7 had it, without a result's sound (and jobs as before 9)."""
     for column in ("audio_file", "audio_shape", "audio_rate"):
         db.execute(f"ALTER TABLE results DROP COLUMN {column}")
+    _drop_preemptions(db)
+
+
+def _drop_preemptions(db: sqlite3.Connection) -> None:
+    """The jobs table as versions 1 to 8 had it, without preemption counts."""
+    db.execute("ALTER TABLE jobs DROP COLUMN preemptions")
 
 
 def test_version_3_gains_pass_counts_and_keeps_stage_outputs(tmp_path: Path) -> None:
@@ -742,7 +748,7 @@ def test_version_7_results_are_silent(tmp_path: Path) -> None:
         _drop_sound(db)
         db.execute("PRAGMA user_version = 7")
     with JobStore.open(tmp_path) as store:
-        assert store._connection().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
+        assert store._connection().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         result = store.load_result("done")
         assert result.audio is None and np.array_equal(result.frames, _frames(3))
         _add(store, "loud", "acme")
@@ -753,6 +759,23 @@ def test_version_7_results_are_silent(tmp_path: Path) -> None:
         sound = np.linspace(-1, 1, 2 * 100, dtype=np.float32).reshape(2, 100)
         store.commit_result(writer, 16.0, audio=store.create_audio("loud", sound, 24000))
         assert np.array_equal(store.load_result("loud").audio, sound) and store.load_result("loud").audio_rate == 24000
+
+
+def test_version_8_jobs_count_no_preemptions_until_one(tmp_path: Path) -> None:
+    """Version 8 counted no preemptions: its jobs have none, and a running one counts each from then on."""
+    with JobStore.open(tmp_path) as store:
+        _add(store, "running", "acme")
+        store.update_state("running", RUNNING)
+    with sqlite3.connect(tmp_path / "jobs.sqlite3") as db:
+        _drop_preemptions(db)
+        db.execute("PRAGMA user_version = 8")
+    with JobStore.open(tmp_path) as store:
+        assert store._connection().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 9
+        assert store.get("running").preemptions == 0
+        assert store.count_preemption("running") and store.count_preemption("running")
+        assert store.get("running").preemptions == 2
+        store.update_state("running", CANCELLED)
+        assert not store.count_preemption("running") and store.get("running").preemptions == 2
 
 
 def test_served_models_are_kept_until_no_dit_reports_them_for_a_week(tmp_path: Path, open_store: OpenStore) -> None:
