@@ -68,12 +68,15 @@ class Member:
     steps_run: int = 0
     ended: bool = False
     yield_asked: bool = False
+    retired: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     @property
     def may_yield(self) -> bool:
         """Whether the member can still be exported at a later step boundary (not at or past its last step)."""
         run = self.run
+        if self.retired:
+            return False
         if run is None:
             return self.spec.num_inference_steps > 1
         return run.exportable or (run.step_index < run.total - 1 and scheduler_exportable(run.scheduler))
@@ -177,6 +180,7 @@ class StepEngine:
     def _retire(self, member: Member) -> None:
         if member in self.active:
             self.active.remove(member)
+        member.retired = True
         member.run = None
         member.conditioning = {}
         member.state = None
