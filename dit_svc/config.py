@@ -20,6 +20,7 @@ from dit_svc.cache_offer import CacheOffer, cache_offer_from
 from dit_svc.config_checks import (
     LoraFlags,
     check_batching,
+    check_continuous_batching,
     check_node_layout,
     check_parallel_layout,
     model_options,
@@ -73,12 +74,24 @@ class Batching:
     """Requests in one batch, 1 (no batching) to MAX_BATCH_SIZE."""
     batch_wait_ms: float = 10.0
     """How long a request waits for partners before its batch starts, 0 to MAX_BATCH_WAIT_MS."""
+    continuous: bool = False
+    """--continuous-batching: up to max_batch_size requests share each step, joining and leaving at step
+    boundaries (dit_svc/step_engine.py); batch_wait_ms is not used."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_batch_size <= MAX_BATCH_SIZE:
             raise ValueError(f"--max-batch-size {self.max_batch_size}: allowed 1 (no batching) to {MAX_BATCH_SIZE}")
         if not 0 <= self.batch_wait_ms <= MAX_BATCH_WAIT_MS:
             raise ValueError(f"--batch-wait-ms {self.batch_wait_ms:g}: allowed 0 to {MAX_BATCH_WAIT_MS}")
+        if self.continuous and self.max_batch_size < 2:
+            raise ValueError(
+                "--continuous-batching needs --max-batch-size N with N > 1: the most requests that share a step"
+            )
+
+    @property
+    def step_slots(self) -> int:
+        """How many requests the step engine steps at once: max_batch_size with continuous batching, else 1."""
+        return self.max_batch_size if self.continuous else 1
 
 
 @dataclass(frozen=True)
@@ -108,7 +121,7 @@ class DitConfig:
     threads: int
     """Intra-op threads of each rank (--threads; 0: torch's default)."""
     batching: Batching
-    """--max-batch-size and --batch-wait-ms."""
+    """--max-batch-size, --batch-wait-ms and --continuous-batching."""
     step_cache: CacheOffer
     """The step caches offered and the default one."""
 
@@ -167,8 +180,10 @@ class DitConfig:
                 threshold=args.cache_threshold,
                 mag_ratios_file=args.cache_mag_ratios,
             )
-        batching = Batching(args.max_batch_size, args.batch_wait_ms)
+        batching = Batching(args.max_batch_size, args.batch_wait_ms, args.continuous_batching)
         check_batching(batching.max_batch_size, family)
+        if batching.continuous:
+            check_continuous_batching(parallel, family)
         if checkpoint.error is not None:  # the message the stage gives for a checkpoint it cannot read
             raise CheckpointError(checkpoint.error)
         options = model_options(

@@ -167,6 +167,22 @@ def check_batching(max_batch_size: int, family: Family | None) -> None:
         )
 
 
+def check_continuous_batching(parallel: ParallelConfig, family: Family | None) -> None:
+    """Refuses --continuous-batching where the stage cannot step requests: a rank group (its ranks run each
+    request's loop in step with rank 0's), or a family whose loop is not written as steps
+    (stagekit/denoise_steps.py)."""
+    if parallel.total_ranks > 1:
+        raise ValueError(
+            f"--continuous-batching: a rank group ({parallel.total_ranks} ranks) runs each request's loop whole; "
+            "continuous batching steps requests on one rank (drop the parallel flags or --continuous-batching)"
+        )
+    if family is not None and getattr(family.load("denoiser"), "runs_steps", False) is not True:
+        raise ValueError(
+            f"--continuous-batching: the {family.name} family's denoising loop is not written as steps, so its "
+            "requests cannot join a running batch; use --max-batch-size alone (request batching)"
+        )
+
+
 def refuse_unsupported_options(
     family: Family | None, parallel: ParallelConfig, quantization: str | None, offload: str | None, compile: bool
 ) -> None:

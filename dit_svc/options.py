@@ -112,6 +112,12 @@ def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="how long a request waits for partners before its batch starts (default 10; at most 10000)",
     )
+    group.add_argument(
+        "--continuous-batching",
+        action="store_true",
+        help="step up to --max-batch-size requests together, a new one joining at the next step boundary, each "
+        "at its own step (families whose loop runs as steps, one rank; --batch-wait-ms is not used)",
+    )
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:

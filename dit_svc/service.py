@@ -8,7 +8,8 @@ hands them to the denoiser by name. The stream ends with the latents, one tensor
 that makes sound with its video (stagekit.denoise.AudioDenoiser: LTX-2) then sends one more, "audio_latents" FP32
 [1, Ca, A, M] (index 0), which the VAE stage decodes to the waveform. `main()` checks the options once
 (dit_svc/config.py `DitConfig.from_args`) and hands the servicer, or a follower node's group, the sections of the
-resulting `DitConfig`.
+resulting `DitConfig`. Where the stage steps requests (dit_svc/step_calls.py, dit_svc/step_engine.py) a call may also
+send and receive its state ("denoise_state"), be asked to yield by `Yield`, and yields by itself when the stage drains.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from dit_svc.denoise import OneRank, batch_key, make_adapter_cache, make_denoise
 from dit_svc.group import DenoiserGroup, serve_dit_node
 from dit_svc.lora import LoraSettings, list_adapters, served_model_id
 from dit_svc.options import build_parser
+from dit_svc.request_images import request_images
 from dit_svc.step_cache import CachePasses
+from dit_svc.step_calls import DenoiseCall, StepCalls, step_calls_for, step_responses
 from services.auth import TLSConfigError, server_credentials_for
 from services.checkpoint import CheckpointSpec
 from services.environment_options import parse_args
@@ -51,6 +54,7 @@ from services.validation import (
 from stagediff.tensor_codec import TensorAssembler, WireError, WireTensor, expect_tensor
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 from stagekit.denoise import CacheSpec, Denoiser, DenoiseSpec, PooledTextDenoiser, makes_audio, takes_images
+from stagekit.denoise_steps import STATE_TENSOR
 from stagekit.gguf import gguf_file
 from stagekit.parallel.hsdp import local_parameter_bytes
 
@@ -84,6 +88,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         self.denoiser: Denoiser | DenoiserGroup | None = None
         # What runs each request: the group, or this rank alone (the same two calls).
         self.runner: DenoiserGroup | OneRank | None = None
+        self.calls = StepCalls(None, "the stage is loading")  # dit_svc/step_calls.py: Yield, states, checkpoints
         if runtime.spec is None:
             raise ValueError("the DiT stage needs a checkpoint (--model)")
         self.checkpoint: CheckpointSpec = runtime.spec
@@ -168,6 +173,8 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
                 make_adapter_cache(self.denoiser, build.options, load_threads=build.load_threads),
             )
         )
+        work_limit = max_work(self.checkpoint.limits())
+        self.calls = step_calls_for(runtime, self.denoiser, self.config.batching, self.parallel.total_ranks, work_limit)
         if self.max_batch_size > 1:
             run_batch = self.runner.denoise_batch_request
             self.batcher = RequestBatcher(
@@ -175,7 +182,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
                 run_batch,
                 self.max_batch_size,
                 self.batch_wait_ms,
-                work_limit=max_work(self.checkpoint.limits()),
+                work_limit=work_limit,
             )
             runtime.parallel_config = {
                 **runtime.parallel_config,
@@ -249,40 +256,8 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
             loras=tuple((lora.name, lora.scale) for lora in loras),
             batch_group=checked_batch_group(params.batch_group),
             fps=fps,
-            **self._images(params),
+            **request_images(self.checkpoint, params),
         )
-
-    def _images(self, params: stages_pb2.DenoiseParams) -> dict[str, tuple]:
-        """The request's image roles and sizes, checked against the model and put in its role order."""
-        spec = self.checkpoint
-        roles = list(params.image_roles)
-        # A role may come as many times as the model lists it (services/input_images.py).
-        repeated = any(roles.count(role) > spec.image_roles.count(role) for role in roles)
-        if len(roles) > len(spec.image_roles) or repeated:
-            raise RequestError(
-                f"image_roles: {len(roles)} roles; send each of {', '.join(spec.image_roles) or 'none'} at most "
-                "as many times as the model lists it"
-            )
-        for role in roles:
-            if role not in spec.image_roles:
-                raise RequestError(f"image_roles: '{role[:32]}' is not taken; allowed: {', '.join(spec.image_roles)}")
-        missing = [role for role in spec.required_image_roles if role not in roles]
-        if missing:
-            raise RequestError(f"image_roles: {', '.join(missing)} required by model '{spec.model_id}'")
-        sizes = [(size.width, size.height) for size in params.image_sizes]
-        if sizes and len(sizes) != len(roles):
-            raise RequestError(f"image_sizes: {len(sizes)} sizes for {len(roles)} image_roles; send one per image")
-        for index, (width, height) in enumerate(sizes):
-            if width < 1 or height < 1 or width * height > spec.max_image_pixels:
-                raise RequestError(
-                    f"image_sizes[{index}]: {width}x{height} is not allowed; at most {spec.max_image_pixels} pixels"
-                )
-        # Stable: the images of one role keep the order they were sent in, as the other stages order them.
-        order = sorted(range(len(roles)), key=lambda i: spec.image_roles.index(roles[i]))
-        return {
-            "image_roles": tuple(roles[i] for i in order),
-            "image_sizes": tuple(sizes[i] for i in order) if sizes else (),
-        }
 
     def _check_conditioning(self, tensor: WireTensor, received: dict[str, torch.Tensor], spec: DenoiseSpec) -> None:
         """Checks a conditioning tensor against the family's slot for its name (families/base.py TensorSlot)."""
@@ -363,22 +338,25 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
                 if not slot.may_be_empty and not bool(received[slot.name].bool().any()):
                     raise WireError(f"tensor '{slot.name}': the embeddings' mask marks no token")
 
-    async def _receive(
-        self, requests: AsyncIterator[stages_pb2.DenoiseRequest]
-    ) -> tuple[DenoiseSpec, dict[str, torch.Tensor]]:
+    async def _receive(self, requests: AsyncIterator[stages_pb2.DenoiseRequest]) -> DenoiseCall:
         spec: DenoiseSpec | None = None
         assembler = TensorAssembler()
         received: dict[str, torch.Tensor] = {}
+        options, state = ("", 0), None
         async for request in requests:
             if request.HasField("params"):
                 if spec is not None:
                     raise RequestError("params: sent twice; send params once, first")
-                spec = self._spec_from(request.params)
+                spec, options = self._spec_from(request.params), self.calls.options(request.params)
             elif request.HasField("tensor"):
                 if spec is None:
                     raise RequestError("params: must be the first message, before any tensor")
+                self.calls.check_state_chunk(request.tensor, spec, state is not None)
                 tensor = assembler.feed(request.tensor)
                 if tensor is None:
+                    continue
+                if tensor.name == STATE_TENSOR:
+                    state = tensor.array.tobytes()
                     continue
                 self._check_conditioning(tensor, received, spec)
                 received[tensor.name] = to_torch(tensor)
@@ -388,7 +366,7 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         if spec is None:
             raise RequestError("params: missing; the first message must carry DenoiseParams")
         self._check_complete(spec, received)
-        return spec, received
+        return DenoiseCall(spec, received, *options, state=state)
 
     async def Denoise(
         self,
@@ -399,9 +377,10 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
         if self.denoiser is None or runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "dit: still loading its model")
         try:
-            spec, conditioning = await self._receive(request_iterator)
+            call = await self._receive(request_iterator)
         except Exception as error:
             await abort_for(error, context, self.runtime.stage)
+        spec, conditioning = call.spec, call.conditioning
 
         # A family that makes sound runs its joint loop, on this rank or on every rank of its group, and alone (it
         # does not batch).
@@ -422,9 +401,19 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
             emit(latents)
 
         key = batch_key(spec, conditioning) if batcher is not None and not with_audio else None
-        items = self.runtime.stream(work) if key is None or batcher is None else batcher.stream(spec, conditioning, key)
+
+        def whole() -> AsyncIterator[object]:
+            return (
+                self.runtime.stream(work) if key is None or batcher is None else batcher.stream(spec, conditioning, key)
+            )
+
+        items = self.calls.stream(call, whole)
         try:
             async for item in items:
+                if (responses := step_responses(item)) is not None:  # a state, a yield: stepped calls only
+                    for response in responses:
+                        yield response
+                    continue
                 if isinstance(item, stages_pb2.DenoiseProgress):
                     yield stages_pb2.DenoiseResponse(progress=item)
                     continue
@@ -445,6 +434,19 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"dit: {error}")
         except Exception as error:
             await abort_for(error, context, self.runtime.stage)
+
+    async def Yield(
+        self,
+        request: stages_pb2.YieldRequest,
+        context: grpc.aio.ServicerContext[stages_pb2.YieldRequest, stages_pb2.YieldResponse],
+    ) -> stages_pb2.YieldResponse:
+        answer = self.calls.answer_yield(request.call_id)
+        if answer is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"call_id '{request.call_id[:64]}': no such call runs here")
+        return answer
+
+    async def drain(self) -> None:
+        self.calls.drain()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -102,6 +102,9 @@ class StageRuntime:
         self.lora_cache_bytes = 0  # the DiT's --lora-cache-bytes, when it serves adapters per request
         self.fused_loras: list[stages_pb2.LoraAdapter] = []
         self.served_model: str | None = None
+        # The DiT's step scheduling (dit_svc/step_engine.py): whether it steps requests, and how many at once.
+        self.step_scheduling = False
+        self.step_slots = 0
 
     @property
     def checkpoint(self) -> CheckpointSpec:
@@ -141,6 +144,8 @@ class StageRuntime:
             components=self.identity.components,
             model_components=self.identity.model_components,
             models=self.served_models,
+            step_scheduling=self.step_scheduling,
+            step_slots=self.step_slots,
         )
 
     @property

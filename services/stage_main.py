@@ -63,6 +63,10 @@ class StageServicer(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook: most stages start nothing to release
         """Releases what load() started (worker ranks); called once the server has drained."""
 
+    async def drain(self) -> None:  # noqa: B027 - optional hook: most stages let their calls run on
+        """Called at SIGTERM, once health says NOT_SERVING and before the calls in flight get the drain grace
+        (the DiT yields the requests it can hand to another replica)."""
+
 
 def prepare_stage_process(config: StageConfig) -> tuple[torch.device, torch.dtype]:
     """Logging, intra-op threads, and the device and dtype the configuration names; a bad one exits with a
@@ -126,6 +130,7 @@ def run_stage(config: StageConfig, make_servicer: Callable[[StageRuntime], Stage
             register=register,
             load=load,
             on_shutdown=shutdown,
+            on_drain=servicer.drain,
             grace=config.drain_grace_s,
             watchdog=servicer.failure,
             interceptors=interceptors,

@@ -116,6 +116,13 @@ STAGE_OPTIONS = (
     ),
     _option(
         "dit",
+        "--continuous-batching",
+        action="store_true",
+        help="step up to --max-batch-size requests together, a new one joining at the next step boundary, each "
+        "at its own step (families whose loop runs as steps, one rank; --batch-wait-ms is not used)",
+    ),
+    _option(
+        "dit",
         "--lora-dir",
         help="directory of adapters: NAME.safetensors for the adapter NAME, TENANT/NAME.safetensors for one "
         "private to TENANT (default: none; requests naming adapters are refused)",

@@ -1,0 +1,259 @@
+"""The DiT stage's step engine: requests denoised one step at a time, so that they can yield, checkpoint and share
+steps with requests that arrive later.
+
+On one rank, for a family whose loop is written as steps (stagekit/denoise_steps.py `runs_steps`), a request with
+no step cache and no adapters becomes a `Member` of the `StepEngine`. The engine is an asyncio task that, while it
+has members, hands the stage's compute thread ONE iteration at a time (`StageRuntime.run`), so other work queued on
+that thread runs between iterations. An iteration:
+
+1. admits waiting members in arrival order while there are free `slots` and their work (`request_work`) stays
+   within `work_limit` (a member alone is always admitted): `begin` makes its run, from its state when it sent one
+   (a state made for another request fails that member alone, with a RequestError naming denoise_state);
+2. drops the members whose call ended, and retires those asked to yield (Yield, or the stage draining) whose run
+   can be exported: their state, then `DenoiseYielded`, end their stream;
+3. advances the others by one step, one `step` call per group that may share it (`same_step_group`: latent shape
+   and guidance branches; and the same batch group and conditioning shapes), each row at its own timestep;
+4. per member: its progress; when done, its passes and latents (it retires); else its state every
+   `checkpoint_every` steps.
+
+With `slots` 1 the members run one after another in arrival order; with continuous batching (`slots` > 1) a new
+member joins the running ones at the next step boundary and nobody waits for a batch to finish. An error inside a
+`step` fails every member of that group (what fails one fails the others alike). A member's conditioning and run are
+dropped when it retires. What a member's stream yields: `DenoiseProgress`, `StateBytes`, `CachePasses`,
+`DenoiseYielded` (last) or the latents tensor (last); an exception ends it with that error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dit_svc.batching import request_work
+from dit_svc.step_cache import CachePasses
+from services.stage import StageRuntime
+from stagediff.v1 import stages_pb2
+from stagekit.denoise import DenoiseSpec
+from stagekit.denoise_steps import DenoiseRun, StepDenoiser, scheduler_exportable, state_from_bytes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """A member's state at a step boundary (`DenoiseState.to_bytes`), for its stream to send as "denoise_state"."""
+
+    data: bytes
+
+
+class EngineStopped(RuntimeError):
+    """The engine stopped (the stage is shutting down) while the member was in it."""
+
+
+@dataclass(eq=False)
+class Member:
+    """One request in the engine: what it needs, its run once admitted, what its call asked, and its stream's
+    queue. `ended` and `yield_asked` are set on the event loop and read on the compute thread."""
+
+    spec: DenoiseSpec
+    conditioning: dict[str, torch.Tensor]
+    state: bytes | None = None
+    checkpoint_every: int = 0
+    run: DenoiseRun | None = None
+    steps_run: int = 0
+    ended: bool = False
+    yield_asked: bool = False
+    retired: bool = False
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    @property
+    def may_yield(self) -> bool:
+        """Whether the member can still be exported at a later step boundary (not at or past its last step)."""
+        run = self.run
+        if self.retired:
+            return False
+        if run is None:
+            return self.spec.num_inference_steps > 1
+        return run.exportable or (run.step_index < run.total - 1 and scheduler_exportable(run.scheduler))
+
+
+class StepEngine:
+    def __init__(
+        self, runtime: StageRuntime, denoiser: StepDenoiser, slots: int = 1, work_limit: int | None = None
+    ) -> None:
+        """`slots`: the most members stepped at once (1: one after another); `work_limit`: the most
+        `request_work` of the members at once (`max_work` of the model; None: no bound but `slots`)."""
+        if slots < 1:
+            raise ValueError(f"slots: {slots}; at least 1")
+        self.runtime = runtime
+        self.denoiser = denoiser
+        self.slots = slots
+        self.work_limit = work_limit
+        self.waiting: list[Member] = []
+        self.active: list[Member] = []  # touched by the compute thread only during an iteration
+        self.draining = False
+        self.arrival = asyncio.Event()
+        self.driver: asyncio.Task | None = None
+        # Runs of a family with per-token timesteps step one at a time (Wan2.2 TI2V's expand_timesteps).
+        self.one_per_step = bool(getattr(denoiser, "expand_timesteps", False))
+
+    def drain(self) -> None:
+        """From now on every member that can be exported yields at its next step boundary (`draining` set)."""
+        self.draining = True
+        self.arrival.set()
+
+    async def stream(self, member: Member) -> AsyncIterator[Any]:
+        """What the member's call streams (see the module's docstring); the member leaves the engine when the
+        call ends, however it ends."""
+        if self.driver is None or self.driver.done():
+            self.arrival = asyncio.Event()  # the driver's loop's
+            self.driver = asyncio.get_running_loop().create_task(self._drive())
+        self.waiting.append(member)
+        self.arrival.set()
+        try:
+            while True:
+                item = await member.events.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, (torch.Tensor, stages_pb2.DenoiseYielded)):
+                    return
+        finally:
+            member.ended = True  # an admitted member is dropped at the next step boundary
+            if member in self.waiting:
+                self.waiting.remove(member)
+
+    async def stop(self) -> None:
+        """Stops the driver; members still in the engine fail with EngineStopped."""
+        if self.driver is not None and not self.driver.done():
+            self.driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.driver
+
+    def _admissible(self) -> list[Member]:
+        """The waiting members the next iteration admits, oldest first (taken out of `waiting`)."""
+        admitted: list[Member] = []
+        work = sum(request_work(member.spec) for member in self.active)
+        for member in list(self.waiting):
+            if member.ended:
+                self.waiting.remove(member)
+                continue
+            if len(self.active) + len(admitted) >= self.slots:
+                break
+            added = request_work(member.spec)
+            if (self.active or admitted) and self.work_limit is not None and work + added > self.work_limit:
+                break  # in arrival order: a large request is not overtaken for ever by small ones
+            admitted.append(member)
+            work += added
+        for member in admitted:
+            self.waiting.remove(member)
+        return admitted
+
+    async def _drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                admitted = self._admissible()
+                if not admitted and not self.active:
+                    self.arrival.clear()
+                    if not self.waiting:
+                        await self.arrival.wait()
+                    continue
+                try:
+                    await self.runtime.run(self._iterate, admitted, loop)
+                except Exception as error:  # the compute thread could not take the iteration (the stage stops)
+                    for member in {*admitted, *self.active}:
+                        member.events.put_nowait(error)
+                        self._retire(member)
+        except asyncio.CancelledError:
+            for member in [*self.waiting, *self.active]:
+                member.events.put_nowait(EngineStopped("dit: the stage stopped while the request ran"))
+                self._retire(member)
+            self.waiting.clear()
+            raise
+
+    def _retire(self, member: Member) -> None:
+        if member in self.active:
+            self.active.remove(member)
+        member.retired = True
+        member.run = None
+        member.conditioning = {}
+        member.state = None
+
+    @torch.no_grad()
+    def _iterate(self, admitted: list[Member], loop: asyncio.AbstractEventLoop) -> None:
+        """One iteration on the compute thread (see the module's docstring)."""
+
+        def post(member: Member, item: Any) -> None:
+            loop.call_soon_threadsafe(member.events.put_nowait, item)
+
+        for member in admitted:
+            try:
+                member.run = self._begin(member)
+            except Exception as error:  # this member's own request or state: the others go on
+                post(member, error)
+                self._retire(member)
+                continue
+            self.active.append(member)
+        for member in list(self.active):
+            run = member.run
+            assert run is not None
+            if member.ended:
+                self._retire(member)
+            elif (member.yield_asked or self.draining) and run.exportable:
+                post(member, StateBytes(run.export().to_bytes()))
+                post(member, stages_pb2.DenoiseYielded(step=run.step_index, total=run.total, draining=self.draining))
+                self._retire(member)
+        for group in self._groups():
+            try:
+                self.denoiser.step([member.run for member in group if member.run is not None])
+            except Exception as error:
+                logger.exception("dit: a step of %d requests failed", len(group))
+                for member in group:
+                    post(member, error)
+                    self._retire(member)
+                continue
+            for member in group:
+                self._after_step(member, post)
+
+    def _begin(self, member: Member) -> DenoiseRun:
+        """The member's run: at step 0, or continued from the state it sent (checked against its request)."""
+        run = self.denoiser.begin(member.spec, member.conditioning)
+        if member.state is None:
+            return run
+        state = state_from_bytes(member.state, tuple(run.latents.shape), run.digest)
+        member.state = None
+        return self.denoiser.begin(member.spec, member.conditioning, state)
+
+    def _groups(self) -> list[list[Member]]:
+        """The active members by the step they may share: latent shape, guidance branches and batch group."""
+        groups: dict[tuple, list[Member]] = {}
+        for member in self.active:
+            run = member.run
+            assert run is not None
+            # The conditioning's shapes too: rows of one pass stack their embeddings.
+            shapes = tuple(sorted((name, tuple(t.shape), str(t.dtype)) for name, t in member.conditioning.items()))
+            key: tuple = (tuple(run.latents.shape), member.spec.do_classifier_free_guidance, member.spec.batch_group)
+            key += (shapes,)
+            if self.one_per_step:
+                key = (id(member),)
+            groups.setdefault(key, []).append(member)
+        return list(groups.values())
+
+    def _after_step(self, member: Member, post: Any) -> None:
+        run = member.run
+        assert run is not None
+        member.steps_run += 1
+        post(member, stages_pb2.DenoiseProgress(step=run.step_index, total=run.total))
+        if run.done:
+            branches = 2 if member.spec.do_classifier_free_guidance else 1
+            post(member, CachePasses(run=member.steps_run * branches))
+            post(member, run.latents.float())
+            self._retire(member)
+        elif member.checkpoint_every > 0 and run.step_index % member.checkpoint_every == 0 and run.exportable:
+            post(member, StateBytes(run.export().to_bytes()))
