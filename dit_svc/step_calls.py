@@ -143,7 +143,9 @@ def step_responses(item: Any) -> list[stages_pb2.DenoiseResponse] | None:
     """The responses of an engine item that only stepped calls send (a state, a yield); None for the others."""
     if isinstance(item, StateBytes):
         data = torch.from_numpy(np.frombuffer(item.data, dtype=np.uint8).copy())
-        return [stages_pb2.DenoiseResponse(tensor=chunk) for chunk in encode_tensor(STATE_TENSOR, data)]
+        return [
+            stages_pb2.DenoiseResponse(tensor=chunk) for chunk in encode_tensor(STATE_TENSOR, data, index=item.step)
+        ]
     if isinstance(item, stages_pb2.DenoiseYielded):
         return [stages_pb2.DenoiseResponse(yielded=item)]
     return None

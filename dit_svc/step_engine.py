@@ -49,6 +49,7 @@ class StateBytes:
     """A member's state at a step boundary (`DenoiseState.to_bytes`), for its stream to send as "denoise_state"."""
 
     data: bytes
+    step: int  # the steps done: sent as the tensor's header index, so that a receiver knows it without reading it
 
 
 class EngineStopped(RuntimeError):
@@ -206,7 +207,7 @@ class StepEngine:
             if member.ended:
                 self._retire(member)
             elif (member.yield_asked or self.draining) and run.exportable:
-                post(member, StateBytes(run.export().to_bytes()))
+                post(member, StateBytes(run.export().to_bytes(), run.step_index))
                 post(member, stages_pb2.DenoiseYielded(step=run.step_index, total=run.total, draining=self.draining))
                 self._retire(member)
         for group in self._groups():
@@ -256,4 +257,4 @@ class StepEngine:
             post(member, run.latents.float())
             self._retire(member)
         elif member.checkpoint_every > 0 and run.step_index % member.checkpoint_every == 0 and run.exportable:
-            post(member, StateBytes(run.export().to_bytes()))
+            post(member, StateBytes(run.export().to_bytes(), run.step_index))

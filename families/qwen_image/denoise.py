@@ -28,6 +28,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from families.qwen_image.family import QWEN_IMAGE
 from families.qwen_image.parallel import parallelize
+from stagekit.batch_invariance import rows_apart
 from stagekit.denoise import DenoiseSpec, guidance_predictions, stop_if_cancelled
 from stagekit.denoise_steps import DenoiseRun, DenoiseState, request_digest, run_to_end
 from stagekit.model_options import TransformerOptions
@@ -105,6 +106,11 @@ class QwenImageRun(DenoiseRun):
     prompt: QwenTextEmbeds | None = None
     negative: QwenTextEmbeds | None = None
     img_shapes: list = field(default_factory=list)
+
+
+# Modules fed one vector per request (the timestep embedding, the blocks' and the output norm's modulation), run
+# row by row in a batched pass so that each row equals its pass alone (stagekit/batch_invariance.py).
+ROW_WISE_MODULES = ("time_text_embed", "transformer_blocks.*.img_mod", "transformer_blocks.*.txt_mod", "norm_out")
 
 
 class QwenImageDenoiser:
@@ -247,11 +253,12 @@ class QwenImageDenoiser:
                 negative = padded_texts([run.negative for run in runs])  # type: ignore[misc]
             img_shapes = [shape for run in runs for shape in run.img_shapes]
         predict = partial(self._predict, latents, timestep, img_shapes)
-        if not runs[0].spec.do_classifier_free_guidance:
-            noise_pred = predict(prompt, "cond")
-        else:
-            noise_cond, noise_uncond = guidance_predictions(predict, prompt, negative, self.cfg_group)
-            noise_pred = true_cfg(noise_cond, noise_uncond, [run.spec.guidance_scale for run in runs])
+        with rows_apart(self.transformer, ROW_WISE_MODULES, len(runs)):
+            if not runs[0].spec.do_classifier_free_guidance:
+                noise_pred = predict(prompt, "cond")
+            else:
+                noise_cond, noise_uncond = guidance_predictions(predict, prompt, negative, self.cfg_group)
+                noise_pred = true_cfg(noise_cond, noise_uncond, [run.spec.guidance_scale for run in runs])
         for row, (run, t) in enumerate(zip(runs, ts, strict=True)):
             prediction = noise_pred if len(runs) == 1 else noise_pred[row : row + 1]
             run.latents = run.scheduler.step(prediction, t, run.latents, return_dict=False)[0]

@@ -21,6 +21,7 @@ from diffusers import WanTransformer3DModel
 from diffusers.utils.torch_utils import randn_tensor
 
 from families.wan.parallel import parallelize
+from stagekit.batch_invariance import rows_apart
 from stagekit.denoise import BatchRows, DenoiseSpec, guidance_predictions, guide_rows, stop_if_cancelled
 from stagekit.denoise_steps import DenoiseRun, DenoiseState, request_digest, run_to_end
 from stagekit.gguf import load_gguf_transformer
@@ -28,6 +29,11 @@ from stagekit.model_options import TransformerOptions
 from stagekit.parallel import ParallelConfig, build_mesh
 from stagekit.parallel.mesh import device_type_for
 from stagekit.weights import load_pretrained
+
+# Modules whose kernels give a row other bits in a batch than alone (the timestep embedding's matrix-vector products,
+# the patch embedding's 3D convolution), run row by row in a batched pass so that each row equals its pass alone
+# (stagekit/batch_invariance.py).
+ROW_WISE_MODULES = ("condition_embedder", "patch_embedding")
 
 
 @dataclass
@@ -203,20 +209,26 @@ class WanDenoiser:
         # guidance_scale_2 of WanPipeline is not exposed: both experts use the request's guidance scale.
         predict = partial(self._predict, model, latent_model_input, timestep)
         prompt_embeds = torch.cat([run.prompt_embeds for run in runs]) if len(runs) > 1 else runs[0].prompt_embeds
+        with rows_apart(model, ROW_WISE_MODULES, len(runs)):
+            noise_pred = self._group_prediction(runs, predict, prompt_embeds)
+        for row, (run, t) in enumerate(zip(runs, ts, strict=True)):
+            prediction = noise_pred if len(runs) == 1 else noise_pred[row : row + 1]
+            run.latents = run.scheduler.step(prediction, t, run.latents, return_dict=False)[0]
+            run.step_index += 1
+
+    def _group_prediction(
+        self, runs: list[WanRun], predict: Callable[[torch.Tensor, str], torch.Tensor], prompt_embeds: torch.Tensor
+    ) -> torch.Tensor:
+        """The guided noise prediction of the runs' rows, each with its own guidance scale."""
         if len(runs) == 1:
-            noise_pred = self.guided_prediction(
-                predict, runs[0].spec, runs[0].prompt_embeds, runs[0].negative_prompt_embeds
-            )
-        elif not runs[0].spec.do_classifier_free_guidance:
+            return self.guided_prediction(predict, runs[0].spec, runs[0].prompt_embeds, runs[0].negative_prompt_embeds)
+        if not runs[0].spec.do_classifier_free_guidance:
             noise_pred = predict(prompt_embeds, "cond")
         else:
             negative = torch.cat([run.negative_prompt_embeds for run in runs])  # type: ignore[misc]
             noise_cond, noise_uncond = guidance_predictions(predict, prompt_embeds, negative, self.cfg_group)
             noise_pred = guide_rows(noise_cond, noise_uncond, [run.spec.guidance_scale for run in runs])
-        for row, (run, t) in enumerate(zip(runs, ts, strict=True)):
-            prediction = noise_pred if len(runs) == 1 else noise_pred[row : row + 1]
-            run.latents = run.scheduler.step(prediction, t, run.latents, return_dict=False)[0]
-            run.step_index += 1
+        return noise_pred
 
     @torch.no_grad()
     def denoise(
@@ -276,14 +288,16 @@ class WanDenoiser:
                     negative_prompt_embeds = negative_prompt_embeds[kept]
             latent_model_input = latents.to(transformer_dtype)
             timestep = t.expand(latents.shape[0])
-            predict = partial(self._predict, self.expert_for(t, boundary_timestep), latent_model_input, timestep)
-            if negative_prompt_embeds is None:
-                noise_pred = predict(prompt_embeds, "cond")
-            else:
-                noise_cond, noise_uncond = guidance_predictions(
-                    predict, prompt_embeds, negative_prompt_embeds, self.cfg_group
-                )
-                noise_pred = guide_rows(noise_cond, noise_uncond, guidance)
+            model = self.expert_for(t, boundary_timestep)
+            predict = partial(self._predict, model, latent_model_input, timestep)
+            with rows_apart(model, ROW_WISE_MODULES, latents.shape[0]):
+                if negative_prompt_embeds is None:
+                    noise_pred = predict(prompt_embeds, "cond")
+                else:
+                    noise_cond, noise_uncond = guidance_predictions(
+                        predict, prompt_embeds, negative_prompt_embeds, self.cfg_group
+                    )
+                    noise_pred = guide_rows(noise_cond, noise_uncond, guidance)
             latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
             rows.stepped(on_step, i + 1, len(timesteps))
         return rows.results(latents)

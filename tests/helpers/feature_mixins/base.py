@@ -102,6 +102,9 @@ class FamilyTesterConfig:
     """The two requests the step scheduling checks run (one latent shape, the same guidance branches): the first
     is exported and resumed at every step boundary; the second, with another seed, guidance scale and step count,
     joins the first's continuous batch."""
+    continuous_batch_tolerance: ClassVar[float] = 0.0
+    """How far a row of a continuous batch may be from its run alone: 0, exactly equal, where the family runs its
+    batch-variant modules row by row (stagekit/batch_invariance.py)."""
     step_scheduling_schedulers: ClassVar[dict[str, dict[str, Any]]] = {}
     """Further schedulers (class name: scheduler config) the exported states must resume exactly with, each on a
     copy of the checkpoint with that scheduler."""

@@ -272,7 +272,10 @@ class QwenImageTesterConfig(QwenTesterConfig):
     lora_spec = dataclasses.replace(step_cache_spec, num_inference_steps=4)
     lora_targets = tuple(QWEN_TARGETS)
     lora_layouts = [ULYSSES2]
-    # The second request's texts are shorter than the first's: a shared pass pads them, with their masks.
+    # The second request's texts are shorter than the first's: a shared pass pads them, with their masks. The text
+    # stream's products over a few tokens (the tiny checkpoint's 7) take other kernels in a batch: rows move by
+    # about 1e-6 (BENCHMARKS.md, "Scheduling at the step").
+    continuous_batch_tolerance = 1e-4
     step_scheduling_specs = (
         dataclasses.replace(spec, num_inference_steps=5),
         dataclasses.replace(spec, num_inference_steps=3, guidance_scale=3.0, seed=1),
