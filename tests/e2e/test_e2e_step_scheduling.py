@@ -29,6 +29,7 @@ pytestmark = pytest.mark.e2e
 # Tens of milliseconds a step: seconds of denoising for the long jobs, a few steps' time for a round trip.
 SHAPE = dict(height=256, width=256, num_frames=9, guidance_scale=5.0)
 LONG = dict(SHAPE, num_inference_steps=100)
+MEDIUM = dict(SHAPE, num_inference_steps=40)
 SHORT = dict(SHAPE, num_inference_steps=6)
 TENANTS = {"bulk": "low", "standard": "normal", "vip": "high"}
 WAIT_S = 120.0
@@ -131,12 +132,13 @@ def test_a_job_preempted_twice_and_resumed_on_the_other_replica_keeps_its_frames
         await victim.until(lambda: len(victim.steps) >= 3, "the low job's first steps")
         # A normal job takes the other replica; a second one finds both busy and the low job yields to it.
         tasks.append(
-            asyncio.create_task(first.follow(endpoint, keys["standard"], "a blue square", dict(LONG, seed=12)))
+            asyncio.create_task(first.follow(endpoint, keys["standard"], "a blue square", dict(MEDIUM, seed=12)))
         )
         await first.until(lambda: len(first.steps) >= 1, "the first normal job's first step")
         tasks.append(asyncio.create_task(second.follow(endpoint, keys["standard"], "a triangle", dict(LONG, seed=13))))
         await victim.until(lambda: len(victim.paused) == 1, "the first preemption")
-        # The first normal job ends first: the low job resumes on its replica, then yields again to a high job.
+        # The first normal job (the shorter) ends long before the second: the low job resumes on its replica, then
+        # yields again to a high job while the second still runs.
         await victim.until(lambda: len(victim.resumed) == 1 and len(victim.steps) > victim.paused[0].step + 2, "resume")
         tasks.append(asyncio.create_task(high.follow(endpoint, keys["vip"], "a green star", dict(SHORT, seed=14))))
         await asyncio.gather(*tasks)
