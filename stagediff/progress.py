@@ -7,10 +7,21 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, TextIO
 
-from stagediff.results import BytesReceived, Event, FramesReceived, Progress, Queued
+from stagediff.results import BytesReceived, Event, FramesReceived, Paused, Progress, Queued, Resumed
 
 if TYPE_CHECKING:
     from rich.progress import ProgressColumn, Task, TaskID
+
+
+def pause_line(event: Paused | Resumed) -> str:
+    """The line that says a job's denoising paused (its state kept) or resumed."""
+    if isinstance(event, Resumed):
+        return f"{event.stage}: resumed at {event.step}/{event.total}"
+    why = {
+        "preempted": f"preempted by a higher priority job ({event.preemptions} so far)",
+        "handoff": "its replica is shutting down; continuing on another",
+    }.get(event.reason, event.reason)
+    return f"{event.stage}: paused at {event.step}/{event.total}: {why}"
 
 
 class PlainProgress:
@@ -34,6 +45,8 @@ class PlainProgress:
             line = f"received frames {event.first_frame}..{event.first_frame + event.count - 1}"
         elif isinstance(event, BytesReceived):
             line = f"received bytes {event.offset}..{event.offset + event.count - 1}"
+        elif isinstance(event, Paused | Resumed):
+            line = pause_line(event)
         else:
             return
         print(line, file=self.stream, flush=True)
@@ -76,6 +89,8 @@ class RichProgress:
         elif isinstance(event, FramesReceived):
             self._bar("frames", None)
             self.bars.advance(self.tasks["frames"], event.count)
+        elif isinstance(event, Paused | Resumed):
+            self.bars.console.print(pause_line(event), highlight=False)
         elif isinstance(event, BytesReceived):
             # The file's size is known only once it has all arrived: the bar counts bytes, with no total.
             self._bar("result", None, unit="bytes")
