@@ -15,13 +15,15 @@ import re
 import signal
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import yaml
 
 from services.orchestrator.tenants import hash_api_key, new_api_key
-from stagediff.client import AsyncClient, Client, GenerationResult, Paused, Progress, Resumed
+from stagediff.client import AsyncClient, Client, GenerationResult, Paused, Progress, Resumed, StageDiffError
 from stagediff.local.supervisor import LocalCluster
+from stagediff.retries import RetryPolicy
 from tests.helpers.serving import THREADS_PER_STAGE
 
 pytestmark = pytest.mark.e2e
@@ -56,8 +58,9 @@ def two_dits(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
         log_dir=log_dir,
         replicas={"dit": 2},
         extra_args={
-            "orchestrator": ["--tenants", str(tenants_file), "--max-running-jobs", "8"],
-            "dit": ["--drain-grace", "30"],
+            # Jobs of 20 steps or more send their state every 10 steps (for the test of a DiT that dies).
+            "orchestrator": ["--tenants", str(tenants_file), "--max-running-jobs", "8", "--checkpoint-every", "10"],
+            "dit": ["--drain-grace", "5"],
         },
     )
     cluster.start(timeout=300)
@@ -185,6 +188,47 @@ def test_a_draining_dit_hands_its_job_off_without_repeating_steps(two_dits) -> N
     assert set(job.steps) == set(range(1, total + 1)) and len(job.steps) <= total + 1, job.steps
     calls = _dit_endpoints_of(log_dir, job.job_id)
     assert len(calls) == 2 and calls[0] != calls[1]
+    cluster.restart(next(name for name, service in cluster.services.items() if service.endpoint == calls[0]))
+
+
+def test_a_dit_that_dies_costs_its_job_the_steps_since_its_last_checkpoint(two_dits) -> None:
+    cluster, keys, log_dir = two_dits
+    endpoint = cluster.endpoint
+    request = dict(LONG, seed=41)
+    reference = _alone(endpoint, keys["bulk"], "a purple square", request)
+
+    async def scenario() -> Watched:
+        job = Watched()
+        task = asyncio.create_task(job.follow(endpoint, keys["bulk"], "a purple square", request))
+        await job.until(lambda: len(job.steps) >= 25, "the job's first checkpoints")
+        running_on = _dit_endpoints_of(log_dir, job.job_id)[-1]
+        name = next(name for name, service in cluster.services.items() if service.endpoint == running_on)
+        cluster.kill(name, signal.SIGKILL)
+        await task
+        return job
+
+    job = asyncio.run(scenario())
+    assert job.result is not None and not job.paused
+    np.testing.assert_array_equal(job.result.frames, reference)
+    total = LONG["num_inference_steps"]
+    resumed_from = [resume.step for resume in job.resumed]
+    assert len(resumed_from) == 1 and resumed_from[0] % 10 == 0 and resumed_from[0] >= 20, resumed_from
+    # Steps after the last checkpoint ran twice: fewer than 10 (and every step at least once).
+    assert set(job.steps) == set(range(1, total + 1)) and len(job.steps) - total < 10, job.steps
+    print(f"resumed from step {resumed_from[0]}: {len(job.steps) - total} steps ran twice")
+
+
+def test_a_deadline_that_cannot_be_met_is_refused_at_once_with_the_estimate(two_dits) -> None:
+    cluster, keys, _ = two_dits
+    # The DiTs' step times for this shape are known from the tests before.
+    with Client(cluster.endpoint, api_key=keys["vip"], retry=RetryPolicy(rate_limit_retries=0)) as client:
+        with pytest.raises(StageDiffError) as refused:
+            client.submit("a slow fox", **LONG, deadline_s=0.2)
+        with pytest.raises(StageDiffError) as invalid:
+            client.submit("a fox", **SHORT, deadline_s=-1)
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "deadline_s" in refused.value.message and "would finish in about" in refused.value.message
+    assert invalid.value.code == grpc.StatusCode.INVALID_ARGUMENT and "deadline_s" in invalid.value.message
 
 
 @pytest.fixture(scope="module")
