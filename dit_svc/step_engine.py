@@ -205,6 +205,7 @@ class StepEngine:
             run = member.run
             assert run is not None
             if member.ended:
+                logger.info("%s: request cancelled; compute stopped", self.runtime.stage)
                 self._retire(member)
             elif (member.yield_asked or self.draining) and run.exportable:
                 post(member, StateBytes(run.export().to_bytes(), run.step_index))

@@ -1,13 +1,17 @@
 """Admission against a request's deadline: refused at once when the DiT cannot finish it in time.
 
-A job with a deadline (GenerateRequest.deadline_s, or its call's gRPC deadline) is admitted only when the work
-ahead of it at the DiT and its own denoising fit before it (`step_times.deadline_check`). The estimates come from
+A job that asks for a deadline (GenerateRequest.deadline_s) is admitted only when the work ahead of it at the DiT
+and its own denoising fit before it (`step_times.deadline_check`). The estimates come from
 the DiT's recent step times per shape (`StepTimes`, fed by every job's progress): a job's work is its steps left
 times the seconds per step of its shape. The work ahead is that of the model's active jobs (queued or running) of
 its priority class or a higher one, spread over the DiT slots serving the model; jobs of lower classes are not
 counted where preemption is on (they yield to it). Where nothing has been measured yet for the model, or no
 replica serves it (a pool at zero), there is nothing to judge by and the job is admitted: its deadline still
 cancels it when it passes.
+
+A call's own gRPC deadline (the SDK's `timeout`) orders the job by slack at the DiT gate and cancels it when it
+passes, as `deadline_s` does, but is not refused here: it is a guard a client sets on its wait, often loosely,
+while `deadline_s` says when the result stops being useful, which is what a refusal may act on.
 
 A refusal is an `AdmissionRefused` (RESOURCE_EXHAUSTED, scope "deadline") naming `deadline_s`, with the estimated
 finish and a retry-after of the time the work ahead of it needs.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Mapping
@@ -145,8 +146,8 @@ class JobManager:
         # The tenant as it is now (its quotas) is what pruning and recovery use for its jobs.
         self.tenants[tenant.name] = tenant
         self.limits.check_free_space(tenant.name)
-        if self.deadlines is not None and deadline is not None:
-            due_in = deadline - asyncio.get_running_loop().time()
+        if self.deadlines is not None and request.deadline_s > 0:  # the call's own deadline cancels, never refuses
+            due_in = min(request.deadline_s, deadline - asyncio.get_running_loop().time() if deadline else math.inf)
             self.deadlines.check(
                 request, tenant.name, Priority.parse(tenant.priority.value), due_in, self.table.jobs.values()
             )
