@@ -137,6 +137,13 @@ class OrchestratorMetrics:
         self.denoising_steps = Counter(
             PREFIX + "denoising_steps", "Denoising steps the DiT completed, by tenant.", ["tenant"], registry=r
         )
+        self.denoising_pauses = Counter(
+            PREFIX + "denoising_pauses",
+            "Jobs whose denoising stopped at a step boundary with its state kept, by tenant and reason (preempted: "
+            "for a job of a higher class; handoff: its DiT replica drained).",
+            ["tenant", "reason"],
+            registry=r,
+        )
         self.frames_generated = Counter(
             PREFIX + "frames_generated", "Frames sent to clients, by tenant.", ["tenant"], registry=r
         )
@@ -220,6 +227,10 @@ class OrchestratorMetrics:
 
     def add_denoising_steps(self, tenant: str, count: int = 1) -> None:
         self.denoising_steps.labels(_label(tenant)).inc(count)
+
+    def add_denoising_pause(self, tenant: str, reason: str) -> None:
+        """Counts a pause; `reason` is "preempted" or "handoff"."""
+        self.denoising_pauses.labels(_label(tenant), reason).inc()
 
     def add_transformer_passes(self, tenant: str, method: str, passes: stages_pb2.TransformerPasses) -> None:
         """Counts a request's passes (a TransformerPasses); `method` is one the request was checked to name."""

@@ -102,7 +102,8 @@ class Denoising:
         keep_after_s: float,
         on_progress: Callable[[Job, stages_pb2.DenoiseResponse], Awaitable[None]],
     ) -> None:
-        """`on_progress(job, response)`: the caller's handling of a progress or passes message (events, metrics)."""
+        """`on_progress(job, response)`: the caller's handling of a progress, passes or yielded message (events,
+        metrics)."""
         self.stages = stages
         self.store = store
         self.gate = gate
@@ -213,6 +214,7 @@ class Denoising:
                 elif response.HasField("passes"):
                     await self.on_progress(job, response)
                 elif response.HasField("yielded"):
+                    await self.on_progress(job, response)
                     yielded = response.yielded
                     if yielded.draining:  # the next call goes to another replica
                         stage.mark_down(replica, "NOT_SERVING", "draining: handed its jobs off")

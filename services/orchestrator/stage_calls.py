@@ -214,8 +214,12 @@ class StageCalls:
         job.timings["dit"] = time.perf_counter() - started
 
     async def _dit_progress(self, job: Job, response: stages_pb2.DenoiseResponse) -> None:
+        """A DiT message for the job's events and metrics: a step's progress, the passes, or a yield."""
         request = job.request
-        if response.HasField("progress"):
+        if response.HasField("yielded"):
+            if self.metrics is not None:
+                self.metrics.add_denoising_pause(job.tenant, "handoff" if response.yielded.draining else "preempted")
+        elif response.HasField("progress"):
             progress = response.progress
             if self.metrics is not None:
                 self.metrics.add_denoising_steps(job.tenant)

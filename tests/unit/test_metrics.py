@@ -114,6 +114,9 @@ def test_health_retries_and_work_counters() -> None:
     metrics.add_prompt_tokens("acme", 77)
     metrics.add_denoising_steps("acme")
     metrics.add_denoising_steps("acme", 3)
+    metrics.add_denoising_pause("acme", "preempted")
+    metrics.add_denoising_pause("acme", "preempted")
+    metrics.add_denoising_pause("acme", "handoff")
     metrics.add_frames("acme", 33)
     metrics.add_frames("", 9)
     assert sample(metrics, "stagediff_stage_healthy", stage="vae", replica="a:1") == 1
@@ -122,6 +125,8 @@ def test_health_retries_and_work_counters() -> None:
     assert sample(metrics, "stagediff_stage_failovers_total", stage="vae", replica="b:1") == 1
     assert sample(metrics, "stagediff_prompt_tokens_total", tenant="acme") == 77
     assert sample(metrics, "stagediff_denoising_steps_total", tenant="acme") == 4
+    assert sample(metrics, "stagediff_denoising_pauses_total", tenant="acme", reason="preempted") == 2
+    assert sample(metrics, "stagediff_denoising_pauses_total", tenant="acme", reason="handoff") == 1
     assert sample(metrics, "stagediff_frames_generated_total", tenant="acme") == 33
     assert sample(metrics, "stagediff_frames_generated_total", tenant="default") == 9
     text = metrics.exposition().decode()
