@@ -68,7 +68,7 @@ def rows_apart(model: torch.nn.Module, patterns: tuple[str, ...], rows: int) -> 
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
     ]
     for module in patched:
-        module.forward = _row_by_row(module.forward, rows)  # type: ignore[method-assign]
+        module.forward = _row_by_row(module.forward, rows)
     try:
         yield
     finally:

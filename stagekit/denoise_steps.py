@@ -29,7 +29,7 @@ import io
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeGuard
+from typing import Any, ClassVar, Protocol, TypeGuard, TypeVar
 
 import torch
 
@@ -254,17 +254,20 @@ def runs_steps(denoiser: object) -> TypeGuard[StepDenoiser]:
     return getattr(type(denoiser), "runs_steps", False) is True
 
 
+RunT = TypeVar("RunT", bound=DenoiseRun)
+
+
 def run_to_end(
-    denoiser: StepDenoiser,
-    run: DenoiseRun,
+    step: Callable[[list[RunT]], None],
+    run: RunT,
     on_step: Callable[[int, int], None],
-    before_step: Callable[[DenoiseRun], None],
+    before_step: Callable[[RunT], None],
 ) -> torch.Tensor:
-    """Runs `run` to its last step: `before_step(run)` first each time (which may raise to stop), then one step,
-    then on_step(step, total). Returns the latents."""
+    """Runs `run` to its last step with `step` (its denoiser's): `before_step(run)` first each time (which may raise
+    to stop), then one step, then on_step(step, total). Returns the latents."""
     while not run.done:
         before_step(run)
-        denoiser.step([run])
+        step([run])
         on_step(run.step_index, run.total)
     return run.latents
 

@@ -235,7 +235,7 @@ class QwenImageDenoiser:
             run.restore(state)
         return run
 
-    def step(self, runs: list[QwenImageRun]) -> None:  # type: ignore[override]
+    def step(self, runs: list[QwenImageRun]) -> None:
         """One step of each run: one transformer pass per guidance branch for all of them, each row at its own
         timestep with its own texts (padded to the longest, with masks); each run's scheduler steps its own row.
         One run alone computes what QwenImagePipeline's loop computes for that step."""
@@ -252,11 +252,13 @@ class QwenImageDenoiser:
             if runs[0].spec.do_classifier_free_guidance:
                 negative = padded_texts([run.negative for run in runs])  # type: ignore[misc]
             img_shapes = [shape for run in runs for shape in run.img_shapes]
+        assert prompt is not None  # begin sets every run's texts
         predict = partial(self._predict, latents, timestep, img_shapes)
         with rows_apart(self.transformer, ROW_WISE_MODULES, len(runs)):
             if not runs[0].spec.do_classifier_free_guidance:
                 noise_pred = predict(prompt, "cond")
             else:
+                assert negative is not None  # every run with CFG has its negative texts (begin checks them)
                 noise_cond, noise_uncond = guidance_predictions(predict, prompt, negative, self.cfg_group)
                 noise_pred = true_cfg(noise_cond, noise_uncond, [run.spec.guidance_scale for run in runs])
         for row, (run, t) in enumerate(zip(runs, ts, strict=True)):
@@ -278,5 +280,7 @@ class QwenImageDenoiser:
         guidance_scale > 1 also "negative_prompt_embeds" (and its mask).
         """
         run = self.begin(spec, conditioning)
-        latents = run_to_end(self, run, on_step, lambda run: stop_if_cancelled(cancelled, self.parallel, self.device))
+        latents = run_to_end(
+            self.step, run, on_step, lambda run: stop_if_cancelled(cancelled, self.parallel, self.device)
+        )
         return QwenImagePipeline._unpack_latents(latents, spec.height, spec.width, self.vae_scale_factor)

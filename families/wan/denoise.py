@@ -180,7 +180,7 @@ class WanDenoiser:
             run.restore(state)
         return run
 
-    def step(self, runs: list[WanRun]) -> None:  # type: ignore[override]
+    def step(self, runs: list[WanRun]) -> None:
         """One step of each run: the runs at the same expert share one transformer pass per guidance branch, each
         row at its own timestep; each run's scheduler steps its own row. One run alone computes what WanPipeline's
         loop computes for that step."""
@@ -225,7 +225,7 @@ class WanDenoiser:
         if not runs[0].spec.do_classifier_free_guidance:
             noise_pred = predict(prompt_embeds, "cond")
         else:
-            negative = torch.cat([run.negative_prompt_embeds for run in runs])  # type: ignore[misc]
+            negative = torch.cat([run.negative_prompt_embeds for run in runs if run.negative_prompt_embeds is not None])
             noise_cond, noise_uncond = guidance_predictions(predict, prompt_embeds, negative, self.cfg_group)
             noise_pred = guide_rows(noise_cond, noise_uncond, [run.spec.guidance_scale for run in runs])
         return noise_pred
@@ -243,7 +243,7 @@ class WanDenoiser:
         `conditioning`: "prompt_embeds" [1, L, text_dim] and, with guidance_scale > 1, "negative_prompt_embeds".
         """
         run = self.begin(spec, conditioning)
-        return run_to_end(self, run, on_step, lambda run: stop_if_cancelled(cancelled, self.parallel, self.device))
+        return run_to_end(self.step, run, on_step, lambda run: stop_if_cancelled(cancelled, self.parallel, self.device))
 
     @torch.no_grad()
     def denoise_batch(
