@@ -152,8 +152,6 @@ class Denoising:
         reason = "handoff" if yielded.draining else "preempted"
         if not yielded.draining:
             job.preemptions += 1
-            if self.gate is not None:
-                self.gate.preemptions[job.job_id] += 1
             if self.store is not None:
                 await store_call(self.store.count_preemption, job.job_id)
         await job.publish(

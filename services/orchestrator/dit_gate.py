@@ -95,7 +95,6 @@ class DitGate:
         self.estimate = estimate
         self.holding: dict[str, Slot] = {}  # job id -> its slot
         self.waiting: list[_Waiting] = []
-        self.preemptions: Counter[str] = Counter()  # job id -> times preempted (the job keeps its own count)
         self._seq = itertools.count()
         self._order: dict[str, int] = {}  # job id -> its place in the queue, kept across its yields
         self._changed = asyncio.Event()
@@ -128,7 +127,6 @@ class DitGate:
     def forget(self, job_id: str) -> None:
         """The job's denoising is over: its place in the queue is given up."""
         self._order.pop(job_id, None)
-        self.preemptions.pop(job_id, None)
 
     def progress(self, job_id: str, step: int, total: int) -> None:
         slot = self.holding.get(job_id)
@@ -220,7 +218,7 @@ class DitGate:
                     priority=int(Priority.parse(slot.job.priority)),
                     step=slot.step,
                     total=slot.total or request.num_inference_steps,
-                    preemptions=self.preemptions[slot.job.job_id],
+                    preemptions=slot.job.preemptions,  # kept in the store across restarts
                     preemptible=(
                         preemptible
                         and info.step_scheduling

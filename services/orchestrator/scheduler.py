@@ -36,7 +36,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 from fractions import Fraction
-from typing import TypeAlias
+from typing import TypeAlias, TypeVar
+
+_Key = TypeVar("_Key")
 
 MIN_WEIGHT = 1e-6
 MAX_WEIGHT = 1e6
@@ -188,7 +190,7 @@ def _in_admission_order(by_model: _ByModel) -> Iterator[_Entry]:
     return heapq.merge(*(queue.values() for queue in by_model.values()), key=lambda entry: entry.seq)
 
 
-def _decrement(counts: Counter[str], key: str) -> None:
+def _decrement(counts: Counter[_Key], key: _Key) -> None:
     counts[key] -= 1
     if not counts[key]:
         del counts[key]
@@ -202,6 +204,12 @@ class FairScheduler:
     limit), `max_running` over all tenants (None: the caller limits concurrency
     itself), and each tenant's `TenantLimits` (its own, and per model) as given
     with its latest `admit`.
+
+    With `max_running_from_the_top` (the orchestrator's --preemption on), `max_running` counts the running jobs
+    of a job's class and the classes above it: jobs of lower classes never keep a higher one from starting. The
+    DiT gate then decides who denoises (a lower class may have to yield), so a `high` job is never stuck behind
+    `low` ones waiting for a DiT; at most `max_running` jobs of each class and above run, so at most
+    `max_running` x the classes in all.
     """
 
     def __init__(
@@ -209,6 +217,7 @@ class FairScheduler:
         *,
         max_queued: int | None = 256,
         max_running: int | None = None,
+        max_running_from_the_top: bool = False,
         clock: Callable[[], float] = time.monotonic,
         default_job_seconds: float = 30.0,
         duration_window: int = 32,
@@ -217,6 +226,7 @@ class FairScheduler:
     ) -> None:
         self.max_queued = max_queued
         self.max_running = max_running
+        self.max_running_from_the_top = max_running_from_the_top
         self.clock = clock
         self.default_job_seconds = default_job_seconds
         self.min_retry_after_s = min_retry_after_s
@@ -225,6 +235,8 @@ class FairScheduler:
         self._tenants: dict[str, _Tenant] = {}
         self._queued: dict[str, _Entry] = {}
         self._running: dict[str, tuple[str, str, float]] = {}  # job_id -> (tenant, model, start time)
+        self._running_classes: Counter[Priority] = Counter()  # running jobs per class
+        self._class_of: dict[str, Priority] = {}  # running job -> its class
         self._durations: deque[float] = deque(maxlen=duration_window)
         self._seq = 0
 
@@ -290,11 +302,20 @@ class FairScheduler:
         self._queued[job_id] = entry
         self._classes[rank].queues.setdefault(tenant, {}).setdefault(model, OrderedDict())[job_id] = entry
 
+    def _full_for(self, priority: Priority) -> bool:
+        """Whether `max_running` keeps a job of `priority` from starting."""
+        if self.max_running is None:
+            return False
+        if not self.max_running_from_the_top:
+            return len(self._running) >= self.max_running
+        above = sum(count for rank, count in self._running_classes.items() if rank >= priority)
+        return above >= self.max_running
+
     def next_runnable(self) -> str | None:
         """Takes the job that should start now and counts it as running; None if none may start."""
-        if self.max_running is not None and len(self._running) >= self.max_running:
-            return None
         for priority in sorted(Priority, reverse=True):
+            if self._full_for(priority):
+                continue
             cls = self._classes[priority]
             picked = _pick(cls.vtime, cls.finish, self._startable_heads(cls))
             if picked is None:
@@ -307,6 +328,8 @@ class FairScheduler:
             tenant.running += 1
             tenant.running_on[entry.model] += 1
             self._running[entry.job_id] = (entry.tenant, entry.model, self.clock())
+            self._running_classes[priority] += 1
+            self._class_of[entry.job_id] = priority
             self._forget_stale_tags(cls)
             return entry.job_id
         return None
@@ -316,6 +339,7 @@ class FairScheduler:
         if job_id not in self._running:
             raise KeyError(f"job {job_id} is not running")
         tenant, model, started = self._running.pop(job_id)
+        _decrement(self._running_classes, self._class_of.pop(job_id))
         self._durations.append(max(0.0, self.clock() - started))
         state = self._tenants[tenant]
         state.running -= 1

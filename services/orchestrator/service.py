@@ -201,7 +201,12 @@ async def _serve(
         checkpoints=config.checkpoint,
         step_times=step_times,
     )
-    scheduler = FairScheduler(max_queued=config.max_queued_jobs, max_running=config.max_running_jobs)
+    scheduler = FairScheduler(
+        max_queued=config.max_queued_jobs,
+        max_running=config.max_running_jobs,
+        # With preemption, lower classes waiting at the DiT gate never keep a higher class from reaching it.
+        max_running_from_the_top=config.preemption.enabled,
+    )
     metrics.registry.register(PoolDemandCollector(stages, scheduler.queued_by_model))  # demand.py
     metrics.registry.register(TenantUsageCollector(tenants.tenants, scheduler.tenants))
     jobs = JobManager(

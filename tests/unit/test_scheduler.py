@@ -77,6 +77,32 @@ def test_higher_class_always_goes_first() -> None:
     assert drain(scheduler) == ["high", "normal", "low"]
 
 
+@pytest.mark.parametrize("from_the_top", [False, True])
+def test_max_running_from_the_top_lets_a_higher_class_start_past_lower_ones(from_the_top: bool) -> None:
+    """With preemption on, lower classes holding every running slot (waiting for a DiT) never keep a higher class
+    from starting; at most max_running jobs of each class and above run."""
+    scheduler = FairScheduler(max_running=2, max_running_from_the_top=from_the_top)
+    for name in ("low1", "low2", "low3"):
+        scheduler.admit(name, "a", "low")
+    assert [scheduler.next_runnable(), scheduler.next_runnable(), scheduler.next_runnable()] == ["low1", "low2", None]
+    for name in ("normal1", "normal2", "normal3", "high1", "high2"):
+        scheduler.admit(name, "b", name.rstrip("123"))
+    started = []
+    while (job_id := scheduler.next_runnable()) is not None:
+        started.append(job_id)
+    if not from_the_top:
+        assert started == [] and scheduler.running_count() == 2
+        return
+    # Two high ones (the limit for high), then nothing more: high and normal together are at the limit too.
+    assert started == ["high1", "high2"]
+    scheduler.finished("high1")
+    assert scheduler.next_runnable() == "normal1" and scheduler.next_runnable() is None
+    scheduler.finished("low1")  # a low slot frees: the normal jobs are still at the limit with the high one
+    assert scheduler.next_runnable() is None
+    scheduler.finished("high2")
+    assert scheduler.next_runnable() == "normal2" and scheduler.running_count() == 3
+
+
 def test_weights_share_slots_in_proportion() -> None:
     scheduler = FairScheduler(max_queued=None)
     for i in range(30):
