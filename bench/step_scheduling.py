@@ -1,0 +1,481 @@
+"""Scheduling at the step through the running cluster: preemption and continuous batching against today's
+scheduling, and continuous against request-level batching at several loads, side by side in one run.
+
+The tiny preset of wan-t2v with ONE DiT replica; every stage gets `--threads` intra-op threads. Tenants: `bulk`
+(low), `standard` (normal) and `vip` (high).
+
+Part one, priorities under load. Four configurations: (a) today's scheduling (`--preemption off`, no batching),
+(b) `--preemption on`, (c) DiT `--max-batch-size 4 --continuous-batching` with `--preemption off`, (d) both. In
+each, first the high jobs of the trace run one after another on the IDLE cluster (their idle latency, the median);
+then `--low-clients` closed-loop clients of the low tenant keep long jobs going (256x256, 9 frames, CFG 5, 60 to
+100 steps) while high jobs of 6 steps, same shape, arrive on a Poisson trace over `--window-s`. Reported per
+configuration: the high jobs' latency (submit to result) p50 and p99 and p99 / idle; their wait for the DiT
+(submit to first DiT step) and their DiT finish (submit to last DiT step: the part the DiT's scheduling decides,
+against its idle median); throughput of all jobs (jobs/min and DiT steps/s over the loaded phase); the low jobs'
+mean latency; the preemptions the low jobs saw. p99 is nearest-rank: with fewer than 100 high jobs it is the
+largest observed latency (`p99_is_max` in the JSON). The VAE decodes one job at a time and is not preempted, so a
+high job can still wait there behind a low job's decode.
+
+Part two, throughput at several loads: unbatched, request-level batching (`--max-batch-size 4 --batch-wait-ms
+200`: partners must have the same shape AND step count) and continuous batching (`--max-batch-size 4
+--continuous-batching`), at concurrency 1, 2 and 4: C closed-loop clients, `--rounds` requests each, one shape
+(`--load-size`, default 128x128, 9 frames, CFG 5: a cheaper decode than part one's, so that the DiT's share shows),
+8 and 12 steps alternating (so request-level batching finds fewer partners). Reported: jobs/s and mean latency per
+configuration and load, the throughput ratio continuous / request-level, and the latency at concurrency 1 against
+unbatched.
+
+Every configuration gets the same seeded traces (arrivals, step counts, prompts, seeds). Part two reuses the
+clusters of (a) (unbatched) and (c) (continuous); request-level batching gets its own. `--quick` runs one pair,
+(a) against (d) (and part two unbatched against continuous), at 128x128 with low jobs of 20 to 30 steps, a few
+jobs and concurrency 1 and 2, in about a minute: it checks that the benchmark runs; its numbers mean little.
+Prints one JSON object; its times are for reading, never for asserting on.
+
+    python bench/step_scheduling.py            # the full run (about 10 minutes on 2 cores)
+    python bench/step_scheduling.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from families.init_model import init_model
+from services.orchestrator.tenants import hash_api_key, new_api_key
+from stagediff.client import AsyncClient, GenerationResult, Paused, Progress
+from stagediff.local.supervisor import LocalCluster
+
+TENANTS = {"bulk": "low", "standard": "normal", "vip": "high"}
+SHAPE = dict(height=256, width=256, num_frames=9, guidance_scale=5.0)
+QUICK_SHAPE = dict(SHAPE, height=128, width=128)
+HIGH_STEPS = 6
+LOW_STEPS = (60, 100)  # drawn uniformly, inclusive
+QUICK_LOW_STEPS = (20, 30)
+LOAD_STEPS = (8, 12)  # part two: alternating step counts
+CONCURRENCY = (1, 2, 4)
+CONTINUOUS = ["--max-batch-size", "4", "--continuous-batching"]
+REQUEST_LEVEL = ["--max-batch-size", "4", "--batch-wait-ms", "200"]
+PROMPTS = ("a red fox in snow", "a blue whale at sea", "a green kite in wind", "a yellow cab at night")
+
+# Part one's configurations: orchestrator --preemption and the DiT's arguments.
+CONFIGURATIONS = {
+    "a_today": ("off", []),
+    "b_preemption": ("on", []),
+    "c_continuous_batching": ("off", CONTINUOUS),
+    "d_both": ("on", CONTINUOUS),
+}
+LOAD_CONFIGURATIONS = ("unbatched", "request_level_batching", "continuous_batching")
+
+
+@dataclass
+class Cluster:
+    """One cluster of the run: its arguments, and which part-one configuration and part-two configuration it
+    serves (either may be None)."""
+
+    name: str
+    preemption: str
+    dit_args: list[str]
+    scheduling: str | None
+    load: str | None
+
+
+def clusters_of(quick: bool) -> list[Cluster]:
+    if quick:
+        return [
+            Cluster("a_today", "off", [], "a_today", "unbatched"),
+            Cluster("d_both", "on", CONTINUOUS, "d_both", "continuous_batching"),
+        ]
+    return [
+        Cluster("a_today", "off", [], "a_today", "unbatched"),
+        Cluster("b_preemption", "on", [], "b_preemption", None),
+        Cluster("c_continuous_batching", "off", CONTINUOUS, "c_continuous_batching", "continuous_batching"),
+        Cluster("d_both", "on", CONTINUOUS, "d_both", None),
+        Cluster("request_level_batching", "off", REQUEST_LEVEL, None, "request_level_batching"),
+    ]
+
+
+@dataclass
+class Trace:
+    """The seeded workload every configuration gets."""
+
+    shape: dict  # every job's size, frames and guidance
+    high_offsets: list[float]  # seconds after the background is running
+    low_steps: list[list[int]]  # per low client, the steps of its successive jobs
+
+    @classmethod
+    def make(
+        cls, shape: dict, seed: int, window_s: float, mean_gap_s: float, low_clients: int, low_steps: tuple[int, int]
+    ) -> Trace:
+        rng = random.Random(seed)
+        offsets: list[float] = []
+        at = rng.expovariate(1.0 / mean_gap_s)
+        while at < window_s:
+            offsets.append(round(at, 3))
+            at += rng.expovariate(1.0 / mean_gap_s)
+        offsets = offsets or [round(window_s / 2, 3)]  # at least one high job
+        low = [[rng.randint(*low_steps) for _ in range(256)] for _ in range(low_clients)]
+        return cls(shape, offsets, low)
+
+
+@dataclass
+class JobRecord:
+    """One job as its client saw it (times on the loop's clock)."""
+
+    kind: str
+    steps: int
+    submitted: float = 0.0
+    first_dit: float | None = None
+    last_dit: float | None = None
+    done: float | None = None
+    pauses: int = 0
+    error: str = ""
+
+    @property
+    def latency(self) -> float:
+        assert self.done is not None
+        return self.done - self.submitted
+
+
+async def run_job(
+    client: AsyncClient,
+    kind: str,
+    prompt: str,
+    seed: int,
+    steps: int,
+    shape: dict,
+    denoising: asyncio.Event | None = None,
+) -> JobRecord:
+    """Runs one job to its result, recording its DiT steps and pauses; sets `denoising` at its first DiT step."""
+    loop = asyncio.get_running_loop()
+    record = JobRecord(kind, steps, submitted=loop.time())
+    try:
+        async for event in client.stream(prompt, seed=seed, num_inference_steps=steps, **shape):
+            if isinstance(event, Progress) and event.stage == "dit":
+                record.first_dit = record.first_dit or loop.time()
+                record.last_dit = loop.time()
+                if denoising is not None:
+                    denoising.set()
+            elif isinstance(event, Paused):
+                record.pauses += 1
+            elif isinstance(event, GenerationResult):
+                record.done = loop.time()
+                break
+        if record.done is None:
+            record.error = "the stream ended without a result"
+    except Exception as error:  # noqa: BLE001 - a failed job is reported, not raised
+        record.error = f"{type(error).__name__}: {error}"[:300]
+    return record
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    """Nearest rank: with fewer than 1/(1-fraction) samples the top percentiles are the largest value."""
+    ordered = sorted(values)
+    index = max(0, min(len(ordered) - 1, round(fraction * len(ordered) + 0.5) - 1))
+    return ordered[index]
+
+
+def r3(value: float) -> float:
+    return round(value, 3)
+
+
+def high_request(index: int) -> tuple[str, int]:
+    return PROMPTS[index % len(PROMPTS)], 1000 + index
+
+
+async def idle_highs(endpoint: str, key: str, count: int, shape: dict) -> list[JobRecord]:
+    async with AsyncClient(endpoint, api_key=key) as client:
+        return [await run_job(client, "high", *high_request(i), HIGH_STEPS, shape) for i in range(count)]
+
+
+async def loaded(endpoint: str, keys: dict[str, str], trace: Trace) -> tuple[list[JobRecord], float]:
+    """The low background and the high trace: every job's record and the phase's wall time (from the first low
+    submit to the last result). The trace's clock starts at the first low job's first DiT step; the low clients
+    send no new job once the last high job is done."""
+    records: list[JobRecord] = []
+    stop = asyncio.Event()
+    denoising = asyncio.Event()
+
+    async def low_client(index: int, client: AsyncClient) -> None:
+        for round_, steps in enumerate(trace.low_steps[index]):
+            if stop.is_set():
+                return
+            prompt = PROMPTS[(index + round_) % len(PROMPTS)]
+            records.append(await run_job(client, "low", prompt, 100 * index + round_, steps, trace.shape, denoising))
+
+    async def high(index: int, client: AsyncClient, start: float) -> None:
+        await asyncio.sleep(max(0.0, start + trace.high_offsets[index] - loop.time()))
+        records.append(await run_job(client, "high", *high_request(index), HIGH_STEPS, trace.shape))
+
+    loop = asyncio.get_running_loop()
+    async with AsyncClient(endpoint, api_key=keys["bulk"]) as low, AsyncClient(endpoint, api_key=keys["vip"]) as vip:
+        started = loop.time()
+        lows = [asyncio.create_task(low_client(index, low)) for index in range(len(trace.low_steps))]
+        await asyncio.wait_for(denoising.wait(), 300)
+        trace_start = loop.time()
+        await asyncio.gather(*(high(index, vip, trace_start) for index in range(len(trace.high_offsets))))
+        stop.set()
+        await asyncio.gather(*lows)
+        wall = loop.time() - started
+    return records, wall
+
+
+def scheduling_report(idle: list[JobRecord], records: list[JobRecord], wall: float) -> dict:
+    """Part one's numbers for one configuration."""
+    failed = [r for r in idle + records if r.error]
+    ok = [r for r in records if not r.error]
+    highs = [r for r in ok if r.kind == "high"]
+    lows = [r for r in ok if r.kind == "low"]
+    idle_latencies = [r.latency for r in idle if not r.error]
+    idle_median = statistics.median(idle_latencies) if idle_latencies else float("nan")
+    high_latencies = [r.latency for r in highs]
+    report: dict = {
+        "jobs": {"high": len(highs), "low": len(lows), "idle_high": len(idle_latencies), "failed": len(failed)},
+        "errors": [r.error for r in failed][:5],
+        "high_idle_latency_s": {
+            "median": r3(idle_median),
+            "min": r3(min(idle_latencies, default=float("nan"))),
+            "max": r3(max(idle_latencies, default=float("nan"))),
+            "dit_finish_median": r3(statistics.median([r.last_dit - r.submitted for r in idle if r.last_dit]))
+            if idle_latencies
+            else None,
+        },
+    }
+    if highs:
+        p99 = percentile(high_latencies, 0.99)
+        dit_wait = [r.first_dit - r.submitted for r in highs if r.first_dit]
+        dit_finish = [r.last_dit - r.submitted for r in highs if r.last_dit]
+        report["high_latency_s"] = {
+            "p50": r3(percentile(high_latencies, 0.50)),
+            "p99": r3(p99),
+            "p99_is_max": len(high_latencies) < 100,
+            "mean": r3(statistics.fmean(high_latencies)),
+        }
+        report["high_p99_over_idle"] = r3(p99 / idle_median)
+        report["high_p50_over_idle"] = r3(percentile(high_latencies, 0.50) / idle_median)
+        report["high_dit_wait_s"] = {"p50": r3(percentile(dit_wait, 0.5)), "max": r3(max(dit_wait))}
+        report["high_dit_finish_s"] = {"p50": r3(percentile(dit_finish, 0.5)), "max": r3(max(dit_finish))}
+        idle_finish = report["high_idle_latency_s"]["dit_finish_median"]
+        if idle_finish:
+            # The part the DiT gate controls: submit to the last DiT step, its largest against the idle median.
+            report["high_dit_finish_max_over_idle"] = r3(max(dit_finish) / idle_finish)
+    report["low_mean_latency_s"] = r3(statistics.fmean([r.latency for r in lows])) if lows else None
+    report["low_preemptions"] = sum(r.pauses for r in lows)
+    report["loaded_wall_s"] = r3(wall)
+    report["throughput"] = {
+        "jobs_per_min": r3(60 * len(ok) / wall),
+        "dit_steps_per_s": r3(sum(r.steps for r in ok) / wall),
+    }
+    return report
+
+
+async def load_level(endpoint: str, key: str, shape: dict, concurrency: int, rounds: int) -> dict:
+    """C closed-loop clients, `rounds` requests each, step counts alternating between LOAD_STEPS."""
+    records: list[JobRecord] = []
+
+    async def client_loop(index: int, client: AsyncClient) -> None:
+        for round_ in range(rounds):
+            steps = LOAD_STEPS[(index + round_) % len(LOAD_STEPS)]
+            prompt = PROMPTS[index % len(PROMPTS)]
+            records.append(await run_job(client, "load", prompt, 100 * index + round_, steps, shape))
+
+    loop = asyncio.get_running_loop()
+    async with AsyncClient(endpoint, api_key=key) as client:
+        started = loop.time()
+        await asyncio.gather(*(client_loop(index, client) for index in range(concurrency)))
+        wall = loop.time() - started
+    ok = [r for r in records if not r.error]
+    return {
+        "concurrency": concurrency,
+        "jobs": len(ok),
+        "failed": len(records) - len(ok),
+        "errors": [r.error for r in records if r.error][:5],
+        "wall_s": r3(wall),
+        "jobs_per_s": round(len(ok) / wall, 4),
+        "mean_latency_s": r3(statistics.fmean([r.latency for r in ok])) if ok else None,
+    }
+
+
+def tenants_file(directory: Path, keys: dict[str, str]) -> Path:
+    path = directory / "tenants.yaml"
+    tenants = [
+        {"name": name, "api_keys": [hash_api_key(keys[name])], "priority": priority}
+        for name, priority in TENANTS.items()
+    ]
+    path.write_text(yaml.safe_dump({"tenants": tenants}))
+    return path
+
+
+def run_cluster(spec: Cluster, model: Path, keys: dict, tenants: Path, trace: Trace, args, workdir: Path) -> dict:
+    """Starts one cluster, runs its parts, stops it."""
+    cluster = LocalCluster(
+        model,
+        threads_per_stage=args.threads,
+        log_dir=workdir / f"logs-{spec.name}",
+        extra_args={
+            "orchestrator": ["--tenants", str(tenants), "--max-running-jobs", "16", "--preemption", spec.preemption],
+            "dit": spec.dit_args,
+        },
+    )
+    cluster.start(timeout=600)
+    out: dict = {}
+    try:
+        endpoint = cluster.endpoint
+
+        async def warm() -> None:
+            # First calls: lazy imports and allocations, of both shapes, and a batch of two where one forms.
+            async with AsyncClient(endpoint, api_key=keys["standard"]) as client:
+                await run_job(client, "warm", PROMPTS[0], 1, HIGH_STEPS, trace.shape)
+                if spec.load:
+                    await asyncio.gather(
+                        *(run_job(client, "warm", PROMPTS[i], i, LOAD_STEPS[0], args.load_shape) for i in range(2))
+                    )
+
+        asyncio.run(warm())
+        if spec.scheduling:
+            idle = asyncio.run(idle_highs(endpoint, keys["vip"], args.idle_highs, trace.shape))
+            records, wall = asyncio.run(loaded(endpoint, keys, trace))
+            out["scheduling"] = scheduling_report(idle, records, wall)
+        if spec.load:
+            out["load"] = [
+                asyncio.run(load_level(endpoint, keys["standard"], args.load_shape, concurrency, args.rounds))
+                for concurrency in args.concurrency
+            ]
+    finally:
+        cluster.stop()
+    return out
+
+
+def machine() -> dict:
+    model_name = platform.processor() or platform.machine()
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                model_name = line.split(":", 1)[1].strip()
+                break
+    return {"cpu": model_name, "cores": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one pair, (a) against (d), a few jobs: about a minute")
+    parser.add_argument("--seed", type=int, default=0, help="the traces' seed")
+    parser.add_argument("--window-s", type=float, default=None, help="high arrivals over this many seconds")
+    parser.add_argument("--mean-gap-s", type=float, default=None, help="mean seconds between high arrivals")
+    parser.add_argument("--low-clients", type=int, default=2, help="closed-loop clients of low jobs")
+    parser.add_argument("--idle-highs", type=int, default=None, help="high jobs run on the idle cluster")
+    parser.add_argument("--rounds", type=int, default=None, help="part two: requests per client at each load")
+    parser.add_argument("--load-size", type=int, default=128, help="part two: height and width (9 frames, CFG 5)")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per stage")
+    args = parser.parse_args()
+    defaults = dict(window_s=(4.0, 90.0), mean_gap_s=(2.0, 5.0), idle_highs=(1, 5), rounds=(1, 6))
+    for name, (quick, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    args.concurrency = (1, 2) if args.quick else CONCURRENCY
+    args.low_steps = QUICK_LOW_STEPS if args.quick else LOW_STEPS
+    args.load_shape = dict(height=args.load_size, width=args.load_size, num_frames=9, guidance_scale=5.0)
+
+    workdir = Path(tempfile.mkdtemp(prefix="stagediff-step-scheduling-"))
+    model = init_model("wan-t2v", "tiny", workdir / "tiny", seed=0)
+    keys = {name: new_api_key() for name in TENANTS}
+    tenants = tenants_file(workdir, keys)
+    trace = Trace.make(
+        QUICK_SHAPE if args.quick else SHAPE,
+        args.seed,
+        args.window_s,
+        args.mean_gap_s,
+        args.low_clients,
+        args.low_steps,
+    )
+    started = time.perf_counter()
+    scheduling: dict = {}
+    load: dict = {}
+    for spec in clusters_of(args.quick):
+        out = run_cluster(spec, model, keys, tenants, trace, args, workdir)
+        if spec.scheduling:
+            scheduling[spec.scheduling] = out["scheduling"]
+        if spec.load:
+            load[spec.load] = out["load"]
+
+    report: dict = {
+        "benchmark": "step_scheduling",
+        "quick": args.quick,
+        "model": "wan-t2v tiny, one DiT replica",
+        "scheduling": {
+            "workload": {
+                "shape": trace.shape,
+                "high_steps": HIGH_STEPS,
+                "low_steps_range": list(args.low_steps),
+                "low_clients": args.low_clients,
+                "high_arrivals": len(trace.high_offsets),
+                "high_offsets_s": trace.high_offsets,
+                "window_s": args.window_s,
+                "mean_gap_s": args.mean_gap_s,
+                "idle_highs": args.idle_highs,
+                "seed": args.seed,
+                "p99_note": "nearest rank: with fewer than 100 high jobs the p99 is the largest observed latency",
+            },
+            "configurations": {
+                name: {"preemption": CONFIGURATIONS[name][0], "dit_args": CONFIGURATIONS[name][1], **result}
+                for name, result in scheduling.items()
+            },
+        },
+        "load": {
+            "workload": {
+                "shape": args.load_shape,
+                "steps_alternating": list(LOAD_STEPS),
+                "rounds_per_client": args.rounds,
+                "concurrency": list(args.concurrency),
+            },
+            "configurations": {
+                "unbatched": {"dit_args": []},
+                "request_level_batching": {"dit_args": REQUEST_LEVEL},
+                "continuous_batching": {"dit_args": CONTINUOUS},
+            },
+            "levels": load,
+        },
+    }
+    for name in list(report["load"]["configurations"]):
+        if name not in load:
+            del report["load"]["configurations"][name]
+    report["ratios"] = ratios(scheduling, load)
+    report.update(threads_per_stage=args.threads, machine=machine(), total_wall_s=r3(time.perf_counter() - started))
+    print(json.dumps(report, indent=2))
+
+
+def ratios(scheduling: dict, load: dict) -> dict:
+    """The comparisons the run is for."""
+    out: dict = {
+        "high_p99_over_idle": {n: s.get("high_p99_over_idle") for n, s in scheduling.items()},
+        "high_dit_finish_max_over_idle": {n: s.get("high_dit_finish_max_over_idle") for n, s in scheduling.items()},
+    }
+    if "continuous_batching" in load and "request_level_batching" in load:
+        out["throughput_continuous_over_request_level"] = {
+            str(c["concurrency"]): r3(c["jobs_per_s"] / q["jobs_per_s"])
+            for c, q in zip(load["continuous_batching"], load["request_level_batching"], strict=True)
+        }
+    if "continuous_batching" in load and "unbatched" in load:
+        out["throughput_continuous_over_unbatched"] = {
+            str(c["concurrency"]): r3(c["jobs_per_s"] / u["jobs_per_s"])
+            for c, u in zip(load["continuous_batching"], load["unbatched"], strict=True)
+        }
+        unbatched_c1 = load["unbatched"][0]["mean_latency_s"]
+        out["latency_at_concurrency_1_over_unbatched"] = {
+            name: r3(levels[0]["mean_latency_s"] / unbatched_c1) for name, levels in load.items()
+        }
+    return out
+
+
+if __name__ == "__main__":
+    main()
