@@ -255,7 +255,7 @@ class StepEngine:
         if run.done:
             branches = 2 if member.spec.do_classifier_free_guidance else 1
             post(member, CachePasses(run=member.steps_run * branches))
-            post(member, run.latents.float())
+            post(member, self.denoiser.result(run).float())
             self._retire(member)
         elif member.checkpoint_every > 0 and run.step_index % member.checkpoint_every == 0 and run.exportable:
             post(member, StateBytes(run.export().to_bytes(), run.step_index))

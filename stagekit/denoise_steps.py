@@ -247,6 +247,11 @@ class StepDenoiser(Protocol):
         call share their guidance branches (all with CFG or none) and latent shape; their timesteps may differ."""
         ...
 
+    def result(self, run: DenoiseRun) -> torch.Tensor:
+        """A finished run's latents as `denoise` returns them (float32 [1, C, T, h, w]: a family that packs its
+        latents into tokens while it steps unpacks them here)."""
+        ...
+
 
 def runs_steps(denoiser: object) -> TypeGuard[StepDenoiser]:
     """Whether `denoiser` is a StepDenoiser: its class says so (`runs_steps = True`; a subclass whose loop

@@ -280,7 +280,9 @@ class QwenImageDenoiser:
         guidance_scale > 1 also "negative_prompt_embeds" (and its mask).
         """
         run = self.begin(spec, conditioning)
-        latents = run_to_end(
-            self.step, run, on_step, lambda run: stop_if_cancelled(cancelled, self.parallel, self.device)
-        )
-        return QwenImagePipeline._unpack_latents(latents, spec.height, spec.width, self.vae_scale_factor)
+        run_to_end(self.step, run, on_step, lambda run: stop_if_cancelled(cancelled, self.parallel, self.device))
+        return self.result(run)
+
+    def result(self, run: QwenImageRun) -> torch.Tensor:
+        """A finished run's latents unpacked from tokens to [1, C, 1, h, w], as `denoise` returns them."""
+        return QwenImagePipeline._unpack_latents(run.latents, run.spec.height, run.spec.width, self.vae_scale_factor)

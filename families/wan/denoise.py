@@ -216,6 +216,10 @@ class WanDenoiser:
             run.latents = run.scheduler.step(prediction, t, run.latents, return_dict=False)[0]
             run.step_index += 1
 
+    def result(self, run: WanRun) -> torch.Tensor:
+        """A finished run's latents, as `denoise` returns them."""
+        return run.latents
+
     def _group_prediction(
         self, runs: list[WanRun], predict: Callable[[torch.Tensor, str], torch.Tensor], prompt_embeds: torch.Tensor
     ) -> torch.Tensor:
@@ -243,7 +247,8 @@ class WanDenoiser:
         `conditioning`: "prompt_embeds" [1, L, text_dim] and, with guidance_scale > 1, "negative_prompt_embeds".
         """
         run = self.begin(spec, conditioning)
-        return run_to_end(self.step, run, on_step, lambda run: stop_if_cancelled(cancelled, self.parallel, self.device))
+        run_to_end(self.step, run, on_step, lambda run: stop_if_cancelled(cancelled, self.parallel, self.device))
+        return self.result(run)
 
     @torch.no_grad()
     def denoise_batch(

@@ -30,6 +30,8 @@ from tests.helpers.feature_mixins import (
     QwenImageEditTesterConfig,
     QwenImageTesterConfig,
     StepCacheTesterMixin,
+    StepSchedulingExpertsTesterMixin,
+    StepSchedulingSchedulersTesterMixin,
     StepSchedulingTesterMixin,
     WanA14BTesterConfig,
     WanI2VA14BTesterConfig,
@@ -80,11 +82,11 @@ class TestWanT2VLoRA(WanT2VTesterConfig, LoRATesterMixin):
     pass
 
 
-class TestWanT2VStepScheduling(WanT2VTesterConfig, StepSchedulingTesterMixin):
+class TestWanT2VStepScheduling(WanT2VTesterConfig, StepSchedulingSchedulersTesterMixin):
     pass
 
 
-class TestWanA14BStepScheduling(WanA14BTesterConfig, StepSchedulingTesterMixin):
+class TestWanA14BStepScheduling(WanA14BTesterConfig, StepSchedulingExpertsTesterMixin):
     pass
 
 

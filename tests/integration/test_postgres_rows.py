@@ -88,8 +88,9 @@ def test_a_newer_schema_is_refused_and_replicas_starting_together_create_it_once
 
 
 def test_a_version_6_database_gains_notices_and_keeps_its_jobs(server: Postgres) -> None:
-    """Version 6 had no notices column (nor a result's sound): connecting adds them (its jobs have none) and the
-    version becomes the current one; a running job's notices are then written and read back as SQLite's are."""
+    """Version 6 had no notices column (nor a result's sound, nor preemption counts): connecting adds them (its jobs
+    have none) and the version becomes the current one; a running job's notices are then written and read back as
+    SQLite's are, and its preemptions counted."""
     import psycopg
 
     from services.orchestrator.store.postgres import SCHEMA_VERSION
@@ -99,18 +100,20 @@ def test_a_version_6_database_gains_notices_and_keeps_its_jobs(server: Postgres)
     database.close()
     with psycopg.connect(server.dsn, autocommit=True) as connection:
         connection.execute("ALTER TABLE jobs DROP COLUMN notices")
+        connection.execute("ALTER TABLE jobs DROP COLUMN preemptions")
         for column in ("audio_file", "audio_shape", "audio_rate"):
             connection.execute(f"ALTER TABLE results DROP COLUMN {column}")
         connection.execute("UPDATE schema_version SET version = 6")
     database = PostgresDatabase.connect(server.dsn)
     try:
         rows = JobRows(database)
-        assert database.fetchone("SELECT version FROM schema_version", ())[0] == SCHEMA_VERSION == 8
-        assert rows.get(job.job_id).notices == []
+        assert database.fetchone("SELECT version FROM schema_version", ())[0] == SCHEMA_VERSION == 9
+        assert rows.get(job.job_id).notices == [] and rows.get(job.job_id).preemptions == 0
         rows.update_state(job.job_id, JobState.JOB_STATE_RUNNING, {"started_at": 2.0})
         notice = stages_pb2.Notice(field="prompt", given="721 tokens", used="512 tokens", source="text-encoder")
         assert rows.set_notices(job.job_id, [notice])
         assert rows.get(job.job_id).notices == [notice]
+        assert rows.count_preemption(job.job_id) and rows.get(job.job_id).preemptions == 1
     finally:
         database.close()
 

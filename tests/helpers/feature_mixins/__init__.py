@@ -56,7 +56,11 @@ from tests.helpers.feature_mixins.module_offload import ModuleOffloadTesterMixin
 from tests.helpers.feature_mixins.parallel_layouts import ParallelLayoutsTesterMixin
 from tests.helpers.feature_mixins.quantization import QuantizationTesterMixin
 from tests.helpers.feature_mixins.step_cache import StepCacheTesterMixin
-from tests.helpers.feature_mixins.step_scheduling import StepSchedulingTesterMixin
+from tests.helpers.feature_mixins.step_scheduling import (
+    StepSchedulingExpertsTesterMixin,
+    StepSchedulingSchedulersTesterMixin,
+    StepSchedulingTesterMixin,
+)
 
 # Every family's tester config: configs.py's, then those kept in modules of their own.
 TESTER_CONFIGS: tuple[type[FamilyTesterConfig], ...] = (
@@ -120,6 +124,8 @@ __all__ = [
     "QwenImageTesterConfig",
     "Reference",
     "StepCacheTesterMixin",
+    "StepSchedulingExpertsTesterMixin",
+    "StepSchedulingSchedulersTesterMixin",
     "StepSchedulingTesterMixin",
     "WanA14BTesterConfig",
     "WanI2VA14BTesterConfig",

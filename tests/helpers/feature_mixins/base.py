@@ -135,10 +135,6 @@ class FamilyTesterConfig:
         of it fails its check."""
         return denoiser.denoise(spec, conditioning, on_step=lambda step, total: None, cancelled=lambda: False)
 
-    def run_latents(self, denoiser: Any, run: Any) -> torch.Tensor:
-        """A finished step run's latents in the layout `denoised` returns them."""
-        return run.latents
-
     def compile_conditioning(self, denoiser: Any, index: int) -> dict[str, torch.Tensor]:
         """The conditioning of `compile_specs[index]`, with that request's text lengths (and masks)."""
         raise NotImplementedError

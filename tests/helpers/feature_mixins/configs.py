@@ -336,11 +336,6 @@ class QwenImageTesterConfig(QwenTesterConfig):
         ).images
         return QwenImagePipeline._unpack_latents(packed, spec.height, spec.width, pipeline.vae_scale_factor)
 
-    def run_latents(self, denoiser: Any, run: Any) -> torch.Tensor:
-        return QwenImagePipeline._unpack_latents(
-            run.latents, run.spec.height, run.spec.width, denoiser.vae_scale_factor
-        )
-
     def compile_conditioning(self, denoiser: Any, index: int) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(index)
         prompt_mask, negative_mask = self.compile_masks[index]
