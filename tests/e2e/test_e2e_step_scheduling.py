@@ -30,8 +30,8 @@ pytestmark = pytest.mark.e2e
 
 # Tens of milliseconds a step: seconds of denoising for the long jobs, a few steps' time for a round trip.
 SHAPE = dict(height=256, width=256, num_frames=9, guidance_scale=5.0)
-LONG = dict(SHAPE, num_inference_steps=100)
-MEDIUM = dict(SHAPE, num_inference_steps=40)
+LONG = dict(SHAPE, num_inference_steps=60)
+MEDIUM = dict(SHAPE, num_inference_steps=24)
 SHORT = dict(SHAPE, num_inference_steps=6)
 TENANTS = {"bulk": "low", "standard": "normal", "vip": "high"}
 WAIT_S = 120.0
