@@ -70,6 +70,16 @@ def two_dits(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
         cluster.stop()
 
 
+# The long job the preemption, handoff and checkpoint tests follow, and its frames alone (computed once).
+LONG_JOB = ("a red circle moves right", dict(LONG, seed=11))
+
+
+@pytest.fixture(scope="module")
+def long_alone(two_dits) -> np.ndarray:
+    cluster, keys, _ = two_dits
+    return _alone(cluster.endpoint, keys["bulk"], *LONG_JOB)
+
+
 class Watched:
     """A job followed through its events: its DiT steps, pauses and resumes, and its result."""
 
@@ -123,15 +133,15 @@ def _dit_endpoints_of(log_dir: Path, job_id: str) -> list[str]:
     return re.findall(rf"job {job_id}: denoising on (\S+) from step", log)
 
 
-def test_a_job_preempted_twice_and_resumed_on_the_other_replica_keeps_its_frames(two_dits) -> None:
+def test_a_job_preempted_twice_and_resumed_on_the_other_replica_keeps_its_frames(two_dits, long_alone) -> None:
     cluster, keys, log_dir = two_dits
     endpoint = cluster.endpoint
-    low = dict(LONG, seed=11)
-    reference = _alone(endpoint, keys["bulk"], "a red circle moves right", low)
+    prompt, low = LONG_JOB
+    reference = long_alone
 
     async def scenario() -> tuple[Watched, list[Watched]]:
         victim, first, second, high = Watched(), Watched(), Watched(), Watched()
-        tasks = [asyncio.create_task(victim.follow(endpoint, keys["bulk"], "a red circle moves right", low))]
+        tasks = [asyncio.create_task(victim.follow(endpoint, keys["bulk"], prompt, low))]
         await victim.until(lambda: len(victim.steps) >= 3, "the low job's first steps")
         # A normal job takes the other replica; a second one finds both busy and the low job yields to it.
         tasks.append(
@@ -163,15 +173,15 @@ def test_a_job_preempted_twice_and_resumed_on_the_other_replica_keeps_its_frames
     assert all(other.result is not None and not other.paused for other in others)
 
 
-def test_a_draining_dit_hands_its_job_off_without_repeating_steps(two_dits) -> None:
+def test_a_draining_dit_hands_its_job_off_without_repeating_steps(two_dits, long_alone) -> None:
     cluster, keys, log_dir = two_dits
     endpoint = cluster.endpoint
-    request = dict(LONG, seed=21)
-    reference = _alone(endpoint, keys["bulk"], "a yellow circle", request)
+    prompt, request = LONG_JOB
+    reference = long_alone
 
     async def scenario() -> Watched:
         job = Watched()
-        task = asyncio.create_task(job.follow(endpoint, keys["bulk"], "a yellow circle", request))
+        task = asyncio.create_task(job.follow(endpoint, keys["bulk"], prompt, request))
         await job.until(lambda: len(job.steps) >= 5, "the job's first steps")
         running_on = _dit_endpoints_of(log_dir, job.job_id)[-1]
         name = next(name for name, service in cluster.services.items() if service.endpoint == running_on)
@@ -191,15 +201,15 @@ def test_a_draining_dit_hands_its_job_off_without_repeating_steps(two_dits) -> N
     cluster.restart(next(name for name, service in cluster.services.items() if service.endpoint == calls[0]))
 
 
-def test_a_dit_that_dies_costs_its_job_the_steps_since_its_last_checkpoint(two_dits) -> None:
+def test_a_dit_that_dies_costs_its_job_the_steps_since_its_last_checkpoint(two_dits, long_alone) -> None:
     cluster, keys, log_dir = two_dits
     endpoint = cluster.endpoint
-    request = dict(LONG, seed=41)
-    reference = _alone(endpoint, keys["bulk"], "a purple square", request)
+    prompt, request = LONG_JOB
+    reference = long_alone
 
     async def scenario() -> Watched:
         job = Watched()
-        task = asyncio.create_task(job.follow(endpoint, keys["bulk"], "a purple square", request))
+        task = asyncio.create_task(job.follow(endpoint, keys["bulk"], prompt, request))
         await job.until(lambda: len(job.steps) >= 25, "the job's first checkpoints")
         running_on = _dit_endpoints_of(log_dir, job.job_id)[-1]
         name = next(name for name, service in cluster.services.items() if service.endpoint == running_on)

@@ -62,6 +62,9 @@ class Gated:
             assert self.go.wait(30), "the test never let the step go"
         self.inner.step(runs)
 
+    def result(self, run: Any) -> Any:
+        return self.inner.result(run)
+
 
 class Replica:
     """A DiT stage servicer of the tiny checkpoint, loaded, and served on a port while a scenario runs."""

@@ -43,6 +43,9 @@ class Counting:
         for run in runs:
             run.step_index += 1
 
+    def result(self, run: DenoiseRun) -> torch.Tensor:
+        return run.latents
+
 
 async def outcome(engine: StepEngine, member: Member) -> Any:
     try:
