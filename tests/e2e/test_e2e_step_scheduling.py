@@ -173,23 +173,22 @@ def test_a_job_preempted_twice_and_resumed_on_the_other_replica_keeps_its_frames
     assert all(other.result is not None and not other.paused for other in others)
 
 
+async def _stop_its_replica(cluster: LocalCluster, key: str, log_dir: Path, after_steps: int, signum: int) -> Watched:
+    """The long job, its DiT replica sent `signum` once it has reported `after_steps` steps, followed to its end."""
+    job = Watched()
+    task = asyncio.create_task(job.follow(cluster.endpoint, key, *LONG_JOB))
+    await job.until(lambda: len(job.steps) >= after_steps, f"the job's first {after_steps} steps")
+    running_on = _dit_endpoints_of(log_dir, job.job_id)[-1]
+    cluster.kill(next(name for name, service in cluster.services.items() if service.endpoint == running_on), signum)
+    await task
+    return job
+
+
 def test_a_draining_dit_hands_its_job_off_without_repeating_steps(two_dits, long_alone) -> None:
     cluster, keys, log_dir = two_dits
-    endpoint = cluster.endpoint
-    prompt, request = LONG_JOB
     reference = long_alone
 
-    async def scenario() -> Watched:
-        job = Watched()
-        task = asyncio.create_task(job.follow(endpoint, keys["bulk"], prompt, request))
-        await job.until(lambda: len(job.steps) >= 5, "the job's first steps")
-        running_on = _dit_endpoints_of(log_dir, job.job_id)[-1]
-        name = next(name for name, service in cluster.services.items() if service.endpoint == running_on)
-        cluster.kill(name, signal.SIGTERM)
-        await task
-        return job
-
-    job = asyncio.run(scenario())
+    job = asyncio.run(_stop_its_replica(cluster, keys["bulk"], log_dir, after_steps=5, signum=signal.SIGTERM))
     assert [pause.reason for pause in job.paused] == ["handoff"]
     assert job.result is not None
     np.testing.assert_array_equal(job.result.frames, reference)
@@ -203,21 +202,10 @@ def test_a_draining_dit_hands_its_job_off_without_repeating_steps(two_dits, long
 
 def test_a_dit_that_dies_costs_its_job_the_steps_since_its_last_checkpoint(two_dits, long_alone) -> None:
     cluster, keys, log_dir = two_dits
-    endpoint = cluster.endpoint
-    prompt, request = LONG_JOB
     reference = long_alone
 
-    async def scenario() -> Watched:
-        job = Watched()
-        task = asyncio.create_task(job.follow(endpoint, keys["bulk"], prompt, request))
-        await job.until(lambda: len(job.steps) >= 25, "the job's first checkpoints")
-        running_on = _dit_endpoints_of(log_dir, job.job_id)[-1]
-        name = next(name for name, service in cluster.services.items() if service.endpoint == running_on)
-        cluster.kill(name, signal.SIGKILL)
-        await task
-        return job
-
-    job = asyncio.run(scenario())
+    # Jobs of 20 steps or more send their state every 10 steps: killed after step 25, it resumes from 20 or later.
+    job = asyncio.run(_stop_its_replica(cluster, keys["bulk"], log_dir, after_steps=25, signum=signal.SIGKILL))
     assert job.result is not None and not job.paused
     np.testing.assert_array_equal(job.result.frames, reference)
     total = LONG["num_inference_steps"]
