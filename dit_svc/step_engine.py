@@ -11,8 +11,8 @@ that thread runs between iterations. An iteration:
    (a state made for another request fails that member alone, with a RequestError naming denoise_state);
 2. drops the members whose call ended, and retires those asked to yield (Yield, or the stage draining) whose run
    can be exported: their state, then `DenoiseYielded`, end their stream;
-3. advances the others by one step, one `step` call per group that may share it (`same_step_group`: latent shape
-   and guidance branches; and the same batch group and conditioning shapes), each row at its own timestep;
+3. advances the others by one step, one `step` call per group that may share it (the same latent shape,
+   guidance branches, batch group and conditioning shapes), each row at its own timestep;
 4. per member: its progress; when done, its passes and latents (it retires); else its state every
    `checkpoint_every` steps.
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeGuard, TypeVar
 
@@ -275,14 +275,3 @@ def run_to_end(
         step([run])
         on_step(run.step_index, run.total)
     return run.latents
-
-
-def same_step_group(runs: Iterable[DenoiseRun]) -> bool:
-    """Whether runs may share a `step` call: one latent shape and the same guidance branches."""
-    runs = list(runs)
-    first = runs[0]
-    return all(
-        run.latents.shape == first.latents.shape
-        and run.spec.do_classifier_free_guidance == first.spec.do_classifier_free_guidance
-        for run in runs
-    )

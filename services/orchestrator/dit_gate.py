@@ -128,11 +128,6 @@ class DitGate:
         """The job's denoising is over: its place in the queue is given up."""
         self._order.pop(job_id, None)
 
-    def progress(self, job_id: str, step: int, total: int) -> None:
-        slot = self.holding.get(job_id)
-        if slot is not None:
-            slot.step, slot.total = step, total
-
     # ------------------------------------------------------------------------------------------------------
 
     def _wake(self) -> None:
