@@ -1,36 +1,42 @@
 """Scheduling at the step through the running cluster: preemption and continuous batching against today's
 scheduling, and continuous against request-level batching at several loads, side by side in one run.
 
-The tiny preset of wan-t2v with ONE DiT replica; every stage gets `--threads` intra-op threads. Tenants: `bulk`
-(low), `standard` (normal) and `vip` (high).
+ONE DiT replica of wan-t2v at the `--preset` ("small" by default: 12 blocks of width 384), every stage with
+`--threads` intra-op threads. Tenants: `bulk` (low), `standard` (normal) and `vip` (high). The shape, 128x128, one
+frame, CFG 5, makes the DiT most of a job (about 80 ms a step on 2 cores against a 0.25 s decode), as it is at real
+size (tens of seconds a step); at the tiny preset's video shapes the decode is most of a job and a benchmark of DiT
+scheduling would measure the VAE.
 
 Part one, priorities under load. Four configurations: (a) today's scheduling (`--preemption off`, no batching),
 (b) `--preemption on`, (c) DiT `--max-batch-size 4 --continuous-batching` with `--preemption off`, (d) both. In
-each, first the high jobs of the trace run one after another on the IDLE cluster (their idle latency, the median);
-then `--low-clients` closed-loop clients of the low tenant keep long jobs going (256x256, 9 frames, CFG 5, 60 to
-100 steps) while high jobs of 6 steps, same shape, arrive on a Poisson trace over `--window-s`. Reported per
-configuration: the high jobs' latency (submit to result) p50 and p99 and p99 / idle; their wait for the DiT
-(submit to first DiT step) and their DiT finish (submit to last DiT step: the part the DiT's scheduling decides,
-against its idle median); throughput of all jobs (jobs/min and DiT steps/s over the loaded phase); the low jobs'
-mean latency; the preemptions the low jobs saw. p99 is nearest-rank: with fewer than 100 high jobs it is the
-largest observed latency (`p99_is_max` in the JSON). The VAE decodes one job at a time and is not preempted, so a
-high job can still wait there behind a low job's decode.
+each, on the same cluster:
+1. idle, one after another: `--idle-highs` high jobs alone (their median is a high job's latency when nothing else
+   runs);
+2. idle, the trace: the high jobs of the Poisson trace with nothing else (their p50 and p99: what the high class
+   gets from the cluster at that arrival rate, its own jobs' overlaps included);
+3. loaded: `--low-clients` closed-loop clients of the low tenant keep long jobs going (60 to 100 steps) while the
+   same high trace (8 steps each) arrives over `--window-s`.
+Reported per configuration: the high jobs' latency (submit to result) p50 and p99 loaded and idle, and the
+ratios; their wait for the DiT (submit to first DiT step) and their DiT finish (submit to last DiT step) against
+idle; throughput of all jobs (jobs/min and DiT steps/s over the loaded phase); the low jobs' mean latency; the
+preemptions they saw. p99 is nearest-rank: with fewer than 100 high jobs it is the largest observed latency
+(`p99_is_max` in the JSON).
 
 Part two, throughput at several loads: unbatched, request-level batching (`--max-batch-size 4 --batch-wait-ms
 200`: partners must have the same shape AND step count) and continuous batching (`--max-batch-size 4
---continuous-batching`), at concurrency 1, 2 and 4: C closed-loop clients, `--rounds` requests each, one shape
-(`--load-size`, default 128x128, 9 frames, CFG 5: a cheaper decode than part one's, so that the DiT's share shows),
-8 and 12 steps alternating (so request-level batching finds fewer partners). Reported: jobs/s and mean latency per
-configuration and load, the throughput ratio continuous / request-level, and the latency at concurrency 1 against
-unbatched.
+--continuous-batching`), at concurrency 1, 2 and 4: C closed-loop clients on the same shape, 8 and 12 steps
+alternating (so request-level batching finds fewer partners). The three clusters run side by side: at each load,
+`--blocks` blocks of `--rounds` requests per client go to each configuration in turn, the order rotating from
+block to block, so that the machine's drift falls on all three alike. Reported: jobs/s and mean latency per
+configuration and load, the throughput ratio continuous / request-level, and the latency at concurrency 1
+against unbatched.
 
-Every configuration gets the same seeded traces (arrivals, step counts, prompts, seeds). Part two reuses the
-clusters of (a) (unbatched) and (c) (continuous); request-level batching gets its own. `--quick` runs one pair,
-(a) against (d) (and part two unbatched against continuous), at 128x128 with low jobs of 20 to 30 steps, a few
-jobs and concurrency 1 and 2, in about a minute: it checks that the benchmark runs; its numbers mean little.
-Prints one JSON object; its times are for reading, never for asserting on.
+Every configuration gets the same seeded traces (arrivals, step counts, prompts, seeds). `--quick` runs (d) alone
+with low jobs of 20 to 30 steps and a few high jobs, and part two unbatched against continuous at concurrency 1, in
+about a minute: it checks that the benchmark runs; its numbers mean little. Prints one JSON object; its times are
+for reading, never for asserting on.
 
-    python bench/step_scheduling.py            # the full run (about 10 minutes on 2 cores)
+    python bench/step_scheduling.py            # the full run (about 20 minutes on 2 cores)
     python bench/step_scheduling.py --quick
 """
 
@@ -57,15 +63,17 @@ from stagediff.client import AsyncClient, GenerationResult, Paused, Progress
 from stagediff.local.supervisor import LocalCluster
 
 TENANTS = {"bulk": "low", "standard": "normal", "vip": "high"}
-SHAPE = dict(height=256, width=256, num_frames=9, guidance_scale=5.0)
-QUICK_SHAPE = dict(SHAPE, height=128, width=128)
-HIGH_STEPS = 6
+SHAPE = dict(height=128, width=128, num_frames=1, guidance_scale=5.0)
+HIGH_STEPS = 8
 LOW_STEPS = (60, 100)  # drawn uniformly, inclusive
 QUICK_LOW_STEPS = (20, 30)
 LOAD_STEPS = (8, 12)  # part two: alternating step counts
 CONCURRENCY = (1, 2, 4)
 CONTINUOUS = ["--max-batch-size", "4", "--continuous-batching"]
 REQUEST_LEVEL = ["--max-batch-size", "4", "--batch-wait-ms", "200"]
+# A low job of 60 to 100 steps meets a high job every 10-17 s of its DiT time; at the cluster's default of 2 it
+# could not be preempted again after its second, and the high jobs arriving later would wait for its end.
+MAX_PREEMPTIONS = 10
 PROMPTS = ("a red fox in snow", "a blue whale at sea", "a green kite in wind", "a yellow cab at night")
 
 # Part one's configurations: orchestrator --preemption and the DiT's arguments.
@@ -75,31 +83,12 @@ CONFIGURATIONS = {
     "c_continuous_batching": ("off", CONTINUOUS),
     "d_both": ("on", CONTINUOUS),
 }
-LOAD_CONFIGURATIONS = ("unbatched", "request_level_batching", "continuous_batching")
-
-
-@dataclass
-class Cluster:
-    """One cluster of the run: its arguments, and which part-one configuration and part-two configuration it
-    serves (either may be None)."""
-
-    name: str
-    preemption: str
-    dit_args: list[str]
-    scheduling: str | None
-    load: str | None
-
-
-def clusters_of(quick: bool) -> list[Cluster]:
-    if quick:  # one cluster: that the benchmark runs, not what it measures
-        return [Cluster("d_both", "on", CONTINUOUS, "d_both", "continuous_batching")]
-    return [
-        Cluster("a_today", "off", [], "a_today", "unbatched"),
-        Cluster("b_preemption", "on", [], "b_preemption", None),
-        Cluster("c_continuous_batching", "off", CONTINUOUS, "c_continuous_batching", "continuous_batching"),
-        Cluster("d_both", "on", CONTINUOUS, "d_both", None),
-        Cluster("request_level_batching", "off", REQUEST_LEVEL, None, "request_level_batching"),
-    ]
+# Part two's: the DiT's arguments.
+LOAD_CONFIGURATIONS = {
+    "unbatched": [],
+    "request_level_batching": REQUEST_LEVEL,
+    "continuous_batching": CONTINUOUS,
+}
 
 
 @dataclass
@@ -195,10 +184,11 @@ async def idle_highs(endpoint: str, key: str, count: int, shape: dict) -> list[J
         return [await run_job(client, "high", *high_request(i), HIGH_STEPS, shape) for i in range(count)]
 
 
-async def loaded(endpoint: str, keys: dict[str, str], trace: Trace) -> tuple[list[JobRecord], float]:
-    """The low background and the high trace: every job's record and the phase's wall time (from the first low
-    submit to the last result). The trace's clock starts at the first low job's first DiT step; the low clients
-    send no new job once the last high job is done."""
+async def loaded(endpoint: str, keys: dict[str, str], trace: Trace, low_clients: int) -> tuple[list[JobRecord], float]:
+    """The high trace over `low_clients` closed-loop clients of low jobs (none: the trace alone): every job's
+    record and the phase's wall time (from its first submit to its last result). With a background, the trace's
+    clock starts at the first low job's first DiT step, and the low clients send no new job once the last high job
+    is done."""
     records: list[JobRecord] = []
     stop = asyncio.Event()
     denoising = asyncio.Event()
@@ -217,8 +207,9 @@ async def loaded(endpoint: str, keys: dict[str, str], trace: Trace) -> tuple[lis
     loop = asyncio.get_running_loop()
     async with AsyncClient(endpoint, api_key=keys["bulk"]) as low, AsyncClient(endpoint, api_key=keys["vip"]) as vip:
         started = loop.time()
-        lows = [asyncio.create_task(low_client(index, low)) for index in range(len(trace.low_steps))]
-        await asyncio.wait_for(denoising.wait(), 300)
+        lows = [asyncio.create_task(low_client(index, low)) for index in range(low_clients)]
+        if lows:
+            await asyncio.wait_for(denoising.wait(), 300)
         trace_start = loop.time()
         await asyncio.gather(*(high(index, vip, trace_start) for index in range(len(trace.high_offsets))))
         stop.set()
@@ -227,45 +218,61 @@ async def loaded(endpoint: str, keys: dict[str, str], trace: Trace) -> tuple[lis
     return records, wall
 
 
-def scheduling_report(idle: list[JobRecord], records: list[JobRecord], wall: float) -> dict:
-    """Part one's numbers for one configuration."""
-    failed = [r for r in idle + records if r.error]
+def latency_summary(records: list[JobRecord]) -> dict:
+    latencies = [r.latency for r in records]
+    return {
+        "p50": r3(percentile(latencies, 0.50)),
+        "p99": r3(percentile(latencies, 0.99)),
+        "p99_is_max": len(latencies) < 100,
+        "mean": r3(statistics.fmean(latencies)),
+    }
+
+
+def scheduling_report(idle: list[JobRecord], alone: list[JobRecord], records: list[JobRecord], wall: float) -> dict:
+    """Part one's numbers for one configuration: `idle` the high jobs one after another, `alone` the high trace
+    with nothing else, `records` the loaded phase."""
+    failed = [r for r in idle + alone + records if r.error]
     ok = [r for r in records if not r.error]
     highs = [r for r in ok if r.kind == "high"]
     lows = [r for r in ok if r.kind == "low"]
-    idle_latencies = [r.latency for r in idle if not r.error]
-    idle_median = statistics.median(idle_latencies) if idle_latencies else float("nan")
-    high_latencies = [r.latency for r in highs]
+    idle_ok = [r for r in idle if not r.error]
+    alone_ok = [r for r in alone if not r.error]
+    idle_median = statistics.median([r.latency for r in idle_ok]) if idle_ok else float("nan")
     report: dict = {
-        "jobs": {"high": len(highs), "low": len(lows), "idle_high": len(idle_latencies), "failed": len(failed)},
+        "jobs": {
+            "high": len(highs),
+            "low": len(lows),
+            "idle_high": len(idle_ok),
+            "alone_high": len(alone_ok),
+            "failed": len(failed),
+        },
         "errors": [r.error for r in failed][:5],
         "high_idle_latency_s": {
             "median": r3(idle_median),
-            "min": r3(min(idle_latencies, default=float("nan"))),
-            "max": r3(max(idle_latencies, default=float("nan"))),
-            "dit_finish_median": r3(statistics.median([r.last_dit - r.submitted for r in idle if r.last_dit]))
-            if idle_latencies
+            "min": r3(min((r.latency for r in idle_ok), default=float("nan"))),
+            "max": r3(max((r.latency for r in idle_ok), default=float("nan"))),
+            "dit_finish_median": r3(statistics.median([r.last_dit - r.submitted for r in idle_ok if r.last_dit]))
+            if idle_ok
             else None,
         },
     }
+    if alone_ok:
+        report["high_alone_latency_s"] = latency_summary(alone_ok)
+        report["high_alone_dit_finish_max_s"] = r3(max(r.last_dit - r.submitted for r in alone_ok if r.last_dit))
     if highs:
-        p99 = percentile(high_latencies, 0.99)
+        report["high_latency_s"] = latency_summary(highs)
+        p99, p50 = report["high_latency_s"]["p99"], report["high_latency_s"]["p50"]
+        if alone_ok:
+            # The target's comparison: the high class's p99 under the low background against the same trace alone.
+            report["high_p99_over_idle_p99"] = r3(p99 / report["high_alone_latency_s"]["p99"])
+            report["high_p50_over_idle_p50"] = r3(p50 / report["high_alone_latency_s"]["p50"])
+        report["high_p99_over_idle_median"] = r3(p99 / idle_median)
         dit_wait = [r.first_dit - r.submitted for r in highs if r.first_dit]
         dit_finish = [r.last_dit - r.submitted for r in highs if r.last_dit]
-        report["high_latency_s"] = {
-            "p50": r3(percentile(high_latencies, 0.50)),
-            "p99": r3(p99),
-            "p99_is_max": len(high_latencies) < 100,
-            "mean": r3(statistics.fmean(high_latencies)),
-        }
-        report["high_p99_over_idle"] = r3(p99 / idle_median)
-        report["high_p50_over_idle"] = r3(percentile(high_latencies, 0.50) / idle_median)
         report["high_dit_wait_s"] = {"p50": r3(percentile(dit_wait, 0.5)), "max": r3(max(dit_wait))}
         report["high_dit_finish_s"] = {"p50": r3(percentile(dit_finish, 0.5)), "max": r3(max(dit_finish))}
-        idle_finish = report["high_idle_latency_s"]["dit_finish_median"]
-        if idle_finish:
-            # The part the DiT gate controls: submit to the last DiT step, its largest against the idle median.
-            report["high_dit_finish_max_over_idle"] = r3(max(dit_finish) / idle_finish)
+        if alone_ok:
+            report["high_dit_finish_max_over_idle_max"] = r3(max(dit_finish) / report["high_alone_dit_finish_max_s"])
     report["low_mean_latency_s"] = r3(statistics.fmean([r.latency for r in lows])) if lows else None
     report["low_preemptions"] = sum(r.pauses for r in lows)
     report["loaded_wall_s"] = r3(wall)
@@ -276,8 +283,9 @@ def scheduling_report(idle: list[JobRecord], records: list[JobRecord], wall: flo
     return report
 
 
-async def load_level(endpoint: str, key: str, shape: dict, concurrency: int, rounds: int) -> dict:
-    """C closed-loop clients, `rounds` requests each, step counts alternating between LOAD_STEPS."""
+async def load_block(endpoint: str, key: str, shape: dict, concurrency: int, rounds: int) -> tuple[list, float]:
+    """C closed-loop clients, `rounds` requests each, step counts alternating between LOAD_STEPS: the records and
+    the block's wall time."""
     records: list[JobRecord] = []
 
     async def client_loop(index: int, client: AsyncClient) -> None:
@@ -290,7 +298,10 @@ async def load_level(endpoint: str, key: str, shape: dict, concurrency: int, rou
     async with AsyncClient(endpoint, api_key=key) as client:
         started = loop.time()
         await asyncio.gather(*(client_loop(index, client) for index in range(concurrency)))
-        wall = loop.time() - started
+        return records, loop.time() - started
+
+
+def load_summary(concurrency: int, records: list[JobRecord], wall: float) -> dict:
     ok = [r for r in records if not r.error]
     return {
         "concurrency": concurrency,
@@ -303,6 +314,12 @@ async def load_level(endpoint: str, key: str, shape: dict, concurrency: int, rou
     }
 
 
+def rotated(names: list[str], block: int) -> list[str]:
+    """The configurations' order in a block: each block starts one further along."""
+    shift = block % len(names)
+    return names[shift:] + names[:shift]
+
+
 def tenants_file(directory: Path, keys: dict[str, str]) -> Path:
     path = directory / "tenants.yaml"
     tenants = [
@@ -313,44 +330,70 @@ def tenants_file(directory: Path, keys: dict[str, str]) -> Path:
     return path
 
 
-def run_cluster(spec: Cluster, model: Path, keys: dict, tenants: Path, trace: Trace, args, workdir: Path) -> dict:
-    """Starts one cluster, runs its parts, stops it."""
+def start_cluster(name: str, model: Path, tenants: Path, preemption: str, dit_args: list, args, workdir: Path):
     cluster = LocalCluster(
         model,
         threads_per_stage=args.threads,
-        log_dir=workdir / f"logs-{spec.name}",
+        log_dir=workdir / f"logs-{name}",
         extra_args={
-            "orchestrator": ["--tenants", str(tenants), "--max-running-jobs", "16", "--preemption", spec.preemption],
-            "dit": spec.dit_args,
+            "orchestrator": [
+                *("--tenants", str(tenants), "--max-running-jobs", "16"),
+                *("--preemption", preemption, "--max-preemptions", str(args.max_preemptions)),
+            ],
+            "dit": dit_args,
         },
     )
     cluster.start(timeout=600)
-    out: dict = {}
+    return cluster
+
+
+async def warm(endpoint: str, key: str, shape: dict) -> None:
+    """First calls: lazy imports and allocations, and a batch of two where one forms."""
+    async with AsyncClient(endpoint, api_key=key) as client:
+        await run_job(client, "warm", PROMPTS[0], 1, HIGH_STEPS, shape)
+        await asyncio.gather(*(run_job(client, "warm", PROMPTS[i], i, LOAD_STEPS[0], shape) for i in range(2)))
+
+
+def scheduling_run(name: str, model: Path, keys: dict, tenants: Path, trace: Trace, args, workdir: Path) -> dict:
+    """Part one for one configuration, on a cluster of its own."""
+    preemption, dit_args = CONFIGURATIONS[name]
+    cluster = start_cluster(name, model, tenants, preemption, dit_args, args, workdir)
     try:
         endpoint = cluster.endpoint
-
-        async def warm() -> None:
-            # First calls: lazy imports and allocations, of both shapes, and a batch of two where one forms.
-            async with AsyncClient(endpoint, api_key=keys["standard"]) as client:
-                await run_job(client, "warm", PROMPTS[0], 1, HIGH_STEPS, trace.shape)
-                if spec.load:
-                    await asyncio.gather(
-                        *(run_job(client, "warm", PROMPTS[i], i, LOAD_STEPS[0], args.load_shape) for i in range(2))
-                    )
-
-        asyncio.run(warm())
-        if spec.scheduling:
-            idle = asyncio.run(idle_highs(endpoint, keys["vip"], args.idle_highs, trace.shape))
-            records, wall = asyncio.run(loaded(endpoint, keys, trace))
-            out["scheduling"] = scheduling_report(idle, records, wall)
-        if spec.load:
-            out["load"] = [
-                asyncio.run(load_level(endpoint, keys["standard"], args.load_shape, concurrency, args.rounds))
-                for concurrency in args.concurrency
-            ]
+        asyncio.run(warm(endpoint, keys["standard"], trace.shape))
+        idle = asyncio.run(idle_highs(endpoint, keys["vip"], args.idle_highs, trace.shape))
+        alone, _ = asyncio.run(loaded(endpoint, keys, trace, low_clients=0))
+        records, wall = asyncio.run(loaded(endpoint, keys, trace, low_clients=len(trace.low_steps)))
+        return scheduling_report(idle, alone, records, wall)
     finally:
         cluster.stop()
-    return out
+
+
+def load_run(names: list[str], model: Path, keys: dict, tenants: Path, args, workdir: Path) -> dict:
+    """Part two: the configurations' clusters side by side, blocks of each load in rotating order."""
+    clusters = {
+        name: start_cluster(name, model, tenants, "off", LOAD_CONFIGURATIONS[name], args, workdir) for name in names
+    }
+    try:
+        for cluster in clusters.values():
+            asyncio.run(warm(cluster.endpoint, keys["standard"], args.load_shape))
+        levels: dict[str, list[dict]] = {name: [] for name in names}
+        for concurrency in args.concurrency:
+            records: dict[str, list[JobRecord]] = {name: [] for name in names}
+            walls = dict.fromkeys(names, 0.0)
+            for block in range(args.blocks):
+                for name in rotated(names, block):
+                    block_records, wall = asyncio.run(
+                        load_block(clusters[name].endpoint, keys["standard"], args.load_shape, concurrency, args.rounds)
+                    )
+                    records[name] += block_records
+                    walls[name] += wall
+            for name in names:
+                levels[name].append(load_summary(concurrency, records[name], walls[name]))
+        return levels
+    finally:
+        for cluster in clusters.values():
+            cluster.stop()
 
 
 def machine() -> dict:
@@ -365,50 +408,66 @@ def machine() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="(d) alone, a few jobs: that it runs (half a minute)")
+    parser.add_argument("--quick", action="store_true", help="(d) alone, a few jobs: that it runs (about a minute)")
+    parser.add_argument("--preset", default="small", help="the wan-t2v preset (default: small)")
     parser.add_argument("--seed", type=int, default=0, help="the traces' seed")
     parser.add_argument("--window-s", type=float, default=None, help="high arrivals over this many seconds")
     parser.add_argument("--mean-gap-s", type=float, default=None, help="mean seconds between high arrivals")
     parser.add_argument("--low-clients", type=int, default=2, help="closed-loop clients of low jobs")
-    parser.add_argument("--idle-highs", type=int, default=None, help="high jobs run on the idle cluster")
-    parser.add_argument("--rounds", type=int, default=None, help="part two: requests per client at each load")
-    parser.add_argument("--load-size", type=int, default=128, help="part two: height and width (9 frames, CFG 5)")
+    parser.add_argument("--idle-highs", type=int, default=None, help="high jobs run one after another when idle")
+    parser.add_argument("--blocks", type=int, default=None, help="part two: blocks per configuration and load")
+    parser.add_argument("--rounds", type=int, default=None, help="part two: requests per client in a block")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per stage")
+    parser.add_argument(
+        "--max-preemptions", type=int, default=MAX_PREEMPTIONS, help="the orchestrator's --max-preemptions"
+    )
+    parser.add_argument(
+        "--configurations",
+        type=lambda value: value.split(",") if value else [],
+        default=None,
+        help=f"part one's configurations, comma-separated (default: all of {', '.join(CONFIGURATIONS)})",
+    )
+    parser.add_argument(
+        "--load-configurations",
+        type=lambda value: value.split(",") if value else [],
+        default=None,
+        help=f"part two's, comma-separated; empty: no part two (default: all of {', '.join(LOAD_CONFIGURATIONS)})",
+    )
     args = parser.parse_args()
-    defaults = dict(window_s=(3.0, 90.0), mean_gap_s=(1.5, 5.0), idle_highs=(1, 5), rounds=(1, 6))
+    for flag, chosen, known in (
+        ("--configurations", args.configurations, CONFIGURATIONS),
+        ("--load-configurations", args.load_configurations, LOAD_CONFIGURATIONS),
+    ):
+        unknown = [name for name in chosen or () if name not in known]
+        if unknown:
+            parser.error(f"{flag}: {', '.join(unknown)} unknown; allowed: {', '.join(known)}")
+    defaults = dict(window_s=(3.0, 90.0), mean_gap_s=(1.5, 6.0), idle_highs=(1, 3), blocks=(1, 3), rounds=(1, 2))
     for name, (quick, full) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     args.concurrency = (1,) if args.quick else CONCURRENCY
     args.low_steps = QUICK_LOW_STEPS if args.quick else LOW_STEPS
-    args.load_shape = dict(height=args.load_size, width=args.load_size, num_frames=9, guidance_scale=5.0)
+    args.load_shape = SHAPE
 
     workdir = Path(tempfile.mkdtemp(prefix="stagediff-step-scheduling-"))
-    model = init_model("wan-t2v", "tiny", workdir / "tiny", seed=0)
+    model = init_model("wan-t2v", args.preset, workdir / args.preset, seed=0)
     keys = {name: new_api_key() for name in TENANTS}
     tenants = tenants_file(workdir, keys)
-    trace = Trace.make(
-        QUICK_SHAPE if args.quick else SHAPE,
-        args.seed,
-        args.window_s,
-        args.mean_gap_s,
-        args.low_clients,
-        args.low_steps,
-    )
+    trace = Trace.make(SHAPE, args.seed, args.window_s, args.mean_gap_s, args.low_clients, args.low_steps)
     started = time.perf_counter()
-    scheduling: dict = {}
-    load: dict = {}
-    for spec in clusters_of(args.quick):
-        out = run_cluster(spec, model, keys, tenants, trace, args, workdir)
-        if spec.scheduling:
-            scheduling[spec.scheduling] = out["scheduling"]
-        if spec.load:
-            load[spec.load] = out["load"]
+    scheduling_names = args.configurations
+    if scheduling_names is None:
+        scheduling_names = ["d_both"] if args.quick else list(CONFIGURATIONS)
+    scheduling = {name: scheduling_run(name, model, keys, tenants, trace, args, workdir) for name in scheduling_names}
+    load_names = args.load_configurations
+    if load_names is None:
+        load_names = ["unbatched", "continuous_batching"] if args.quick else list(LOAD_CONFIGURATIONS)
+    load = load_run(load_names, model, keys, tenants, args, workdir) if load_names else {}
 
     report: dict = {
         "benchmark": "step_scheduling",
         "quick": args.quick,
-        "model": "wan-t2v tiny, one DiT replica",
+        "model": f"wan-t2v {args.preset}, one DiT replica",
         "scheduling": {
             "workload": {
                 "shape": trace.shape,
@@ -432,20 +491,14 @@ def main() -> None:
             "workload": {
                 "shape": args.load_shape,
                 "steps_alternating": list(LOAD_STEPS),
-                "rounds_per_client": args.rounds,
+                "blocks": args.blocks,
+                "rounds_per_client_in_a_block": args.rounds,
                 "concurrency": list(args.concurrency),
             },
-            "configurations": {
-                "unbatched": {"dit_args": []},
-                "request_level_batching": {"dit_args": REQUEST_LEVEL},
-                "continuous_batching": {"dit_args": CONTINUOUS},
-            },
+            "configurations": {name: {"dit_args": LOAD_CONFIGURATIONS[name]} for name in load_names},
             "levels": load,
         },
     }
-    for name in list(report["load"]["configurations"]):
-        if name not in load:
-            del report["load"]["configurations"][name]
     report["ratios"] = ratios(scheduling, load)
     report.update(threads_per_stage=args.threads, machine=machine(), total_wall_s=r3(time.perf_counter() - started))
     print(json.dumps(report, indent=2))
@@ -454,8 +507,11 @@ def main() -> None:
 def ratios(scheduling: dict, load: dict) -> dict:
     """The comparisons the run is for."""
     out: dict = {
-        "high_p99_over_idle": {n: s.get("high_p99_over_idle") for n, s in scheduling.items()},
-        "high_dit_finish_max_over_idle": {n: s.get("high_dit_finish_max_over_idle") for n, s in scheduling.items()},
+        "high_p99_over_idle_p99": {n: s.get("high_p99_over_idle_p99") for n, s in scheduling.items()},
+        "high_p99_over_idle_median": {n: s.get("high_p99_over_idle_median") for n, s in scheduling.items()},
+        "high_dit_finish_max_over_idle_max": {
+            n: s.get("high_dit_finish_max_over_idle_max") for n, s in scheduling.items()
+        },
     }
     if "continuous_batching" in load and "request_level_batching" in load:
         out["throughput_continuous_over_request_level"] = {

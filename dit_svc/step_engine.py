@@ -4,7 +4,8 @@ steps with requests that arrive later.
 On one rank, for a family whose loop is written as steps (stagekit/denoise_steps.py `runs_steps`), a request with
 no step cache and no adapters becomes a `Member` of the `StepEngine`. The engine is an asyncio task that, while it
 has members, hands the stage's compute thread ONE iteration at a time (`StageRuntime.run`), so other work queued on
-that thread runs between iterations. An iteration:
+that thread runs between iterations; an iteration queues there at the place of the highest-priority call it
+serves (services/stage_priority.py). An iteration:
 
 1. admits waiting members in arrival order while there are free `slots` and their work (`request_work`) stays
    within `work_limit` (a member alone is always admitted): `begin` makes its run, from its state when it sent one
@@ -37,6 +38,7 @@ import torch
 from dit_svc.batching import request_work
 from dit_svc.step_cache import CachePasses
 from services.stage import StageRuntime
+from services.stage_priority import current_place, running_as
 from stagediff.v1 import stages_pb2
 from stagekit.denoise import DenoiseSpec
 from stagekit.denoise_steps import DenoiseRun, StepDenoiser, scheduler_exportable, state_from_bytes
@@ -71,6 +73,8 @@ class Member:
     yield_asked: bool = False
     retired: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # Its call's place on the compute thread (services/stage_priority.py), taken where the member is made.
+    place: tuple[int, int] = field(default_factory=current_place)
 
     @property
     def may_yield(self) -> bool:
@@ -165,6 +169,8 @@ class StepEngine:
                     if not self.waiting:
                         await self.arrival.wait()
                     continue
+                # An iteration serves its members: it queues on the compute thread at the place of the first of them.
+                running_as(min(member.place for member in (*admitted, *self.active)))
                 try:
                     await self.runtime.run(self._iterate, admitted, loop)
                 except Exception as error:  # the compute thread could not take the iteration (the stage stops)

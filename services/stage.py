@@ -4,7 +4,8 @@ A stage runs its torch compute on one dedicated thread, so the asyncio event
 loop keeps answering health checks, info calls and cancellations while a
 request computes. Work that produces a stream (denoising steps, decoded frame
 chunks) reports each item through `emit`, and the async handler forwards it as
-soon as it is produced.
+soon as it is produced. Queued work runs by the calls' priority classes, the highest first
+(services/stage_priority.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import contextvars
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -23,6 +23,7 @@ import torch
 
 from services.checkpoint import CheckpointSpec
 from services.component_identity import StageIdentity
+from services.stage_priority import PriorityExecutor
 from stagediff import __version__
 from stagediff.tensor_codec import WireError
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
@@ -83,7 +84,8 @@ class StageRuntime:
         self.identity = identity or StageIdentity({}, {}, (spec.model_id,) if spec is not None else ())
         self.device = device
         self.dtype = dtype
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage}-compute")
+        # The compute thread, serving queued work by the calls' priority classes (services/stage_priority.py).
+        self.executor = PriorityExecutor(thread_name_prefix=f"{stage}-compute")
         self.parameter_bytes: dict[str, int] = {}
         self.parallel_config: dict[str, str] = {}
         # Raised by a stage that cannot take the smallest sizes (a patch-parallel VAE needs rows for every rank).

@@ -28,6 +28,7 @@ from services.metrics import ServerMetrics, start_metrics_server
 from services.server import configure_logging, serve
 from services.stage import StageControlServicer, StageRuntime, resolve_device, resolve_dtype
 from services.stage_config import StageConfig
+from services.stage_priority import CallPriorityInterceptor
 from services.tracing import configure_tracing
 from stagediff.v1 import stages_pb2, stages_pb2_grpc
 
@@ -133,7 +134,7 @@ def run_stage(config: StageConfig, make_servicer: Callable[[StageRuntime], Stage
             on_drain=servicer.drain,
             grace=config.drain_grace_s,
             watchdog=servicer.failure,
-            interceptors=interceptors,
+            interceptors=[*interceptors, CallPriorityInterceptor()],
             credentials=credentials,
             metrics=metrics,
             max_concurrent_rpcs=server.max_concurrent_rpcs,

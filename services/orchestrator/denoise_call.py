@@ -39,6 +39,7 @@ from services.orchestrator.stage_clients import StagePool
 from services.orchestrator.step_times import ShapeKey, StepTimes
 from services.orchestrator.store import JobStore
 from services.orchestrator.store_retry import store_call
+from services.stage_priority import call_metadata
 from stagediff.v1 import generation_pb2, image_pb2, stages_pb2, tensor_pb2
 
 logger = logging.getLogger(__name__)
@@ -202,7 +203,8 @@ class Denoising:
             received: list[tensor_pb2.TensorChunk] = []
             last_step = time.perf_counter()
             cfg = request.guidance_scale > route.family.cfg_threshold
-            async for response in replica.denoiser.Denoise(requests(), timeout=remaining()):
+            calls = replica.denoiser.Denoise(requests(), timeout=remaining(), metadata=call_metadata(job.priority))
+            async for response in calls:
                 if response.HasField("progress"):
                     now = time.perf_counter()
                     self.step_times.observe(shape_key(request, cfg), now - last_step)

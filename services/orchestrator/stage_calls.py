@@ -38,6 +38,7 @@ from services.orchestrator.stage_clients import StageError, StagePool
 from services.orchestrator.step_times import StepTimes
 from services.orchestrator.store import AUDIO_TENSOR, JobStore
 from services.orchestrator.store_retry import store_call
+from services.stage_priority import call_metadata
 from stagediff.tensor_codec import WireError
 from stagediff.v1 import generation_pb2, image_pb2, stages_pb2, tensor_pb2
 
@@ -165,6 +166,7 @@ class StageCalls:
                     images=images,
                 ),
                 timeout=self.remaining(job),
+                metadata=call_metadata(job.priority),
             )
             notices: list[stages_pb2.Notice] = []
             async for response in call:
@@ -194,6 +196,7 @@ class StageCalls:
                     images=images,
                 ),
                 timeout=self.remaining(job),
+                metadata=call_metadata(job.priority),
             )
             async for response in call:
                 chunks.append(response.tensor)
@@ -255,7 +258,11 @@ class StageCalls:
         decoded = 0
         tensor = ""  # the name of the tensor whose chunks arrive
         async with stage.call(route.accepts("vae", "decode"), route.model) as replica:
-            call = replica.vae.Decode(requests(route.model_for(replica.info)), timeout=self.remaining(job))
+            call = replica.vae.Decode(
+                requests(route.model_for(replica.info)),
+                timeout=self.remaining(job),
+                metadata=call_metadata(job.priority),
+            )
             async for response in call:
                 if started is None:
                     started = time.perf_counter()
@@ -296,7 +303,10 @@ class StageCalls:
         started = None
         sent = 0
         async with stage.call(route.accepts("interp"), route.model) as replica:
-            async for response in replica.interpolator.Interpolate(requests(), timeout=self.remaining(job)):
+            calls = replica.interpolator.Interpolate(
+                requests(), timeout=self.remaining(job), metadata=call_metadata(job.priority)
+            )
+            async for response in calls:
                 if started is None:
                     started = time.perf_counter()
                     job.current_stage = "interp"

@@ -22,6 +22,7 @@ from services.orchestrator.stage_clients import StagePool
 from services.orchestrator.store import JobStore
 from services.orchestrator.tenant_auth import TenantAuthInterceptor
 from services.orchestrator.tenants import TenantRegistry
+from services.stage_priority import PRIORITY_METADATA
 from stagediff.tensor_codec import TensorAssembler, WireTensor, encode_tensor
 from stagediff.v1 import generation_pb2, generation_pb2_grpc, stages_pb2, stages_pb2_grpc, tensor_pb2
 
@@ -50,8 +51,10 @@ class FakeTextEncoder(stages_pb2_grpc.TextEncoderServicer):
 
     def __init__(self) -> None:
         self.sent: list[tensor_pb2.TensorChunk] = []
+        self.priorities: list[str | None] = []  # each call's stagediff-priority metadata
 
     async def Encode(self, request, context):
+        self.priorities.append(dict(context.invocation_metadata()).get(PRIORITY_METADATA))
         for i, role in enumerate(("prompt", "negative_prompt")[: len(request.texts)]):
             embeds = np.full((1, 4, 8), i + 1, np.float32)
             for chunk in encode_tensor(f"{role}_embeds", embeds, chunk_bytes=48):
@@ -65,8 +68,10 @@ class FakeDenoiser(stages_pb2_grpc.DenoiserServicer):
 
     def __init__(self) -> None:
         self.received: list[list[tensor_pb2.TensorChunk]] = []
+        self.priorities: list[str | None] = []  # each call's stagediff-priority metadata
 
     async def Denoise(self, request_iterator, context):
+        self.priorities.append(dict(context.invocation_metadata()).get(PRIORITY_METADATA))
         params = None
         received: list[tensor_pb2.TensorChunk] = []
         async for request in request_iterator:
@@ -87,12 +92,14 @@ class FakeVae(stages_pb2_grpc.VaeDecoderServicer):
 
     def __init__(self) -> None:
         self.calls = 0
+        self.priorities: list[str | None] = []  # each call's stagediff-priority metadata
 
     def fill(self, latent: WireTensor) -> int:
         return latent.index
 
     async def Decode(self, request_iterator, context):
         self.calls += 1
+        self.priorities.append(dict(context.invocation_metadata()).get(PRIORITY_METADATA))
         assembler = TensorAssembler()
         async for request in request_iterator:
             if request.HasField("params"):

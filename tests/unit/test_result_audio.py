@@ -67,7 +67,7 @@ class FakeVae:
     def __init__(self, sound: np.ndarray | None, name: str = "audio") -> None:
         self.sound, self.name = sound, name
 
-    def Decode(self, requests, timeout=None):
+    def Decode(self, requests, timeout=None, metadata=()):
         async def run():
             assembler = TensorAssembler()
             height = width = 0
@@ -93,7 +93,7 @@ class FakeVae:
 class FakeDenoiser:
     """One latent per latent frame, carrying the output size."""
 
-    def Denoise(self, requests, timeout=None):
+    def Denoise(self, requests, timeout=None, metadata=()):
         async def run():
             params = None
             async for request in requests:
@@ -114,7 +114,7 @@ class FakeInterpolator:
     def __init__(self) -> None:
         self.names: list[str] = []
 
-    def Interpolate(self, requests, timeout=None):
+    def Interpolate(self, requests, timeout=None, metadata=()):
         async def run():
             assembler = TensorAssembler()
             frames, exp = [], 0
