@@ -419,6 +419,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="part two: requests per client in a block")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per stage")
     parser.add_argument(
+        "--concurrency",
+        type=lambda value: tuple(int(level) for level in value.split(",")),
+        default=None,
+        help=f"part two's loads, comma-separated (default: {','.join(map(str, CONCURRENCY))})",
+    )
+    parser.add_argument(
         "--max-preemptions", type=int, default=MAX_PREEMPTIONS, help="the orchestrator's --max-preemptions"
     )
     parser.add_argument(
@@ -445,7 +451,8 @@ def main() -> None:
     for name, (quick, full) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
-    args.concurrency = (1,) if args.quick else CONCURRENCY
+    if args.concurrency is None:
+        args.concurrency = (1,) if args.quick else CONCURRENCY
     args.low_steps = QUICK_LOW_STEPS if args.quick else LOW_STEPS
     args.load_shape = SHAPE
 
