@@ -71,8 +71,9 @@ LOAD_STEPS = (8, 12)  # part two: alternating step counts
 CONCURRENCY = (1, 2, 4)
 CONTINUOUS = ["--max-batch-size", "4", "--continuous-batching"]
 REQUEST_LEVEL = ["--max-batch-size", "4", "--batch-wait-ms", "200"]
-# A low job of 60 to 100 steps meets a high job every 10-17 s of its DiT time; at the cluster's default of 2 it
-# could not be preempted again after its second, and the high jobs arriving later would wait for its end.
+# A low job of 60 to 100 steps (11-19 s of DiT at the small preset) meets a high job every 6 s on average; at the
+# cluster's default of 2 it could not be preempted again after its second, and the high jobs arriving later would
+# wait for its end.
 MAX_PREEMPTIONS = 10
 PROMPTS = ("a red fox in snow", "a blue whale at sea", "a green kite in wind", "a yellow cab at night")
 
