@@ -13,11 +13,12 @@ this module orders that queue instead:
   latent frame, a step), so a high call's pieces go ahead of a low call's remaining ones at the next piece: a
   running piece is never interrupted.
 
-Work submitted outside a call (loading the model, a step engine's iterations that set their own place with
-`running_as`) has class `normal` and place 0. A call without the metadata, or with a value that is not a class (an
-older orchestrator), runs as `normal`: the metadata only orders work and grants nothing, so it is not refused. Within
-one class, order stays first come, first served; a class is served strictly before the classes below it (the
-orchestrator's admission and the DiT gate already bound how much work of each class reaches a stage).
+Work submitted outside a call (loading the model) has class `normal` and place 0; a DiT's step engine, which serves
+several calls, queues each iteration at the place of its first member (`running_as`). A call without the metadata, or
+with a value that is not a class (an older orchestrator), runs as `normal`: the metadata only orders work and grants
+nothing, so it is not refused. Within one class, order stays first come, first served; a class is served strictly before
+the classes below it (the orchestrator's admission and the DiT gate already bound how much work of each class reaches a
+stage).
 """
 
 from __future__ import annotations
