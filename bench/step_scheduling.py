@@ -23,13 +23,14 @@ preemptions they saw. p99 is nearest-rank: with fewer than 100 high jobs it is t
 (`p99_is_max` in the JSON).
 
 Part two, throughput at several loads: unbatched, request-level batching (`--max-batch-size 4 --batch-wait-ms
-200`: partners must have the same shape AND step count) and continuous batching (`--max-batch-size 4
---continuous-batching`), at concurrency 1, 2 and 4: C closed-loop clients on the same shape, 8 and 12 steps
-alternating (so request-level batching finds fewer partners). The three clusters run side by side: at each load,
-`--blocks` blocks of `--rounds` requests per client go to each configuration in turn, the order rotating from
-block to block, so that the machine's drift falls on all three alike. Reported: jobs/s and mean latency per
-configuration and load, the throughput ratio continuous / request-level, and the latency at concurrency 1
-against unbatched.
+200`: partners must have the same shape AND step count), continuous batching (`--max-batch-size 4
+--continuous-batching`: the batch grows while a row's measured share of a step falls, dit_svc/batch_growth.py) and
+continuous batching filling its slots (`--batch-growth full`), at concurrency 1, 2 and 4: C closed-loop clients on
+the same shape, 8 and 12 steps alternating (so request-level batching finds fewer partners). The clusters run side
+by side: at each load, `--blocks` blocks of `--rounds` requests per client go to each configuration in turn, the
+order rotating from block to block, so that the machine's drift falls on all alike. Reported: jobs/s and mean
+latency per configuration and load, the throughput ratios continuous / request-level, and the latency at
+concurrency 1 against unbatched.
 
 Every configuration gets the same seeded traces (arrivals, step counts, prompts, seeds). `--quick` runs (d) alone
 with low jobs of 20 to 30 steps and a few high jobs, and part two unbatched against continuous at concurrency 1, in
@@ -89,6 +90,7 @@ LOAD_CONFIGURATIONS = {
     "unbatched": [],
     "request_level_batching": REQUEST_LEVEL,
     "continuous_batching": CONTINUOUS,
+    "continuous_batching_full": [*CONTINUOUS, "--batch-growth", "full"],
 }
 
 
@@ -521,11 +523,12 @@ def ratios(scheduling: dict, load: dict) -> dict:
             n: s.get("high_dit_finish_max_over_idle_max") for n, s in scheduling.items()
         },
     }
-    if "continuous_batching" in load and "request_level_batching" in load:
-        out["throughput_continuous_over_request_level"] = {
-            str(c["concurrency"]): r3(c["jobs_per_s"] / q["jobs_per_s"])
-            for c, q in zip(load["continuous_batching"], load["request_level_batching"], strict=True)
-        }
+    for name, key in (("continuous_batching", "continuous"), ("continuous_batching_full", "continuous_full")):
+        if name in load and "request_level_batching" in load:
+            out[f"throughput_{key}_over_request_level"] = {
+                str(c["concurrency"]): r3(c["jobs_per_s"] / q["jobs_per_s"])
+                for c, q in zip(load[name], load["request_level_batching"], strict=True)
+            }
     if "continuous_batching" in load and "unbatched" in load:
         out["throughput_continuous_over_unbatched"] = {
             str(c["concurrency"]): r3(c["jobs_per_s"] / u["jobs_per_s"])

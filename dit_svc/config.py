@@ -27,7 +27,7 @@ from dit_svc.config_checks import (
     transformer_components,
 )
 from dit_svc.model_options import ModelOptions
-from dit_svc.options import DEFAULT_MASTER_PORT
+from dit_svc.options import DEFAULT_MASTER_PORT, GROWTH_CHOICES
 from families.base import Family
 from services.checkpoint import CheckpointError, CheckpointSpec, read_checkpoint
 from services.rank_group import ControlChannel, NodeLayout, group_authkey
@@ -77,6 +77,9 @@ class Batching:
     continuous: bool = False
     """--continuous-batching: up to max_batch_size requests share each step, joining and leaving at step
     boundaries (dit_svc/step_engine.py); batch_wait_ms is not used."""
+    growth: str = "measured"
+    """--batch-growth: how far a continuous batch grows, "measured" (while a row's share of a step falls,
+    dit_svc/batch_growth.py) or "full" (to max_batch_size)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_batch_size <= MAX_BATCH_SIZE:
@@ -87,6 +90,10 @@ class Batching:
             raise ValueError(
                 "--continuous-batching needs --max-batch-size N with N > 1: the most requests that share a step"
             )
+        if self.growth not in GROWTH_CHOICES:
+            raise ValueError(f"--batch-growth {self.growth!r}: allowed {', '.join(GROWTH_CHOICES)}")
+        if self.growth != "measured" and not self.continuous:
+            raise ValueError(f"--batch-growth {self.growth}: only with --continuous-batching")
 
     @property
     def step_slots(self) -> int:
@@ -180,7 +187,7 @@ class DitConfig:
                 threshold=args.cache_threshold,
                 mag_ratios_file=args.cache_mag_ratios,
             )
-        batching = Batching(args.max_batch_size, args.batch_wait_ms, args.continuous_batching)
+        batching = Batching(args.max_batch_size, args.batch_wait_ms, args.continuous_batching, args.batch_growth)
         check_batching(batching.max_batch_size, family)
         if batching.continuous:
             check_continuous_batching(parallel, family)

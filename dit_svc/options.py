@@ -8,6 +8,9 @@ from families.base import CACHE_METHODS, DEFAULT_CACHE_THRESHOLDS
 from services.environment_options import OptionParser
 from services.stage_options import add_stage_kind_arguments, stage_parser
 
+# --batch-growth (dit_svc/batch_growth.py): "measured" grows a continuous batch while a row's share of a step falls.
+GROWTH_CHOICES = ("measured", "full")
+
 # torchrun's defaults for the store; the control channel of a multi-node group takes the next port.
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_GROUP_PORT = 29501
@@ -117,6 +120,13 @@ def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="step up to --max-batch-size requests together, a new one joining at the next step boundary, each "
         "at its own step (families whose loop runs as steps, one rank; --batch-wait-ms is not used)",
+    )
+    group.add_argument(
+        "--batch-growth",
+        choices=GROWTH_CHOICES,
+        default="measured",
+        help="with --continuous-batching, how far a batch of one shape grows: 'measured' (default) while a row's "
+        "measured share of a step keeps falling; 'full' to --max-batch-size whatever a row costs",
     )
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dit_svc.batch_growth import BatchGrowth
 from dit_svc.config import Batching
 from dit_svc.step_engine import Member, StateBytes, StepEngine
 from services.stage import StageRuntime
@@ -163,4 +164,5 @@ def step_calls_for(
     if batching.max_batch_size > 1 and not batching.continuous:
         return StepCalls(None, "requests are batched whole (--max-batch-size without --continuous-batching)")
     runtime.step_scheduling, runtime.step_slots = True, batching.step_slots
-    return StepCalls(StepEngine(runtime, denoiser, batching.step_slots, work_limit))
+    growth = BatchGrowth(batching.step_slots) if batching.step_slots > 1 and batching.growth == "measured" else None
+    return StepCalls(StepEngine(runtime, denoiser, batching.step_slots, work_limit, growth))

@@ -7,13 +7,17 @@ has members, hands the stage's compute thread ONE iteration at a time (`StageRun
 that thread runs between iterations; an iteration queues there at the place of the highest-priority call it
 serves (services/stage_priority.py). An iteration:
 
-1. admits waiting members in arrival order while there are free `slots` and their work (`request_work`) stays
-   within `work_limit` (a member alone is always admitted): `begin` makes its run, from its state when it sent one
-   (a state made for another request fails that member alone, with a RequestError naming denoise_state);
+1. admits waiting members by their call's place (priority class, then arrival) while there are free `slots` and
+   their work (`request_work`) stays within `work_limit`, and, with a `growth` bound (dit_svc/batch_growth.py),
+   while their shape's batch stays within the size whose cost per row is lowest; a member alone is always admitted,
+   and the growth bound never keeps a member waiting behind a member of its shape of a lower class: `begin` makes
+   its run, from its state when it sent one (a state made for another request fails that member alone, with a
+   RequestError naming denoise_state);
 2. drops the members whose call ended, and retires those asked to yield (Yield, or the stage draining) whose run
    can be exported: their state, then `DenoiseYielded`, end their stream;
 3. advances the others by one step, one `step` call per group that may share it (the same latent shape,
-   guidance branches, batch group and conditioning shapes), each row at its own timestep;
+   guidance branches, batch group and conditioning shapes), each row at its own timestep, timing each call for
+   `growth`;
 4. per member: its progress; when done, its passes and latents (it retires); else its state every
    `checkpoint_every` steps.
 
@@ -35,6 +39,7 @@ from typing import Any
 
 import torch
 
+from dit_svc.batch_growth import BatchGrowth, cost_key
 from dit_svc.batching import request_work
 from dit_svc.step_cache import CachePasses
 from services.stage import StageRuntime
@@ -75,6 +80,11 @@ class Member:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     # Its call's place on the compute thread (services/stage_priority.py), taken where the member is made.
     place: tuple[int, int] = field(default_factory=current_place)
+    # What its rows cost depends on (dit_svc/batch_growth.py), taken before its conditioning is dropped.
+    shape: tuple = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.shape = cost_key(self.spec, self.conditioning)
 
     @property
     def may_yield(self) -> bool:
@@ -89,10 +99,16 @@ class Member:
 
 class StepEngine:
     def __init__(
-        self, runtime: StageRuntime, denoiser: StepDenoiser, slots: int = 1, work_limit: int | None = None
+        self,
+        runtime: StageRuntime,
+        denoiser: StepDenoiser,
+        slots: int = 1,
+        work_limit: int | None = None,
+        growth: BatchGrowth | None = None,
     ) -> None:
         """`slots`: the most members stepped at once (1: one after another); `work_limit`: the most
-        `request_work` of the members at once (`max_work` of the model; None: no bound but `slots`)."""
+        `request_work` of the members at once (`max_work` of the model; None: no bound but `slots`); `growth`:
+        the measured bound on one shape's batch (None: `slots` alone)."""
         if slots < 1:
             raise ValueError(f"slots: {slots}; at least 1")
         self.runtime = runtime
@@ -106,6 +122,7 @@ class StepEngine:
         self.driver: asyncio.Task | None = None
         # Runs of a family with per-token timesteps step one at a time (Wan2.2 TI2V's expand_timesteps).
         self.one_per_step = bool(getattr(denoiser, "expand_timesteps", False))
+        self.growth = None if self.one_per_step else growth
 
     def drain(self) -> None:
         """From now on every member that can be exported yields at its next step boundary (`draining` set)."""
@@ -144,7 +161,7 @@ class StepEngine:
         """The waiting members the next iteration admits, oldest first (taken out of `waiting`)."""
         admitted: list[Member] = []
         work = sum(request_work(member.spec) for member in self.active)
-        for member in list(self.waiting):
+        for member in sorted(self.waiting, key=lambda waiting: waiting.place):
             if member.ended:
                 self.waiting.remove(member)
                 continue
@@ -153,6 +170,11 @@ class StepEngine:
             added = request_work(member.spec)
             if (self.active or admitted) and self.work_limit is not None and work + added > self.work_limit:
                 break  # in arrival order: a large request is not overtaken for ever by small ones
+            if self.growth is not None:
+                sharing = [other.place[0] for other in (*self.active, *admitted) if other.shape == member.shape]
+                outranks = bool(sharing) and member.place[0] < max(sharing)
+                if len(sharing) >= self.growth.limit(member.shape) and not outranks:
+                    continue  # its shape's batch is as large as it pays; another shape may still join
             admitted.append(member)
             work += added
         for member in admitted:
@@ -219,7 +241,8 @@ class StepEngine:
                 self._retire(member)
         for group in self._groups():
             try:
-                self.denoiser.step([member.run for member in group if member.run is not None])
+                with self._measured(group):
+                    self.denoiser.step([member.run for member in group if member.run is not None])
             except Exception as error:
                 logger.exception("dit: a step of %d requests failed", len(group))
                 for member in group:
@@ -228,6 +251,12 @@ class StepEngine:
                 continue
             for member in group:
                 self._after_step(member, post)
+
+    def _measured(self, group: list[Member]) -> contextlib.AbstractContextManager:
+        """Times a group's step for `growth` (nothing without it)."""
+        if self.growth is None:
+            return contextlib.nullcontext()
+        return self.growth.measure(group[0].shape, len(group))
 
     def _begin(self, member: Member) -> DenoiseRun:
         """The member's run: at step 0, or continued from the state it sent (checked against its request)."""

@@ -123,6 +123,13 @@ STAGE_OPTIONS = (
     ),
     _option(
         "dit",
+        "--batch-growth",
+        choices=("measured", "full"),
+        help="with --continuous-batching, how far a batch of one shape grows: 'measured' (default) while a row's "
+        "measured share of a step keeps falling; 'full' to --max-batch-size whatever a row costs",
+    ),
+    _option(
+        "dit",
         "--lora-dir",
         help="directory of adapters: NAME.safetensors for the adapter NAME, TENANT/NAME.safetensors for one "
         "private to TENANT (default: none; requests naming adapters are refused)",
