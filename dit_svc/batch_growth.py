@@ -11,6 +11,7 @@ branches and conditioning shapes), how long a step of n rows takes, and lets a s
 while the cost per row at n stays within `tolerance` of the cost per row at n - 1. Rules:
 - a batch grows one size at a time: the smallest size measured fewer than `samples` times is allowed (running it
   is how it gets measured), the sizes above it are not;
+- the first step of each size is not counted: it pays for the new shapes' memory and kernel choices;
 - a size found too dear is measured afresh after `retry_after` more steps of its shape, because a CPU's cost moves
   with what else runs beside the stage;
 - members already stepping are never removed: the bound applies when a waiting request is admitted;
@@ -48,6 +49,7 @@ class ShapeCosts:
 
     seconds: dict[int, float] = field(default_factory=dict)
     samples: dict[int, int] = field(default_factory=dict)
+    seen: set[int] = field(default_factory=set)  # sizes whose first step went by
     refused_at: dict[int, int] = field(default_factory=dict)  # rows -> `steps` when found too dear
     steps: int = 0
 
@@ -95,6 +97,9 @@ class BatchGrowth:
         while len(self.shapes) > self.max_shapes:
             self.shapes.popitem(last=False)
         costs.steps += 1
+        if rows not in costs.seen:
+            costs.seen.add(rows)
+            return
         count = costs.samples.get(rows, 0)
         previous = costs.seconds.get(rows)
         costs.seconds[rows] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
@@ -121,9 +126,9 @@ class BatchGrowth:
                 )
             refused = costs.refused_at.setdefault(rows, costs.steps)
             if costs.steps - refused >= self.retry_after:  # measure it afresh
-                del costs.refused_at[rows]
+                del costs.refused_at[rows], costs.seconds[rows]
                 costs.samples[rows] = 0
-                del costs.seconds[rows]
+                costs.seen.discard(rows)
                 return rows
             return rows - 1
         return self.slots

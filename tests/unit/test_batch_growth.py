@@ -28,7 +28,7 @@ GPU = {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15}
 def measured(costs: dict[int, float], sizes: list[int], **options: Any) -> BatchGrowth:
     growth = BatchGrowth(4, **options)
     for rows in sizes:
-        for _ in range(growth.samples):
+        for _ in range(1 + growth.samples):  # its first step is not counted
             growth.record(SHAPE, rows, costs[rows])
     return growth
 
@@ -36,11 +36,13 @@ def measured(costs: dict[int, float], sizes: list[int], **options: Any) -> Batch
 def test_a_new_shape_runs_alone_until_a_row_alone_is_measured() -> None:
     growth = BatchGrowth(4)
     assert growth.limit(SHAPE) == 1
+    growth.record(SHAPE, 1, 9.0)  # a first step is not counted
     growth.record(SHAPE, 1, 1.0)
     growth.record(SHAPE, 1, 1.0)
     assert growth.limit(SHAPE) == 1
     growth.record(SHAPE, 1, 1.0)
     assert growth.limit(SHAPE) == 2  # the next size, to be measured
+    assert growth.shapes[SHAPE].seconds[1] == 1.0
     assert growth.limit(("another shape",)) == 1
 
 
@@ -66,7 +68,7 @@ def test_a_size_found_too_dear_is_measured_afresh_after_retry_after_steps() -> N
         assert growth.limit(SHAPE) == 2
     growth.record(SHAPE, 2, CPU[2])
     assert growth.limit(SHAPE) == 3  # its old measure is dropped: three rows run again to be measured
-    for _ in range(growth.samples):
+    for _ in range(1 + growth.samples):
         growth.record(SHAPE, 3, 2.7)  # the load beside the stage went: three rows are cheap now
     assert growth.limit(SHAPE) == 4
 
@@ -82,7 +84,7 @@ def test_a_moving_average_follows_the_cost_as_it_changes() -> None:
 def test_the_shapes_remembered_are_bounded_least_recently_stepped_forgotten() -> None:
     growth = BatchGrowth(4, max_shapes=2)
     for shape in [("a",), ("b",), ("c",)]:
-        for _ in range(3):
+        for _ in range(4):
             growth.record(shape, 1, 1.0)
     assert list(growth.shapes) == [("b",), ("c",)]
     assert growth.limit(("a",)) == 1
@@ -164,13 +166,13 @@ def step_sizes(costs: dict[int, float], growth: bool, members: int = 6) -> list[
 
 def test_the_engine_grows_a_batch_only_while_rows_get_cheaper() -> None:
     sizes = step_sizes(CPU, growth=True)
-    # Alone for 3 steps, two rows for 3, then three rows (to be measured) until the first member ends; from then on
-    # never more than two rows.
-    assert sizes[:6] == [1, 1, 1, 2, 2, 2]
-    assert sizes[6] == 3 and max(sizes) == 3
+    # Alone for 4 steps (the first not counted), two rows for 4, then three rows (to be measured) until the first
+    # member ends; from then on never more than two rows.
+    assert sizes[:8] == [1, 1, 1, 1, 2, 2, 2, 2]
+    assert sizes[8] == 3 and max(sizes) == 3
     first_retired = 12  # the first member's last step
     assert max(sizes[first_retired:]) <= 2
-    assert step_sizes(GPU, growth=True)[9:13] == [4, 4, 4, 4]  # where rows are nearly free the batch fills
+    assert step_sizes(GPU, growth=True)[12:16] == [4, 4, 4, 4]  # where rows are nearly free the batch fills
 
 
 def test_full_growth_admits_up_to_the_slots_at_once() -> None:
@@ -200,7 +202,7 @@ def join_two_running_lows(rank: int) -> list[int]:
     growth = BatchGrowth(4, clock=clock)
     spec = dataclasses.replace(SPEC, num_inference_steps=40)
     for rows in (1, 2, 3):
-        for _ in range(growth.samples):
+        for _ in range(1 + growth.samples):
             growth.record(cost_key(spec, {}), rows, CPU[rows])
 
     async def scenario() -> None:
