@@ -19,9 +19,6 @@ Rules:
 
 from __future__ import annotations
 
-import torch
-import torch._dynamo
-import torch.fx.experimental._config
 from torch import nn
 
 # Graphs dynamo keeps per compiled code before it runs a new variant eagerly (its default is 8).
@@ -47,6 +44,9 @@ def repeated_blocks(transformer: nn.Module) -> list[nn.Module]:
 
 def configure_dynamo() -> None:
     """The process-wide settings that keep recompilation bounded (see the module docstring)."""
+    import torch._dynamo
+    import torch.fx.experimental._config
+
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     # Under Ulysses and Ring the attention processor reads the request's token count through the block
     # (`SequenceParallelState.seq_len`): a symbol like the sizes, not a constant that recompiles.

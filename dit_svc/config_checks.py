@@ -12,12 +12,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import diffusers
 import torch
 
 from dit_svc.lora import LoraSettings, parse_fused
 from dit_svc.model_options import ModelOptions
-from dit_svc.offload import validate_offload_flags
 from dit_svc.options import DEFAULT_MASTER_PORT
 from dit_svc.quantization import METHODS as QUANTIZATION_METHODS
 from dit_svc.quantization import linear_layer_names, parse_ignored_layers, validate_quantization_flags
@@ -67,6 +65,42 @@ def used_features(
     return ((flag, feature) for flag, feature in FEATURE_FLAGS if used[feature])
 
 
+def validate_offload_flags(
+    enable_cpu_offload: bool,
+    enable_layerwise_offload: bool,
+    offload_blocks: int = 1,
+    tensor_parallel_size: int = 1,
+    use_hsdp: bool = False,
+) -> str | None:
+    """The offload mode the flags ask for ("module", "layerwise" or None); refuses combinations that cannot work.
+
+    Offload moves whole parameters between host and device, while tensor parallelism and
+    HSDP replace them with DTensor shards that every rank's collectives expect on the device.
+    """
+    if offload_blocks < 1:
+        raise ValueError(f"--offload-blocks: {offload_blocks} is not allowed; use 1 or more blocks")
+    if enable_cpu_offload and enable_layerwise_offload:
+        raise ValueError(
+            "--enable-cpu-offload and --enable-layerwise-offload cannot be combined: module-wise offload moves "
+            "whole models, layerwise offload moves blocks of one model; choose one"
+        )
+    mode = "module" if enable_cpu_offload else "layerwise" if enable_layerwise_offload else None
+    if mode is None:
+        return None
+    flag = "--enable-cpu-offload" if mode == "module" else "--enable-layerwise-offload"
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            f"{flag} cannot be combined with --tensor-parallel-size {tensor_parallel_size}: tensor-parallel weights "
+            "are DTensor shards whose collectives need them on the device; use sequence or CFG parallelism instead"
+        )
+    if use_hsdp:
+        raise ValueError(
+            f"{flag} cannot be combined with --use-hsdp: HSDP already shards the weights across ranks and gathers "
+            "them on the device for each block; use one or the other"
+        )
+    return mode
+
+
 def transformer_components(model: Path) -> tuple[str, ...]:
     """The checkpoint's transformer folders: "transformer", and "transformer_2" for two experts."""
     try:
@@ -77,6 +111,8 @@ def transformer_components(model: Path) -> tuple[str, ...]:
 
 
 def transformer_class(model: Path) -> type[torch.nn.Module]:
+    import diffusers
+
     index = json.loads((model / "model_index.json").read_text())
     model_class: type[torch.nn.Module] = getattr(diffusers, index["transformer"][1])
     return model_class

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from dit_svc.lora import LoraSettings, fuse_adapters
-from dit_svc.offload import ModuleOffloader, apply_offload
 from dit_svc.quantization import METHODS as QUANTIZATION_METHODS
 from dit_svc.quantization import QuantizationReport, quantize_transformer
 
@@ -73,6 +72,8 @@ def apply_model_options(
             )
             logger.info("%s", report.summary())
     if options.offload:
+        from dit_svc.offload import ModuleOffloader, apply_offload
+
         offloader = ModuleOffloader(device) if options.offload == "module" else None
         for expert in experts:
             apply_offload(expert, options.offload, device, blocks_per_group=options.offload_blocks, offloader=offloader)

@@ -43,42 +43,6 @@ MODES = ("module", "layerwise")
 CPU = torch.device("cpu")
 
 
-def validate_offload_flags(
-    enable_cpu_offload: bool,
-    enable_layerwise_offload: bool,
-    offload_blocks: int = 1,
-    tensor_parallel_size: int = 1,
-    use_hsdp: bool = False,
-) -> str | None:
-    """The offload mode the flags ask for ("module", "layerwise" or None); refuses combinations that cannot work.
-
-    Offload moves whole parameters between host and device, while tensor parallelism and
-    HSDP replace them with DTensor shards that every rank's collectives expect on the device.
-    """
-    if offload_blocks < 1:
-        raise ValueError(f"--offload-blocks: {offload_blocks} is not allowed; use 1 or more blocks")
-    if enable_cpu_offload and enable_layerwise_offload:
-        raise ValueError(
-            "--enable-cpu-offload and --enable-layerwise-offload cannot be combined: module-wise offload moves "
-            "whole models, layerwise offload moves blocks of one model; choose one"
-        )
-    mode = "module" if enable_cpu_offload else "layerwise" if enable_layerwise_offload else None
-    if mode is None:
-        return None
-    flag = "--enable-cpu-offload" if mode == "module" else "--enable-layerwise-offload"
-    if tensor_parallel_size > 1:
-        raise ValueError(
-            f"{flag} cannot be combined with --tensor-parallel-size {tensor_parallel_size}: tensor-parallel weights "
-            "are DTensor shards whose collectives need them on the device; use sequence or CFG parallelism instead"
-        )
-    if use_hsdp:
-        raise ValueError(
-            f"{flag} cannot be combined with --use-hsdp: HSDP already shards the weights across ranks and gathers "
-            "them on the device for each block; use one or the other"
-        )
-    return mode
-
-
 def _tensors(module: nn.Module) -> list[torch.Tensor]:
     return [*module.parameters(), *module.buffers()]
 

@@ -56,7 +56,6 @@ from stagediff.v1 import stages_pb2, stages_pb2_grpc
 from stagekit.denoise import CacheSpec, Denoiser, DenoiseSpec, PooledTextDenoiser, makes_audio, takes_images
 from stagekit.denoise_steps import STATE_TENSOR
 from stagekit.gguf import gguf_file
-from stagekit.parallel.hsdp import local_parameter_bytes
 
 # The memory guard's fix for weights that do not fit at full size: GGUF weights stay quantized in memory.
 GGUF_FIX = (
@@ -189,6 +188,8 @@ class DenoiserServicer(stages_pb2_grpc.DenoiserServicer, StageServicer):
                 "max_batch_size": str(self.max_batch_size),
                 "batch_wait_ms": f"{self.batch_wait_ms:g}",
             }
+        from stagekit.parallel.hsdp import local_parameter_bytes  # brings torch.distributed.fsdp: not at startup
+
         # With TP or HSDP a rank holds a shard: report what rank 0 holds (quantized weights at their stored size).
         local = self.denoiser.denoiser if isinstance(self.denoiser, DenoiserGroup) else self.denoiser
         experts = local.experts

@@ -16,13 +16,15 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from services.rank_group import GroupSettings, RankGroup, free_port
 from stagekit.decode import LatentDecoder
-from vae_svc.patch_parallel import PatchParallelDecodeSession
+
+if TYPE_CHECKING:
+    from vae_svc.patch_parallel import PatchParallelDecodeSession
 
 OUTPUT_RANK = 0
 
@@ -44,6 +46,8 @@ class VaeWorker:
     def handle(self, message: tuple[Any, ...]) -> torch.Tensor | None:
         kind, session_id, *rest = message
         if kind == "start":
+            from vae_svc.patch_parallel import PatchParallelDecodeSession  # diffusers' decoders: patch-parallel only
+
             self.sessions[session_id] = PatchParallelDecodeSession(self.decoder, output_rank=OUTPUT_RANK)
             return None
         if kind == "frame":

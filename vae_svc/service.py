@@ -26,11 +26,11 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
-from families.wan.decode import WanStreamingDecoder
 from services.environment_options import parse_args
 from services.image_work import ImageWorkers
 from services.images import Stop
@@ -50,7 +50,9 @@ from stagekit.images import DecodedImage
 from vae_svc.config import VaeConfig
 from vae_svc.group import GroupDecodeSession, PatchParallelDecoder
 from vae_svc.options import build_parser
-from vae_svc.tiled import TiledDecodeSession
+
+if TYPE_CHECKING:
+    from vae_svc.tiled import TiledDecodeSession
 
 LATENT_DATATYPES = ("FP32", "BF16", "FP16")
 AUDIO_LATENTS = "audio_latents"
@@ -134,6 +136,9 @@ class VaeDecoderServicer(stages_pb2_grpc.VaeDecoderServicer, StageServicer):
     def _open_session(self, num_latent_frames: int) -> DecodeSession | GroupDecodeSession | TiledDecodeSession:
         decoder = self._loaded
         if self.decode.use_tiling:
+            from families.wan.decode import WanStreamingDecoder
+            from vae_svc.tiled import TiledDecodeSession
+
             # Startup refuses --vae-use-tiling for a family whose decoder is not Wan's.
             assert isinstance(decoder, WanStreamingDecoder)
             tile = self.decode.tile

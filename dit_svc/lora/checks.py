@@ -24,7 +24,6 @@ from typing import Any
 
 import safetensors
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from dit_svc.lora.settings import AdapterError, loader_name
@@ -156,6 +155,8 @@ def _converted(
 def _linears(transformer: nn.Module) -> dict[str, nn.Linear]:
     """The transformer's linear layers by path; a layer PEFT already wraps (another adapter is loaded) counts as
     the linear it wraps."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     linears: dict[str, nn.Linear] = {}
     for path, module in transformer.named_modules():
         base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module

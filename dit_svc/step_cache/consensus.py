@@ -11,10 +11,13 @@ reads its own. MagCache's decision depends only on the step and the ratios, the 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
-from stagekit.parallel.sequence_parallel import SequenceParallelState
+if TYPE_CHECKING:
+    from stagekit.parallel.sequence_parallel import SequenceParallelState
 
 # The guidance branches, in the order of their slots in a reduced vector.
 BRANCHES = ("cond", "uncond")

@@ -22,8 +22,9 @@ from diffusers.hooks.first_block_cache import (
 from diffusers.hooks.hooks import StateManager
 from torch import nn
 
-from dit_svc.step_cache.base import CachePasses, ExpertRequest, register_hook, transformer_blocks
+from dit_svc.step_cache.base import CachePasses, ExpertRequest
 from dit_svc.step_cache.consensus import GroupConsensus, valid_token_weights
+from dit_svc.step_cache.hooks import register_hook, transformer_blocks
 from stagekit.parallel.sequence_parallel import SequenceParallelState
 
 

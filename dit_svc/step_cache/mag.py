@@ -23,8 +23,9 @@ from diffusers.hooks.mag_cache import (
 )
 from torch import nn
 
-from dit_svc.step_cache.base import CachePasses, ExpertRequest, register_hook, transformer_blocks
+from dit_svc.step_cache.base import CachePasses, ExpertRequest
 from dit_svc.step_cache.consensus import GroupConsensus
+from dit_svc.step_cache.hooks import register_hook, transformer_blocks
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ from diffusers.hooks.first_block_cache import _FBC_BLOCK_HOOK, FBCBlockHook, FBC
 from diffusers.hooks.hooks import ModelHook, StateManager
 from torch import nn
 
-from dit_svc.step_cache.base import CachePasses, ExpertRequest, register_hook, registered_class, transformer_blocks
+from dit_svc.step_cache.base import CachePasses, ExpertRequest
 from dit_svc.step_cache.consensus import GroupConsensus
+from dit_svc.step_cache.hooks import register_hook, registered_class, transformer_blocks
 
 TEACACHE_HOOK = "stagediff_teacache_head"
 # The published polynomials of TeaCache4Wan2.1's use_ret_steps mode, by the model they were fitted on.

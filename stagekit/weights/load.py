@@ -18,7 +18,6 @@ from stagekit.weights.empty import build_empty, fp32_matcher, library_of, target
 from stagekit.weights.finish import finish
 from stagekit.weights.keys import check_keys, read_headers, renamed, weight_files
 from stagekit.weights.reader import Reader
-from stagekit.weights.sharded import load_sharded
 from stagekit.weights.stats import LoadStats, finish_stats
 
 
@@ -62,6 +61,8 @@ def load_pretrained(
     entries = read_headers(weight_files(directory))
     stats = LoadStats(threads=num_threads)
     if shard_model is not None:
+        from stagekit.weights.sharded import load_sharded  # torch.distributed.tensor: for sharded loads only
+
         model = load_sharded(model_class, directory, library, entries, device, dtype, keep_in_fp32, shard_model, stats)
         return finish_stats(model, model_class, directory, stats, start)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dit_svc.denoise import denoise_request
-from dit_svc.step_cache import TEACACHE_COEFFICIENTS, TEACACHE_WARMUP_AFTER_SWITCH, TEACACHE_WARMUP_STEPS
+from dit_svc.step_cache.teacache import TEACACHE_COEFFICIENTS, TEACACHE_WARMUP_AFTER_SWITCH, TEACACHE_WARMUP_STEPS
 from families.wan.denoise import WanDenoiser
 from stagekit.denoise import CacheSpec, DenoiseSpec
 

@@ -15,12 +15,12 @@ import torch
 from diffusers import WanTransformer3DModel
 from torch import nn
 
+from dit_svc.config_checks import validate_offload_flags
 from dit_svc.offload import (
     ModuleOffloader,
     ResidencyCounter,
     apply_offload,
     group_offload_units,
-    validate_offload_flags,
 )
 from dit_svc.quantization import quantize_transformer, torchao_available
 from families.wan.decode import WanStreamingDecoder

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from dit_svc import model_options
+from dit_svc import offload
 from dit_svc.model_options import ModelOptions
 from dit_svc.offload import ModuleOffloader, ResidencyCounter
 from tests.helpers.feature_mixins.base import CPU, Reference, denoise_counting
@@ -28,7 +28,7 @@ class ModuleOffloadTesterMixin:
                 super().__init__(*args, **kwargs)
                 created.append(self)
 
-        monkeypatch.setattr(model_options, "ModuleOffloader", RecordingOffloader)
+        monkeypatch.setattr(offload, "ModuleOffloader", RecordingOffloader)
         denoiser = self.build_denoiser(model_dir, torch.float32, ModelOptions(offload="module"))
         assert len(created) == 1, "the experts must share one offloader"
         offloader, experts = created[0], denoiser.experts
