@@ -50,6 +50,7 @@ class ShapeCosts:
     seconds: dict[int, float] = field(default_factory=dict)
     samples: dict[int, int] = field(default_factory=dict)
     seen: set[int] = field(default_factory=set)  # sizes whose first step went by
+    logged: int = 0  # the bound last logged
     refused_at: dict[int, int] = field(default_factory=dict)  # rows -> `steps` when found too dear
     steps: int = 0
 
@@ -119,7 +120,8 @@ class BatchGrowth:
             if costs.seconds[rows] / rows <= costs.seconds[rows - 1] / (rows - 1) * (1 + self.tolerance):
                 costs.refused_at.pop(rows, None)
                 continue
-            if rows not in costs.refused_at:
+            if rows not in costs.refused_at and rows - 1 != costs.logged:
+                costs.logged = rows - 1
                 per_row = ", ".join(f"{n}: {costs.seconds[n] / n:.3f} s" for n in sorted(costs.seconds))
                 logger.info(
                     "dit: batches of %s stay below %d rows (a step's time per row by rows: %s)", key[:4], rows, per_row

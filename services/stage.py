@@ -167,6 +167,10 @@ class StageRuntime:
         context = contextvars.copy_context()
         return await asyncio.get_running_loop().run_in_executor(self.executor, context.run, fn, *args)
 
+    def compute_queued(self) -> bool:
+        """Whether other work waits for the compute thread (asked from the compute thread, between pieces)."""
+        return self.executor.has_queued()
+
     async def stream(self, work: Callable[[Callable[[Any], None], threading.Event], None]) -> AsyncIterator[Any]:
         """Runs `work(emit, cancel)` on the compute thread and yields what it emits, as it emits it.
 

@@ -111,6 +111,11 @@ class PriorityExecutor(Executor):
             heapq.heappush(self._queue, (current_place(), next(self._submitted), future, work))
         return future
 
+    def has_queued(self) -> bool:
+        """Whether work waits for the worker (read from the worker, it is work queued behind the running piece)."""
+        with self._lock:
+            return bool(self._queue)
+
     def _run_first(self) -> None:
         with self._lock:
             _, _, future, work = heapq.heappop(self._queue)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from typing import Any
 
 import pytest
@@ -118,20 +119,27 @@ class ComputeThread:
     async def run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.to_thread(fn, *args)
 
+    def compute_queued(self) -> bool:
+        return False
+
 
 class Timed:
     """Runs whose step advances the fake clock by the cost of its rows; records each step's rows."""
 
     runs_steps = True
 
-    def __init__(self, clock: Clock, costs: dict[int, float]) -> None:
+    def __init__(self, clock: Clock, costs: dict[int, float], hold_after: int = -1) -> None:
         self.clock, self.costs = clock, costs
         self.sizes: list[int] = []
+        # The step after `hold_after` steps waits for `go` (a test's chance to add a member at a known step).
+        self.hold_after, self.go = hold_after, threading.Event()
 
     def begin(self, spec: DenoiseSpec, conditioning: dict, state: Any = None) -> DenoiseRun:
         return DenoiseRun(spec, torch.zeros(1, 1, 1, 2, 2), None, torch.arange(spec.num_inference_steps), digest="")
 
     def step(self, runs: list[DenoiseRun]) -> None:
+        if len(self.sizes) == self.hold_after:
+            assert self.go.wait(30)
         self.sizes.append(len(runs))
         self.clock.now += self.costs[len(runs)]
         for run in runs:
@@ -198,7 +206,7 @@ def join_two_running_lows(rank: int) -> list[int]:
     """Two low members of a shape whose batch pays at two rows run; a third of class `rank` arrives at their
     second step. The rows of each step."""
     clock = Clock()
-    denoiser = Timed(clock, CPU)
+    denoiser = Timed(clock, CPU, hold_after=2)
     growth = BatchGrowth(4, clock=clock)
     spec = dataclasses.replace(SPEC, num_inference_steps=40)
     for rows in (1, 2, 3):
@@ -213,6 +221,9 @@ def join_two_running_lows(rank: int) -> list[int]:
             async for item in engine.stream(member):
                 if then is not None and isinstance(item, stages_pb2.DenoiseProgress) and item.step == 2:
                     late.append(asyncio.create_task(follow(then)))
+                    while then not in engine.waiting:
+                        await asyncio.sleep(0.001)
+                    denoiser.go.set()
 
         lows = [Member(dataclasses.replace(spec, seed=seed), {}, place=(LOW, seed)) for seed in (1, 2)]
         third = Member(dataclasses.replace(spec, seed=3), {}, place=(rank, 3))

@@ -23,6 +23,9 @@ class ComputeThread:
     async def run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.to_thread(fn, *args)
 
+    def compute_queued(self) -> bool:
+        return False
+
 
 class Counting:
     """Runs of `num_inference_steps` steps; records which seeds shared each step; a seed of 13 fails its step."""
@@ -86,3 +89,35 @@ def test_slots_and_work_bound_who_shares_a_step() -> None:
 def test_a_failed_step_fails_its_group_and_the_engine_goes_on() -> None:
     denoiser, results = run_members(1, [13, 2])
     assert isinstance(results[0], RuntimeError) and isinstance(results[1][-1], torch.Tensor)
+
+
+class CountingThread(ComputeThread):
+    """Counts the calls handed to the compute thread; `queued` says whether other work waits for it."""
+
+    def __init__(self, queued: bool) -> None:
+        self.calls, self.queued = 0, queued
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        self.calls += 1
+        return await super().run(fn, *args)
+
+    def compute_queued(self) -> bool:
+        return self.queued
+
+
+def test_iterations_run_back_to_back_unless_other_work_waits_for_the_thread() -> None:
+    def calls(queued: bool) -> tuple[int, list[list[int]]]:
+        thread, denoiser = CountingThread(queued), Counting()
+
+        async def scenario() -> None:
+            engine = StepEngine(thread, denoiser)  # type: ignore[arg-type]
+            try:
+                await outcome(engine, Member(dataclasses.replace(SPEC, seed=1), {}))
+            finally:
+                await engine.stop()
+
+        asyncio.run(scenario())
+        return thread.calls, denoiser.steps
+
+    assert calls(queued=False) == (1, [[1]] * 3)  # one call runs all three steps
+    assert calls(queued=True) == (3, [[1]] * 3)  # one step per call: the other work runs between them
