@@ -221,7 +221,7 @@ def join_two_running_lows(rank: int) -> list[int]:
             async for item in engine.stream(member):
                 if then is not None and isinstance(item, stages_pb2.DenoiseProgress) and item.step == 2:
                     late.append(asyncio.create_task(follow(then)))
-                    while then not in engine.waiting:
+                    while then not in engine.waiting and then not in engine.active:  # waiting, or joined already
                         await asyncio.sleep(0.001)
                     denoiser.go.set()
 
